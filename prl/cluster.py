@@ -1,0 +1,162 @@
+"""Cluster profiles (`clusters/*.yaml`): what a cluster offers and how it wants to be asked.
+
+A profile is written once per cluster by whoever knows it (often the admins)
+and named by topologies with `cluster: NAME` (a file in `clusters/`) or a path.
+Only checks live here; `prl.plan` derives everything else.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal, Optional, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from prl.errors import ConfigError
+from prl.loader import Source, load
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CLUSTERS_DIR = REPO_ROOT / "clusters"
+
+_TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+Token = Annotated[str, Field(min_length=1, pattern=r"^[^\s'\"`$;\\]+$")]
+"""A value that lands in an #SBATCH line or an srun option: no spaces, quotes, '$', ';' or backslashes."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+def check_env_names(env: dict[str, str]) -> dict[str, str]:
+    for name in env:
+        if not _ENV_NAME.match(name):
+            raise ValueError(f"environment variable name {name!r} is not a valid shell name")
+    return env
+
+
+def check_time(value: Optional[str]) -> Optional[str]:
+    if value is not None and not _TIME.match(value):
+        raise ValueError(f"time must look like MM, HH:MM:SS or D-HH:MM:SS, not {value!r}")
+    return value
+
+
+class NodeSpec(Strict):
+    gpus: int = Field(ge=0)
+    """GPUs on each node of this kind (0 for CPU-only nodes)."""
+    cpus: int = Field(ge=1)
+    """CPU cores on each node that jobs may use."""
+    memory_gb: float = Field(gt=0)
+    """Memory per node that jobs may use, in GiB."""
+
+
+class Partitions(Strict):
+    inference: Optional[Token] = None
+    """Partition for inference groups (None: the cluster's default partition)."""
+    trainer: Optional[Token] = None
+    """Partition for the trainer group."""
+    orchestrator: Optional[Token] = None
+    """Partition for the orchestrator when it has nodes of its own (often a CPU partition)."""
+
+
+class Container(Strict):
+    image: Token
+    """Container image for every step (pyxis `--container-image`)."""
+    mounts: list[Token] = []
+    """`SRC:DST[:FLAGS]` mounts (pyxis `--container-mounts`); the run directory's root is added."""
+    workdir: Optional[Token] = None
+    """Working directory inside the container."""
+
+
+class Network(Strict):
+    interface: Optional[Token] = None
+    """Interface the roles bind to and talk over (None: the node's hostname address)."""
+    env: dict[str, str] = {}
+    """Variables for the fabric: NCCL_*, UCX_*, FI_* and so on."""
+
+    _names = field_validator("env")(check_env_names)
+
+
+class Requeue(Strict):
+    enabled: bool = False
+    """Let Slurm requeue the job on node failure or preemption (`--requeue`)."""
+    signal_seconds: int = Field(default=120, ge=0)
+    """Seconds before the time limit that the batch shell gets SIGTERM to checkpoint (0: none)."""
+    grace_seconds: int = Field(default=60, ge=0)
+    """Seconds the roles get to finish a checkpoint after a stop, before they are killed."""
+
+
+class ClusterProfile(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """Profile name, shown in plans and errors."""
+    slurm: bool = True
+    """False for the local profile: roles run as local processes, no Slurm."""
+    hetjob: bool = True
+    """Whether heterogeneous jobs are allowed; if not, one allocation with roles placed by node ranges."""
+    partitions: Partitions = Partitions()
+    account: Optional[Token] = None
+    """`--account` for every job."""
+    qos: Optional[Token] = None
+    """Default `--qos` (a topology's `slurm.qos` wins)."""
+    gpu_node: NodeSpec
+    """What a GPU node offers (used by inference and trainer groups)."""
+    cpu_node: Optional[NodeSpec] = None
+    """What a node of the orchestrator partition offers (None: same as gpu_node)."""
+    gpu_directive: Literal["gpus-per-node", "gres", "none"] = "gpus-per-node"
+    """How GPUs are requested: `--gpus-per-node=N`, `--gres=gpu:N`, or not at all (whole-node clusters)."""
+    gres_name: str = Field(default="gpu", pattern=r"^[A-Za-z0-9_:.-]+$")
+    """GRES name for the `gres` directive (e.g. `gpu` or `gpu:h100`)."""
+    exclusive: bool = True
+    """Ask for whole nodes (`--exclusive`)."""
+    segment: Optional[int] = Field(default=None, ge=1)
+    """`--segment` size for block/topology-aware placement (Slurm 23.11+)."""
+    constraint: Optional[Token] = None
+    """`--constraint` feature expression."""
+    container: Optional[Container] = None
+    """Run every step in a pyxis container."""
+    modules: list[str] = []
+    """Environment modules loaded before the roles start (`module load NAME`)."""
+    venv: Optional[str] = None
+    """A Python virtual environment activated before the roles start."""
+    setup: list[str] = []
+    """Shell lines run before the roles start. Cluster-admin shell code, rendered verbatim:
+    the one field that is shell by contract (topology values never are)."""
+    python: str = "python3"
+    """Interpreter that runs prl on compute nodes."""
+    env: dict[str, str] = {}
+    """Variables exported to every role."""
+    shared_root: str
+    """Root of the shared filesystem every node sees (run directories belong under it)."""
+    network: Network = Network()
+    max_nodes: int = Field(ge=1)
+    """Most nodes one job may use."""
+    default_time: Optional[str] = None
+    """Time limit when the topology gives none."""
+    requeue: Requeue = Requeue()
+    port_base: int = Field(default=8000, ge=1024, le=65000)
+    """First port the roles' servers use on a node."""
+
+    _names = field_validator("env")(check_env_names)
+    _time = field_validator("default_time")(check_time)
+
+    @property
+    def orchestrator_node(self) -> NodeSpec:
+        return self.cpu_node or self.gpu_node
+
+
+def profile_path(name_or_path: str, relative_to: Path) -> Path:
+    """`lab` -> clusters/lab.yaml; anything with a slash or .yaml is a path."""
+    if "/" in name_or_path or name_or_path.endswith((".yaml", ".yml")):
+        path = Path(name_or_path)
+        return path if path.is_absolute() else relative_to / path
+    return CLUSTERS_DIR / f"{name_or_path}.yaml"
+
+
+def load_profile(name_or_path: str, relative_to: Path, overrides: Sequence[str] = ()) -> tuple[ClusterProfile, Source]:
+    path = profile_path(name_or_path, relative_to)
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in CLUSTERS_DIR.glob("*.yaml")))
+        raise ConfigError(f"cluster profile {name_or_path!r} not found ({path}); shipped profiles: {known}")
+    return load(ClusterProfile, path, overrides)

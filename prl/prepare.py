@@ -1,0 +1,69 @@
+"""Files -> Plan -> rendered files: the I/O around the pure planner, shared by `plan` and `submit`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import yaml
+
+from prl.cluster import CLUSTERS_DIR, ClusterProfile, load_profile, profile_path
+from prl.errors import ConfigError
+from prl.loader import load_document, validate
+from prl.plan import Plan, make_plan
+from prl.render import render, write
+from prl.topology import Topology, cluster_overrides
+
+
+@dataclass(frozen=True)
+class Prepared:
+    topology: Topology
+    cluster: ClusterProfile
+    plan: Plan
+    files: dict[str, str]
+    """Relative path in the run directory -> text."""
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.plan.run_dir)
+
+
+def _absolute(path: str, cwd: Path) -> str:
+    p = Path(path).expanduser()
+    return str(p if p.is_absolute() else (cwd / p))
+
+
+def prepare(topology_path: Path, overrides: Sequence[str] = (), cwd: Path | None = None) -> Prepared:
+    """Load and check everything, plan, render in memory. Writes nothing."""
+    cwd = cwd or Path.cwd()
+    own = [item for item in overrides if not item.startswith("cluster.")]
+    data, source = load_document(topology_path, own)
+    topo = validate(Topology, data, source)
+    if not profile_path(topo.cluster, topology_path.parent).exists():
+        known = ", ".join(sorted(p.stem for p in CLUSTERS_DIR.glob("*.yaml")))
+        raise source.error(("cluster",), f"no cluster profile {topo.cluster!r} ({profile_path(topo.cluster, topology_path.parent)}); "
+                                         f"shipped profiles: {known}")
+    cluster, cluster_source = load_profile(topo.cluster, topology_path.parent, cluster_overrides(overrides))
+    shared_root = _absolute(cluster.shared_root, cwd)
+    cluster = cluster.model_copy(update={"shared_root": shared_root})
+    run_dir = _absolute(topo.run_dir or f"{shared_root.rstrip('/')}/prl-runs/{topo.name}", cwd)
+    run_dir = str(Path(run_dir))  # normalise '//' and a trailing '/'
+    plan = make_plan(topo, source, cluster, cluster_source, run_dir)
+    header = f"# {topology_path} as resolved by prl (interpolation and overrides applied)\n"
+    resolved = header + yaml.safe_dump(data, sort_keys=False)
+    return Prepared(topo, cluster, plan, render(plan, resolved))
+
+
+def write_run_files(prepared: Prepared, *, force: bool = False) -> list[Path]:
+    """Write the rendered files into the run directory; refuse one that holds a submitted job."""
+    from prl.rundir import RunDir
+
+    run = RunDir(prepared.run_dir)
+    if run.job_json.exists() and not force:
+        raise ConfigError(f"{run.root} holds a submitted job ({run.job_json}); writing new scripts there would "
+                          f"change a running job's files: use another run_dir or --force")
+    try:
+        return write(prepared.files, run.root)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the run directory {run.root}: {exc.strerror} ({exc.filename})") from None

@@ -1,0 +1,483 @@
+"""The run directory: the one place that knows its layout.
+
+Every role (inference, orchestrator, trainer) and the control plane share a
+run only through this directory, on a shared filesystem. This module owns
+the paths, the atomic hand-off protocol and the cleanup policy; nothing else
+joins path pieces under a run. It imports no torch: login nodes import it.
+
+    RUN/
+      topology.yaml  plan.json  job.json      asked / planned / submitted
+      scripts/                                rendered sbatch + step scripts
+      logs/attempt_N/<role>/<role>.log        one dir per attempt (requeue = new attempt)
+      logs/attempt_N/<role>/rank_K.log        per-rank logs of multi-rank roles
+      logs/latest -> attempt_N
+      rollouts/step_N/   + STABLE             orchestrator -> trainer
+      weights/step_N/    + STABLE             trainer -> inference (HF layout)
+      checkpoints/step_N/<role>/ + STABLE     per-role resumable state
+      state/<role>.json                       start / heartbeat / exit of each role
+      metrics.jsonl                           one JSON object per line
+
+Hand-off protocol (`publish_dir`): write into a hidden temporary sibling
+(`.step_N.tmp-<tag>`), fsync every file and directory, rename it to its final
+name, fsync the parent, and only then write the `STABLE` marker (itself
+written atomically). A reader accepts a step only when the marker exists, so
+a writer killed at any point leaves either a hidden temp dir or a step dir
+without a marker; both are ignored by readers and removed by the next
+publish of that step or by `cleanup`.
+
+Steps are numbered from 1: the trainer's step N consumes `rollouts/step_N`
+and publishes `weights/step_N` (policy version N; the base model is version 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prl.errors import RunDirError, StepTimeout
+
+ROLES = ("inference", "orchestrator", "trainer", "prefill", "decode", "router")
+"""Roles that may write state, logs and checkpoints under a run."""
+
+KINDS = ("rollouts", "weights", "checkpoints")
+"""Per-step directories under a run."""
+
+MARKER = "STABLE"
+"""Name of the marker file that makes a published directory visible to readers."""
+
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+# ---------------------------------------------------------------- atomic files
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write `data` to `path` so a reader sees the old file or the whole new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """`atomic_write_bytes` for UTF-8 text."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> Path:
+    """`atomic_write_bytes` for a JSON document (indented, trailing newline)."""
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file and directory under `path` (bottom-up), then `path`."""
+    for dirpath, _dirnames, filenames in os.walk(path, topdown=False):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def current_attempt() -> int:
+    """This job's attempt number: $PRL_ATTEMPT, else Slurm's requeue count, else 0."""
+    for var in ("PRL_ATTEMPT", "SLURM_RESTART_COUNT"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def is_stable(path: str | Path) -> bool:
+    """True when `path` was published completely (its STABLE marker exists)."""
+    return (Path(path) / MARKER).is_file()
+
+
+# ---------------------------------------------------------------- the run dir
+
+
+class RunDir:
+    """Paths and protocols of one run directory.
+
+    Constructing it touches nothing on disk; `create()` makes the skeleton.
+    """
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).absolute()
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.root)!r})"
+
+    def create(self) -> RunDir:
+        """Make the top-level directories (idempotent)."""
+        for d in (self.scripts_dir, self.logs_dir, self.state_dir, *(self.root / k for k in KINDS)):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+    # -- what was asked, planned, submitted
+    @property
+    def topology_yaml(self) -> Path:
+        return self.root / "topology.yaml"
+
+    @property
+    def plan_json(self) -> Path:
+        return self.root / "plan.json"
+
+    @property
+    def job_json(self) -> Path:
+        return self.root / "job.json"
+
+    @property
+    def scripts_dir(self) -> Path:
+        return self.root / "scripts"
+
+    @property
+    def metrics_jsonl(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    def read_plan(self) -> dict:
+        """plan.json as a dict; a RunDirError says what is missing."""
+        try:
+            return json.loads(self.plan_json.read_text())
+        except FileNotFoundError:
+            raise RunDirError(f"no plan in {self.root}: {self.plan_json} is missing (run `prl plan` first)") from None
+
+    # -- logs
+    @property
+    def logs_dir(self) -> Path:
+        return self.root / "logs"
+
+    def attempt_logs(self, attempt: int) -> Path:
+        return self.logs_dir / f"attempt_{attempt}"
+
+    @property
+    def latest_logs(self) -> Path:
+        """Symlink to the newest attempt's log dir (see `link_latest_logs`)."""
+        return self.logs_dir / "latest"
+
+    def role_log(self, attempt: int, role: str, rank: int | None = None) -> Path:
+        _check_role(role)
+        name = f"{role}.log" if rank is None else f"rank_{rank}.log"
+        return self.attempt_logs(attempt) / role / name
+
+    def link_latest_logs(self, attempt: int) -> Path:
+        """Point logs/latest at attempt_N (atomic replace of the link)."""
+        self.attempt_logs(attempt).mkdir(parents=True, exist_ok=True)
+        tmp = self.logs_dir / f".latest.tmp-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        os.symlink(f"attempt_{attempt}", tmp)
+        os.replace(tmp, self.latest_logs)
+        return self.latest_logs
+
+    # -- per-role state
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    def role_state(self, role: str) -> Path:
+        _check_role(role)
+        return self.state_dir / f"{role}.json"
+
+    def read_state(self, role: str) -> dict | None:
+        """The role's state dict, or None if it never wrote one."""
+        try:
+            return json.loads(self.role_state(role).read_text())
+        except FileNotFoundError:
+            return None
+
+    def write_state(self, role: str, **fields: Any) -> dict:
+        """Merge `fields` into the role's state file (atomic replace); return the new state.
+
+        Each role has one writer (its rank 0), so read-merge-write is safe.
+        """
+        state = self.read_state(role) or {}
+        state.update(fields)
+        state["updated"] = time.time()
+        atomic_write_json(self.role_state(role), state)
+        return state
+
+    def heartbeat(self, role: str, **fields: Any) -> dict:
+        """Record that `role` is alive now, with optional progress fields (step=..., waiting_for=...)."""
+        return self.write_state(role, heartbeat=time.time(), **fields)
+
+    def claim(self, role: str, attempt: int | None = None, *, stale_after: float = 300.0) -> dict:
+        """Mark `role` as running here for `attempt`, refusing a live clash.
+
+        Raises RunDirError if another process (another run pointed at the same
+        directory, or another attempt) holds the role with a heartbeat younger
+        than `stale_after` seconds, or if a later attempt already ran.
+        """
+        attempt = current_attempt() if attempt is None else attempt
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "attempt": attempt}
+        old = self.read_state(role)
+        if old and old.get("status") == "running":
+            owner = {k: old.get(k) for k in me}
+            age = time.time() - float(old.get("heartbeat", old.get("updated", 0)))
+            if owner != me and age < stale_after:
+                raise RunDirError(
+                    f"{role} is already running in {self.root} (attempt {owner['attempt']}, host {owner['host']}, "
+                    f"pid {owner['pid']}, heartbeat {age:.0f} s ago); two writers would publish the same steps. "
+                    f"Use a new run directory, or stop the other job and wait {stale_after:.0f} s."
+                )
+        if old and int(old.get("attempt", -1)) > attempt:
+            raise RunDirError(
+                f"{role} in {self.root} was already started by attempt {old['attempt']}, later than this "
+                f"attempt {attempt}; refusing to write over a newer attempt's steps."
+            )
+        now = time.time()
+        return self.write_state(role, status="running", started=now, heartbeat=now, exit_code=None, **me)
+
+    def mark_exit(self, role: str, exit_code: int, error: str | None = None) -> dict:
+        """Record the role's end (status 'exited' or 'failed')."""
+        status = "exited" if exit_code == 0 else "failed"
+        return self.write_state(role, status=status, exit_code=exit_code, error=error, ended=time.time())
+
+    # -- per-step directories
+    def step_dir(self, kind: str, step: int) -> Path:
+        if kind not in KINDS:
+            raise RunDirError(f"unknown step kind {kind!r}; expected one of {', '.join(KINDS)}")
+        if step < 0:
+            raise RunDirError(f"step must be >= 0, got {step}")
+        return self.root / kind / f"step_{step}"
+
+    def rollouts(self, step: int) -> Path:
+        return self.step_dir("rollouts", step)
+
+    def weights(self, step: int) -> Path:
+        return self.step_dir("weights", step)
+
+    def checkpoints(self, step: int, role: str | None = None) -> Path:
+        """checkpoints/step_N, or checkpoints/step_N/<role> (what one role publishes)."""
+        d = self.step_dir("checkpoints", step)
+        if role is None:
+            return d
+        _check_role(role)
+        return d / role
+
+    def _published(self, kind: str, step: int, role: str | None) -> Path:
+        return self.checkpoints(step, role or "trainer") if kind == "checkpoints" else self.step_dir(kind, step)
+
+    def steps(self, kind: str) -> list[int]:
+        """All step numbers that have a directory of `kind`, stable or not, ascending."""
+        base = self.root / kind
+        if kind not in KINDS:
+            raise RunDirError(f"unknown step kind {kind!r}; expected one of {', '.join(KINDS)}")
+        if not base.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in base.iterdir() if (m := _STEP_RE.match(p.name)))
+
+    def stable_steps(self, kind: str, role: str | None = None) -> list[int]:
+        """Published (STABLE) steps of `kind`, ascending. Checkpoints: of `role` (default trainer)."""
+        return [s for s in self.steps(kind) if is_stable(self._published(kind, s, role))]
+
+    def latest_stable(self, kind: str, role: str | None = None) -> int | None:
+        steps = self.stable_steps(kind, role)
+        return steps[-1] if steps else None
+
+    # -- publishing
+    def begin_publish(self, dest: Path, tag: str | None = None) -> Path:
+        """Return a fresh, empty temporary dir to fill before `finish_publish(dest, tmp)`.
+
+        Several ranks writing one directory (a sharded checkpoint) pass the same
+        `tag` so they agree on the temp name; only one of them calls this, then
+        the others wait on a barrier. Raises RunDirError if `dest` is already
+        published: another run or attempt got there first.
+        """
+        dest = Path(dest)
+        if is_stable(dest):
+            raise RunDirError(
+                f"{dest} is already published (has {MARKER}); another run or attempt wrote this step. "
+                f"Resume from a checkpoint (which removes later steps) or use a new run directory."
+            )
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        # Leftovers of a writer killed mid-publish: never visible to readers, safe to drop.
+        if dest.exists():
+            shutil.rmtree(dest)
+        for old in dest.parent.glob(f".{dest.name}.tmp-*"):
+            shutil.rmtree(old, ignore_errors=True)
+        tmp = dest.parent / f".{dest.name}.tmp-{tag or f'{socket.gethostname()}-{os.getpid()}'}"
+        tmp.mkdir()
+        return tmp
+
+    def finish_publish(self, dest: Path, tmp: Path, **marker_fields: Any) -> Path:
+        """fsync `tmp`, rename it to `dest`, then write the STABLE marker."""
+        dest = Path(dest)
+        fsync_tree(tmp)
+        try:
+            os.rename(tmp, dest)
+        except OSError as e:
+            raise RunDirError(f"cannot publish {dest}: another writer created it meanwhile ({e})") from e
+        _fsync_dir(dest.parent)
+        files = {str(p.relative_to(dest)): p.stat().st_size for p in sorted(dest.rglob("*")) if p.is_file()}
+        marker = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(), "files": files}
+        atomic_write_json(dest / MARKER, {**marker, **marker_fields})
+        return dest
+
+    def publish_dir(self, dest: Path, write: Callable[[Path], Any], **marker_fields: Any) -> Path:
+        """Publish a directory atomically: `write(tmp_dir)` fills it, then it becomes `dest` + STABLE.
+
+        If `write` raises, the temp dir is removed and nothing is published.
+        """
+        tmp = self.begin_publish(dest)
+        try:
+            write(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return self.finish_publish(dest, tmp, **marker_fields)
+
+    def wait_for_step(
+        self,
+        kind: str,
+        step: int,
+        timeout: float,
+        heartbeat: Callable[[], Any] | None = None,
+        *,
+        poll: float = 0.5,
+        heartbeat_every: float = 10.0,
+        role: str | None = None,
+    ) -> Path:
+        """Block until step `step` of `kind` is published; return its directory.
+
+        Calls `heartbeat()` at start and every `heartbeat_every` seconds while
+        waiting, so the waiter never looks hung. Raises StepTimeout after `timeout` s.
+        """
+        dest = self._published(kind, step, role)
+        start = last_beat = time.monotonic()
+        if heartbeat is not None:
+            heartbeat()
+        while not is_stable(dest):
+            now = time.monotonic()
+            if now - start >= timeout:
+                latest = self.latest_stable(kind, role)
+                raise StepTimeout(
+                    f"waited {timeout:.0f} s for {kind}/step_{step} in {self.root}; latest published "
+                    f"{kind} step is {latest}. Is the producer running? See `prl status`."
+                )
+            if heartbeat is not None and now - last_beat >= heartbeat_every:
+                heartbeat()
+                last_beat = now
+            time.sleep(min(poll, max(0.0, timeout - (now - start))))
+        return dest
+
+    # -- cleanup
+    def remove_step(self, kind: str, step: int) -> None:
+        """Delete a step: the marker first, so readers stop accepting it before files vanish."""
+        d = self.step_dir(kind, step)
+        for marker in [d / MARKER, *d.glob(f"*/{MARKER}")]:
+            marker.unlink(missing_ok=True)
+        shutil.rmtree(d, ignore_errors=True)
+        for tmp in d.parent.glob(f".{d.name}.tmp-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def remove_steps_after(self, kind: str, step: int) -> list[int]:
+        """Delete every step of `kind` later than `step` (a resume's leftovers); return them."""
+        later = [s for s in self.steps(kind) if s > step]
+        for s in later:
+            self.remove_step(kind, s)
+        return later
+
+    def cleanup(self, step: int, *, max_off_policy_steps: int, checkpoint_keep: int) -> list[Path]:
+        """Drop what neither the staleness bound nor the checkpoint policy needs; return what went.
+
+        After trainer step `step`:
+        - weights: keep the newest `max_off_policy_steps + 1` steps (inference
+          servers and in-flight rollouts may still use any of them);
+        - checkpoints: keep the newest `checkpoint_keep` trainer checkpoints
+          (0 keeps all); older step dirs go whole, every role's part;
+        - rollouts: keep those after the newest kept checkpoint (a resume
+          replays them; with no checkpoint at all, every one is kept) and
+          never the ones not yet consumed (> `step`).
+        Unfinished (unmarked) dirs older than what is kept go as well.
+        """
+        removed: list[Path] = []
+
+        def drop(kind: str, keep_from: int) -> None:
+            for s in self.steps(kind):
+                if s < keep_from:
+                    self.remove_step(kind, s)
+                    removed.append(self.step_dir(kind, s))
+
+        drop("weights", step - max_off_policy_steps)
+        ckpts = self.stable_steps("checkpoints")
+        if checkpoint_keep > 0 and len(ckpts) > checkpoint_keep:
+            drop("checkpoints", ckpts[-checkpoint_keep])
+            ckpts = ckpts[-checkpoint_keep:]
+        replay_from = (ckpts[-1] if ckpts else 0) + 1
+        drop("rollouts", min(replay_from, step + 1))
+        return removed
+
+    # -- metrics
+    def append_metrics(self, record: dict) -> None:
+        """Append one JSON line to metrics.jsonl (one write call, O_APPEND)."""
+        line = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
+        fd = os.open(self.metrics_jsonl, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+    def read_metrics(self, role: str | None = None) -> list[dict]:
+        """All metric records (optionally of one role), skipping a torn last line."""
+        if not self.metrics_jsonl.exists():
+            return []
+        out = []
+        for line in self.metrics_jsonl.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a writer killed mid-line; the rest of the file is fine
+            if role is None or rec.get("role") == role:
+                out.append(rec)
+        return out
+
+    def drop_metrics_after(self, role: str, step: int) -> int:
+        """Rewrite metrics.jsonl without `role`'s records for steps > `step` (resume); return how many."""
+        if not self.metrics_jsonl.exists():
+            return 0
+        keep, dropped = [], 0
+        for line in self.metrics_jsonl.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1
+                continue
+            if rec.get("role") == role and int(rec.get("step", -1)) > step:
+                dropped += 1
+            else:
+                keep.append(line)
+        if dropped:
+            atomic_write_text(self.metrics_jsonl, "".join(line + "\n" for line in keep))
+        return dropped
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise RunDirError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")

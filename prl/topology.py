@@ -1,0 +1,286 @@
+"""The topology schema (`configs/*.yaml`): what the user asks for, checked, nothing derived.
+
+`prl.plan.make_plan` turns a Topology and a ClusterProfile into a Plan. Every
+field is documented right under it; docs/topology.md is the guide.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence
+
+from pydantic import Field, field_validator, model_validator
+
+from prl.cluster import Strict, Token, check_env_names, check_time
+from prl.loader import Source, load
+
+NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+class Model(Strict):
+    path: str = Field(min_length=1)
+    """Local directory of a Hugging Face model, or a hub id the nodes have cached."""
+    tokenizer: Optional[str] = None
+    """Tokenizer directory or id when it differs from `path`."""
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
+    """Weights dtype for inference and published weights."""
+    max_model_len: int = Field(default=4096, ge=16)
+    """Longest prompt + completion, in tokens."""
+
+
+class InferenceGroup(Strict):
+    """Nodes that run identical vLLM replicas."""
+
+    nodes: int = Field(ge=1)
+    """Nodes in this group."""
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel size of one engine (GPUs of one node)."""
+    dp: int = Field(default=1, ge=1)
+    """Data-parallel ranks in one replica (one server); with `expert_parallel`, MoE experts spread over tp*dp GPUs."""
+    expert_parallel: bool = False
+    """vLLM `--enable-expert-parallel` for MoE models."""
+    gpu_memory_utilization: Optional[float] = Field(default=None, gt=0, le=1)
+    """vLLM `--gpu-memory-utilization` (None: vLLM's default)."""
+    extra_args: list[str] = []
+    """More `vllm serve` arguments, passed as given (each list item is one argument)."""
+    env: dict[str, str] = {}
+    """Variables for this group's servers."""
+
+    _names = field_validator("env")(check_env_names)
+
+
+class KVConnector(Strict):
+    name: str = Field(default="NixlConnector", pattern=r"^[A-Za-z0-9_.]+$")
+    """vLLM KV connector class (`NixlConnector` on GPU clusters, `ExampleConnector` for the storage-based CPU test)."""
+    extra_config: dict[str, Any] = {}
+    """`kv_connector_extra_config` passed to both sides."""
+
+
+class Router(Strict):
+    port: Optional[int] = Field(default=None, ge=1024, le=65535)
+    """Port of the router in front of prefill/decode servers (None: the cluster's port base)."""
+
+
+class KVOffload(Strict):
+    backend: Literal["none", "native", "lmcache"] = "none"
+    """KV-cache offload: off, vLLM's native CPU offload, or LMCache."""
+    cpu_gb: float = Field(default=0, ge=0)
+    """CPU memory per replica for offloaded KV blocks, in GiB."""
+    disk_path: Optional[str] = None
+    """LMCache only: a local disk tier directory."""
+    disk_gb: float = Field(default=0, ge=0)
+    """LMCache only: size of the disk tier, in GiB."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "KVOffload":
+        if self.backend != "none" and self.cpu_gb <= 0:
+            raise ValueError(f"kv_offload.backend={self.backend} needs cpu_gb > 0")
+        if self.disk_path is not None and self.backend != "lmcache":
+            raise ValueError("a disk tier (disk_path) needs backend: lmcache")
+        if self.disk_path is not None and self.disk_gb <= 0:
+            raise ValueError("disk_path needs disk_gb > 0")
+        return self
+
+
+class Inference(Strict):
+    """Either one unified group (`nodes`, `tp`, ...) or a `prefill` and a `decode` group."""
+
+    nodes: Optional[int] = Field(default=None, ge=1)
+    """Unified: nodes serving both prefill and decode."""
+    tp: int = Field(default=1, ge=1)
+    """Unified: tensor-parallel size."""
+    dp: int = Field(default=1, ge=1)
+    """Unified: data-parallel ranks per replica."""
+    expert_parallel: bool = False
+    """Unified: vLLM expert parallelism."""
+    gpu_memory_utilization: Optional[float] = Field(default=None, gt=0, le=1)
+    """Unified: vLLM `--gpu-memory-utilization`."""
+    extra_args: list[str] = []
+    """Unified: more `vllm serve` arguments."""
+    env: dict[str, str] = {}
+    """Unified: variables for the servers."""
+    prefill: Optional[InferenceGroup] = None
+    """Disaggregated: the prefill group."""
+    decode: Optional[InferenceGroup] = None
+    """Disaggregated: the decode group."""
+    kv_connector: KVConnector = KVConnector()
+    """Disaggregated: how KV blocks move from prefill to decode."""
+    router: Router = Router()
+    """Disaggregated: the router in front."""
+    kv_offload: KVOffload = KVOffload()
+    """KV-cache offload for every server."""
+
+    _names = field_validator("env")(check_env_names)
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "Inference":
+        split = self.prefill is not None or self.decode is not None
+        if split and self.nodes is not None:
+            raise ValueError("give either nodes (unified) or prefill + decode (disaggregated), not both")
+        if split and (self.prefill is None or self.decode is None):
+            raise ValueError("disaggregated inference needs both prefill and decode groups")
+        if not split and self.nodes is None:
+            raise ValueError("give nodes (unified inference) or prefill + decode groups")
+        return self
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill is not None
+
+    def groups(self) -> dict[str, InferenceGroup]:
+        """Role name -> group, in het-group order."""
+        if self.prefill is not None and self.decode is not None:
+            return {"prefill": self.prefill, "decode": self.decode}
+        assert self.nodes is not None
+        unified = InferenceGroup(
+            nodes=self.nodes, tp=self.tp, dp=self.dp, expert_parallel=self.expert_parallel,
+            gpu_memory_utilization=self.gpu_memory_utilization, extra_args=self.extra_args, env=self.env,
+        )
+        return {"inference": unified}
+
+
+class Trainer(Strict):
+    nodes: int = Field(ge=1)
+    """Nodes of the trainer."""
+    gpus_per_node: Optional[int] = Field(default=None, ge=1)
+    """GPUs used per node (None: all of the cluster's)."""
+    dp_replicate: int = Field(default=1, ge=1)
+    """HSDP replicas (full copies of the sharded model)."""
+    dp_shard: int = Field(default=-1)
+    """FSDP shard degree; -1 fills what the other degrees leave."""
+    cp: int = Field(default=1, ge=1)
+    """Context-parallel degree."""
+    ep: int = Field(default=1, ge=1)
+    """Expert-parallel degree (MoE), carved out of dp_shard * cp as in torchtitan."""
+    activation_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    precision: Literal["bf16", "fp32"] = "bf16"
+    """Parameter/compute dtype of the FSDP mixed-precision policy (reduction in fp32)."""
+    env: dict[str, str] = {}
+    """Variables for the trainer."""
+
+    _names = field_validator("env")(check_env_names)
+
+    @field_validator("dp_shard")
+    @classmethod
+    def _shard(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError("dp_shard must be >= 1, or -1 to fill the remaining GPUs")
+        return value
+
+
+class Orchestrator(Strict):
+    placement: Literal["own", "trainer", "inference"] = "own"
+    """`own`: a CPU node group of its own; `trainer`/`inference`: share the first node of that group."""
+    cpus: Optional[int] = Field(default=None, ge=1)
+    """CPU cores for the orchestrator (None: a whole node when `own`, 4 when shared)."""
+    env: dict[str, str] = {}
+    """Variables for the orchestrator."""
+
+    _names = field_validator("env")(check_env_names)
+
+
+class EvalSettings(Strict):
+    every: int = Field(default=0, ge=0)
+    """Evaluate every N steps on the eval split (0: never)."""
+    examples: int = Field(default=64, ge=1)
+    """Examples per evaluation."""
+
+
+class Environment(Strict):
+    id: str = Field(min_length=1)
+    """verifiers taskset id (an installed module) or a module path."""
+    args: dict[str, Any] = {}
+    """Arguments for the taskset."""
+    harness: str = "prl"
+    """verifiers harness id."""
+    eval: EvalSettings = EvalSettings()
+
+
+class Loss(Strict):
+    mode: Literal["mask", "clip"] = "mask"
+    """Tokens whose importance ratio leaves [ratio_low, ratio_high] are masked out, or their ratio clipped."""
+    ratio_low: float = Field(default=0.0, ge=0)
+    ratio_high: float = Field(default=5.0, gt=0)
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of a KL term against the sampling policy (0: off)."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "Loss":
+        if self.ratio_low >= self.ratio_high:
+            raise ValueError(f"ratio_low ({self.ratio_low}) must be below ratio_high ({self.ratio_high})")
+        return self
+
+
+class Training(Strict):
+    batch_size: int = Field(ge=1)
+    """Rollouts per training step (all ranks together)."""
+    rollouts_per_example: int = Field(default=8, ge=1)
+    """Rollouts per prompt; advantages are relative within these groups."""
+    micro_batch_tokens: int = Field(default=8192, ge=16)
+    """Most tokens in one packed micro-batch."""
+    max_off_policy_steps: int = Field(default=2, ge=0)
+    """No sample generated with weights older than step - N is trained on (0: synchronous)."""
+    lr: float = Field(default=1e-6, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    max_steps: int = Field(ge=1)
+    seed: int = 0
+    checkpoint_interval: int = Field(default=50, ge=0)
+    """Steps between checkpoints (0: never)."""
+    checkpoint_keep: int = Field(default=2, ge=1)
+    """Checkpoints kept on disk."""
+    max_tokens: int = Field(default=1024, ge=1)
+    """Most tokens generated per rollout turn."""
+    temperature: float = Field(default=1.0, ge=0)
+    loss: Loss = Loss()
+
+
+class Slurm(Strict):
+    time: Optional[str] = None
+    """Time limit (`--time`); None: the cluster's default."""
+    qos: Optional[Token] = None
+    reservation: Optional[Token] = None
+    account: Optional[Token] = None
+    """Overrides the profile's account."""
+    job_name: Optional[str] = Field(default=None, pattern=NAME)
+    """Job name (None: the topology name)."""
+    extra_directives: list[str] = []
+    """More `#SBATCH` options for every het component, e.g. `--mail-type=END` (one option per item)."""
+
+    _time = field_validator("time")(check_time)
+
+    @field_validator("extra_directives")
+    @classmethod
+    def _directives(cls, items: list[str]) -> list[str]:
+        for item in items:
+            if not item.startswith("--") or any(c.isspace() for c in item):
+                raise ValueError(f"each extra directive is one long option like --mail-type=END, not {item!r}")
+        return items
+
+
+class Topology(Strict):
+    name: str = Field(pattern=NAME)
+    """Run name: letters, digits, '.', '_', '-'."""
+    cluster: str = Field(min_length=1)
+    """Cluster profile: a name in clusters/ or a path to a profile file."""
+    run_dir: Optional[str] = None
+    """Run directory on the shared filesystem (None: SHARED_ROOT/prl-runs/NAME)."""
+    model: Model
+    inference: Inference
+    trainer: Trainer
+    orchestrator: Orchestrator = Orchestrator()
+    environment: Environment
+    training: Training
+    slurm: Slurm = Slurm()
+
+
+def load_topology(path: Path, overrides: Sequence[str] = ()) -> tuple[Topology, Source]:
+    """Load a topology; overrides whose first part is `cluster.` are left for the profile."""
+    own = [item for item in overrides if not item.startswith("cluster.")]
+    return load(Topology, path, own)
+
+
+def cluster_overrides(overrides: Sequence[str]) -> list[str]:
+    """`cluster.max_nodes=8` on the command line overrides the profile's `max_nodes`."""
+    return [item[len("cluster."):] for item in overrides if item.startswith("cluster.")]

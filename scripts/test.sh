@@ -1,0 +1,21 @@
+#!/bin/bash
+# The whole test suite, from a fresh machine: installs what the tests need (Debian
+# packages, the Python extras), starts the local Slurm test cluster, runs pytest.
+#   ./scripts/test.sh [pytest args]
+# .ci/run calls exactly this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v shellcheck >/dev/null || need_apt+=(shellcheck)
+if ((${#need_apt[@]})); then
+    apt-get install -y -q "${need_apt[@]}" >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null && apt-get install -y -q "${need_apt[@]}" >/dev/null; }
+fi
+
+# torch==2.13.0 is pinned in the extras: pip takes the CPU build from local disk.
+python3 -m pip install -q --disable-pip-version-check -e ".[dev,train]"
+
+./scripts/slurm-cluster.sh start
+
+exec python3 -m pytest "$@"

@@ -1,0 +1,7 @@
+#!/bin/bash
+# Rendered by prl: the 'orchestrator' step of 'local-tiny'. Do not edit: run `prl plan` again.
+# Started by the launcher (a local process per task).
+set -euo pipefail
+export PRL_ROLE=orchestrator
+export PRL_RUN_DIR=/home/user/prl/runs/prl-runs/local-tiny
+exec python3 -m prl.role orchestrator --run-dir /home/user/prl/runs/prl-runs/local-tiny
