@@ -230,27 +230,31 @@ class RunDir:
     def claim(self, role: str, attempt: int | None = None, *, stale_after: float = 300.0) -> dict:
         """Mark `role` as running here for `attempt`, refusing a live clash.
 
-        Raises RunDirError if another process (another run pointed at the same
-        directory, or another attempt) holds the role with a heartbeat younger
-        than `stale_after` seconds, or if a later attempt already ran.
+        Another holder of the role blocks the claim when it looks alive: same
+        attempt, heartbeat younger than `stale_after` seconds, and (if on this
+        host) its pid still exists. That is two runs pointed at one directory,
+        or a manual restart while the old job still runs. A later attempt may
+        take over (Slurm kills the previous attempt before it requeues); an
+        earlier attempt may not.
         """
         attempt = current_attempt() if attempt is None else attempt
         me = {"host": socket.gethostname(), "pid": os.getpid(), "attempt": attempt}
-        old = self.read_state(role)
-        if old and old.get("status") == "running":
-            owner = {k: old.get(k) for k in me}
+        old = self.read_state(role) or {}
+        old_attempt = int(old.get("attempt", -1))
+        if old_attempt > attempt:
+            raise RunDirError(
+                f"{role} in {self.root} was already started by attempt {old_attempt}, later than this "
+                f"attempt {attempt}; refusing to write over a newer attempt's steps."
+            )
+        owner = {k: old.get(k) for k in me}
+        if old.get("status") == "running" and owner != me and old_attempt == attempt:
             age = time.time() - float(old.get("heartbeat", old.get("updated", 0)))
-            if owner != me and age < stale_after:
+            if age < stale_after and not (owner["host"] == me["host"] and not _pid_alive(owner["pid"])):
                 raise RunDirError(
                     f"{role} is already running in {self.root} (attempt {owner['attempt']}, host {owner['host']}, "
                     f"pid {owner['pid']}, heartbeat {age:.0f} s ago); two writers would publish the same steps. "
                     f"Use a new run directory, or stop the other job and wait {stale_after:.0f} s."
                 )
-        if old and int(old.get("attempt", -1)) > attempt:
-            raise RunDirError(
-                f"{role} in {self.root} was already started by attempt {old['attempt']}, later than this "
-                f"attempt {attempt}; refusing to write over a newer attempt's steps."
-            )
         now = time.time()
         return self.write_state(role, status="running", started=now, heartbeat=now, exit_code=None, **me)
 
@@ -476,6 +480,55 @@ class RunDir:
         if dropped:
             atomic_write_text(self.metrics_jsonl, "".join(line + "\n" for line in keep))
         return dropped
+
+    # -- the launcher and its tasks (prl.launch, prl.role)
+    @property
+    def launcher_state(self) -> Path:
+        """state/launcher.json: attempt, mode, per-step start/exit, first failure, final status."""
+        return self.state_dir / "launcher.json"
+
+    def task_ready(self, role: str, task: int) -> Path:
+        """Marker a role's task writes once it is healthy; the launcher starts the next role after all of them."""
+        _check_role(role)
+        return self.state_dir / "ready" / f"{role}.{task}.json"
+
+    def preflight_report(self, role: str, task: int) -> Path:
+        _check_role(role)
+        return self.state_dir / "preflight" / f"{role}.{task}.json"
+
+    def task_exit(self, role: str, task: int) -> Path:
+        """A task's own record of how it ended (exit code, time): srun reports only the step's worst."""
+        _check_role(role)
+        return self.state_dir / "exits" / f"{role}.{task}.json"
+
+    def endpoint(self, role: str, index: int) -> Path:
+        """Where task/replica `index` of `role` says how to reach it (host, port)."""
+        _check_role(role)
+        return self.state_dir / "endpoints" / f"{role}.{index}.json"
+
+    def task_log_pattern(self, attempt: int, role: str) -> str:
+        """`srun --output` pattern for one log per task: role_log(attempt, role, rank=K) for task K."""
+        return str(self.role_log(attempt, role, 0)).replace("rank_0.log", "rank_%t.log")
+
+    def reset_attempt_state(self) -> None:
+        """Forget an earlier attempt's readiness markers and endpoints before a new attempt starts."""
+        for sub in ("ready", "endpoints", "preflight", "exits"):
+            shutil.rmtree(self.state_dir / sub, ignore_errors=True)
+        for kind in KINDS:
+            base = self.root / kind
+            if base.is_dir():
+                for tmp in base.glob(".step_*.tmp-*"):
+                    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pid_alive(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, TypeError, ValueError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _check_role(role: str) -> None:

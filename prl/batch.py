@@ -1,0 +1,277 @@
+"""The rollout batch: what the orchestrator hands the trainer for one step.
+
+One step is one directory, `rollouts/step_N/` (published with
+`RunDir.publish_dir`, so it has a STABLE marker), holding `batch.safetensors`.
+safetensors because it is a JSON header plus raw little-endian arrays: no
+pickle (a reader cannot be made to run code), memory-mappable, readable from
+numpy without torch, and fast (a copy of the bytes). T is the number of
+tokens of all samples together, S the number of samples:
+
+    input_ids           int32   [T]    token ids, samples concatenated
+    loss_mask           uint8   [T]    1 = sampled by the policy and trained on
+    advantages          float32 [T]    per-token advantage (a sample's, repeated)
+    inference_logprobs  float32 [T]    logprob of the token under the engine's sampling
+                                       policy; 0 where loss_mask is 0
+    position_ids        int32   [T]    positions inside each sample, from 0
+    sample_offsets      int64   [S+1]  sample i is tokens [off[i], off[i+1])
+    policy_version      int32   [S]    weights step that generated sample i
+
+and string metadata: `format` ("prl.rollouts/1"), `step`, and `packing`, the
+JSON of the split into per-rank micro-batches (below) for the `dp_size` and
+`micro_batch_tokens` it was made for. The first token of a sample never has
+loss (nothing predicts it), which also keeps packed samples independent.
+
+Packing: samples go to data-parallel ranks longest first, each to the rank
+with the fewest tokens so far (balanced token counts), then into micro-batches
+of at most `micro_batch_tokens` tokens (first fit; a longer sample gets a
+micro-batch of its own). Every rank gets the same number of micro-batches
+(FSDP ranks must run the same number of forward/backward passes), padded with
+empty ones. A micro-batch is the samples concatenated into one row whose
+position ids restart at 0 for every sample; transformers then builds a
+block-diagonal causal mask. A trainer with another `dp_size` (a resume on a
+different number of ranks) repacks with the same deterministic function.
+
+numpy and safetensors are imported lazily; this module imports without them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from prl.errors import RunDirError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from prl.rundir import RunDir
+
+FORMAT = "prl.rollouts/1"
+BATCH_FILE = "batch.safetensors"
+
+_DTYPES = {
+    "input_ids": "int32",
+    "loss_mask": "uint8",
+    "advantages": "float32",
+    "inference_logprobs": "float32",
+    "position_ids": "int32",
+}
+TOKEN_FIELDS = tuple(_DTYPES)
+
+
+class BatchError(RunDirError):
+    """A rollout batch is malformed (lengths, masks, format)."""
+
+
+@dataclass
+class Sample:
+    """One trajectory branch as the orchestrator produced it."""
+
+    token_ids: Sequence[int]
+    """Prompt and completion token ids."""
+    loss_mask: Sequence[int]
+    """1 for tokens the policy sampled (trained on), 0 for prompt / tool / env tokens."""
+    inference_logprobs: Sequence[float]
+    """The engine's sampling logprob of each token (any value where loss_mask is 0)."""
+    advantage: float | Sequence[float]
+    """The sample's advantage, or one per token."""
+    policy_version: int = 0
+    """Weights step that generated it (0 = base model)."""
+    position_ids: Sequence[int] | None = None
+    """Defaults to 0..len-1."""
+
+
+def pack(lengths: Sequence[int], dp_size: int, micro_batch_tokens: int) -> list[list[list[int]]]:
+    """Split samples into `dp_size` ranks x equal numbers of micro-batches (lists of sample indices)."""
+    if dp_size < 1 or micro_batch_tokens < 1:
+        raise BatchError(f"pack needs dp_size >= 1 and micro_batch_tokens >= 1, got {dp_size}, {micro_batch_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    loads = [0] * dp_size
+    per_rank: list[list[int]] = [[] for _ in range(dp_size)]
+    for i in order:
+        r = min(range(dp_size), key=lambda k: (loads[k], k))
+        per_rank[r].append(i)
+        loads[r] += lengths[i]
+    ranks = []
+    for samples in per_rank:
+        bins: list[list[int]] = []
+        fill: list[int] = []
+        for i in samples:
+            for b, used in enumerate(fill):
+                if used + lengths[i] <= micro_batch_tokens:
+                    bins[b].append(i)
+                    fill[b] += lengths[i]
+                    break
+            else:
+                bins.append([i])
+                fill.append(lengths[i])
+        ranks.append([sorted(b) for b in bins])
+    n_micro = max(1, max(len(r) for r in ranks))
+    return [r + [[] for _ in range(n_micro - len(r))] for r in ranks]
+
+
+@dataclass
+class MicroBatch:
+    """Samples concatenated into one packed row (numpy arrays of length num_tokens)."""
+
+    sample_ids: list[int]
+    input_ids: np.ndarray
+    position_ids: np.ndarray
+    loss_mask: np.ndarray
+    advantages: np.ndarray
+    inference_logprobs: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class RolloutBatch:
+    """A step's samples (flat arrays as in the file) plus the packing it was written with."""
+
+    step: int
+    arrays: dict[str, np.ndarray]
+    packing: dict
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return self.arrays["sample_offsets"]
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.offsets.shape[0] - 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.arrays["loss_mask"].sum())
+
+    def lengths(self) -> list[int]:
+        return [int(n) for n in (self.offsets[1:] - self.offsets[:-1])]
+
+    def micro_batches(self, rank: int, dp_size: int, micro_batch_tokens: int) -> list[MicroBatch | None]:
+        """This rank's micro-batches (None = padding: run a dummy pass, contribute nothing)."""
+        import numpy as np
+
+        p = self.packing
+        if p.get("dp_size") == dp_size and p.get("micro_batch_tokens") == micro_batch_tokens:
+            ranks = p["ranks"]
+        else:
+            ranks = pack(self.lengths(), dp_size, micro_batch_tokens)
+        out: list[MicroBatch | None] = []
+        for ids in ranks[rank]:
+            if not ids:
+                out.append(None)
+                continue
+            spans = [slice(int(self.offsets[i]), int(self.offsets[i + 1])) for i in ids]
+            cat = {k: np.concatenate([self.arrays[k][s] for s in spans]) for k in TOKEN_FIELDS}
+            out.append(MicroBatch(sample_ids=list(ids), **cat))
+        return out
+
+
+def to_arrays(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
+    """Flatten samples into the file's arrays, checking each one."""
+    import numpy as np
+
+    cols: dict[str, list] = {k: [] for k in TOKEN_FIELDS}
+    offsets, versions = [0], []
+    for i, s in enumerate(samples):
+        n = len(s.token_ids)
+        adv = [float(s.advantage)] * n if isinstance(s.advantage, (int, float)) else list(s.advantage)
+        pos = list(range(n)) if s.position_ids is None else list(s.position_ids)
+        fields = {
+            "input_ids": list(s.token_ids),
+            "loss_mask": list(s.loss_mask),
+            "advantages": adv,
+            "inference_logprobs": list(s.inference_logprobs),
+            "position_ids": pos,
+        }
+        bad = {k: len(v) for k, v in fields.items() if len(v) != n}
+        if n == 0 or bad:
+            raise BatchError(f"sample {i}: {n} token ids but field lengths {bad}" if bad else f"sample {i} is empty")
+        for k, v in fields.items():
+            cols[k].extend(v)
+        offsets.append(offsets[-1] + n)
+        versions.append(int(s.policy_version))
+    arrays = {k: np.asarray(v, dtype=_DTYPES[k]) for k, v in cols.items()}
+    arrays["sample_offsets"] = np.asarray(offsets, dtype="int64")
+    arrays["policy_version"] = np.asarray(versions, dtype="int32")
+    validate(arrays)
+    return arrays
+
+
+def validate(arrays: dict[str, np.ndarray]) -> None:
+    """Raise BatchError unless the arrays form a well-formed batch."""
+    import numpy as np
+
+    missing = [k for k in (*TOKEN_FIELDS, "sample_offsets", "policy_version") if k not in arrays]
+    if missing:
+        raise BatchError(f"rollout batch lacks {', '.join(missing)}")
+    off = arrays["sample_offsets"]
+    total = int(off[-1]) if off.size else -1
+    if off.ndim != 1 or off.size < 1 or off[0] != 0 or np.any(np.diff(off) <= 0):
+        raise BatchError("sample_offsets must start at 0 and strictly increase")
+    if arrays["policy_version"].shape != (off.size - 1,):
+        raise BatchError(f"policy_version has {arrays['policy_version'].shape} entries for {off.size - 1} samples")
+    for k in TOKEN_FIELDS:
+        if arrays[k].shape != (total,):
+            raise BatchError(f"{k} has shape {arrays[k].shape}, expected ({total},) tokens")
+    if np.any(arrays["loss_mask"][off[:-1]] != 0):
+        first = int(np.flatnonzero(arrays["loss_mask"][off[:-1]])[0])
+        raise BatchError(f"sample {first}: its first token has loss_mask 1, but nothing predicts a first token")
+    for k in ("advantages", "inference_logprobs"):
+        if not np.all(np.isfinite(arrays[k])):
+            raise BatchError(f"{k} contains NaN or inf")
+    if np.any(arrays["input_ids"] < 0) or np.any(arrays["position_ids"] < 0):
+        raise BatchError("input_ids and position_ids must be >= 0")
+
+
+def write_batch(
+    out_dir: str | Path, samples: Sequence[Sample], *, step: int, dp_size: int, micro_batch_tokens: int
+) -> Path:
+    """Write `out_dir/batch.safetensors` (use inside `RunDir.publish_dir`, or see `publish_batch`)."""
+    from safetensors.numpy import save_file
+
+    arrays = to_arrays(samples)
+    lengths = [int(n) for n in (arrays["sample_offsets"][1:] - arrays["sample_offsets"][:-1])]
+    packing = {
+        "dp_size": dp_size,
+        "micro_batch_tokens": micro_batch_tokens,
+        "ranks": pack(lengths, dp_size, micro_batch_tokens),
+    }
+    path = Path(out_dir) / BATCH_FILE
+    save_file(arrays, str(path), metadata={"format": FORMAT, "step": str(step), "packing": json.dumps(packing)})
+    return path
+
+
+def publish_batch(run: RunDir, step: int, samples: Sequence[Sample], *, dp_size: int, micro_batch_tokens: int) -> Path:
+    """Atomically publish `rollouts/step_N` for the trainer."""
+    return run.publish_dir(
+        run.rollouts(step),
+        lambda d: write_batch(d, samples, step=step, dp_size=dp_size, micro_batch_tokens=micro_batch_tokens),
+        step=step,
+        samples=len(samples),
+    )
+
+
+def read_batch(step_dir: str | Path) -> RolloutBatch:
+    """Read and validate a published step's batch."""
+    from safetensors import safe_open
+
+    path = Path(step_dir) / BATCH_FILE
+    if not path.is_file():
+        raise BatchError(f"{path} is missing")
+    with safe_open(str(path), framework="np") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != FORMAT:
+            raise BatchError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+        arrays = {k: f.get_tensor(k) for k in f.keys()}
+    validate(arrays)
+    return RolloutBatch(step=int(meta.get("step", -1)), arrays=arrays, packing=json.loads(meta.get("packing", "{}")))

@@ -1,0 +1,127 @@
+"""Trainer checkpoints: checkpoints/step_N/trainer/ + STABLE.
+
+    dcp/                       model + optimizer, torch.distributed.checkpoint (sharded;
+                               loads on any number of ranks: DCP reshards DTensors)
+    rng/rank_K.safetensors     each rank's torch CPU (and CUDA) RNG state
+    trainer_state.json         step, next rollout step, world size, seed
+
+All ranks write into one temporary directory named by rank 0, then rank 0
+renames it and writes the marker (RunDir.begin_publish / finish_publish), so a
+crash mid-save leaves nothing a resume would pick up. A resume on the same
+number of ranks restores each rank's RNG; on another number, ranks reseed
+from (seed, step, rank): the trainer draws no random numbers per step today,
+so losses are identical either way.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from prl.errors import RunDirError
+from prl.rundir import RunDir, is_stable
+from prl.trainer.parallel import Dist
+
+ROLE = "trainer"
+
+
+def _broadcast_str(value: str | None) -> str:
+    obj = [value]
+    dist.broadcast_object_list(obj, src=0)
+    return obj[0]
+
+
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    out = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def save_checkpoint(
+    run: RunDir, step: int, model: torch.nn.Module, optim: torch.optim.Optimizer, d: Dist, seed: int
+) -> Path:
+    """Collective: save model, optimizer, RNG and progress after `step`."""
+    from safetensors.torch import save_file
+
+    dest = run.checkpoints(step, ROLE)
+    tmp = Path(_broadcast_str(str(run.begin_publish(dest, tag=f"step{step}")) if d.is_main else None))
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+    dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+    (tmp / "rng").mkdir(exist_ok=True)
+    save_file(_rng_tensors(), str(tmp / "rng" / f"rank_{d.rank}.safetensors"))
+    dist.barrier()
+    if d.is_main:
+        progress = {
+            "step": step,
+            "next_rollout_step": step + 1,
+            "world_size": d.world_size,
+            "dp_size": d.dp_size,
+            "seed": seed,
+            "time": time.time(),
+        }
+        (tmp / "trainer_state.json").write_text(json.dumps(progress, indent=2) + "\n")
+        run.finish_publish(dest, tmp, step=step)
+    dist.barrier()
+    return dest
+
+
+def resolve_resume(run: RunDir, resume: str) -> int:
+    """Step to resume from: 0 (fresh start) or a published trainer checkpoint's step.
+
+    'latest': the newest checkpoint, or a fresh start if there is none.
+    'none': a fresh start; refused if the run already has trainer output.
+    'N': exactly that checkpoint.
+    """
+    available = run.stable_steps("checkpoints", ROLE)
+    if resume == "latest":
+        return available[-1] if available else 0
+    if resume == "none":
+        if available or run.stable_steps("weights"):
+            raise RunDirError(
+                f"{run.root} already has trainer output (checkpoints {available}, weights up to step "
+                f"{run.latest_stable('weights')}); use --resume latest, or a new run directory"
+            )
+        return 0
+    if not resume.isdigit():
+        raise RunDirError(f"--resume must be 'latest', 'none' or a step number, got {resume!r}")
+    step = int(resume)
+    if step != 0 and step not in available:
+        raise RunDirError(f"no trainer checkpoint for step {step} in {run.root}; available: {available or 'none'}")
+    return step
+
+
+def load_checkpoint(
+    run: RunDir, step: int, model: torch.nn.Module, optim: torch.optim.Optimizer, d: Dist, seed: int
+) -> dict:
+    """Collective: restore model, optimizer and RNG from step N's checkpoint; return its progress dict."""
+    from safetensors.torch import load_file
+
+    path = run.checkpoints(step, ROLE)
+    if not is_stable(path):
+        raise RunDirError(f"{path} is not a complete checkpoint (no STABLE marker)")
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+    dcp.load(state, checkpoint_id=str(path / "dcp"))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optim, state["optim"])
+    progress = json.loads((path / "trainer_state.json").read_text())
+    rng_file = path / "rng" / f"rank_{d.rank}.safetensors"
+    if progress.get("world_size") == d.world_size and rng_file.is_file():
+        rng = load_file(str(rng_file))
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:
+        torch.manual_seed(seed * 1_000_003 + step * 1_009 + d.rank)
+    return progress

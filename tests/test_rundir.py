@@ -1,0 +1,204 @@
+"""The run directory: layout, atomic publish, waiting, clashes, cleanup, crash safety."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from prl.errors import PrlError, RunDirError, StepTimeout
+from prl.rundir import MARKER, RunDir, atomic_write_json, atomic_write_text, is_stable
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_layout(tmp_path):
+    run = RunDir(tmp_path)
+    assert run.topology_yaml == tmp_path / "topology.yaml"
+    assert run.plan_json == tmp_path / "plan.json" and run.job_json == tmp_path / "job.json"
+    assert run.scripts_dir == tmp_path / "scripts" and run.metrics_jsonl == tmp_path / "metrics.jsonl"
+    assert run.role_log(2, "trainer") == tmp_path / "logs/attempt_2/trainer/trainer.log"
+    assert run.role_log(0, "trainer", rank=3) == tmp_path / "logs/attempt_0/trainer/rank_3.log"
+    assert run.role_state("orchestrator") == tmp_path / "state/orchestrator.json"
+    assert run.rollouts(4) == tmp_path / "rollouts/step_4"
+    assert run.weights(4) == tmp_path / "weights/step_4"
+    assert run.checkpoints(4, "trainer") == tmp_path / "checkpoints/step_4/trainer"
+    with pytest.raises(RunDirError, match="unknown role"):
+        run.role_state("trainr")
+    assert not tmp_path.joinpath("logs").exists(), "constructing a RunDir touches nothing"
+
+
+def test_atomic_writes_and_latest_logs(tmp_path):
+    run = RunDir(tmp_path).create()
+    atomic_write_json(run.plan_json, {"a": 1})
+    atomic_write_text(run.topology_yaml, "x: 1\n")
+    assert json.loads(run.plan_json.read_text()) == {"a": 1}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temp files left"
+    run.link_latest_logs(0)
+    run.link_latest_logs(1)
+    assert run.latest_logs.resolve() == run.attempt_logs(1).resolve()
+
+
+def test_publish_wait_and_clash(tmp_path):
+    run = RunDir(tmp_path)
+    d = run.publish_dir(run.weights(1), lambda t: (t / "a.bin").write_bytes(b"x" * 10), step=1)
+    assert is_stable(d) and (d / "a.bin").read_bytes() == b"x" * 10
+    assert json.loads((d / MARKER).read_text())["files"] == {"a.bin": 10}
+    assert run.latest_stable("weights") == 1 and run.stable_steps("weights") == [1]
+    with pytest.raises(RunDirError, match="already published"):
+        run.publish_dir(run.weights(1), lambda t: None)
+    assert run.wait_for_step("weights", 1, timeout=0) == d
+
+    # A failing writer publishes nothing and leaves nothing behind.
+    with pytest.raises(ZeroDivisionError):
+        run.publish_dir(run.weights(2), lambda t: 1 / 0)
+    assert run.steps("weights") == [1] and not list((tmp_path / "weights").glob(".*"))
+
+
+def test_unmarked_leftovers_are_invisible_and_replaced(tmp_path):
+    run = RunDir(tmp_path)
+    run.weights(3).mkdir(parents=True)  # renamed, killed before the marker
+    (run.weights(3) / "half").write_text("?")
+    (tmp_path / "weights" / ".step_3.tmp-dead-1").mkdir()
+    assert run.latest_stable("weights") is None
+    with pytest.raises(StepTimeout):
+        run.wait_for_step("weights", 3, timeout=0.05)
+    run.publish_dir(run.weights(3), lambda t: (t / "ok").write_text("!"))
+    assert sorted(p.name for p in run.weights(3).iterdir()) == [MARKER, "ok"]
+    assert not list((tmp_path / "weights").glob(".*"))
+
+
+def test_wait_for_step_heartbeats_then_returns(tmp_path):
+    run = RunDir(tmp_path)
+    beats = []
+    threading.Timer(0.3, lambda: run.publish_dir(run.rollouts(1), lambda t: None)).start()
+    got = run.wait_for_step(
+        "rollouts", 1, timeout=10, heartbeat=lambda: beats.append(1), poll=0.02, heartbeat_every=0.05
+    )
+    assert got == run.rollouts(1) and len(beats) >= 3
+
+
+def test_wait_for_step_timeout_names_the_step(tmp_path):
+    run = RunDir(tmp_path)
+    with pytest.raises(StepTimeout, match=r"rollouts/step_7.*latest published rollouts step is None") as e:
+        run.wait_for_step("rollouts", 7, timeout=0.1, poll=0.02)
+    assert isinstance(e.value, PrlError)
+
+
+def test_heartbeat_and_claim(tmp_path):
+    run = RunDir(tmp_path)
+    st = run.claim("trainer", attempt=0)
+    assert st["status"] == "running" and st["pid"] == os.getpid()
+    run.heartbeat("trainer", step=3)
+    assert run.read_state("trainer")["step"] == 3
+    run.claim("trainer", attempt=0)  # the same process may re-claim
+    # Another live writer (fresh heartbeat, a live pid: here our parent) is a clash...
+    alive = {**run.read_state("trainer"), "pid": os.getppid(), "heartbeat": time.time()}
+    atomic_write_json(run.role_state("trainer"), alive)
+    with pytest.raises(RunDirError, match="already running"):
+        run.claim("trainer", attempt=0)
+    # ...a stale heartbeat is not (its job died without saying so), nor a dead pid on this host,
+    run.claim("trainer", attempt=0, stale_after=0.0)
+    atomic_write_json(run.role_state("trainer"), {**alive, "pid": 2**22 + 12345})
+    run.claim("trainer", attempt=0)
+    # ...nor a later attempt (Slurm requeued the job).
+    atomic_write_json(run.role_state("trainer"), alive)
+    run.claim("trainer", attempt=1)
+    run.mark_exit("trainer", 0)
+    assert run.read_state("trainer")["status"] == "exited"
+    with pytest.raises(RunDirError, match="later than this"):
+        run.claim("trainer", attempt=0)
+
+
+def _publish_steps(run, steps):
+    for s in steps:
+        run.publish_dir(run.weights(s), lambda t: (t / "w").write_text(str(s)))
+
+
+def test_cleanup_keeps_what_staleness_and_checkpoints_need(tmp_path):
+    run = RunDir(tmp_path)
+    _publish_steps(run, range(1, 9))
+    for s in range(1, 11):
+        run.publish_dir(run.rollouts(s), lambda t: None)
+    for s in (2, 4, 6, 8):
+        run.publish_dir(run.checkpoints(s, "trainer"), lambda t: None)
+    run.checkpoints(6, "orchestrator").mkdir()
+    run.cleanup(8, max_off_policy_steps=2, checkpoint_keep=2)
+    assert run.steps("weights") == [6, 7, 8]
+    assert run.stable_steps("checkpoints") == [6, 8] and run.steps("checkpoints") == [6, 8]
+    assert run.checkpoints(6, "orchestrator").is_dir()
+    assert run.steps("rollouts") == [9, 10], "after the newest checkpoint, incl. not-yet-consumed"
+
+
+def test_cleanup_without_checkpoints_keeps_rollouts_for_replay(tmp_path):
+    run = RunDir(tmp_path)
+    for s in range(1, 5):
+        run.publish_dir(run.rollouts(s), lambda t: None)
+    run.cleanup(4, max_off_policy_steps=0, checkpoint_keep=2)
+    assert run.steps("rollouts") == [1, 2, 3, 4]
+
+
+def test_resume_leftovers_and_metrics(tmp_path):
+    run = RunDir(tmp_path)
+    _publish_steps(run, range(1, 6))
+    for s in range(1, 6):
+        run.append_metrics({"role": "trainer", "step": s})
+    run.append_metrics({"role": "orchestrator", "step": 9})
+    with open(run.metrics_jsonl, "a") as f:
+        f.write('{"role": "trainer", "st')  # torn last line of a killed writer
+    assert [m["step"] for m in run.read_metrics("trainer")] == [1, 2, 3, 4, 5]
+    assert run.remove_steps_after("weights", 3) == [4, 5]
+    assert run.drop_metrics_after("trainer", 3) == 3
+    assert [m["step"] for m in run.read_metrics()] == [1, 2, 3, 9]
+
+
+# -- crash safety: SIGKILL a writer at random points, readers never accept a partial step
+
+_WRITER = """
+import sys, numpy as np
+from safetensors.numpy import save_file
+from prl.rundir import RunDir
+run, step = RunDir(sys.argv[1]), int(sys.argv[2])
+def write(t, s):
+    for k in range(4):
+        save_file({"x": np.full(256 * 1024, s * 10 + k, dtype=np.float32)}, str(t / f"part{k}.safetensors"))
+while True:
+    run.publish_dir(run.weights(step), lambda t: write(t, step), step=step)
+    step += 1
+"""
+
+
+def _check_accepted(run):
+    from safetensors.numpy import load_file
+
+    for s in run.stable_steps("weights"):
+        for k in range(4):
+            x = load_file(str(run.weights(s) / f"part{k}.safetensors"))["x"]
+            assert x.shape == (256 * 1024,) and (x == s * 10 + k).all(), f"step {s} part {k} is damaged"
+
+
+def test_sigkill_mid_publish_never_leaves_an_accepted_partial_step(tmp_path):
+    import random
+
+    run = RunDir(tmp_path)
+    rng = random.Random(0)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    caught_mid_publish = 0
+    for _ in range(6):
+        start = (run.latest_stable("weights") or 0) + 1  # a restarted writer continues after the last stable step
+        p = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), str(start)], env=env)
+        time.sleep(0.4 + rng.random() * 0.6)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        _check_accepted(run)
+        unmarked = set(run.steps("weights")) - set(run.stable_steps("weights"))
+        caught_mid_publish += bool(unmarked or list((tmp_path / "weights").glob(".step_*")))
+    steps = run.steps("weights")
+    assert run.stable_steps("weights"), "the writer got some steps through"
+    assert caught_mid_publish >= 3, "the kills should land inside publish_dir"
+    assert len(steps) - len(run.stable_steps("weights")) <= 1, "at most the last (killed) step is unmarked"
