@@ -64,6 +64,127 @@ def plan(
     show_plan(prepared.plan, written)
 
 
+@app.command()
+def submit(
+    topology: Path = typer.Argument(..., help="Topology YAML (see configs/)."),
+    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
+    local: bool = typer.Option(False, "--local", help="Run the roles as local processes, not on Slurm."),
+    detach: bool = typer.Option(False, "--detach", help="With --local: return at once; the run goes on."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in this run directory from its checkpoints."),
+    force: bool = typer.Option(False, "--force", help="Submit into a run directory that already holds a job."),
+    preflight: bool = typer.Option(False, "--preflight",
+                                   help="Only run every role's preflight checks on its nodes, then end."),
+    hold: float = typer.Option(0.0, "--hold", help="With --preflight: keep the allocation this many seconds."),
+) -> None:
+    """Plan, render and submit one heterogeneous job (or local processes); record its handle."""
+    from prl.submit import submit as do_submit
+
+    run, job = do_submit(topology, overrides or [], local=local, detach=detach, resume=resume, force=force,
+                         preflight=preflight, hold=hold)
+    where = f"job {job['job_id']}" if job["backend"] == "slurm" else f"local run (launcher pid {job['pid']})"
+    parts = ", ".join(f"{k}: {v}" for k, v in job["components"].items())
+    print(f"submitted {where}: {job['name']} ({parts}){' [preflight]' if preflight else ''}")
+    print(f"run dir {run.root}")
+    if "exit_code" in job:
+        print(f"local run ended with exit code {job['exit_code']}")
+        if job["exit_code"]:
+            raise typer.Exit(1)
+        return
+    print(f"  prl status {run.root}\n  prl logs {run.root} -f\n  prl cancel {run.root}")
+
+
+@app.command()
+def status(
+    run: Optional[str] = typer.Argument(None, help="Run directory or job id (default: the most recent run)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    watch: bool = typer.Option(False, "--watch", "-w", help="Refresh every few seconds until the job ends."),
+    interval: float = typer.Option(3.0, "--interval", help="Seconds between refreshes with --watch."),
+) -> None:
+    """Per-role state of a run: Slurm, heartbeats, progress, the first failure and its log."""
+    import time
+
+    from prl.status import TERMINAL, collect, resolve_run, show
+
+    run_dir = resolve_run(run)
+    while True:
+        current = collect(run_dir)
+        if as_json:
+            print(current.to_json())
+        else:
+            show(current)
+        if not watch or current.state in TERMINAL:
+            break
+        time.sleep(interval)
+        if not as_json:
+            print()
+    if current.state in ("FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "CANCELLED") and not as_json:
+        raise typer.Exit(1)
+
+
+@app.command()
+def logs(
+    run: Optional[str] = typer.Argument(None, help="Run directory or job id (default: the most recent run)."),
+    role: Optional[str] = typer.Option(None, "--role", "-r", help="Role (default: the failed one, else trainer)."),
+    rank: int = typer.Option(0, "--rank", "-k", help="Task (rank) of the role."),
+    attempt: Optional[int] = typer.Option(None, "--attempt", help="Attempt (default: the latest)."),
+    lines: int = typer.Option(100, "-n", help="Lines to show from the end."),
+    follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines, across requeues."),
+) -> None:
+    """Show a role's log from the run directory."""
+    from prl.logs import default_role, follow as do_follow, log_path
+    from prl.status import log_tail, resolve_run
+
+    run_dir = resolve_run(run)
+    role = role or default_role(run_dir, run_dir.read_plan())
+    if follow:
+        do_follow(run_dir, role, rank, lines)
+        return
+    for line in log_tail(log_path(run_dir, role, rank, attempt), lines):
+        print(line)
+
+
+@app.command()
+def cancel(run: Optional[str] = typer.Argument(None, help="Run directory or job id (default: the most recent run).")
+           ) -> None:
+    """Cancel the whole job (every het component) and record it."""
+    from prl.status import resolve_run
+    from prl.submit import cancel as do_cancel
+
+    job = do_cancel(resolve_run(run))
+    print(f"cancelled job {job['job_id']} ({job['name']})")
+
+
+@app.command()
+def doctor(
+    run: str = typer.Argument(..., help="Run directory (after `prl plan` or `prl submit`)."),
+    role: str = typer.Option(..., "--role", help="Role whose checks to run here."),
+    task: int = typer.Option(0, "--task", help="Task index of the role."),
+    strict: bool = typer.Option(True, "--strict/--lenient", help="Missing role packages are errors."),
+) -> None:
+    """Run a role's preflight checks on this node (what every role does first)."""
+    from prl import doctor as checks
+    from prl.rundir import RunDir
+
+    run_dir = RunDir(run)
+    results = checks.preflight(run_dir, run_dir.read_plan(), role, task, strict=strict)
+    print(checks.format_checks(results))
+    if checks.failed(results):
+        raise typer.Exit(1)
+
+
+@app.command()
+def trainer(
+    run_dir: str = typer.Option(..., "--run-dir", help="The run directory (holds plan.json)."),
+    resume: str = typer.Option("latest", "--resume", help="latest, none, or a checkpoint step."),
+) -> None:
+    """Run one trainer rank (start it under torchrun; the job's step scripts do)."""
+    from prl.trainer import main as train
+
+    code = train(run_dir, resume)
+    if code:
+        raise typer.Exit(code)
+
+
 def main() -> None:
     try:
         code = app(standalone_mode=False)

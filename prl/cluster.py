@@ -37,6 +37,11 @@ def check_env_names(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def minutes_as_text(value: object) -> object:
+    """`time: 30` in YAML is an int: Slurm reads a bare number as minutes, so accept it as such."""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 def check_time(value: Optional[str]) -> Optional[str]:
     if value is not None and not _TIME.match(value):
         raise ValueError(f"time must look like MM, HH:MM:SS or D-HH:MM:SS, not {value!r}")
@@ -139,6 +144,7 @@ class ClusterProfile(Strict):
     """First port the roles' servers use on a node."""
 
     _names = field_validator("env")(check_env_names)
+    _time_in = field_validator("default_time", mode="before")(minutes_as_text)
     _time = field_validator("default_time")(check_time)
 
     @property

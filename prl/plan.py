@@ -160,6 +160,8 @@ class Plan:
     kv_offload: dict[str, Any]
     kv_connector: Optional[dict[str, Any]]
     grace_seconds: int
+    requeue: bool
+    """The job may requeue itself at the time-limit warning (and Slurm may requeue it)."""
     totals: dict[str, int]
     warnings: tuple[str, ...] = field(default=())
 
@@ -614,6 +616,7 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
         kv_offload=off.model_dump(),
         kv_connector=topo.inference.kv_connector.model_dump() if disagg else None,
         grace_seconds=cluster.requeue.grace_seconds,
+        requeue=cluster.requeue.enabled,
         totals=totals,
         warnings=tuple(check.warnings),
     )

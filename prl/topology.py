@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional, Sequence
 
 from pydantic import Field, field_validator, model_validator
 
-from prl.cluster import Strict, Token, check_env_names, check_time
+from prl.cluster import Strict, Token, check_env_names, check_time, minutes_as_text
 from prl.loader import Source, load
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -248,6 +248,7 @@ class Slurm(Strict):
     extra_directives: list[str] = []
     """More `#SBATCH` options for every het component, e.g. `--mail-type=END` (one option per item)."""
 
+    _time_in = field_validator("time", mode="before")(minutes_as_text)
     _time = field_validator("time")(check_time)
 
     @field_validator("extra_directives")

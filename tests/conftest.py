@@ -17,3 +17,20 @@ SHIPPED = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+@pytest.fixture
+def env(tmp_path) -> dict:
+    """The environment for `prl` subprocesses, with a run registry of the test's own."""
+    import os
+
+    return {**os.environ, "PRL_HOME": str(tmp_path / "home")}
+
+
+@pytest.fixture
+def model(tmp_path) -> Path:
+    """What a preflight checks of a model directory: a config.json on the shared filesystem."""
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    return path

@@ -1,0 +1,166 @@
+"""Preflight: what every role checks on its node before it does anything else.
+
+    prl doctor RUN --role trainer [--task 0]      (by hand, on a compute node)
+
+Checks the run directory is visible and writable here, the node shows the GPUs
+the plan gave this task, the task's ports are free, the model path exists, the
+cluster interface exists and the role's Python packages import. Light: no
+torch/vLLM import (packages are found with importlib, not imported).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from prl.rundir import RunDir
+
+ROLE_PACKAGES = {
+    "trainer": ("torch", "transformers", "safetensors"),
+    "inference": ("vllm",),
+    "prefill": ("vllm",),
+    "decode": ("vllm",),
+    "orchestrator": ("verifiers",),
+    "router": (),
+}
+MODEL_ROLES = ("trainer", "inference", "prefill", "decode")
+MIN_FREE_GB = 5.0
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    level: str
+    """`ok`, `warn` or `error`."""
+    detail: str
+
+
+def _run_dir(run: RunDir) -> list[Check]:
+    probe = run.state_dir / "preflight" / f".probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text(socket.gethostname())
+        ok = probe.read_text() == socket.gethostname()
+        probe.unlink()
+    except OSError as exc:
+        return [Check("run_dir", "error", f"{run.root} is not writable here: {exc.strerror}")]
+    if not ok:
+        return [Check("run_dir", "error", f"{run.root}: a file read back differently")]
+    checks = [Check("run_dir", "ok", f"{run.root} readable and writable")]
+    free = shutil.disk_usage(run.root).free / 2**30
+    level = "ok" if free >= MIN_FREE_GB else "warn"
+    checks.append(Check("disk", level, f"{free:.1f} GiB free under the run directory"))
+    return checks
+
+
+def visible_gpus() -> int | None:
+    """GPUs this process may use: CUDA_VISIBLE_DEVICES, else nvidia-smi; None if unknowable."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return len([d for d in env.split(",") if d.strip() and d.strip() != "-1"])
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+        return len([line for line in out.stdout.splitlines() if line.startswith("GPU ")])
+    return None
+
+
+def _gpus(plan: dict[str, Any], role: str) -> list[Check]:
+    step = next((s for s in plan["steps"] if s["name"] == role), None)
+    expected = step["gpus_per_node"] if step else 0
+    if expected == 0:
+        return [Check("gpus", "ok", "this role uses no GPUs")]
+    if os.environ.get("PRL_DEVICE") == "cpu":
+        return [Check("gpus", "warn", f"plan gives {expected} GPUs per node; PRL_DEVICE=cpu runs on the CPU")]
+    seen = visible_gpus()
+    if seen is None or seen < expected:
+        return [Check("gpus", "error", f"plan gives {expected} GPUs per node but {seen or 0} are visible here "
+                                       f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")]
+    return [Check("gpus", "ok", f"{seen} GPUs visible, {expected} planned")]
+
+
+def task_ports(plan: dict[str, Any], role: str, task: int) -> list[int]:
+    ports = [s["port"] for s in plan["servers"] if s["role"] == role and s["task"] == task and s["port"]]
+    if role == "router" and plan.get("router_port"):
+        ports.append(plan["router_port"])
+    if role == "trainer" and task == 0:
+        ports.append(plan["trainer"]["master_port"])
+    return ports
+
+
+def _ports(plan: dict[str, Any], role: str, task: int) -> list[Check]:
+    checks = []
+    for port in task_ports(plan, role, task):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError as exc:
+                checks.append(Check("ports", "error", f"port {port} is taken on {socket.gethostname()}: "
+                                                      f"{exc.strerror} (a process of an earlier run?)"))
+                continue
+        checks.append(Check("ports", "ok", f"port {port} free"))
+    return checks
+
+
+def _model(plan: dict[str, Any], role: str) -> list[Check]:
+    if role not in MODEL_ROLES:
+        return []
+    path = plan["model"]["path"]
+    local = path.startswith(("/", ".", "~")) or os.path.isdir(path)
+    if not local:
+        return [Check("model", "warn", f"{path!r} is not a local path: the nodes' hub cache must hold it")]
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        return [Check("model", "error", f"model {path} has no config.json here (missing, or not on a shared "
+                                        f"filesystem)")]
+    return [Check("model", "ok", f"{path} has config.json")]
+
+
+def _interface(plan: dict[str, Any]) -> list[Check]:
+    name = plan["orchestrator"].get("interface")
+    if not name:
+        return []
+    if not Path("/sys/class/net", name).exists():
+        return [Check("network", "error", f"interface {name} (cluster profile network.interface) is not on "
+                                          f"{socket.gethostname()}")]
+    return [Check("network", "ok", f"interface {name} present")]
+
+
+def _packages(role: str, strict: bool) -> list[Check]:
+    checks = []
+    for name in ROLE_PACKAGES.get(role, ()):
+        if importlib.util.find_spec(name) is None:
+            level = "error" if strict else "warn"
+            checks.append(Check("python", level, f"{name} is not importable by {os.sys.executable}"))
+        else:
+            try:
+                version = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                version = "?"
+            checks.append(Check("python", "ok", f"{name} {version}"))
+    return checks
+
+
+def preflight(run: RunDir, plan: dict[str, Any], role: str, task: int, *, strict: bool) -> list[Check]:
+    """All checks for one task of one role. `strict`: the role will run for real (packages must import)."""
+    return [*_run_dir(run), *_gpus(plan, role), *_ports(plan, role, task), *_model(plan, role),
+            *_interface(plan), *_packages(role, strict)]
+
+
+def failed(checks: list[Check]) -> list[Check]:
+    return [c for c in checks if c.level == "error"]
+
+
+def report(checks: list[Check]) -> dict[str, Any]:
+    return {"host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME"),
+            "checks": [asdict(c) for c in checks], "ok": not failed(checks)}
+
+
+def format_checks(checks: list[Check]) -> str:
+    return "\n".join(f"  [{c.level:>5}] {c.name:<8} {c.detail}" for c in checks)

@@ -1,0 +1,106 @@
+"""`prl logs`: the right log file from the run directory's layout, tailed or followed.
+
+    prl logs [RUN] [--role R] [--rank K] [--attempt N] [-n N] [-f]
+
+Default role: the one that failed first, else the last role of the plan (the trainer).
+`--role launcher` shows the launcher's own output (the batch log on Slurm). `-f`
+follows the file like `tail -f`, moves on to the next attempt's file when the job is
+requeued, and stops once the job has ended and the file stopped growing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable, TextIO
+
+from prl.errors import ConfigError
+from prl.rundir import RunDir
+from prl.status import log_tail, role_logs
+from prl.registry import read_job
+
+FOLLOW_POLL = 0.5
+QUIET_AFTER_END = 2.0
+
+
+def latest_attempt(run: RunDir) -> int | None:
+    try:
+        return int(run.latest_logs.resolve().name.split("_")[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _launcher(run: RunDir) -> dict:
+    try:
+        return json.loads(run.launcher_state.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def default_role(run: RunDir, plan: dict) -> str:
+    failure = _launcher(run).get("first_failure")
+    return failure["role"] if failure else plan["steps"][-1]["name"]
+
+
+def log_path(run: RunDir, role: str, rank: int, attempt: int | None) -> Path:
+    if role == "launcher":
+        job = read_job(run)
+        if job and job["backend"] == "slurm":
+            return run.logs_dir / f"slurm-{job['job_id']}.out"
+        return run.logs_dir / "launcher.log"
+    plan = run.read_plan()
+    names = [s["name"] for s in plan["steps"]]
+    if role not in names:
+        raise ConfigError(f"no role {role!r} in this run; roles: {', '.join(names)}, launcher")
+    if attempt is None:
+        attempt = latest_attempt(run)
+        if attempt is None:
+            raise ConfigError(f"{run.root} has no logs yet (the job has not started); see `prl status`")
+    path = run.role_log(attempt, role, rank)
+    if not path.exists():
+        ranks = [p.stem for p in role_logs(run, attempt, role)]
+        have = f"; it has {', '.join(ranks)}" if ranks else "; that role has not started in this attempt"
+        raise ConfigError(f"no log {path}{have}")
+    return path
+
+
+def _ended(run: RunDir) -> bool:
+    return _launcher(run).get("status") in ("completed", "failed", "stopped")
+
+
+def follow(run: RunDir, role: str, rank: int, start_lines: int, out: TextIO = sys.stdout,
+           should_stop: Callable[[], bool] = lambda: False) -> None:
+    """Print the last lines, then new data as it comes; switch files when a new attempt starts."""
+    attempt = latest_attempt(run) if role != "launcher" else None
+    path = log_path(run, role, rank, attempt)
+    for line in log_tail(path, start_lines):
+        out.write(line + "\n")
+    out.flush()
+    handle = open(path, errors="replace")
+    handle.seek(0, 2)
+    quiet_since: float | None = None
+    while not should_stop():
+        chunk = handle.read()
+        if chunk:
+            out.write(chunk)
+            out.flush()
+            quiet_since = None
+            continue
+        if role != "launcher":
+            newest = latest_attempt(run)
+            if newest is not None and newest != attempt:
+                candidate = run.role_log(newest, role, rank)
+                if candidate.exists():
+                    handle.close()
+                    attempt, path = newest, candidate
+                    out.write(f"--- attempt {attempt}: {path} ---\n")
+                    handle = open(path, errors="replace")
+                    continue
+        if _ended(run):
+            quiet_since = quiet_since or time.monotonic()
+            if time.monotonic() - quiet_since > QUIET_AFTER_END:
+                break
+        time.sleep(FOLLOW_POLL)
+    handle.close()

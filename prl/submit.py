@@ -1,0 +1,145 @@
+"""`prl submit`: plan, render, submit one heterogeneous job (or local processes), record the handle.
+
+The job handle (`RUN/job.json`, written only once the job exists) holds the job id, the
+het components and their roles, the cluster, the mode and the scripts' hashes. Every
+submission is also appended to the user's run registry (`$PRL_HOME/runs.jsonl`, default
+`~/.local/state/prl`), so `prl status` with no argument finds the most recent run.
+
+submitit is not used: it has no heterogeneous jobs (one configuration per job), and its
+sacct watcher keys rows by the plain job id, so it never sees `ID+N` components finish.
+prl renders its own hetjob script and submits it with `sbatch` through `prl.slurm`; it
+follows submitit in batching one squeue/sacct call per status and in a small error hierarchy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from prl.errors import ConfigError, SlurmError
+from prl.prepare import Prepared, prepare, write_run_files
+from prl.registry import read_job, register
+from prl.rundir import RunDir, atomic_write_json
+
+# sbatch complaint -> the profile or topology field that fixes it.
+_HINTS = (
+    (r"partition", "partitions.* in the cluster profile"),
+    (r"account|association", "account in the cluster profile (or slurm.account in the topology)"),
+    (r"qos", "qos in the cluster profile (or slurm.qos)"),
+    (r"time limit", "default_time in the cluster profile (or slurm.time)"),
+    (r"reservation", "slurm.reservation in the topology"),
+    (r"node configuration is not available|gres|gpu", "gpu_node / gpu_directive / constraint in the cluster profile"),
+    (r"node count|nodes", "the node counts in the topology, or max_nodes in the cluster profile"),
+)
+
+
+def _previous_attempts(run: RunDir) -> int:
+    if not run.logs_dir.is_dir():
+        return 0
+    numbers = [int(m.group(1)) for p in run.logs_dir.iterdir() if (m := re.fullmatch(r"attempt_(\d+)", p.name))]
+    return max(numbers, default=0)
+
+
+def _hint(message: str) -> str:
+    for pattern, field in _HINTS:
+        if re.search(pattern, message, re.IGNORECASE):
+            return f"; check {field}"
+    return ""
+
+
+def _job_record(prepared: Prepared, backend: str, job_id: str, mode: str, hold: float, attempt_base: int,
+                topology: Path, overrides: Sequence[str]) -> dict[str, Any]:
+    plan = prepared.plan
+    scripts = {rel: hashlib.sha256(text.encode()).hexdigest() for rel, text in sorted(prepared.files.items())
+               if rel.startswith("scripts/")}
+    return {
+        "job_id": job_id, "name": plan.name, "backend": backend, "cluster": plan.cluster, "mode": mode,
+        "hold": hold, "hetjob": plan.hetjob, "attempt_base": attempt_base,
+        "components": {str(g.index): g.name for g in plan.groups},
+        "steps": {s.name: s.group for s in plan.steps},
+        "submitted": time.time(), "topology": str(topology.resolve()), "overrides": list(overrides),
+        "run_dir": plan.run_dir, "scripts": scripts, "pid": None, "cancelled": None,
+    }
+
+
+def submit(topology: Path, overrides: Sequence[str], *, local: bool, detach: bool, resume: bool, force: bool,
+           preflight: bool, hold: float) -> tuple[RunDir, dict[str, Any]]:
+    prepared = prepare(topology, overrides)
+    run = RunDir(prepared.run_dir)
+    old = read_job(run)
+    if old and not (resume or force):
+        raise ConfigError(f"{run.root} already holds job {old['job_id']} ({old['backend']}): use --resume to "
+                          f"continue that run from its checkpoints, --force to submit anyway, or another run_dir")
+    backend = "local" if local or not prepared.plan.slurm else "slurm"
+    mode = "preflight" if preflight else "run"
+    attempt_base = _previous_attempts(run)
+    write_run_files(prepared, force=True)
+    run.create()
+    env = {"PRL_MODE": mode, "PRL_HOLD": f"{hold:g}", "PRL_ATTEMPT_BASE": str(attempt_base)}
+    if backend == "slurm":
+        from prl import slurm
+
+        exports = ",".join(["ALL", *(f"{k}={v}" for k, v in env.items())])
+        try:
+            job_id = slurm.sbatch(run.scripts_dir / "job.sbatch", extra_args=[f"--export={exports}",
+                                                                              f"--chdir={run.root}"])
+        except SlurmError as exc:
+            raise SlurmError(f"sbatch rejected the job: {exc}{_hint(str(exc))} "
+                             f"(cluster profile '{prepared.plan.cluster}')") from None
+        job = _job_record(prepared, backend, str(job_id), mode, hold, attempt_base, topology, overrides)
+        atomic_write_json(run.job_json, job)
+        register(run, job)
+        return run, job
+
+    job = _job_record(prepared, backend, f"local-{int(time.time())}", mode, hold, attempt_base, topology, overrides)
+    log = open(run.logs_dir / "launcher.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "prl.launch", "--run-dir", str(run.root)],
+                            env={**os.environ, **env, "PRL_ATTEMPT": str(attempt_base + 1)}, stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                            cwd=run.root)
+    log.close()
+    job["pid"] = proc.pid
+    atomic_write_json(run.job_json, job)
+    register(run, job)
+    if not detach:
+        job["exit_code"] = wait_local(proc)
+    return run, job
+
+
+def wait_local(proc: subprocess.Popen) -> int:
+    """Wait for a foreground local run; Ctrl-C stops every role cleanly (the launcher's grace applies)."""
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        print("stopping (Ctrl-C again to kill)...", file=sys.stderr)
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            os.killpg(proc.pid, signal.SIGKILL)
+            return proc.wait()
+
+
+def cancel(run: RunDir) -> dict[str, Any]:
+    job = read_job(run)
+    if job is None:
+        raise ConfigError(f"{run.root} holds no submitted job (no job.json)")
+    if job["backend"] == "slurm":
+        from prl import slurm
+
+        slurm.scancel(job["job_id"])
+    else:
+        try:
+            os.killpg(int(job["pid"]), signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    job["cancelled"] = time.time()
+    atomic_write_json(run.job_json, job)
+    return job

@@ -1,0 +1,85 @@
+"""`prl submit --local`: the same launcher, run directory and log layout, as local processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from tests.slurm_fixtures import wait_for
+
+
+def prl(env, *args, check=True):
+    result = subprocess.run([sys.executable, "-m", "prl.cli", *map(str, args)], capture_output=True, text=True,
+                            env=env, cwd=REPO, timeout=120)
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def state(env, run) -> dict:
+    return json.loads(prl(env, "status", run, "--json").stdout)
+
+
+def submit(env, run, model, *extra, hold=5):
+    return prl(env, "submit", "configs/local-tiny.yaml", f"run_dir={run}", f"model.path={model}", "--local",
+               "--detach", "--preflight", "--hold", hold, *extra)
+
+
+def test_local_preflight_run_completes_with_the_slurm_layout(tmp_path, env, model):
+    run = tmp_path / "run"
+    out = submit(env, run, model, hold=2).stdout
+    assert "submitted local run" in out
+    final = wait_for("COMPLETED", lambda: (s := state(env, run))["state"] == "COMPLETED" and s, 60)
+    assert [r["role"] for r in final["roles"]] == ["inference", "orchestrator", "trainer"]
+    assert [r["exit_code"] for r in final["roles"]] == [0, 0, 0]
+    assert os.readlink(run / "logs" / "latest") == "attempt_1"
+    log = prl(env, "logs", run, "--role", "inference").stdout
+    assert "preflight on" in log and "[   ok] run_dir" in log
+
+
+def test_local_failure_is_reported(tmp_path, env):
+    run = tmp_path / "run"
+    submit(env, run, tmp_path / "no-model", hold=60)
+    final = wait_for("FAILED", lambda: (s := state(env, run))["state"] == "FAILED" and s, 60)
+    assert final["failure"]["role"] == "inference" and final["failure"]["exit_code"] == 1
+    assert any("has no config.json" in line for line in final["failure"]["log_tail"])
+    assert [r["status"] for r in final["roles"]] == ["failed", "not started", "not started"]
+
+
+def test_local_cancel(tmp_path, env, model):
+    run = tmp_path / "run"
+    submit(env, run, model, hold=120)
+    wait_for("running", lambda: all(r["status"] == "running" for r in state(env, run)["roles"]), 60)
+    prl(env, "cancel", run)
+    final = wait_for("CANCELLED", lambda: (s := state(env, run))["state"] == "CANCELLED" and s, 60)
+    assert all(r["status"] == "stopped" for r in final["roles"]), final["roles"]
+    assert "stopped by signal 15" in (run / "logs" / "attempt_1" / "trainer" / "rank_0.log").read_text()
+
+
+def test_ctrl_c_stops_every_role(tmp_path, env, model):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "prl.cli", "submit", "configs/local-tiny.yaml", f"run_dir={run}",
+                             f"model.path={model}", "--local", "--preflight", "--hold", "120"],
+                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for("running", lambda: (run / "state" / "launcher.json").exists()
+             and all(r["status"] == "running" for r in state(env, run)["roles"]), 60)
+    pids = [json.loads((run / "state" / f"{r}.json").read_text())["pid"] for r in ("inference", "trainer")]
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1, out + err
+    assert "ended with exit code" in out
+    launcher = json.loads((run / "state" / "launcher.json").read_text())
+    assert launcher["status"] == "stopped"
+    for pid in pids:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{pid}"), f"role process {pid} outlived Ctrl-C"
