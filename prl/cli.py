@@ -185,6 +185,53 @@ def trainer(
         raise typer.Exit(code)
 
 
+@app.command()
+def orchestrator(
+    run_dir: str = typer.Option(..., "--run-dir", help="The run directory (holds plan.json)."),
+    server: Optional[List[str]] = typer.Option(None, "--server", help="Inference server URL (repeatable); "
+                                                                     "default: the run's endpoints."),
+) -> None:
+    """Run the orchestrator: environments -> rollouts -> batches; new weights -> every server."""
+    from prl.orchestrator import main as orchestrate
+
+    code = orchestrate(run_dir, server or None)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command(name="eval")
+def evaluate(
+    env_id: str = typer.Argument(..., help="verifiers taskset id, e.g. prl_reverse_text."),
+    base_url: str = typer.Option(..., "--base-url", help="OpenAI-compatible endpoint, e.g. http://host:8000/v1."),
+    model: str = typer.Option(..., "--model", help="Model name the endpoint serves."),
+    api_key_env: Optional[str] = typer.Option(None, "--api-key-env", help="Variable that holds the API key."),
+    examples: int = typer.Option(64, "--examples", "-n", help="Eval-split examples."),
+    rollouts: int = typer.Option(1, "--rollouts", help="Rollouts per example."),
+    max_tokens: int = typer.Option(512, "--max-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    env_arg: Optional[List[str]] = typer.Option(None, "--arg", help="Taskset argument KEY=VALUE (repeatable)."),
+) -> None:
+    """Evaluate an environment's eval split against any OpenAI-compatible endpoint (the same env code as training)."""
+    from prl.errors import ConfigError
+    from prl.orchestrator.eval import main as run_eval
+
+    args = {}
+    for item in env_arg or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--arg {item!r}: expected KEY=VALUE")
+        args[key] = yaml_value(value)
+    run_eval(env_id, base_url, model, api_key_env=api_key_env, examples=examples, rollouts=rollouts, args=args,
+             max_tokens=max_tokens, temperature=temperature)
+
+
+def yaml_value(text: str) -> object:
+    """`--arg n=3` gives 3, `--arg name=abc` gives 'abc': values parse as YAML scalars."""
+    import yaml
+
+    return yaml.safe_load(text)
+
+
 def main() -> None:
     try:
         code = app(standalone_mode=False)

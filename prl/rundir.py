@@ -501,6 +501,11 @@ class RunDir:
         _check_role(role)
         return self.state_dir / "exits" / f"{role}.{task}.json"
 
+    @property
+    def stop_request(self) -> Path:
+        """Written by the launcher to ask every task of this attempt to stop (checkpoint, then exit)."""
+        return self.state_dir / "stop.json"
+
     def endpoint(self, role: str, index: int) -> Path:
         """Where task/replica `index` of `role` says how to reach it (host, port)."""
         _check_role(role)
@@ -514,6 +519,7 @@ class RunDir:
         """Forget an earlier attempt's readiness markers and endpoints before a new attempt starts."""
         for sub in ("ready", "endpoints", "preflight", "exits"):
             shutil.rmtree(self.state_dir / sub, ignore_errors=True)
+        self.stop_request.unlink(missing_ok=True)
         for kind in KINDS:
             base = self.root / kind
             if base.is_dir():

@@ -212,6 +212,17 @@ class Loss(Strict):
         return self
 
 
+class Advantage(Strict):
+    std_normalize: bool = False
+    """Divide by the group's reward std (GRPO); off: mean-centring only (Dr.GRPO)."""
+    length_penalty: float = Field(default=0.0, ge=0)
+    """Subtract length_penalty * completion_tokens / max_tokens from each reward before centring."""
+    drop_zero_groups: bool = False
+    """Leave groups whose advantages are all zero out of the batch."""
+    eps: float = Field(default=1e-6, gt=0)
+    """Added to the std before dividing."""
+
+
 class Training(Strict):
     batch_size: int = Field(ge=1)
     """Rollouts per training step (all ranks together)."""
@@ -220,7 +231,7 @@ class Training(Strict):
     micro_batch_tokens: int = Field(default=8192, ge=16)
     """Most tokens in one packed micro-batch."""
     max_off_policy_steps: int = Field(default=2, ge=0)
-    """No sample generated with weights older than step - N is trained on (0: synchronous)."""
+    """Rollouts for step N come from weights no older than step N-1-k (0: synchronous, on-policy)."""
     lr: float = Field(default=1e-6, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
@@ -234,6 +245,19 @@ class Training(Strict):
     """Most tokens generated per rollout turn."""
     temperature: float = Field(default=1.0, ge=0)
     loss: Loss = Loss()
+    advantage: Advantage = Advantage()
+    max_concurrent_rollouts: int = Field(default=256, ge=1)
+    """Rollouts in flight at once, over all inference servers."""
+    rollout_retries: int = Field(default=3, ge=0)
+    """Extra attempts for a rollout that failed on a transient HTTP error (on another server if any)."""
+    weight_update_retries: int = Field(default=5, ge=1)
+    """Attempts to make a server load a weights step before the orchestrator fails."""
+    weights_timeout_s: float = Field(default=3600.0, gt=0)
+    """Longest the orchestrator waits for the weights a step needs."""
+    endpoint_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest the orchestrator waits for the inference servers at start."""
+    rollout_timeout_s: float = Field(default=3600.0, gt=0)
+    """Longest the trainer waits for a step's rollouts."""
 
 
 class Slurm(Strict):

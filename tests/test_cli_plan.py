@@ -22,7 +22,7 @@ def test_plan_writes_the_run_directory(name, tmp_path):
     run = tmp_path / "run"
     result = prl("plan", f"configs/{name}.yaml", f"run_dir={run}")
     assert result.returncode == 0, result.stderr
-    assert f"wrote" in result.stdout and str(run) in result.stdout
+    assert "wrote" in result.stdout and str(run) in result.stdout
     plan = json.loads((run / "plan.json").read_text())
     assert plan["run_dir"] == str(run) and plan["name"] == name
     assert (run / "topology.yaml").exists()

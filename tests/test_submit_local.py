@@ -8,9 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import pytest
 
 from conftest import REPO
 from tests.slurm_fixtures import wait_for

@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -175,3 +174,16 @@ def test_a_run_directory_with_a_job_is_refused(lab, env, model):
     run, job = lab(hold=1, name="twice")
     again = prl(env, "submit", "configs/lab.yaml", f"run_dir={run}", f"model.path={model}", "--preflight", check=False)
     assert again.returncode == 2 and f"already holds job {job['job_id']}" in again.stderr
+
+
+@pytest.mark.slow
+def test_time_limit_warning_requeues_the_job(lab, env):
+    """The lab profile asks for TERM 60 s before the limit and allows requeue: the launcher
+    stops the roles (their checkpoint window) and requeues, and attempt 2 starts."""
+    run, job = lab("slurm.time=2", hold=600)
+    wait_for("every role running", lambda: _all_running(env, run), 60)
+    wait_for("attempt 2", lambda: (s := status(env, run))["attempt"] == 2 and s["state"] == "RUNNING" and s,
+             timeout=200, interval=2)
+    batch_log = (run / "logs" / f"slurm-{job['job_id']}.out").read_text()
+    assert "(time-limit warning)" in batch_log and "job requeued" in batch_log, batch_log
+    assert "stopped by signal 15" in (run / "logs" / "attempt_1" / "trainer" / "rank_0.log").read_text()

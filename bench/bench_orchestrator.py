@@ -1,0 +1,116 @@
+"""Orchestrator overhead: rollouts/s and CPU per rollout against an instant fake engine.
+
+    python bench/bench_orchestrator.py [--steps 4] [--batch 256] [--group 8] [--max-tokens 16]
+
+The engine (tests/fake_engine.py) runs in its own process and answers at once, so
+what is measured is the orchestrator itself: verifiers' interception + train client
+(client-side chat-template rendering), the in-process harness, scoring, advantages, packing
+and publishing. Baseline in the same run: the same number of bare token-level generate calls
+from one asyncio client (what an orchestrator with no environment at all would reach).
+Prints steady-state rollouts/s (step 1, with the tokenizer warm-up, is excluded), the
+orchestrator process's CPU seconds per wall second, and CPU milliseconds per rollout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+ENGINE = """
+import sys, time
+from tests.fake_engine import FakeEngine
+eng = FakeEngine(model="bench", token_ids=range(3, 400), stop_id=2, p_stop=0.0).start()
+print(eng.url, flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+async def baseline(url: str, n: int, max_tokens: int, concurrency: int = 256) -> float:
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    body = {"model": "bench", "token_ids": list(range(3, 40)), "sampling_params": {"max_tokens": max_tokens, "logprobs": 1}}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+
+        async def one():
+            async with sem, session.post(f"{url}/inference/v1/generate", json=body) as r:
+                r.raise_for_status()
+                await r.read()
+
+        await one()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(n)))
+        return n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--env", default="prl_letters")
+    a = p.parse_args()
+
+    from prl.orchestrator import main as orchestrate
+    from prl.rundir import RunDir, atomic_write_json
+    from tests.tiny_model import build_tokenizer
+
+    eng = subprocess.Popen([sys.executable, "-c", ENGINE], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        url = eng.stdout.readline().strip()
+        with tempfile.TemporaryDirectory() as tmp:
+            tok = Path(tmp) / "tok"
+            build_tokenizer().save_pretrained(tok)
+            run = RunDir(Path(tmp) / "run").create()
+            atomic_write_json(
+                run.plan_json,
+                {
+                    "environment": {"id": a.env, "args": {}, "harness": "prl", "eval": {"every": 0}},
+                    "model": {"path": str(tok)},
+                    "trainer": {"mesh": {"dp_replicate": 1, "dp_shard": 1}},
+                    "training": {"batch_size": a.batch, "rollouts_per_example": a.group, "max_steps": a.steps,
+                                 "max_off_policy_steps": a.steps, "max_tokens": a.max_tokens,
+                                 "micro_batch_tokens": 8192},
+                },
+            )
+            base = asyncio.run(baseline(url, a.batch * 2, a.max_tokens))
+            c0, w0 = cpu(), time.perf_counter()
+            orchestrate(str(run.root), [url])
+            c1, w1 = cpu(), time.perf_counter()
+            steps = [m for m in run.read_metrics("orchestrator") if not m.get("eval")]
+            steady = steps[1:] or steps
+            rate = sum(m["rollouts"] for m in steady) / sum(m["generate_s"] for m in steady)
+            rollouts = sum(m["rollouts"] for m in steps)
+            print(json.dumps({
+                "rollouts_per_s": round(rate, 1),
+                "baseline_generate_per_s": round(base, 1),
+                "ratio_to_baseline": round(rate / base, 3),
+                "orchestrator_cpu_per_wall": round((c1 - c0) / (w1 - w0), 2),
+                "cpu_ms_per_rollout": round(1000 * (c1 - c0) / rollouts, 2),
+                "rollouts": rollouts,
+                "wall_s": round(w1 - w0, 1),
+            }, indent=2))
+    finally:
+        eng.terminate()
+        eng.wait(10)
+
+
+if __name__ == "__main__":
+    main()

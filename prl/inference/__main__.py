@@ -1,0 +1,4 @@
+from prl.inference.server import main
+
+if __name__ == "__main__":
+    main()

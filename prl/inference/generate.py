@@ -1,0 +1,165 @@
+"""`POST /inference/v1/generate`: token ids in, token ids and their logprobs out.
+
+This is the endpoint the `verifiers` 0.4.0 training client calls (through
+the `renderers` package it pins): the client renders the chat template
+itself and sends
+
+    {"model": M, "token_ids": [...], "sampling_params": {..., "logprobs": 1,
+     "stop_token_ids": [...]}, "cache_salt"?: S, "priority"?: P}
+    header X-Session-ID: <rollout session>
+
+and requires, for `choices[0]`, the sampled `token_ids`, a `finish_reason`
+and `logprobs.content` with exactly one `{"token": "token_id:<id>",
+"logprob": x}` per sampled token (x finite, not vLLM's -9999 sentinel).
+vLLM 0.32 mounts a route of this name only with `--enable-scale-out` /
+`--tokens-only`, and its entries (`{"token_id": N, ...}`) fail that check,
+so prl serves its own. Text in and multimodal features are not supported
+here (use the OpenAI routes); sampling keys vLLM does not know are ignored
+(the client passes provider-specific extras through).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from vllm.entrypoints.serve.utils.api_utils import with_cancellation
+from vllm.inputs import TokensPrompt
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.utils import random_uuid
+
+logger = logging.getLogger("prl.inference.generate")
+
+router = APIRouter()
+
+SESSION_HEADER = "X-Session-ID"
+
+# SamplingParams fields a client may set; the rest are engine-internal or need objects.
+CLIENT_SAMPLING_KEYS = frozenset({
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+    "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens",
+    "logprobs", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+    "logit_bias", "allowed_token_ids", "bad_words", "extra_args",
+})
+
+
+class GenerateRequest(BaseModel):
+    """Body of POST /inference/v1/generate."""
+
+    model_config = ConfigDict(extra="allow")
+
+    token_ids: list[int] = Field(min_length=1)
+    """The rendered prompt."""
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    """vLLM SamplingParams fields; unknown keys are ignored."""
+    model: str | None = None
+    request_id: str | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    stream: bool = False
+    features: Any = None
+    content_parts: Any = None
+
+
+def _error(status: HTTPStatus, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": status.phrase, "code": status.value}},
+                        status_code=status.value)
+
+
+def build_sampling_params(raw: dict[str, Any], defaults: dict[str, Any], room: int) -> SamplingParams:
+    """SamplingParams from a client dict: generation-config defaults, then the client's known keys.
+
+    `room` (context length left after the prompt) is the default `max_tokens`,
+    as in vLLM's OpenAI routes. Logprobs are always on: at least the sampled
+    token's (`logprobs=0`).
+    """
+    kwargs = {k: v for k, v in defaults.items() if k in CLIENT_SAMPLING_KEYS}
+    kwargs.update({k: v for k, v in raw.items() if k in CLIENT_SAMPLING_KEYS and v is not None})
+    ignored = sorted(set(raw) - CLIENT_SAMPLING_KEYS)
+    if ignored:
+        logger.debug("generate: ignoring sampling keys %s", ignored)
+    if kwargs.get("logit_bias"):
+        kwargs["logit_bias"] = {int(k): float(v) for k, v in kwargs["logit_bias"].items()}
+    kwargs.setdefault("max_tokens", room)
+    kwargs["logprobs"] = max(int(kwargs.get("logprobs") or 0), 0)
+    kwargs["output_kind"] = RequestOutputKind.FINAL_ONLY
+    return SamplingParams(**kwargs)
+
+
+def _entry(token_id: int, logprob: float) -> dict[str, Any]:
+    return {"token": f"token_id:{token_id}", "logprob": logprob}
+
+
+def _choice(index: int, completion, want_top: int) -> dict[str, Any]:
+    content = []
+    for i, tok in enumerate(completion.token_ids):
+        step = completion.logprobs[i] if completion.logprobs is not None else {}
+        sampled = step.get(tok)
+        if sampled is None:
+            raise RuntimeError(f"the engine returned no logprob for sampled token {i} ({tok})")
+        # JSON has no -inf; a sampled token this unlikely only comes from an underflow.
+        entry = _entry(tok, sampled.logprob if math.isfinite(sampled.logprob) else -1e30)
+        if want_top:
+            entry["top_logprobs"] = [_entry(t, v.logprob) for t, v in
+                                     sorted(step.items(), key=lambda kv: kv[1].rank or 0)[:want_top]]
+        content.append(entry)
+    return {
+        "index": index,
+        "token_ids": list(completion.token_ids),
+        "finish_reason": completion.finish_reason or "abort",
+        "stop_reason": completion.stop_reason,
+        "logprobs": {"content": content},
+    }
+
+
+@router.post("/inference/v1/generate")
+@with_cancellation
+async def generate(request: GenerateRequest, raw_request: Request):
+    engine = raw_request.app.state.engine_client
+    if request.stream:
+        return _error(HTTPStatus.BAD_REQUEST, "stream=true is not supported by this endpoint")
+    if request.features is not None or request.content_parts:
+        return _error(HTTPStatus.BAD_REQUEST, "multimodal inputs are not supported by this endpoint")
+    if any(t < 0 for t in request.token_ids):
+        return _error(HTTPStatus.BAD_REQUEST, "token_ids must not contain negative values")
+    model_config = engine.model_config
+    room = model_config.max_model_len - len(request.token_ids)
+    if room < 1:
+        return _error(HTTPStatus.BAD_REQUEST, f"prompt of {len(request.token_ids)} tokens leaves no room in "
+                                              f"max_model_len={model_config.max_model_len}")
+    try:
+        params = build_sampling_params(request.sampling_params, model_config.get_diff_sampling_param(), room)
+    except (TypeError, ValueError) as e:
+        return _error(HTTPStatus.BAD_REQUEST, f"bad sampling_params: {e}")
+
+    prompt = TokensPrompt(prompt_token_ids=request.token_ids)
+    if request.cache_salt:
+        prompt["cache_salt"] = request.cache_salt
+    request_id = f"prl-gen-{request.request_id or random_uuid()}"
+    final = None
+    try:
+        async for out in engine.generate(prompt, params, request_id, priority=request.priority,
+                                         session_id=raw_request.headers.get(SESSION_HEADER)):
+            final = out
+    except ValueError as e:  # vLLM's input validation (token ids out of vocab, too long, ...)
+        return _error(HTTPStatus.BAD_REQUEST, str(e))
+    if final is None:
+        return _error(HTTPStatus.INTERNAL_SERVER_ERROR, "the engine returned no output")
+
+    want_top = int(request.sampling_params.get("logprobs") or 0)
+    choices = [_choice(i, c, want_top if want_top > 1 else 0) for i, c in enumerate(final.outputs)]
+    completion_tokens = sum(len(c["token_ids"]) for c in choices)
+    return JSONResponse({
+        "request_id": request_id,
+        "model": request.model,
+        "prompt_token_ids": list(request.token_ids),
+        "choices": choices,
+        "usage": {"prompt_tokens": len(request.token_ids), "completion_tokens": completion_tokens,
+                  "total_tokens": len(request.token_ids) + completion_tokens},
+    })

@@ -1,0 +1,197 @@
+"""`python -m prl.inference`: vLLM's OpenAI server plus prl's admin and token endpoints.
+
+    python -m prl.inference --run-dir RUN [--api-key-env VAR] <vllm serve args>
+
+The app is built from vLLM's own launcher pieces (its `vllm serve` argument
+parser, `build_async_engine_client`, `build_app`, `init_app_state`,
+`serve_http`), with prl's routers included and
+`--worker-extension-cls prl.inference.worker.WeightUpdater` added so weight
+loading runs inside every worker. Nothing in vLLM is patched.
+
+Binding: `--host` as given (the launcher passes the node's cluster address);
+without it 127.0.0.1, never all interfaces by default. With `--api-key-env
+VAR` and VAR set, every endpoint but `/health` requires `Authorization:
+Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from prl.rundir import RunDir
+
+WORKER_EXTENSION = "prl.inference.worker.WeightUpdater"
+OPEN_PATHS = ("/health",)
+"""Paths served without the API key (the launcher's readiness probe)."""
+
+log = logging.getLogger("prl.inference")
+
+
+def split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """prl's own flags, and the rest for vLLM with the defaults prl needs filled in."""
+    parser = argparse.ArgumentParser(prog="python -m prl.inference", add_help=False)
+    parser.add_argument("--run-dir", required=True, help="the run directory (weights are loaded from RUN/weights/)")
+    parser.add_argument("--api-key-env", default=None,
+                        help="name of an env var holding the API key; when set, all endpoints but /health need it")
+    ours, rest = parser.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        parser.print_help()
+    flags = {a.split("=", 1)[0] for a in rest}
+    if "--host" not in flags:
+        rest += ["--host", "127.0.0.1"]
+    if "--worker-extension-cls" in flags:
+        i = next(i for i, a in enumerate(rest) if a.split("=", 1)[0] == "--worker-extension-cls")
+        given = rest[i].split("=", 1)[1] if "=" in rest[i] else rest[i + 1]
+        if given != WORKER_EXTENSION:
+            parser.error(f"--worker-extension-cls {given}: prl.inference needs {WORKER_EXTENSION} "
+                         "(weight updates run in it); subclass it to add your own methods")
+    else:
+        rest += ["--worker-extension-cls", WORKER_EXTENSION]
+    return ours, rest
+
+
+class BearerAuth:
+    """Pure ASGI middleware: every HTTP/websocket path except OPEN_PATHS needs the bearer key."""
+
+    def __init__(self, app, key: str):
+        self.app = app
+        self.digest = hashlib.sha256(key.encode()).digest()
+
+    def _ok(self, scope) -> bool:
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                return scheme.lower() == "bearer" and hmac.compare_digest(
+                    hashlib.sha256(token.strip().encode()).digest(), self.digest)
+        return False
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "").removeprefix(scope.get("root_path", "")) or "/"
+        if (scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS"
+                or path in OPEN_PATHS or self._ok(scope)):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        from starlette.responses import JSONResponse
+
+        await JSONResponse({"error": "missing or wrong API key (Authorization: Bearer <key>)"},
+                           status_code=401)(scope, receive, send)
+
+
+def replace_routes(app, router) -> None:
+    """Drop the app's routes that `router` serves too (same path and method), then include `router`."""
+    ours = {(r.path, m) for r in router.routes for m in getattr(r, "methods", ())}
+    keep = []
+    for route in app.router.routes:
+        clash = {(getattr(route, "path", None), m) for m in getattr(route, "methods", None) or ()} & ours
+        if clash:
+            log.info("prl replaces vLLM's route %s", sorted(clash))
+        else:
+            keep.append(route)
+    app.router.routes[:] = keep
+    app.include_router(router)
+
+
+_API_KEY: str | None = None
+"""Set by `serve` before the app is built; read by ApiKeyAuth (vLLM constructs middleware with the app only)."""
+
+
+class ApiKeyAuth(BearerAuth):
+    """BearerAuth with this process's key, for vLLM's `--middleware` hook."""
+
+    def __init__(self, app):
+        if not _API_KEY:
+            raise RuntimeError("ApiKeyAuth needs prl.inference.server._API_KEY set")
+        super().__init__(app, _API_KEY)
+
+
+async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
+    """Start the engine, build the app with prl's routes, serve until shutdown."""
+    import vllm.envs as envs
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+    from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
+
+    from prl.inference import admin, generate
+
+    run = RunDir(ours.run_dir)
+    key = os.environ.get(ours.api_key_env, "") if ours.api_key_env else ""
+    if ours.api_key_env and not key:
+        log.warning("--api-key-env %s: the variable is not set; serving without an API key", ours.api_key_env)
+
+    # SIGTERM before uvicorn installs its handlers (the engine takes a minute to start):
+    # unwind through the engine's context manager so its processes go too.
+    def _interrupt(*_):
+        raise KeyboardInterrupt("terminated")
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    if key:
+        # vLLM's --middleware hook: the app's middleware stack is final once build_app returns.
+        global _API_KEY
+        _API_KEY = key
+        args.middleware = [*(args.middleware or []), f"{__name__}.ApiKeyAuth"]
+    listen_address, sock = setup_server(args, reuse_port=False)
+    async with build_async_engine_client(args) as engine:
+        supported = await engine.get_supported_tasks()
+        app = build_app(args, supported, engine.model_config)
+        # vLLM 0.32 always mounts /inference/v1/generate: a 403 stub without --enable-scale-out,
+        # else its own format, which the verifiers train client rejects. Ours must answer first.
+        replace_routes(app, generate.router)
+        app.include_router(admin.router)
+        await init_app_state(engine, app.state, args, supported)
+        served = (args.served_model_name or [args.model])[0]
+        app.state.prl_admin = admin.initial_state(run, args.model, served)
+        log.info("prl inference: run dir %s, serving %s on %s", run.root, served, listen_address)
+
+        uvicorn_kwargs = {}
+        if (log_config := get_uvicorn_log_config(args)) is not None:
+            uvicorn_kwargs["log_config"] = log_config
+        shutdown = await serve_http(
+            app, sock=sock, enable_ssl_refresh=args.enable_ssl_refresh,
+            host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+            ssl_ciphers=args.ssl_ciphers,
+            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+            h11_max_header_count=args.h11_max_header_count,
+            **uvicorn_kwargs,
+        )
+    try:
+        await shutdown
+    finally:
+        sock.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvloop
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    ours, rest = split_args(list(sys.argv[1:] if argv is None else argv))
+    if not Path(ours.run_dir).is_dir():
+        sys.exit(f"prl.inference: --run-dir {ours.run_dir} is not a directory")
+    cli_env_setup()
+    parser = make_arg_parser(FlexibleArgumentParser(prog="python -m prl.inference",
+                                                    description="vLLM server with prl's admin endpoints"))
+    args = parser.parse_args(rest)
+    configure_logging_from_args(args)
+    validate_parsed_serve_args(args)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("(prl) %(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
+    logging.getLogger("prl").addHandler(handler)
+    logging.getLogger("prl").setLevel(logging.INFO)
+    uvloop.run(serve(ours, args))

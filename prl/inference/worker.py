@@ -1,0 +1,76 @@
+"""Worker-side weight loading, mixed into every vLLM worker.
+
+`python -m prl.inference` passes `--worker-extension-cls
+prl.inference.worker.WeightUpdater`; vLLM adds this class to each worker's
+bases, and the API process calls `engine_client.collective_rpc(
+"prl_load_weights", args=(dir,))` to run it on every worker (all TP/PP/DP
+ranks) at once.
+
+The load goes through vLLM's in-place reload (`Worker.reload_weights`, the
+layer-wise helpers in `model_executor/model_loader/reload/`): each layer is
+rebuilt from checkpoint-format tensors and re-processed (quantization,
+CPU repacking), then copied into the original storage so captured graphs
+keep pointing at it. A plain `model.load_weights` is not enough on the CPU
+backend: linear weights were repacked into oneDNN handles at load time and
+the parameters left empty, so new values would never reach the kernels.
+
+One CPU-specific gap remains: a tied `lm_head` receives no tensor of its own
+(the checkpoint stores the embedding once), so the reload puts its old
+parameter back without re-running its processing, and on CPU that
+processing is what builds the packed GEMM weight the logits use. We re-run
+it for every unquantized `ParallelLMHead` after the reload. On GPU the tied
+head reads the shared parameter directly, so nothing extra is needed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from prl.inference.checks import weight_files
+
+
+def iter_safetensors(path: str | Path) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821
+    """(name, tensor) for every tensor of a model directory, file by file, in name order."""
+    from safetensors import safe_open
+
+    for f in weight_files(path):
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for name in sorted(sf.keys()):
+                yield name, sf.get_tensor(name)
+
+
+class WeightUpdater:
+    """Methods vLLM mixes into its Worker class (`self` is the worker)."""
+
+    def prl_load_weights(self, path: str) -> dict:
+        """Load the HF checkpoint at `path` into this worker's model, in place."""
+        from vllm.platforms import current_platform
+
+        start = time.perf_counter()
+        self.reload_weights(weights_iterator=iter_safetensors(path), is_checkpoint_format=True)
+        repacked = _reprocess_lm_heads(self.model_runner.get_model()) if current_platform.is_cpu() else 0
+        return {"rank": getattr(self, "rank", 0), "seconds": time.perf_counter() - start, "repacked_lm_heads": repacked}
+
+    def prl_weight_checksum(self, names: list[str]) -> dict[str, float]:
+        """Sum of each named parameter (vLLM names) on this worker; for tests and debugging."""
+        params = dict(self.model_runner.get_model().named_parameters())
+        return {n: float(params[n].float().sum()) for n in names if n in params and params[n].numel() > 0}
+
+
+def _reprocess_lm_heads(model) -> int:
+    """Rebuild the CPU GEMM handle of every unquantized LM head from its (possibly tied) weight."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+    )
+
+    count = 0
+    for module in model.modules():
+        if (isinstance(module, ParallelLMHead)
+                and isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod)
+                and not module.weight.is_meta):
+            module.quant_method.process_weights_after_loading(module)
+            count += 1
+    return count

@@ -1,0 +1,92 @@
+"""Group-relative advantages: each rollout's reward against its group's (same prompt) others.
+
+For a group with rewards r_i and completion lengths L_i (sampled tokens):
+
+    r'_i = r_i - length_penalty * L_i / max_tokens      (optional length penalty)
+    a_i  = r'_i - mean(r')                               (centre; always: the group is the baseline)
+    a_i /= std(r') + eps                                 (optional; a zero-std group stays all zero)
+
+Every group's advantages sum to zero (up to float error). A group whose
+advantages are all zero (every rollout scored the same) carries no learning
+signal; `drop_zero_groups` leaves such groups out of the batch.
+
+Pure Python: no numpy, unit-tested by hand (tests/test_advantages.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from prl.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    std_normalize: bool = False
+    """Divide by the group's reward standard deviation (GRPO); off: Dr.GRPO-style mean-centring only."""
+    length_penalty: float = 0.0
+    """Subtract length_penalty * completion_tokens / max_tokens from each reward before centring."""
+    drop_zero_groups: bool = False
+    """Leave groups whose advantages are all zero out of the batch."""
+    eps: float = 1e-6
+    """Added to the std before dividing."""
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> AdvantageConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"training.advantage: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        cfg = cls(**raw)
+        if cfg.length_penalty < 0 or cfg.eps <= 0:
+            raise ConfigError(
+                f"training.advantage: length_penalty({cfg.length_penalty}) must be >= 0 and eps({cfg.eps}) > 0"
+            )
+        return cfg
+
+
+def group_advantages(
+    rewards: Sequence[float],
+    lengths: Sequence[int] | None = None,
+    cfg: AdvantageConfig = AdvantageConfig(),
+    max_tokens: int = 1,
+) -> list[float]:
+    """Advantages of one group of rollouts of the same prompt (see the module docstring)."""
+    n = len(rewards)
+    if n == 0:
+        return []
+    adjusted = [float(r) for r in rewards]
+    if cfg.length_penalty:
+        if lengths is None or len(lengths) != n:
+            raise ValueError(f"length penalty needs one length per reward, got {lengths!r} for {n} rewards")
+        adjusted = [r - cfg.length_penalty * L / max(1, max_tokens) for r, L in zip(adjusted, lengths)]
+    mean = sum(adjusted) / n
+    adv = [r - mean for r in adjusted]
+    if cfg.std_normalize:
+        std = math.sqrt(sum(a * a for a in adv) / n)
+        if std < cfg.eps:
+            return [0.0] * n
+        adv = [a / (std + cfg.eps) for a in adv]
+    # Identical rewards give exact zeros, not float dust that would keep a dead group alive.
+    return [0.0 if abs(a) < 1e-12 else a for a in adv]
+
+
+def is_zero_group(advantages: Sequence[float]) -> bool:
+    return all(a == 0.0 for a in advantages)
+
+
+def reward_stats(values: Sequence[float]) -> dict[str, float]:
+    """mean, std (population), min, max of a list (zeros for an empty one)."""
+    if not values:
+        return {"mean": 0.0, "std": 0.0, "min": 0.0, "max": 0.0}
+    n = len(values)
+    mean = sum(values) / n
+    return {
+        "mean": mean,
+        "std": math.sqrt(sum((v - mean) ** 2 for v in values) / n),
+        "min": min(values),
+        "max": max(values),
+    }

@@ -1,0 +1,122 @@
+"""Evaluation on an environment's eval split: periodic (inside the orchestrator) and `prl eval`.
+
+The same env code scores training and evaluation. `prl eval` runs against
+any OpenAI-compatible endpoint (vLLM, a hosted API) with verifiers' plain eval
+client, which needs no token ids:
+
+    prl.orchestrator.eval.main("prl_reverse_text", "http://host:8000/v1", "my-model", examples=64)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+from urllib.parse import urlparse
+
+from prl.orchestrator.advantages import reward_stats
+from prl.orchestrator.rollouts import Generator, Rollout
+
+
+async def evaluate(gen: Generator, examples: int, rollouts: int = 1) -> dict[str, Any]:
+    """Run `rollouts` episodes on each of the first `examples` eval tasks; reward and metric stats."""
+    tasks = list(gen.env.taskset.take(examples))
+    t0 = time.monotonic()
+    results: list[Rollout] = [
+        r for group in await asyncio.gather(*(gen.group(t, rollouts, 0) for t in tasks)) for r in group
+    ]
+    return summarize(results, time.monotonic() - t0)
+
+
+def summarize(results: list[Rollout], seconds: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    rewards = reward_stats([r.reward for r in ok])
+    out: dict[str, Any] = {
+        "rollouts": len(results),
+        "failed_rollouts": len(results) - len(ok),
+        "reward_mean": rewards["mean"],
+        "reward_std": rewards["std"],
+        "reward_min": rewards["min"],
+        "reward_max": rewards["max"],
+        "completion_len_mean": sum(r.completion_tokens for r in ok) / max(1, len(ok)),
+        "eval_s": seconds,
+    }
+    names = sorted({k for r in ok for k in r.metrics})
+    for name in names:
+        vals = [r.metrics[name] for r in ok if name in r.metrics]
+        out[f"metric/{name}"] = sum(vals) / len(vals)
+    if len(ok) < len(results):
+        out["first_error"] = next(r.error for r in results if not r.ok)
+    return out
+
+
+def _openai_base(url: str) -> str:
+    """`http://host:port` -> `http://host:port/v1`; a URL with a path is kept as given."""
+    url = url.rstrip("/")
+    return url + "/v1" if urlparse(url).path in ("", "/") else url
+
+
+def main(
+    env_id: str,
+    base_url: str,
+    model: str,
+    api_key_env: str | None = None,
+    examples: int = 64,
+    rollouts: int = 1,
+    args: dict | None = None,
+    *,
+    harness: str = "prl",
+    max_tokens: int | None = 512,
+    temperature: float | None = 0.0,
+    max_concurrent: int = 32,
+    quiet: bool = False,
+) -> dict[str, Any]:
+    """Evaluate `env_id`'s eval split against an OpenAI-compatible endpoint; print and return reward stats.
+
+    `api_key_env` names the variable holding the API key (unset: no key, "EMPTY").
+    """
+    import verifiers.v1 as vf
+
+    from prl.orchestrator.env import load_env
+    from prl.orchestrator.harness import close_sessions
+    from prl.orchestrator.sync import Server, ServerPool
+
+    env = load_env(env_id, harness, args, split="eval")
+    key_var = api_key_env or "PRL_EVAL_NO_API_KEY"
+    if api_key_env and not os.environ.get(api_key_env):
+        print(f"warning: ${api_key_env} is not set; sending no API key")
+    client = vf.EvalClientConfig(base_url=_openai_base(base_url), api_key_var=key_var)
+    sampling = vf.SamplingConfig(temperature=temperature, max_tokens=max_tokens)
+    server = Server(base_url)
+    pool = ServerPool(generate=[server], admin=[])
+
+    async def run() -> dict[str, Any]:
+        gen = Generator(
+            env,
+            pool,
+            lambda s: vf.ModelContext(model=model, client=client, sampling=sampling),
+            max_concurrent=max_concurrent,
+            retries=2,
+            need_tokens=False,
+        )
+        try:
+            async with env.serving():
+                return await evaluate(gen, examples, rollouts)
+        finally:
+            await close_sessions()
+
+    stats = asyncio.run(run())
+    stats.update(env=env_id, model=model, base_url=base_url)
+    if not quiet:
+        print(
+            f"{env_id} (eval split) on {model}: reward {stats['reward_mean']:.4f} ± {stats['reward_std']:.4f} "
+            f"[{stats['reward_min']:.3f}, {stats['reward_max']:.3f}] over {stats['rollouts']} rollouts "
+            f"({stats['failed_rollouts']} failed) in {stats['eval_s']:.1f} s"
+        )
+        for k, v in stats.items():
+            if k.startswith("metric/"):
+                print(f"  {k[7:]}: {v:.4f}")
+        if stats.get("first_error"):
+            print(f"  first error: {stats['first_error']}")
+    return stats

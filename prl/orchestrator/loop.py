@@ -1,0 +1,230 @@
+"""`prl orchestrator`: environment rollouts in, training batches out, weights pushed to the servers.
+
+    for step in start+1 .. max_steps:
+        wait until every server serves weights >= step - 1 - max_off_policy_steps
+        run batch_size / rollouts_per_example groups of rollouts_per_example rollouts
+        group-relative advantages, pack, publish rollouts/step_N (STABLE)
+        metrics to metrics.jsonl, heartbeat; eval on the eval split every `eval.every` steps
+    meanwhile, the weight watcher loads every newly published weights/step_K on every server
+
+Resume: the run continues after the newest STABLE rollouts step (never
+repeating or skipping one); the data order is a function of the step, so a
+resumed run draws the same tasks it would have. Settings: prl/orchestrator/config.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+import httpx
+
+from prl.batch import publish_batch
+from prl.errors import PrlError
+from prl.orchestrator.advantages import reward_stats
+from prl.orchestrator.config import OrchestratorConfig
+from prl.orchestrator.display import make_display
+from prl.orchestrator.env import load_env
+from prl.orchestrator.eval import evaluate
+from prl.orchestrator.harness import close_sessions
+from prl.orchestrator.rollouts import Generator, StepBatch, TaskStream, build_samples
+from prl.orchestrator.sync import ServerPool, WeightWatcher, discover, served_model, standalone
+from prl.rundir import RunDir
+
+ROLE = "orchestrator"
+API_KEY_VAR = "PRL_INFERENCE_API_KEY"
+"""Variable with the inference servers' API key, if they need one (unset: none)."""
+
+log = logging.getLogger("prl.orchestrator")
+
+
+class Beat:
+    """The role's heartbeat: immediately on a phase change, and every `every` s from a background task."""
+
+    def __init__(self, run: RunDir, every: float = 10.0):
+        self.run = run
+        self.every = every
+        self.fields: dict[str, Any] = {}
+
+    def __call__(self, **fields: Any) -> None:
+        self.fields.update(fields)
+        self.run.heartbeat(ROLE, **self.fields)
+
+    async def run_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.every)
+            self()
+
+
+def _contexts(cfg: OrchestratorConfig, pool: ServerPool):
+    import verifiers.v1 as vf
+
+    sampling = vf.SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_tokens)
+
+    def make(server) -> Any:
+        client = vf.TrainClientConfig(
+            base_url=f"{server.url}/v1", api_key_var=API_KEY_VAR, renderer_model_name=cfg.model_path
+        )
+        return vf.ModelContext(model=pool.model, client=client, sampling=sampling)
+
+    return make
+
+
+async def generate_step(
+    gen: Generator, stream: TaskStream, cfg: OrchestratorConfig, step: int
+) -> tuple[StepBatch, int, float]:
+    """All groups of one step (failed groups replaced once); the batch, rollouts run, seconds taken."""
+    t0 = time.monotonic()
+    min_v = cfg.min_version(step)
+    k, n = cfg.examples_per_step, cfg.rollouts_per_example
+    groups = list(await asyncio.gather(*(gen.group(t, n, min_v) for t in stream.tasks_for(step, k))))
+    ran = k * n
+    failed = sum(1 for g in groups if any(not r.ok for r in g))
+    if 0 < failed < len(groups):
+        # A few groups lost to errors: replace them once with fresh tasks so the batch keeps its size.
+        groups += await asyncio.gather(*(gen.group(t, n, min_v) for t in stream.extra(step, 1, failed)))
+        ran += failed * n
+    # build_samples leaves failed groups out (and counts them).
+    batch = build_samples(groups, cfg.advantage, max_tokens=cfg.max_tokens, min_version=min_v)
+    return batch, ran, time.monotonic() - t0
+
+
+def step_metrics(step: int, batch: StepBatch, ran: int, gen_s: float, wait_s: float, pool: ServerPool) -> dict:
+    rewards = reward_stats(batch.rewards)
+    lags = [step - v for v in batch.versions]
+    m: dict[str, Any] = {
+        "role": ROLE,
+        "step": step,
+        "time": time.time(),
+        "reward_mean": rewards["mean"],
+        "reward_std": rewards["std"],
+        "reward_min": rewards["min"],
+        "reward_max": rewards["max"],
+        "completion_len_mean": sum(batch.lengths) / max(1, len(batch.lengths)),
+        "completion_len_max": max(batch.lengths, default=0),
+        "truncated_fraction": batch.truncated / max(1, len(batch.lengths)),
+        "policy_lag_max": max(lags, default=0),
+        "policy_lag_mean": sum(lags) / max(1, len(lags)),
+        "rollouts": ran,
+        "samples": len(batch.samples),
+        "groups": batch.groups_used,
+        "zero_adv_groups": batch.zero_groups,
+        "dropped_groups": batch.dropped_zero_groups,
+        "failed_rollouts": batch.failed_rollouts,
+        "rollouts_per_s": ran / max(gen_s, 1e-9),
+        "generate_s": gen_s,
+        "wait_weights_s": wait_s,
+        "weights_version": pool.version,
+        "servers_failing": sum(1 for s in pool.admin if s.error),
+    }
+    for name, vals in sorted(batch.metrics.items()):
+        m[f"metric/{name}"] = sum(vals) / len(vals)
+    return m
+
+
+async def orchestrate(run: RunDir, cfg: OrchestratorConfig, pool: ServerPool, beat: Beat) -> int:
+    start = run.latest_stable("rollouts") or 0
+    run.drop_metrics_after(ROLE, start)
+    if start >= cfg.max_steps:
+        log.info("rollouts up to step %d are published; nothing to do (max_steps %d)", start, cfg.max_steps)
+        return 0
+    async with httpx.AsyncClient(timeout=30) as client:
+        pool.model = pool.model or cfg.served_model_name or await served_model(client, pool.generate[0].url)
+    env = load_env(cfg.env_id, cfg.harness, cfg.env_args, split="train")
+    eval_env = load_env(cfg.env_id, cfg.harness, cfg.env_args, split="eval") if cfg.eval.every else None
+    make_ctx = _contexts(cfg, pool)
+    gen = Generator(env, pool, make_ctx, max_concurrent=cfg.max_concurrent_rollouts, retries=cfg.rollout_retries)
+    eval_gen = (
+        Generator(eval_env, pool, make_ctx, max_concurrent=cfg.max_concurrent_rollouts, retries=cfg.rollout_retries)
+        if eval_env
+        else None
+    )
+    stream = TaskStream(env.taskset, cfg.seed)
+    watcher = WeightWatcher(run, pool, retries=cfg.weight_update_retries)
+    display = make_display(cfg.max_steps, start)
+    background: list[asyncio.Task] = []
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(env.serving())
+            if eval_env is not None:
+                await stack.enter_async_context(eval_env.serving())
+            async with httpx.AsyncClient() as client:
+                await watcher.sync_live(client)
+            background += [asyncio.create_task(watcher.run_forever()), asyncio.create_task(beat.run_forever())]
+            for step in range(start + 1, cfg.max_steps + 1):
+                beat(step=step, phase="waiting_for_weights")
+                display.phase(step, f"waiting for weights >= {cfg.min_version(step)}")
+                wait_s = await pool.wait_version(cfg.min_version(step), cfg.weights_timeout_s, watcher.error)
+
+                beat(phase="generating")
+                display.phase(step, "generating")
+                batch, ran, gen_s = await generate_step(gen, stream, cfg, step)
+                if watcher.error:
+                    raise watcher.error[0]
+                if not batch.samples:
+                    raise PrlError(
+                        f"step {step}: every rollout failed ({batch.failed_rollouts} after retries); "
+                        f"first error: {batch.first_error}"
+                    )
+                await asyncio.to_thread(
+                    publish_batch,
+                    run,
+                    step,
+                    batch.samples,
+                    dp_size=cfg.dp_size,
+                    micro_batch_tokens=cfg.micro_batch_tokens,
+                )
+                m = step_metrics(step, batch, ran, gen_s, wait_s, pool)
+                run.append_metrics(m)
+                beat(step=step, phase="published", published=step, weights_version=pool.version)
+                display.step(step, m)
+
+                if eval_gen is not None and step % cfg.eval.every == 0:
+                    beat(phase="evaluating")
+                    display.phase(step, "evaluating")
+                    ev = await evaluate(eval_gen, cfg.eval.examples)
+                    run.append_metrics({"role": ROLE, "step": step, "time": time.time(), "eval": True, **ev})
+                    display.eval(step, ev)
+    finally:
+        for t in background:
+            t.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        await close_sessions()
+        display.close()
+    return 0
+
+
+def main(run_dir: str, servers: list[str] | None = None) -> int:
+    """Run the orchestrator of RUN to max_steps; return 0. Raises PrlError on a clear failure.
+
+    `servers`: explicit inference URLs (standalone use); otherwise they come from
+    RUN/state/endpoints. Records start, heartbeats and exit in RUN/state/orchestrator.json.
+    """
+    run = RunDir(run_dir)
+    cfg = OrchestratorConfig.from_plan(run.read_plan())
+    logging.basicConfig(level=os.environ.get("PRL_LOG_LEVEL", "WARNING"), format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("prl.orchestrator").setLevel(os.environ.get("PRL_LOG_LEVEL", "INFO"))
+    run.create()
+    run.claim(ROLE)
+    beat = Beat(run)
+    code, error = 1, None
+
+    def on_term(signum, frame):  # the role runner passes SIGTERM on: exit through the finally below
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        pool = standalone(servers) if servers else discover(run, run.read_plan(), cfg.endpoint_timeout_s)
+        code = asyncio.run(orchestrate(run, cfg, pool, beat))
+        return code
+    except BaseException as e:
+        error = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        run.mark_exit(ROLE, code if error is None else 1, error)

@@ -1,0 +1,241 @@
+"""Rollouts: run groups of episodes on the servers, then turn them into training samples.
+
+One *group* is `rollouts_per_example` episodes of the same task. Each episode
+runs through `env.run_slot` with a ModelContext whose train client points at
+one server (the least busy one new enough for the step), and is stamped with
+that server's weights version when it started (conservative: an update
+landing mid-rollout only makes later tokens newer). A failed episode (HTTP
+error, engine restart) is retried on another server up to `retries` times; a
+group with an episode that still fails is dropped whole (its advantages would
+be biased) and counted.
+
+Every trainable branch of every trace becomes one `prl.batch.Sample`: token
+ids, the sampled mask as loss mask, the engine's logprobs, the episode's
+advantage and its policy version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prl.batch import Sample
+from prl.orchestrator.advantages import AdvantageConfig, group_advantages, is_zero_group
+from prl.orchestrator.sync import Server, ServerPool
+
+
+@dataclass
+class Branch:
+    token_ids: list[int]
+    mask: list[int]
+    logprobs: list[float]
+
+
+@dataclass
+class Rollout:
+    reward: float
+    version: int
+    branches: list[Branch]
+    completion_tokens: int
+    truncated: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+    attempts: int = 1
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def rollout_from_episode(episode: Any, version: int, *, need_tokens: bool = True) -> Rollout:
+    """What training needs of a verifiers Episode (reward, token branches, metrics)."""
+    traces = list(episode.traces)
+    if not episode.ok or not traces:
+        errs = [e for t in traces for e in t.errors] + list(episode.errors)
+        msg = f"{errs[-1].type}: {errs[-1].message}" if errs else "episode failed without an error"
+        return Rollout(0.0, version, [], 0, error=msg)
+    branches: list[Branch] = []
+    completion = 0
+    metrics: dict[str, float] = {}
+    for trace in traces:
+        for b in trace.branches:
+            if not b.trainable:
+                continue
+            ids = list(b.token_ids)
+            if not ids:
+                continue
+            mask = [int(m) for m in b.sampled_mask]
+            mask[0] = 0  # nothing predicts a sample's first token
+            branches.append(Branch(ids, mask, list(b.logprobs)))
+            completion += sum(mask)
+        for name, value in trace.metrics.items():
+            if value is not None:
+                metrics[name] = float(value)
+        for name, r in trace.rewards.items():
+            if r is not None:
+                metrics[f"reward/{name}"] = float(r.score)
+    if need_tokens and not branches:
+        return Rollout(0.0, version, [], 0, error="episode has no token ids: the train client was not used")
+    reward = sum(t.reward for t in traces) / len(traces)
+    return Rollout(reward, version, branches, completion, any(t.is_truncated for t in traces), metrics)
+
+
+class Generator:
+    """Runs episodes of one env on a server pool, one ModelContext per server."""
+
+    def __init__(
+        self,
+        env: Any,
+        pool: ServerPool,
+        make_ctx: Callable[[Server], Any],
+        *,
+        max_concurrent: int,
+        retries: int,
+        need_tokens: bool = True,
+    ):
+        self.env = env
+        self.pool = pool
+        self.make_ctx = make_ctx
+        self.ctx: dict[int, Any] = {}
+        self.sem = asyncio.Semaphore(max_concurrent)
+        self.retries = retries
+        self.need_tokens = need_tokens
+
+    def _ctx(self, server: Server) -> Any:
+        key = id(server)
+        if key not in self.ctx:
+            self.ctx[key] = self.make_ctx(server)
+        return self.ctx[key]
+
+    async def rollout(self, task: Any, min_version: int) -> Rollout:
+        from verifiers.v1.env import RunSlot
+
+        last: Server | None = None
+        result: Rollout | None = None
+        for attempt in range(1, self.retries + 2):
+            async with self.sem:
+                server = self.pool.pick(min_version, avoid=last)
+                while server is None:  # every server behind (a restart): wait for the watcher
+                    await asyncio.sleep(0.5)
+                    server = self.pool.pick(min_version)
+                version = self.pool.version_of(server)
+                server.inflight += 1
+                try:
+                    episode = await self.env.run_slot(RunSlot(task), self._ctx(server))
+                finally:
+                    server.inflight -= 1
+            result = rollout_from_episode(episode, version, need_tokens=self.need_tokens)
+            result.attempts = attempt
+            if result.ok:
+                return result
+            last = server
+            if attempt <= self.retries:
+                await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 10.0))
+        assert result is not None
+        return result
+
+    async def group(self, task: Any, n: int, min_version: int) -> list[Rollout]:
+        return list(await asyncio.gather(*(self.rollout(task, min_version) for _ in range(n))))
+
+
+class TaskStream:
+    """The train split as an endless, seeded, resumable sequence: epoch e is a shuffle of all tasks.
+
+    `tasks(step, k)` returns the same k tasks for a step whatever happened before,
+    so a resumed run continues the data order exactly.
+    """
+
+    def __init__(self, taskset: Any, seed: int):
+        self.tasks = list(taskset) if getattr(taskset, "bounded", True) else None
+        self.taskset = taskset
+        self.seed = seed
+        self._perms: dict[int, list[int]] = {}
+        if self.tasks is not None and not self.tasks:
+            raise ValueError("the environment's train split has no tasks")
+
+    def _at(self, g: int) -> Any:
+        if self.tasks is None:
+            return next(iter(self.taskset.skip(g)))
+        n = len(self.tasks)
+        epoch, i = divmod(g, n)
+        if epoch not in self._perms:
+            perm = list(range(n))
+            random.Random(f"{self.seed}-{epoch}").shuffle(perm)
+            self._perms = {epoch: perm}
+        return self.tasks[self._perms[epoch][i]]
+
+    def tasks_for(self, step: int, k: int) -> list[Any]:
+        return [self._at((step - 1) * k + j) for j in range(k)]
+
+    def extra(self, step: int, attempt: int, k: int) -> Iterator[Any]:
+        """Replacement tasks for dropped groups (seeded by step and attempt)."""
+        rng = random.Random(f"{self.seed}-extra-{step}-{attempt}")
+        for _ in range(k):
+            yield self._at(rng.randrange(1 << 40))
+
+
+@dataclass
+class StepBatch:
+    samples: list[Sample]
+    rewards: list[float]
+    """Rewards of every scored rollout (with dropped zero groups); `versions` only of the kept ones."""
+    lengths: list[int]
+    versions: list[int]
+    truncated: int
+    failed_rollouts: int
+    failed_groups: int
+    zero_groups: int
+    dropped_zero_groups: int
+    metrics: dict[str, list[float]]
+    first_error: str | None = None
+    groups_used: int = 0
+
+
+def build_samples(
+    groups: Sequence[Sequence[Rollout]],
+    cfg: AdvantageConfig,
+    *,
+    max_tokens: int,
+    min_version: int,
+) -> StepBatch:
+    """Advantages per group, then samples; drop failed groups (and all-zero ones when asked)."""
+    out = StepBatch([], [], [], [], 0, 0, 0, 0, 0, {})
+    kept: list[tuple[Sequence[Rollout], list[float]]] = []
+    zero: list[tuple[Sequence[Rollout], list[float]]] = []
+    for group in groups:
+        bad = [r for r in group if not r.ok]
+        if bad:
+            out.failed_rollouts += len(bad)
+            out.failed_groups += 1
+            out.first_error = out.first_error or bad[0].error
+            continue
+        stale = [r.version for r in group if r.version < min_version]
+        if stale:
+            # The pool never hands out a server older than the bound; this guards the invariant.
+            raise AssertionError(f"rollout with policy version {min(stale)} < bound {min_version}")
+        adv = group_advantages([r.reward for r in group], [r.completion_tokens for r in group], cfg, max_tokens)
+        (zero if is_zero_group(adv) else kept).append((group, adv))
+    out.zero_groups = len(zero)
+    if cfg.drop_zero_groups and kept:
+        out.dropped_zero_groups = len(zero)
+    else:
+        # Nothing informative left: keep the all-zero groups (a no-op step) rather than an empty batch.
+        kept += zero
+    for group, _ in [*kept, *(zero if out.dropped_zero_groups else [])]:
+        # Stats cover every scored rollout, dropped zero groups too (else dropping would bias the mean).
+        for r in group:
+            out.rewards.append(r.reward)
+            out.lengths.append(r.completion_tokens)
+            out.truncated += int(r.truncated)
+            for name, value in r.metrics.items():
+                out.metrics.setdefault(name, []).append(value)
+    for group, adv in kept:
+        out.groups_used += 1
+        for r, a in zip(group, adv):
+            out.versions.append(r.version)
+            for b in r.branches:
+                out.samples.append(Sample(b.token_ids, b.mask, b.logprobs, a, policy_version=r.version))
+    return out

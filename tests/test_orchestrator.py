@@ -1,0 +1,196 @@
+"""The orchestrator loop end to end against a stand-in engine (no vLLM): batches, staleness,
+weight watcher, resume, retries, eval. The real-server test is tests/test_orchestrator_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+
+from prl.batch import read_batch  # noqa: E402
+from prl.errors import PrlError  # noqa: E402
+from prl.orchestrator import main  # noqa: E402
+from tests.fake_engine import FakeEngine  # noqa: E402
+from prl.rundir import RunDir, atomic_write_json  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from tests.tiny_model import build_tokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def make_run(tmp_path, tokenizer_dir, **training) -> RunDir:
+    run = RunDir(tmp_path / "run").create()
+    plan = json.loads((REPO / "tests/golden/local-tiny/plan.json").read_text())
+    plan["run_dir"] = str(run.root)
+    plan["environment"] = {"id": "prl_letters", "args": {}, "harness": "prl", "eval": {"every": 0, "examples": 8}}
+    plan["model"]["path"] = str(tokenizer_dir)
+    plan["training"].update(
+        {"batch_size": 8, "rollouts_per_example": 4, "max_steps": 3, "max_off_policy_steps": 1, "max_tokens": 12, **training}
+    )
+    atomic_write_json(run.plan_json, plan)
+    return run
+
+
+def engine(run: RunDir, **kw) -> FakeEngine:
+    eng = FakeEngine(model="local-tiny", token_ids=range(3, 400), stop_id=2, run_dir=run.root, **kw).start()
+    atomic_write_json(run.endpoint("inference", 0), {"url": eng.url})
+    return eng
+
+
+class FakeTrainer:
+    """Publishes weights/step_N once rollouts/step_N is published, like the trainer does."""
+
+    def __init__(self, run: RunDir, delay: float = 0.2):
+        self.run, self.delay, self.stopped = run, delay, False
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+
+    def loop(self):
+        n = (self.run.latest_stable("weights") or 0) + 1
+        while not self.stopped:
+            if (self.run.rollouts(n) / "STABLE").exists():
+                time.sleep(self.delay)
+                self.run.publish_dir(self.run.weights(n), lambda d: (d / "config.json").write_text("{}"), step=n)
+                n += 1
+            time.sleep(0.05)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopped = True
+        self.thread.join(5)
+
+
+def test_steps_respect_the_staleness_bound_and_weights_reach_the_server(tmp_path, tokenizer_dir):
+    run = make_run(tmp_path, tokenizer_dir, max_steps=4, max_off_policy_steps=1)
+    plan = json.loads(run.plan_json.read_text())
+    plan["environment"]["eval"] = {"every": 2, "examples": 4}
+    atomic_write_json(run.plan_json, plan)
+    eng = engine(run)
+    try:
+        with FakeTrainer(run):
+            assert main(str(run.root)) == 0
+    finally:
+        eng.stop()
+    assert run.stable_steps("rollouts") == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        b = read_batch(run.rollouts(step))
+        versions = b.arrays["policy_version"].tolist()
+        assert b.num_samples == 8 and min(versions) >= max(0, step - 2)  # k=1: version >= N-1-k
+        mask, lp = b.arrays["loss_mask"], b.arrays["inference_logprobs"]
+        assert mask.sum() > 0 and (lp[mask == 1] < 0).all() and (lp[mask == 0] == 0).all()
+        adv, off = b.arrays["advantages"], b.offsets
+        for g in range(2):
+            assert abs(sum(float(adv[off[i]]) for i in range(4 * g, 4 * g + 4))) < 1e-5
+        assert b.packing["dp_size"] == 2  # packed for the plan's trainer mesh
+    # the watcher loads the newest published step (skipping any it was too late for), in order
+    assert eng.weight_requests and eng.weight_requests == sorted(set(eng.weight_requests))
+    assert eng.weights_step >= 2
+    metrics = run.read_metrics("orchestrator")
+    train = [m for m in metrics if not m.get("eval")]
+    evals = [m for m in metrics if m.get("eval")]
+    assert [m["step"] for m in train] == [1, 2, 3, 4] and [m["step"] for m in evals] == [2, 4]
+    for key in ("reward_mean", "reward_std", "completion_len_mean", "policy_lag_max", "policy_lag_mean",
+                "rollouts_per_s", "wait_weights_s", "metric/reply_chars"):
+        assert key in train[0], key
+    assert all(m["policy_lag_max"] <= 2 for m in train)
+    assert evals[0]["rollouts"] == 4 and 0.0 <= evals[0]["reward_mean"] <= 1.0
+    state = run.read_state("orchestrator")
+    assert state["status"] == "exited" and state["exit_code"] == 0 and state["published"] == 4
+
+
+def test_synchronous_mode_generates_step_n_with_weights_n_minus_1(tmp_path, tokenizer_dir):
+    run = make_run(tmp_path, tokenizer_dir, max_steps=3, max_off_policy_steps=0)
+    eng = engine(run)
+    try:
+        with FakeTrainer(run):
+            assert main(str(run.root)) == 0
+    finally:
+        eng.stop()
+    for step in (1, 2, 3):
+        assert set(read_batch(run.rollouts(step)).arrays["policy_version"].tolist()) == {step - 1}
+    assert [m["policy_lag_max"] for m in run.read_metrics("orchestrator")] == [1, 1, 1]
+
+
+def test_resume_continues_after_the_newest_published_step(tmp_path, tokenizer_dir):
+    run = make_run(tmp_path, tokenizer_dir, max_steps=2, max_off_policy_steps=5)
+    eng = engine(run)
+    try:
+        assert main(str(run.root)) == 0
+        first = read_batch(run.rollouts(2)).arrays["input_ids"].tolist()
+        plan = json.loads(run.plan_json.read_text())
+        plan["training"]["max_steps"] = 4
+        atomic_write_json(run.plan_json, plan)
+        run.append_metrics({"role": "orchestrator", "step": 3, "stale": True})  # from a killed attempt
+        assert main(str(run.root)) == 0
+    finally:
+        eng.stop()
+    assert run.stable_steps("rollouts") == [1, 2, 3, 4]
+    assert read_batch(run.rollouts(2)).arrays["input_ids"].tolist() == first  # untouched
+    assert [m["step"] for m in run.read_metrics("orchestrator")] == [1, 2, 3, 4]  # none repeated or stale
+
+
+def test_transient_http_errors_are_retried(tmp_path, tokenizer_dir):
+    run = make_run(tmp_path, tokenizer_dir, max_steps=1)
+    eng = engine(run)
+    eng.fail_every = 3  # every third generate request answers 503
+    try:
+        assert main(str(run.root)) == 0
+    finally:
+        eng.stop()
+    assert read_batch(run.rollouts(1)).num_samples == 8
+    assert eng.requests >= 11  # 8 rollouts + the failed attempts
+
+
+def test_a_server_that_cannot_load_weights_fails_the_orchestrator(tmp_path, tokenizer_dir):
+    run = make_run(tmp_path, tokenizer_dir, max_steps=3, max_off_policy_steps=0, weight_update_retries=2)
+    eng = engine(run)
+    eng.weights_fail = True
+    try:
+        with FakeTrainer(run), pytest.raises(PrlError, match=r"could not load weights step 1 after 2 attempts.*HTTP 500"):
+            main(str(run.root))
+    finally:
+        eng.stop()
+    state = run.read_state("orchestrator")
+    assert state["status"] == "failed" and "WeightUpdateError" in state["error"]
+    assert eng.url in state["server_errors"]
+    assert run.stable_steps("rollouts") == [1]  # step 2 needed weights 1: never generated
+
+
+def test_module_entry_point_with_explicit_servers(tmp_path, tokenizer_dir):
+    run = make_run(tmp_path, tokenizer_dir, max_steps=1)
+    with FakeEngine(model="local-tiny", token_ids=range(3, 400), stop_id=2) as eng:
+        proc = subprocess.run(
+            [sys.executable, "-m", "prl.orchestrator", "--run-dir", str(run.root), "--server", eng.url],
+            capture_output=True, text=True, timeout=120, cwd=REPO,
+        )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step 1/1" in proc.stdout and run.stable_steps("rollouts") == [1]
+    bad = subprocess.run([sys.executable, "-m", "prl.orchestrator", "--run-dir", str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert bad.returncode == 1 and "no plan in" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_prl_eval_against_an_openai_endpoint(capsys):
+    from prl.orchestrator.eval import main as eval_main
+
+    with FakeEngine(model="m") as eng:  # its chat replies are random strings of 'a', 'b' and ' '
+        stats = eval_main("prl_letters", eng.url, "m", examples=6, rollouts=2)
+    assert stats["rollouts"] == 12 and stats["failed_rollouts"] == 0
+    assert 0.2 < stats["reward_mean"] < 0.8
+    assert "metric/reply_chars" in stats
+    assert "prl_letters (eval split) on m: reward" in capsys.readouterr().out

@@ -1,0 +1,152 @@
+"""Orchestrator logic without a server: config, staleness bound, batches, data order, endpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from prl.batch import publish_batch, read_batch
+from prl.errors import ConfigError
+from prl.orchestrator.advantages import AdvantageConfig
+from prl.orchestrator.config import OrchestratorConfig
+from prl.orchestrator.rollouts import Branch, Rollout, TaskStream, build_samples
+from prl.orchestrator.sync import Server, ServerPool, discover, expected_endpoints, read_endpoints
+from prl.rundir import RunDir, atomic_write_json
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def golden_plan(name: str = "local-tiny") -> dict:
+    return json.loads((GOLDEN / name / "plan.json").read_text())
+
+
+def test_config_from_golden_plan():
+    cfg = OrchestratorConfig.from_plan(golden_plan())
+    assert cfg.env_id == "prl_letters" and cfg.harness == "prl"
+    assert (cfg.batch_size, cfg.rollouts_per_example, cfg.examples_per_step) == (32, 4, 8)
+    assert cfg.max_off_policy_steps == 1 and cfg.max_steps == 20 and cfg.max_tokens == 16
+    assert cfg.dp_size == 2  # dp_replicate 1 * dp_shard 2
+    assert cfg.served_model_name == "local-tiny"
+    assert cfg.model_path == "models/tiny-qwen3"
+    assert cfg.advantage == AdvantageConfig(std_normalize=True)  # the schema writes every advantage key
+
+
+def test_config_new_keys_and_errors():
+    plan = golden_plan()
+    plan["training"]["advantage"] = {"std_normalize": True, "drop_zero_groups": True}
+    plan["training"]["max_concurrent_rollouts"] = 8
+    cfg = OrchestratorConfig.from_plan(plan)
+    assert cfg.advantage.std_normalize and cfg.advantage.drop_zero_groups and cfg.max_concurrent_rollouts == 8
+    plan["training"]["batch_size"] = 10
+    with pytest.raises(ConfigError, match=r"batch_size\(10\) must be a multiple of .*rollouts_per_example\(4\)"):
+        OrchestratorConfig.from_plan(plan)
+    with pytest.raises(ConfigError, match="environment.id"):
+        OrchestratorConfig.from_plan({"model": {"path": "m"}})
+
+
+@pytest.mark.parametrize(
+    ("k", "step", "oldest"),
+    [(0, 1, 0), (0, 2, 1), (0, 7, 6), (1, 1, 0), (1, 2, 0), (1, 3, 1), (2, 10, 7)],
+)
+def test_staleness_bound(k, step, oldest):
+    # step N is trained on by a policy at version N-1; k steps off-policy allows version N-1-k
+    cfg = OrchestratorConfig(env_id="e", model_path="m", max_off_policy_steps=k)
+    assert cfg.min_version(step) == oldest
+
+
+def rollout(reward: float, version: int = 0, n_prompt: int = 3, n_completion: int = 2, error: str | None = None):
+    ids = list(range(1, n_prompt + n_completion + 1))
+    mask = [0] * n_prompt + [1] * n_completion
+    lp = [0.0] * n_prompt + [-0.5] * n_completion
+    return Rollout(reward, version, [Branch(ids, mask, lp)] if error is None else [], n_completion, error=error)
+
+
+def test_build_samples_advantages_versions_and_failures():
+    groups = [
+        [rollout(1.0, 2), rollout(0.0, 3)],  # informative
+        [rollout(0.5, 2), rollout(0.5, 2)],  # zero advantage
+        [rollout(1.0, 2), rollout(0.0, 2, error="ProviderError: 503")],  # failed: dropped whole
+    ]
+    b = build_samples(groups, AdvantageConfig(), max_tokens=8, min_version=2)
+    assert b.failed_groups == 1 and b.failed_rollouts == 1 and b.first_error == "ProviderError: 503"
+    assert b.zero_groups == 1 and b.dropped_zero_groups == 0 and b.groups_used == 2
+    assert [s.advantage for s in b.samples] == [0.5, -0.5, 0.0, 0.0]
+    assert [s.policy_version for s in b.samples] == [2, 3, 2, 2]
+    assert b.rewards == [1.0, 0.0, 0.5, 0.5]
+
+    dropped = build_samples(groups, AdvantageConfig(drop_zero_groups=True), max_tokens=8, min_version=2)
+    assert dropped.dropped_zero_groups == 1 and [s.advantage for s in dropped.samples] == [0.5, -0.5]
+    assert dropped.rewards == [1.0, 0.0, 0.5, 0.5]  # stats still see the dropped group
+
+
+def test_all_zero_groups_are_kept_rather_than_an_empty_batch():
+    groups = [[rollout(1.0), rollout(1.0)], [rollout(0.0), rollout(0.0)]]
+    b = build_samples(groups, AdvantageConfig(drop_zero_groups=True), max_tokens=8, min_version=0)
+    assert len(b.samples) == 4 and b.dropped_zero_groups == 0 and all(s.advantage == 0.0 for s in b.samples)
+
+
+def test_a_stale_sample_is_never_built():
+    with pytest.raises(AssertionError, match="policy version 1 < bound 2"):
+        build_samples([[rollout(1.0, 1), rollout(0.0, 2)]], AdvantageConfig(), max_tokens=8, min_version=2)
+
+
+def test_samples_publish_as_a_valid_batch(tmp_path):
+    run = RunDir(tmp_path / "run").create()
+    groups = [[rollout(r, 4, n_prompt=3 + i, n_completion=1 + j) for j, r in enumerate((1.0, 0.2, 0.0))] for i in range(3)]
+    b = build_samples(groups, AdvantageConfig(std_normalize=True), max_tokens=8, min_version=4)
+    publish_batch(run, 5, b.samples, dp_size=2, micro_batch_tokens=16)
+    batch = read_batch(run.rollouts(5))
+    assert batch.num_samples == 9 and batch.arrays["policy_version"].tolist() == [4] * 9
+    off = batch.offsets
+    adv = batch.arrays["advantages"]
+    for g in range(3):  # each group's per-sample advantages sum to ~0
+        assert abs(sum(float(adv[off[i]]) for i in range(3 * g, 3 * g + 3))) < 1e-5
+    lp, mask = batch.arrays["inference_logprobs"], batch.arrays["loss_mask"]
+    assert all(lp[mask == 0] == 0) and all(lp[mask == 1] == -0.5)
+    assert len(batch.micro_batches(0, 2, 16)) == len(batch.micro_batches(1, 2, 16))
+
+
+def test_task_stream_is_a_function_of_the_step():
+    tasks = [f"t{i}" for i in range(10)]
+    a, b = TaskStream(tasks, seed=1), TaskStream(tasks, seed=1)
+    steps = [a.tasks_for(s, 4) for s in range(1, 6)]
+    assert [b.tasks_for(s, 4) for s in (5, 3, 1)] == [steps[4], steps[2], steps[0]]  # any order, same draw
+    first_epoch = [t for s in steps[:2] for t in s] + steps[2][:2]
+    assert sorted(first_epoch) == sorted(tasks)  # an epoch is a permutation
+    assert TaskStream(tasks, seed=2).tasks_for(1, 4) != steps[0]
+    with pytest.raises(ValueError, match="no tasks"):
+        TaskStream([], seed=0)
+
+
+def test_pool_picks_least_busy_server_new_enough():
+    s1, s2, s3 = Server("http://a", version=3), Server("http://b", version=2), Server("http://c", version=3)
+    pool = ServerPool(generate=[s1, s2, s3], admin=[s1, s2, s3])
+    s1.inflight, s3.inflight = 5, 1
+    assert pool.pick(3) is s3
+    assert pool.pick(2) is s2  # least busy overall
+    assert pool.pick(3, avoid=s3) is s1  # a retry goes elsewhere
+    assert pool.pick(4) is None
+    assert pool.version == 2
+    router = Server("http://router", role="router")
+    pd = ServerPool(generate=[router], admin=[s1, s2])
+    assert pd.version_of(router) == 2  # a router serves the oldest version behind it
+
+
+def test_endpoints_from_the_run_dir(tmp_path):
+    run = RunDir(tmp_path / "run").create()
+    plan = golden_plan("moe-30b-pd")
+    assert expected_endpoints(plan) == {("prefill", i) for i in range(4)} | {("decode", 0), ("decode", 1), ("router", 0)}
+    for i in range(4):
+        atomic_write_json(run.endpoint("prefill", i), {"url": f"http://p{i}:8000/"})
+    for i in range(2):
+        atomic_write_json(run.endpoint("decode", i), {"url": f"http://d{i}:8000"})
+    atomic_write_json(run.endpoint("decode", 1001), {"host": "d1"})  # a multi-node head's address: no url
+    with pytest.raises(Exception, match="router.0"):
+        discover(run, plan, timeout=0.2)
+    atomic_write_json(run.endpoint("router", 0), {"url": "http://r:8090"})
+    assert read_endpoints(run)["prefill"][0] == "http://p0:8000"
+    pool = discover(run, plan, timeout=1)
+    assert [s.url for s in pool.generate] == ["http://r:8090"]
+    assert sorted(s.url for s in pool.admin) == sorted([f"http://p{i}:8000" for i in range(4)] + ["http://d0:8000", "http://d1:8000"])

@@ -1,0 +1,206 @@
+"""Real vLLM servers for tests: `start_inference` and the session fixture `tiny_server`.
+
+    from tests.vllm_fixtures import start_inference, tiny_server  # noqa: F401 (fixture)
+
+    with start_inference(run_dir, model_dir, port) as server:
+        httpx.get(server.url + "/prl/live")
+
+`start_inference` launches `python -m prl.inference` as a subprocess (CPU:
+`VLLM_CPU_KVCACHE_SPACE=1`), waits for `/health` (300 s by default; on
+failure the error carries the log tail), and stops it at the end (SIGTERM to
+its process group, then SIGKILL). vLLM on CPU takes 65-96 s to start here,
+so tests share one `tiny_server` per session (a tiny Qwen3 in float32, its
+run dir and model dir in a session tmp dir).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 300.0
+
+
+@dataclass
+class InferenceServer:
+    """A running `python -m prl.inference`."""
+
+    url: str
+    """http://host:port, no trailing slash."""
+    process: subprocess.Popen
+    log_path: Path
+    run_dir: Path
+    model_dir: Path
+    start_seconds: float
+    """Wall time from launch to a healthy /health."""
+
+    def log_tail(self, n: int = 60) -> str:
+        return _tail(self.log_path, n)
+
+    def get(self, path: str, timeout: float = 60) -> dict:
+        return http_json("GET", self.url + path, timeout=timeout)
+
+    def post(self, path: str, body: dict | None = None, timeout: float = 120) -> dict:
+        return http_json("POST", self.url + path, body or {}, timeout=timeout)
+
+
+class HTTPFailure(Exception):
+    def __init__(self, status: int, body: dict | str):
+        super().__init__(f"HTTP {status}: {body}")
+        self.status = status
+        self.body = body
+
+
+def http_json(method: str, url: str, body: dict | None = None, *, headers: dict | None = None,
+              timeout: float = 60) -> dict:
+    """One JSON request with the standard library; HTTPFailure on a non-2xx answer."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            payload = raw.decode(errors="replace")
+        raise HTTPFailure(e.code, payload) from None
+    return json.loads(raw) if raw else {}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+            return resp.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def stop_process(process: subprocess.Popen, grace: float = 30.0) -> None:
+    """SIGTERM the server's process group (API server + engine core), then SIGKILL what remains."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # engine core children outliving the parent
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(10)
+
+
+@contextlib.contextmanager
+def start_inference(
+    run_dir: str | Path,
+    model_dir: str | Path,
+    port: int | None = None,
+    extra_args: Sequence[str] = (),
+    *,
+    log_path: str | Path | None = None,
+    env: dict | None = None,
+    timeout: float = START_TIMEOUT_S,
+    module: str = "prl.inference",
+) -> Iterator[InferenceServer]:
+    """Run `python -m prl.inference --run-dir RUN --model DIR --port P ...` until the block ends."""
+    run_dir, model_dir = Path(run_dir), Path(model_dir)
+    port = port or free_port()
+    log_path = Path(log_path) if log_path else run_dir / f"inference-{port}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", module, "--run-dir", str(run_dir), "--model", str(model_dir),
+           "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "1024",
+           "--disable-uvicorn-access-log", *extra_args]
+    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    full_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    start = time.monotonic()
+    with open(log_path, "ab") as log:
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
+                                   start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while not _healthy(url):
+            if process.poll() is not None:
+                raise RuntimeError(f"prl.inference exited with {process.returncode} before /health; "
+                                   f"log {log_path}:\n{_tail(log_path, 60)}")
+            if time.monotonic() - start > timeout:
+                raise RuntimeError(f"prl.inference not healthy after {timeout:.0f} s; "
+                                   f"log {log_path}:\n{_tail(log_path, 60)}")
+            time.sleep(1)
+        yield InferenceServer(url, process, log_path, run_dir, model_dir, time.monotonic() - start)
+    finally:
+        stop_process(process)
+
+
+@contextlib.contextmanager
+def start_router(prefill: Sequence[str], decode: Sequence[str], port: int | None = None, *,
+                 log_path: str | Path, extra_args: Sequence[str] = (), env: dict | None = None,
+                 timeout: float = 60.0) -> Iterator[str]:
+    """Run `python -m prl.inference.router` in front of the given servers; yield its URL once healthy."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "prl.inference.router", "--port", str(port)]
+    cmd += [a for url in prefill for a in ("--prefill", url)] + [a for url in decode for a in ("--decode", url)]
+    cmd += list(extra_args)
+    log_path = Path(log_path)
+    with open(log_path, "ab") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                                   env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    start = time.monotonic()
+    try:
+        while not _healthy(url):
+            if process.poll() is not None or time.monotonic() - start > timeout:
+                raise RuntimeError(f"router not healthy; log {log_path}:\n{_tail(log_path, 40)}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        stop_process(process, grace=10)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 (float32, head_dim 32) + tokenizer, built once per session."""
+    from tests.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("vllm-model") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory, tiny_model_dir) -> Iterator[InferenceServer]:
+    """One `prl.inference` server on the tiny model, shared by the session; its run dir is empty."""
+    from prl.rundir import RunDir
+
+    run = RunDir(tmp_path_factory.mktemp("vllm-run") / "run").create()
+    with start_inference(run.root, tiny_model_dir) as server:
+        yield server
