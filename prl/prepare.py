@@ -62,7 +62,7 @@ def prepare(topology_path: Path, overrides: Sequence[str] = (), cwd: Path | None
     run_dir = _absolute(topo.run_dir or f"{shared_root.rstrip('/')}/prl-runs/{topo.name}", cwd)
     run_dir = str(Path(run_dir))  # normalise '//' and a trailing '/'
     plan = make_plan(topo, source, cluster, cluster_source, run_dir)
-    header = f"# {topology_path} as resolved by prl (interpolation and overrides applied)\n"
+    header = f"# {topology_path.name} as resolved by prl (interpolation and overrides applied)\n"
     resolved = header + yaml.safe_dump(data, sort_keys=False)
     return Prepared(topo, cluster, plan, render(plan, resolved))
 

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Rendered by prl: the 'inference' step of 'lab'. Do not edit: run `prl plan` again.
-# Started by the launcher (srun --het-group=0 --nodes=1 --ntasks-per-node=1 --cpus-per-task=8 --job-name=inference --kill-on-bad-exit=1 --gpus-per-node=2).
+# Started by the launcher (srun --het-group=0 --nodes=1 --ntasks-per-node=2 --cpus-per-task=4 --job-name=inference --kill-on-bad-exit=1 --gpus-per-node=2).
 set -euo pipefail
 export PRL_DEVICE=cpu
 export PRL_ROLE=inference
