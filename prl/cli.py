@@ -150,8 +150,11 @@ def cancel(run: Optional[str] = typer.Argument(None, help="Run directory or job 
     from prl.status import resolve_run
     from prl.submit import cancel as do_cancel
 
-    job = do_cancel(resolve_run(run))
-    print(f"cancelled job {job['job_id']} ({job['name']})")
+    job, cancelled = do_cancel(resolve_run(run))
+    if cancelled:
+        print(f"cancelled job {job['job_id']} ({job['name']})")
+    else:
+        print(f"job {job['job_id']} ({job['name']}) has already ended; nothing to cancel")
 
 
 @app.command()
@@ -166,7 +169,13 @@ def doctor(
     from prl.rundir import RunDir
 
     run_dir = RunDir(run)
-    results = checks.preflight(run_dir, run_dir.read_plan(), role, task, strict=strict)
+    plan = run_dir.read_plan()
+    roles = [s["name"] for s in plan["steps"]]
+    if role not in roles:
+        from prl.errors import ConfigError
+
+        raise ConfigError(f"--role {role!r}: this run's roles are {', '.join(roles)}")
+    results = checks.preflight(run_dir, plan, role, task, strict=strict)
     print(checks.format_checks(results))
     if checks.failed(results):
         raise typer.Exit(1)
@@ -221,8 +230,11 @@ def evaluate(
         if not sep:
             raise ConfigError(f"--arg {item!r}: expected KEY=VALUE")
         args[key] = yaml_value(value)
-    run_eval(env_id, base_url, model, api_key_env=api_key_env, examples=examples, rollouts=rollouts, args=args,
-             max_tokens=max_tokens, temperature=temperature)
+    stats = run_eval(env_id, base_url, model, api_key_env=api_key_env, examples=examples, rollouts=rollouts,
+                     args=args, max_tokens=max_tokens, temperature=temperature)
+    if stats.get("rollouts") and stats.get("failed_rollouts") == stats.get("rollouts"):
+        print(f"error: every rollout failed against {base_url}", file=sys.stderr)
+        raise typer.Exit(1)
 
 
 def yaml_value(text: str) -> object:

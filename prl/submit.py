@@ -14,6 +14,7 @@ follows submitit in batching one squeue/sacct call per status and in a small err
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import signal
@@ -127,19 +128,26 @@ def wait_local(proc: subprocess.Popen) -> int:
             return proc.wait()
 
 
-def cancel(run: RunDir) -> dict[str, Any]:
+def cancel(run: RunDir) -> tuple[dict[str, Any], bool]:
+    """Cancel the run's job; (job, False) without touching anything if it already ended."""
     job = read_job(run)
     if job is None:
         raise ConfigError(f"{run.root} holds no submitted job (no job.json)")
     if job["backend"] == "slurm":
         from prl import slurm
 
+        rows = slurm.squeue_jobs([job["job_id"]])
+        if not rows or all(r.terminal for r in rows.values()):
+            return job, False
         slurm.scancel(job["job_id"])
     else:
+        launcher = json.loads(run.launcher_state.read_text()) if run.launcher_state.exists() else {}
+        if launcher.get("status") in ("completed", "failed", "stopped"):
+            return job, False  # ended: its pid may belong to someone else by now
         try:
             os.killpg(int(job["pid"]), signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        except (ProcessLookupError, TypeError, ValueError):
+            return job, False
     job["cancelled"] = time.time()
     atomic_write_json(run.job_json, job)
-    return job
+    return job, True

@@ -41,6 +41,12 @@ def test_local_preflight_run_completes_with_the_slurm_layout(tmp_path, env, mode
     assert os.readlink(run / "logs" / "latest") == "attempt_1"
     log = prl(env, "logs", run, "--role", "inference").stdout
     assert "preflight on" in log and "[   ok] run_dir" in log
+    assert "already ended; nothing to cancel" in prl(env, "cancel", run).stdout
+    assert json.loads((run / "job.json").read_text())["cancelled"] is None
+    doctor = prl(env, "doctor", run, "--role", "bogus", check=False)
+    assert doctor.returncode == 2 and "this run's roles are inference, orchestrator, trainer" in doctor.stderr
+    doctor = prl(env, "doctor", run, "--role", "trainer", "--lenient")
+    assert "[   ok] run_dir" in doctor.stdout
 
 
 def test_local_failure_is_reported(tmp_path, env):
