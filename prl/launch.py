@@ -17,7 +17,6 @@ Everything it sees goes to state/launcher.json, which `prl status` reads.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -26,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from prl.rundir import RunDir, atomic_write_json
+from prl.rundir import RunDir, atomic_write_json, read_json
 
 POLL_SECONDS = 0.5
 START_TIMEOUT = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
@@ -145,11 +144,8 @@ class Launcher:
         sibling killed by --kill-on-bad-exit (143) rather than the cause."""
         records = []
         for task in range(tasks):
-            try:
-                record = json.loads(self.run.task_exit(name, task).read_text())
-            except (FileNotFoundError, json.JSONDecodeError):
-                continue
-            if record["exit_code"] != 0:
+            record = read_json(self.run.task_exit(name, task))
+            if record and record["exit_code"] != 0:
                 records.append((record["time"], record["exit_code"], task))
         if not records:
             return fallback, None

@@ -10,7 +10,6 @@ requeued, and stops once the job has ended and the file stopped growing.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -32,15 +31,8 @@ def latest_attempt(run: RunDir) -> int | None:
         return None
 
 
-def _launcher(run: RunDir) -> dict:
-    try:
-        return json.loads(run.launcher_state.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
-
-
 def default_role(run: RunDir, plan: dict) -> str:
-    failure = _launcher(run).get("first_failure")
+    failure = run.read_launcher().get("first_failure")
     return failure["role"] if failure else plan["steps"][-1]["name"]
 
 
@@ -67,7 +59,7 @@ def log_path(run: RunDir, role: str, rank: int, attempt: int | None) -> Path:
 
 
 def _ended(run: RunDir) -> bool:
-    return _launcher(run).get("status") in ("completed", "failed", "stopped")
+    return run.read_launcher().get("status") in ("completed", "failed", "stopped")
 
 
 def follow(run: RunDir, role: str, rank: int, start_lines: int, out: TextIO = sys.stdout,

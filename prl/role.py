@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from prl import doctor
+from prl.runtimes import run_role, say
 from prl.rundir import RunDir, atomic_write_json
 
 HEARTBEAT_SECONDS = 5.0
@@ -56,10 +57,6 @@ def task_index() -> int:
     return 0
 
 
-def _say(role: str, task: int, message: str) -> None:
-    print(f"[prl {role}.{task} {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
 def _hold(run: RunDir, role: str, task: int, seconds: float, stop: _Stop) -> int:
     deadline = time.monotonic() + seconds
     next_beat = 0.0
@@ -68,11 +65,11 @@ def _hold(run: RunDir, role: str, task: int, seconds: float, stop: _Stop) -> int
         if time.monotonic() >= next_beat:
             if task == 0:
                 run.heartbeat(role)
-            _say(role, task, f"holding the allocation, {deadline - time.monotonic():.0f} s left")
+            say(role, task, f"holding the allocation, {deadline - time.monotonic():.0f} s left")
             next_beat = time.monotonic() + HEARTBEAT_SECONDS
         time.sleep(0.1)
     if stop.signum is not None:
-        _say(role, task, f"stopped by signal {stop.signum}")
+        say(role, task, f"stopped by signal {stop.signum}")
         return 128 + stop.signum
     return 0
 
@@ -98,7 +95,7 @@ def run_task(run: RunDir, role: str) -> int:
     signal.signal(signal.SIGINT, stop)
     stop.watch(run)
     node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
-    _say(role, task, f"{mode} on {node} (attempt {os.environ.get('PRL_ATTEMPT', '1')}, pid {os.getpid()})")
+    say(role, task, f"{mode} on {node} (attempt {os.environ.get('PRL_ATTEMPT', '1')}, pid {os.getpid()})")
 
     checks = doctor.preflight(run, plan, role, task, strict=mode == "run")
     atomic_write_json(run.preflight_report(role, task), doctor.report(checks))
@@ -109,7 +106,7 @@ def run_task(run: RunDir, role: str) -> int:
         run.claim(role, int(os.environ.get("PRL_ATTEMPT", "1")))
     if bad:
         message = "; ".join(c.detail for c in bad)
-        _say(role, task, f"preflight failed: {message}")
+        say(role, task, f"preflight failed: {message}")
         if task == 0:
             run.mark_exit(role, 1, error=f"preflight: {message}")
         return 1
@@ -118,8 +115,6 @@ def run_task(run: RunDir, role: str) -> int:
         atomic_write_json(run.task_ready(role, task), {"host": node, "time": time.time()})
         code = _hold(run, role, task, float(os.environ.get("PRL_HOLD", "0")), stop)
     else:
-        from prl.runtimes import run_role
-
         code = run_role(run, plan, role, task, stop)
     if task == 0:
         run.mark_exit(role, code, error=None if code == 0 else f"exit {code}")

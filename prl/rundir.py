@@ -115,6 +115,14 @@ def current_attempt() -> int:
     return 0
 
 
+def read_json(path: str | Path) -> Any:
+    """A JSON file written with atomic_write_json, or None if it is not there (yet)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+
+
 def is_stable(path: str | Path) -> bool:
     """True when `path` was published completely (its STABLE marker exists)."""
     return (Path(path) / MARKER).is_file()
@@ -207,10 +215,7 @@ class RunDir:
 
     def read_state(self, role: str) -> dict | None:
         """The role's state dict, or None if it never wrote one."""
-        try:
-            return json.loads(self.role_state(role).read_text())
-        except FileNotFoundError:
-            return None
+        return read_json(self.role_state(role))
 
     def write_state(self, role: str, **fields: Any) -> dict:
         """Merge `fields` into the role's state file (atomic replace); return the new state.
@@ -249,7 +254,7 @@ class RunDir:
         owner = {k: old.get(k) for k in me}
         if old.get("status") == "running" and owner != me and old_attempt == attempt:
             age = time.time() - float(old.get("heartbeat", old.get("updated", 0)))
-            if age < stale_after and not (owner["host"] == me["host"] and not _pid_alive(owner["pid"])):
+            if age < stale_after and not (owner["host"] == me["host"] and not pid_alive(owner["pid"])):
                 raise RunDirError(
                     f"{role} is already running in {self.root} (attempt {owner['attempt']}, host {owner['host']}, "
                     f"pid {owner['pid']}, heartbeat {age:.0f} s ago); two writers would publish the same steps. "
@@ -487,6 +492,10 @@ class RunDir:
         """state/launcher.json: attempt, mode, per-step start/exit, first failure, final status."""
         return self.state_dir / "launcher.json"
 
+    def read_launcher(self) -> dict:
+        """The launcher's record of the current attempt ({} before the job started)."""
+        return read_json(self.launcher_state) or {}
+
     def task_ready(self, role: str, task: int) -> Path:
         """Marker a role's task writes once it is healthy; the launcher starts the next role after all of them."""
         _check_role(role)
@@ -511,6 +520,17 @@ class RunDir:
         _check_role(role)
         return self.state_dir / "endpoints" / f"{role}.{index}.json"
 
+    def endpoints(self) -> dict[str, dict[int, dict]]:
+        """Every endpoint published so far: role -> index -> what the task wrote (url, host, port...)."""
+        folder = self.state_dir / "endpoints"
+        out: dict[str, dict[int, dict]] = {}
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            role, _, index = path.stem.partition(".")
+            data = read_json(path) if index.isdigit() else None
+            if data is not None:
+                out.setdefault(role, {})[int(index)] = data
+        return out
+
     def task_log_pattern(self, attempt: int, role: str) -> str:
         """`srun --output` pattern for one log per task: role_log(attempt, role, rank=K) for task K."""
         return str(self.role_log(attempt, role, 0)).replace("rank_0.log", "rank_%t.log")
@@ -527,7 +547,7 @@ class RunDir:
                     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _pid_alive(pid: Any) -> bool:
+def pid_alive(pid: Any) -> bool:
     try:
         os.kill(int(pid), 0)
     except (ProcessLookupError, TypeError, ValueError):

@@ -28,8 +28,6 @@ from prl.rundir import RunDir, atomic_write_json
 
 START_TIMEOUT = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
 ENDPOINT_WAIT_SECONDS = START_TIMEOUT
-DP_HEAD_ENDPOINT = 1000
-"""Endpoint index offset under which a multi-node replica's head publishes its address for followers."""
 
 
 def say(role: str, task: int, message: str) -> None:
@@ -105,12 +103,11 @@ def run_server(run: RunDir, plan: dict[str, Any], role: str, task: int, stop: An
     env = dict(os.environ)
     if server["gpus"] and os.environ.get("PRL_DEVICE") != "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, server["gpus"]))
-    replica_key = f"{role}-replica-{server['replica']}"
     if "--data-parallel-size-local" in args:
-        # Multi-node replica: its head publishes the address the followers join.
+        # Multi-node replica: its head publishes its address (no url until healthy) for the followers.
         if server["head"]:
-            atomic_write_json(run.endpoint(role, DP_HEAD_ENDPOINT + server["replica"]), {"host": host})
-        head = wait_endpoint(run, role, DP_HEAD_ENDPOINT + server["replica"], lambda: stop.signum is not None)
+            atomic_write_json(run.endpoint(role, server["replica"]), {"host": host})
+        head = wait_endpoint(run, role, server["replica"], lambda: stop.signum is not None)
         args += ["--data-parallel-address", head["host"]]
     argv = [sys.executable, "-m", "prl.inference", "--run-dir", str(run.root), *args, "--host", host]
     mark = _ready_marker(run, role, task)
@@ -119,8 +116,8 @@ def run_server(run: RunDir, plan: dict[str, Any], role: str, task: int, stop: An
     url = f"http://{host}:{server['port']}"
 
     def on_ready() -> None:
-        atomic_write_json(run.endpoint(role, server["replica"]), {"url": url, "role": role,
-                                                                   "replica": server["replica"], "key": replica_key})
+        atomic_write_json(run.endpoint(role, server["replica"]), {"url": url, "host": host, "role": role,
+                                                                   "replica": server["replica"]})
         mark()
 
     return supervise(role, task, argv, env, stop, lambda: http_ok(f"{url}/health"), on_ready)

@@ -58,6 +58,13 @@ def subprocess_runner(argv: list[str], timeout: float) -> subprocess.CompletedPr
 RUNNER: Runner = subprocess_runner
 """The function every Slurm command goes through; tests replace it."""
 
+_commands_run = 0
+
+
+def commands_run() -> int:
+    """Slurm commands this process has run so far (`prl status` reports how many one refresh took)."""
+    return _commands_run
+
 
 # Slurm's words for "could not reach the daemon", as opposed to "refused".
 _UNREACHABLE = re.compile(
@@ -79,7 +86,9 @@ def run_slurm(
     or its stderr says a daemon could not be reached; with `check`, raises
     SlurmError with the command's own message for any other non-zero exit.
     """
+    global _commands_run
     argv = [str(a) for a in argv]
+    _commands_run += 1
     try:
         proc = RUNNER(argv, timeout)
     except FileNotFoundError as e:

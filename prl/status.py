@@ -13,7 +13,6 @@ own record decides.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from prl.errors import ConfigError, SlurmError
-from prl.rundir import RunDir
+from prl.rundir import RunDir, pid_alive, read_json
 from prl.registry import entries, read_job, registry_path
 
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "STOPPED",
@@ -82,13 +81,6 @@ def resolve_run(arg: str | None) -> RunDir:
     raise ConfigError(f"no runs submitted yet (registry {registry_path()}); pass a run directory")
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
     try:
         with open(path, errors="replace") as f:
@@ -106,7 +98,7 @@ def _failed_log(run: RunDir, attempt: int, role: str) -> Path | None:
     """The log of the task that failed: one whose preflight failed, else the newest."""
     logs = role_logs(run, attempt, role)
     for log in logs:
-        report = _read_json(run.preflight_report(role, int(log.stem.split("_")[1])))
+        report = read_json(run.preflight_report(role, int(log.stem.split("_")[1])))
         if report and not report.get("ok"):
             return log
     return max(logs, key=lambda p: p.stat().st_mtime) if logs else None
@@ -127,20 +119,10 @@ def _role_status(launched: dict[str, Any], role_state: dict[str, Any], submitted
     return status
 
 
-def _pid_alive(pid: Any) -> bool:
-    try:
-        os.kill(int(pid), 0)
-        return True
-    except (ProcessLookupError, TypeError, ValueError):
-        return False
-    except PermissionError:
-        return True
-
-
 def collect(run: RunDir) -> Status:
     plan = run.read_plan()
     job = read_job(run)
-    launcher = _read_json(run.launcher_state) or {}
+    launcher = run.read_launcher()
     notes: list[str] = []
     rows: dict[str, Any] | None = None
     commands = 0
@@ -152,13 +134,12 @@ def collect(run: RunDir) -> Status:
     elif backend == "slurm":
         from prl import slurm
 
-        counter = _CountingRunner(slurm)
+        before = slurm.commands_run()
         try:
             rows = slurm.query_jobs([job["job_id"]])
         except SlurmError as exc:
             notes.append(f"Slurm could not be asked ({str(exc).splitlines()[0]}); state may be stale")
-        finally:
-            commands = counter.restore()
+        commands = slurm.commands_run() - before
         if rows is None:
             state = "UNKNOWN"
         elif rows:
@@ -168,7 +149,7 @@ def collect(run: RunDir) -> Status:
             state = _launcher_state(launcher.get("status"), cancelled)
             notes.append("Slurm no longer knows this job (no accounting?); state from the run directory")
     else:
-        alive = _pid_alive(job.get("pid"))
+        alive = pid_alive(job.get("pid"))
         if alive and launcher.get("status") == "stopping":
             state = "STOPPING"
         elif alive and launcher.get("status") in (None, "starting", "running"):
@@ -224,25 +205,6 @@ def collect(run: RunDir) -> Status:
         failure = {**first, "log": str(log) if log else None, "log_tail": log_tail(log) if log else []}
     return Status(str(run.root), plan["name"], job["job_id"] if job else None, backend, state, attempt,
                   launcher.get("mode") or (job or {}).get("mode"), roles, progress, failure, notes, commands)
-
-
-class _CountingRunner:
-    """Counts the Slurm commands one status call makes (the benchmark reports it)."""
-
-    def __init__(self, slurm_module: Any):
-        self.module = slurm_module
-        self.inner = slurm_module.RUNNER
-        self.count = 0
-
-        def counting(argv: list[str], timeout: float) -> Any:
-            self.count += 1
-            return self.inner(argv, timeout)
-
-        slurm_module.RUNNER = counting
-
-    def restore(self) -> int:
-        self.module.RUNNER = self.inner
-        return self.count
 
 
 def _age(seconds: float | None) -> str:

@@ -14,7 +14,6 @@ follows submitit in batching one squeue/sacct call per status and in a small err
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import signal
@@ -141,8 +140,7 @@ def cancel(run: RunDir) -> tuple[dict[str, Any], bool]:
             return job, False
         slurm.scancel(job["job_id"])
     else:
-        launcher = json.loads(run.launcher_state.read_text()) if run.launcher_state.exists() else {}
-        if launcher.get("status") in ("completed", "failed", "stopped"):
+        if run.read_launcher().get("status") in ("completed", "failed", "stopped"):
             return job, False  # ended: its pid may belong to someone else by now
         try:
             os.killpg(int(job["pid"]), signal.SIGTERM)

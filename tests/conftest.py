@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +13,15 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 SHIPPED = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
+
+
+def prl_cli(env: dict, *args, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`prl ARGS` as a user runs it, from the repository root; with `check`, it must exit 0."""
+    result = subprocess.run([sys.executable, "-m", "prl.cli", *map(str, args)], capture_output=True, text=True,
+                            env=env, cwd=REPO, timeout=timeout)
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
+    return result
 
 
 @pytest.fixture

@@ -4,24 +4,14 @@ orchestrator on n2, the 2-node FSDP2 trainer (gloo across nodes) on n3-n4."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import prl_cli as prl
 from tests.slurm_fixtures import slurm_cluster, wait_for  # noqa: F401
 from tests.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.slow]
-
-
-def prl(env, *args, check=True):
-    result = subprocess.run([sys.executable, "-m", "prl.cli", *map(str, args)], capture_output=True, text=True,
-                            env=env, cwd=REPO, timeout=120)
-    if check:
-        assert result.returncode == 0, result.stdout + result.stderr
-    return result
 
 
 def test_lab_hetjob_runs_the_rl_loop(tmp_path, env, slurm_cluster):  # noqa: F811

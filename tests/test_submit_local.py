@@ -10,16 +10,8 @@ import sys
 import time
 
 
-from conftest import REPO
+from conftest import REPO, prl_cli as prl
 from tests.slurm_fixtures import wait_for
-
-
-def prl(env, *args, check=True):
-    result = subprocess.run([sys.executable, "-m", "prl.cli", *map(str, args)], capture_output=True, text=True,
-                            env=env, cwd=REPO, timeout=120)
-    if check:
-        assert result.returncode == 0, result.stdout + result.stderr
-    return result
 
 
 def state(env, run) -> dict:

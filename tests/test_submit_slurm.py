@@ -16,18 +16,10 @@ import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, prl_cli as prl
 from tests.slurm_fixtures import slurm_cluster, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.slurm
-
-
-def prl(env, *args, check=True, timeout=60) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "prl.cli", *map(str, args)], capture_output=True, text=True,
-                            env=env, cwd=REPO, timeout=timeout)
-    if check:
-        assert result.returncode == 0, result.stdout + result.stderr
-    return result
 
 
 def status(env, run) -> dict:

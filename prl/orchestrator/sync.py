@@ -20,7 +20,6 @@ so a server that restarted (back to the base weights) is noticed and updated.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -104,18 +103,10 @@ class ServerPool:
 
 
 def read_endpoints(run: RunDir) -> dict[str, list[str]]:
-    """URLs by role from RUN/state/endpoints (files without a url, e.g. multi-node heads, skipped)."""
-    out: dict[str, list[tuple[int, str]]] = {}
-    d = run.state_dir / "endpoints"
-    for p in sorted(d.glob("*.json")) if d.is_dir() else []:
-        role, _, idx = p.stem.partition(".")
-        try:
-            url = json.loads(p.read_text()).get("url")
-        except (OSError, json.JSONDecodeError):
-            continue
-        if url and idx.isdigit():
-            out.setdefault(role, []).append((int(idx), url.rstrip("/")))
-    return {role: [u for _, u in sorted(v)] for role, v in out.items()}
+    """URLs by role from the run's published endpoints (entries without a url, e.g. multi-node heads, skipped)."""
+    urls = {role: [data["url"].rstrip("/") for _, data in sorted(by_index.items()) if data.get("url")]
+            for role, by_index in run.endpoints().items()}
+    return {role: found for role, found in urls.items() if found}
 
 
 def expected_endpoints(plan: dict) -> set[tuple[str, int]]:
