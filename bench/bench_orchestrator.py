@@ -69,7 +69,7 @@ def main() -> None:
     a = p.parse_args()
 
     from prl.orchestrator import main as orchestrate
-    from prl.rundir import RunDir, atomic_write_json
+    from prl.run.rundir import RunDir, atomic_write_json
     from tests.tiny_model import build_tokenizer
 
     eng = subprocess.Popen([sys.executable, "-c", ENGINE], stdout=subprocess.PIPE, text=True, cwd=REPO)

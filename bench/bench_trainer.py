@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from prl.batch import Sample, publish_batch, read_batch  # noqa: E402
-from prl.rundir import RunDir, atomic_write_json  # noqa: E402
+from prl.run.batch import Sample, publish_batch, read_batch  # noqa: E402
+from prl.run.rundir import RunDir, atomic_write_json  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 from tests.trainer_helpers import launch, make_plan  # noqa: E402
 

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from prl.inference.checks import weight_files  # noqa: E402
-from prl.rundir import RunDir  # noqa: E402
+from prl.run.rundir import RunDir  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 from tests.vllm_fixtures import start_inference  # noqa: E402
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from prl.rundir import RunDir  # noqa: E402
+from prl.run.rundir import RunDir  # noqa: E402
 from prl.trainer.weights import write_hf_dir  # noqa: E402
 
 

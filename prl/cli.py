@@ -50,7 +50,7 @@ def plan(
     force: bool = typer.Option(False, "--force", help="Write into a run directory that already holds a job."),
 ) -> None:
     """Validate a topology, show the placement and write the rendered job to its run directory (dry run)."""
-    from prl.prepare import prepare, write_run_files
+    from prl.planner.prepare import prepare, write_run_files
 
     prepared = prepare(topology, overrides or [])
     written = [] if no_write else write_run_files(prepared, force=force)
@@ -59,7 +59,7 @@ def plan(
         out["written"] = [str(p) for p in written]
         sys.stdout.write(json.dumps(out, indent=2, sort_keys=True) + "\n")
         return
-    from prl.show import show_plan
+    from prl.planner.show import show_plan
 
     show_plan(prepared.plan, written)
 
@@ -77,7 +77,7 @@ def submit(
     hold: float = typer.Option(0.0, "--hold", help="With --preflight: keep the allocation this many seconds."),
 ) -> None:
     """Plan, render and submit one heterogeneous job (or local processes); record its handle."""
-    from prl.submit import submit as do_submit
+    from prl.ops.submit import submit as do_submit
 
     run, job = do_submit(topology, overrides or [], local=local, detach=detach, resume=resume, force=force,
                          preflight=preflight, hold=hold)
@@ -103,7 +103,7 @@ def status(
     """Per-role state of a run: Slurm, heartbeats, progress, the first failure and its log."""
     import time
 
-    from prl.status import TERMINAL, collect, resolve_run, show
+    from prl.ops.status import TERMINAL, collect, resolve_run, show
 
     run_dir = resolve_run(run)
     while True:
@@ -131,8 +131,8 @@ def logs(
     follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines, across requeues."),
 ) -> None:
     """Show a role's log from the run directory."""
-    from prl.logs import default_role, follow as do_follow, log_path
-    from prl.status import log_tail, resolve_run
+    from prl.ops.logs import default_role, follow as do_follow, log_path
+    from prl.ops.status import log_tail, resolve_run
 
     run_dir = resolve_run(run)
     role = role or default_role(run_dir, run_dir.read_plan())
@@ -147,8 +147,8 @@ def logs(
 def cancel(run: Optional[str] = typer.Argument(None, help="Run directory or job id (default: the most recent run).")
            ) -> None:
     """Cancel the whole job (every het component) and record it."""
-    from prl.status import resolve_run
-    from prl.submit import cancel as do_cancel
+    from prl.ops.status import resolve_run
+    from prl.ops.submit import cancel as do_cancel
 
     job, cancelled = do_cancel(resolve_run(run))
     if cancelled:
@@ -165,8 +165,8 @@ def doctor(
     strict: bool = typer.Option(True, "--strict/--lenient", help="Missing role packages are errors."),
 ) -> None:
     """Run a role's preflight checks on this node (what every role does first)."""
-    from prl import doctor as checks
-    from prl.rundir import RunDir
+    from prl.job import doctor as checks
+    from prl.run.rundir import RunDir
 
     run_dir = RunDir(run)
     plan = run_dir.read_plan()

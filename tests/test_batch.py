@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prl.batch import BATCH_FILE, BatchError, Sample, pack, publish_batch, read_batch, write_batch
-from prl.rundir import RunDir, is_stable
+from prl.run.batch import BATCH_FILE, BatchError, Sample, pack, publish_batch, read_batch, write_batch
+from prl.run.rundir import RunDir, is_stable
 
 
 def _samples(lengths, seed=0):
@@ -129,7 +129,7 @@ def test_publish_batch_goes_through_the_run_dir(tmp_path):
 
 def test_control_plane_imports_stay_light():
     code = (
-        "import sys, prl.rundir, prl.batch, prl.errors; "
+        "import sys, prl.run.rundir, prl.run.batch, prl.errors; "
         "bad = {'torch', 'numpy', 'safetensors', 'transformers'} & set(sys.modules); assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])

@@ -1,12 +1,12 @@
 """Docs that are generated must be current; docs that name commands must name real ones."""
 
 from conftest import REPO
-from prl.schema_doc import reference
+from prl.config.schema_doc import reference
 
 
 def test_field_reference_is_current():
     current = (REPO / "docs" / "reference.md").read_text()
-    assert current == reference(), "docs/reference.md is stale: python -m prl.schema_doc > docs/reference.md"
+    assert current == reference(), "docs/reference.md is stale: python -m prl.config.schema_doc > docs/reference.md"
 
 
 def test_readme_test_command_is_what_ci_runs():

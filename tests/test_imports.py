@@ -4,9 +4,9 @@ import subprocess
 import sys
 
 HEAVY = ("torch", "vllm", "transformers", "verifiers", "safetensors", "numpy")
-CONTROL_PLANE = ("prl.cli", "prl.prepare", "prl.plan", "prl.render", "prl.show", "prl.rundir", "prl.submit",
-                 "prl.status", "prl.logs", "prl.registry", "prl.slurm", "prl.launch", "prl.role", "prl.doctor",
-                 "prl.batch", "prl.inference", "prl.orchestrator", "prl.trainer")
+CONTROL_PLANE = ("prl.cli", "prl.planner.prepare", "prl.planner.plan", "prl.planner.render", "prl.planner.show", "prl.run.rundir", "prl.ops.submit",
+                 "prl.ops.status", "prl.ops.logs", "prl.ops.registry", "prl.ops.slurm", "prl.job.launch", "prl.job.role", "prl.job.doctor",
+                 "prl.run.batch", "prl.inference", "prl.orchestrator", "prl.trainer")
 
 
 def test_control_plane_imports_nothing_heavy():

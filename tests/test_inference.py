@@ -27,7 +27,7 @@ from prl.inference.checks import (
     compare_layouts,
     resolve_weights_dir,
 )
-from prl.rundir import RunDir
+from prl.run.rundir import RunDir
 from tests.vllm_fixtures import (  # noqa: F401 (fixtures)
     HTTPFailure,
     http_json,

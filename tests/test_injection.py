@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from prl.errors import ConfigError
-from prl.prepare import prepare
+from prl.planner.prepare import prepare
 
 PAYLOADS = [
     "x$(touch {canary})",

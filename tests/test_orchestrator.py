@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 
-from prl.batch import read_batch  # noqa: E402
+from prl.run.batch import read_batch  # noqa: E402
 from prl.errors import PrlError  # noqa: E402
 from prl.orchestrator import main  # noqa: E402
 from tests.fake_engine import FakeEngine  # noqa: E402
-from prl.rundir import RunDir, atomic_write_json  # noqa: E402
+from prl.run.rundir import RunDir, atomic_write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from prl.batch import publish_batch, read_batch
+from prl.run.batch import publish_batch, read_batch
 from prl.errors import ConfigError
 from prl.orchestrator.advantages import AdvantageConfig
 from prl.orchestrator.config import OrchestratorConfig
 from prl.orchestrator.rollouts import Branch, Rollout, TaskStream, build_samples
 from prl.orchestrator.sync import Server, ServerPool, discover, expected_endpoints, read_endpoints
-from prl.rundir import RunDir, atomic_write_json
+from prl.run.rundir import RunDir, atomic_write_json
 
 GOLDEN = Path(__file__).parent / "golden"
 

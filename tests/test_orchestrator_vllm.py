@@ -14,9 +14,9 @@ import time
 import pytest
 
 
-from prl.batch import read_batch  # noqa: E402
+from prl.run.batch import read_batch  # noqa: E402
 from prl.orchestrator import main  # noqa: E402
-from prl.rundir import RunDir, atomic_write_json  # noqa: E402
+from prl.run.rundir import RunDir, atomic_write_json  # noqa: E402
 from tests.vllm_fixtures import start_inference, tiny_model_dir  # noqa: E402,F401 (fixtures)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, SHIPPED
-from prl.prepare import prepare
+from prl.planner.prepare import prepare
 
 GOLDEN = REPO / "tests" / "golden"
 # Shipped topologies with relative paths resolve against this fixed directory in the goldens.

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from prl.errors import PrlError, RunDirError, StepTimeout
-from prl.rundir import MARKER, RunDir, atomic_write_json, atomic_write_text, is_stable
+from prl.run.rundir import MARKER, RunDir, atomic_write_json, atomic_write_text, is_stable
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -162,7 +162,7 @@ def test_resume_leftovers_and_metrics(tmp_path):
 _WRITER = """
 import sys, numpy as np
 from safetensors.numpy import save_file
-from prl.rundir import RunDir
+from prl.run.rundir import RunDir
 run, step = RunDir(sys.argv[1]), int(sys.argv[2])
 def write(t, s):
     for k in range(4):

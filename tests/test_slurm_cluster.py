@@ -1,4 +1,4 @@
-"""prl.slurm against the real local cluster (scripts/slurm-cluster.sh).
+"""prl.ops.slurm against the real local cluster (scripts/slurm-cluster.sh).
 
 Every test submits real jobs; they are small (1 CPU, seconds) and cancelled
 on failure.
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from prl import slurm
+from prl.ops import slurm
 from prl.errors import SlurmError
 from tests.slurm_fixtures import SlurmCluster, slurm_cluster, wait_for  # noqa: F401
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slurm
 
 @pytest.fixture
 def submit(tmp_path: Path, slurm_cluster: SlurmCluster):  # noqa: F811
-    """Write a batch script, submit it with prl.slurm.sbatch, cancel leftovers at the end."""
+    """Write a batch script, submit it with prl.ops.slurm.sbatch, cancel leftovers at the end."""
     submitted: list[int] = []
 
     def _submit(body: str, *extra_args: str, name: str = "job") -> int:

@@ -1,4 +1,4 @@
-"""prl.slurm parsing, with a fake runner. Outputs are copied from Slurm 22.05.8
+"""prl.ops.slurm parsing, with a fake runner. Outputs are copied from Slurm 22.05.8
 on the local test cluster; the real-cluster tests are in test_slurm_cluster.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from prl import slurm
+from prl.ops import slurm
 from prl.errors import PrlError, SlurmError, SlurmUnavailable
 
 S = slurm.SEP

@@ -10,10 +10,10 @@ import time
 import pytest
 
 from conftest import REPO
-from prl import slurm
-from prl.prepare import prepare, write_run_files
-from prl.rundir import RunDir, atomic_write_json
-from prl.status import collect
+from prl.ops import slurm
+from prl.planner.prepare import prepare, write_run_files
+from prl.run.rundir import RunDir, atomic_write_json
+from prl.ops.status import collect
 
 
 def _run(tmp_path, topology="lab", *overrides) -> RunDir:

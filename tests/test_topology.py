@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from prl.errors import ConfigError, PlanError
-from prl.prepare import prepare
+from prl.planner.prepare import prepare
 
 BASE = """\
 name: t

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from prl.rundir import atomic_write_json, is_stable
+from prl.run.rundir import atomic_write_json, is_stable
 from prl.trainer.loss import LossConfig, policy_loss, token_logprobs_and_entropy
 from tests.tiny_model import build_tiny_model
 from tests.trainer_helpers import launch, make_plan, make_samples, setup_run
@@ -187,7 +187,7 @@ def test_kill_after_checkpoint_then_resume_on_one_rank_matches_uninterrupted(tin
     assert run.stable_steps("checkpoints") == [2]
 
     # The orchestrator catches up; the job comes back with 1 rank.
-    from prl.batch import publish_batch
+    from prl.run.batch import publish_batch
 
     publish_batch(run, 4, make_samples(4, vocab), dp_size=2, micro_batch_tokens=64)
     atomic_write_json(run.plan_json, make_plan(model_dir, world_size=1, max_steps=STEPS))

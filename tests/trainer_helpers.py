@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from prl.batch import Sample, publish_batch
-from prl.rundir import RunDir, atomic_write_json
+from prl.run.batch import Sample, publish_batch
+from prl.run.rundir import RunDir, atomic_write_json
 
 REPO = Path(__file__).resolve().parents[1]
 

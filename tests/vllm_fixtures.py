@@ -199,7 +199,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_server(tmp_path_factory, tiny_model_dir) -> Iterator[InferenceServer]:
     """One `prl.inference` server on the tiny model, shared by the session; its run dir is empty."""
-    from prl.rundir import RunDir
+    from prl.run.rundir import RunDir
 
     run = RunDir(tmp_path_factory.mktemp("vllm-run") / "run").create()
     with start_inference(run.root, tiny_model_dir) as server:

@@ -35,7 +35,7 @@ from prl.inference.checks import (
     compare_layouts,
     resolve_weights_dir,
 )
-from prl.rundir import RunDir
+from prl.run.rundir import RunDir
 
 router = APIRouter()
 

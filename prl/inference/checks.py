@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prl.rundir import RunDir, is_stable
+from prl.run.rundir import RunDir, is_stable
 
 _STEP_NAME = re.compile(r"^step_(\d+)$")
 

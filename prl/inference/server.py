@@ -25,7 +25,7 @@ import signal
 import sys
 from pathlib import Path
 
-from prl.rundir import RunDir
+from prl.run.rundir import RunDir
 
 WORKER_EXTENSION = "prl.inference.worker.WeightUpdater"
 OPEN_PATHS = ("/health",)

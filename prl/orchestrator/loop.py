@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from prl.batch import publish_batch
+from prl.run.batch import publish_batch
 from prl.errors import PrlError
 from prl.orchestrator.advantages import reward_stats
 from prl.orchestrator.config import OrchestratorConfig
@@ -34,7 +34,7 @@ from prl.orchestrator.eval import evaluate
 from prl.orchestrator.harness import close_sessions
 from prl.orchestrator.rollouts import Generator, StepBatch, TaskStream, build_samples
 from prl.orchestrator.sync import ServerPool, WeightWatcher, discover, served_model, standalone
-from prl.rundir import RunDir
+from prl.run.rundir import RunDir
 
 ROLE = "orchestrator"
 API_KEY_VAR = "PRL_INFERENCE_API_KEY"

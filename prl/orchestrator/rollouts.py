@@ -9,7 +9,7 @@ error, engine restart) is retried on another server up to `retries` times; a
 group with an episode that still fails is dropped whole (its advantages would
 be biased) and counted.
 
-Every trainable branch of every trace becomes one `prl.batch.Sample`: token
+Every trainable branch of every trace becomes one `prl.run.batch.Sample`: token
 ids, the sampled mask as loss mask, the engine's logprobs, the episode's
 advantage and its policy version.
 """
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prl.batch import Sample
+from prl.run.batch import Sample
 from prl.orchestrator.advantages import AdvantageConfig, group_advantages, is_zero_group
 from prl.orchestrator.sync import Server, ServerPool
 

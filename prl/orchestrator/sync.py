@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from prl.errors import PrlError, StepTimeout
-from prl.rundir import RunDir
+from prl.run.rundir import RunDir
 
 log = logging.getLogger("prl.orchestrator")
 

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from prl.errors import RunDirError
-from prl.rundir import RunDir, is_stable
+from prl.run.rundir import RunDir, is_stable
 from prl.trainer.parallel import Dist
 
 ROLE = "trainer"

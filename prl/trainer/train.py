@@ -20,8 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from prl.batch import BatchError, MicroBatch, read_batch
-from prl.rundir import RunDir
+from prl.run.batch import BatchError, MicroBatch, read_batch
+from prl.run.rundir import RunDir
 from prl.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from prl.trainer.config import TrainerConfig
 from prl.trainer.loss import merge_stats, policy_loss, token_logprobs_and_entropy

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from prl.rundir import RunDir
+from prl.run.rundir import RunDir
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3

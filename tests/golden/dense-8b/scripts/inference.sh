@@ -11,4 +11,4 @@ export PRL_ROLE=inference
 export PRL_RUN_DIR=/lustre/fs1/prl/runs/dense-8b
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export UCX_NET_DEVICES=mlx5_0:1
-exec python3 -m prl.role inference --run-dir /lustre/fs1/prl/runs/dense-8b
+exec python3 -m prl.job.role inference --run-dir /lustre/fs1/prl/runs/dense-8b

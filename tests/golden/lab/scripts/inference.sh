@@ -6,4 +6,4 @@ export PRL_DEVICE=cpu
 export PRL_ROLE=inference
 export PRL_RUN_DIR=/var/tmp/prl-runs/lab
 export VLLM_CPU_KVCACHE_SPACE=1
-exec python3 -m prl.role inference --run-dir /var/tmp/prl-runs/lab
+exec python3 -m prl.job.role inference --run-dir /var/tmp/prl-runs/lab

@@ -5,4 +5,4 @@ set -euo pipefail
 export PRL_DEVICE=cpu
 export PRL_ROLE=orchestrator
 export PRL_RUN_DIR=/var/tmp/prl-runs/lab
-exec python3 -m prl.role orchestrator --run-dir /var/tmp/prl-runs/lab
+exec python3 -m prl.job.role orchestrator --run-dir /var/tmp/prl-runs/lab

@@ -5,4 +5,4 @@ set -euo pipefail
 export PRL_DEVICE=cpu
 export PRL_ROLE=trainer
 export PRL_RUN_DIR=/var/tmp/prl-runs/lab
-exec python3 -m prl.role trainer --run-dir /var/tmp/prl-runs/lab
+exec python3 -m prl.job.role trainer --run-dir /var/tmp/prl-runs/lab

@@ -4,4 +4,4 @@
 set -euo pipefail
 export PRL_ROLE=trainer
 export PRL_RUN_DIR=/home/user/prl/runs/prl-runs/local-tiny
-exec python3 -m prl.role trainer --run-dir /home/user/prl/runs/prl-runs/local-tiny
+exec python3 -m prl.job.role trainer --run-dir /home/user/prl/runs/prl-runs/local-tiny

@@ -11,4 +11,4 @@ export PRL_ROLE=orchestrator
 export PRL_RUN_DIR=/lustre/fs1/prl/runs/moe-30b-pd
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export UCX_NET_DEVICES=mlx5_0:1
-exec python3 -m prl.role orchestrator --run-dir /lustre/fs1/prl/runs/moe-30b-pd
+exec python3 -m prl.job.role orchestrator --run-dir /lustre/fs1/prl/runs/moe-30b-pd

@@ -5,4 +5,4 @@ set -euo pipefail
 export PRL_ROLE=inference
 export PRL_RUN_DIR=/home/user/prl/runs/prl-runs/smollm2-reverse
 export VLLM_CPU_KVCACHE_SPACE=2
-exec python3 -m prl.role inference --run-dir /home/user/prl/runs/prl-runs/smollm2-reverse
+exec python3 -m prl.job.role inference --run-dir /home/user/prl/runs/prl-runs/smollm2-reverse

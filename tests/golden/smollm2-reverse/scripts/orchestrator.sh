@@ -4,4 +4,4 @@
 set -euo pipefail
 export PRL_ROLE=orchestrator
 export PRL_RUN_DIR=/home/user/prl/runs/prl-runs/smollm2-reverse
-exec python3 -m prl.role orchestrator --run-dir /home/user/prl/runs/prl-runs/smollm2-reverse
+exec python3 -m prl.job.role orchestrator --run-dir /home/user/prl/runs/prl-runs/smollm2-reverse

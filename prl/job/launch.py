@@ -1,6 +1,6 @@
 """The launcher: starts a job's roles in order, watches them, ends the job when one fails.
 
-    python -m prl.launch --run-dir RUN          (exec'd by scripts/job.sbatch, or by `prl submit --local`)
+    python -m prl.job.launch --run-dir RUN          (exec'd by scripts/job.sbatch, or by `prl submit --local`)
 
 Inside Slurm each role is one `srun` step with the plan's placement; locally each task
 is a process. A role starts once every role it comes after has all its tasks ready
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from prl.rundir import RunDir, atomic_write_json, read_json
+from prl.run.rundir import RunDir, atomic_write_json, read_json
 
 POLL_SECONDS = 0.5
 START_TIMEOUT = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
@@ -253,7 +253,7 @@ class Launcher:
         self.log(f"signal {signum}{' (time-limit warning)' if warning else ''}: stopping every role")
         self.stop_all(signum)
         if warning and self.plan.get("requeue"):
-            from prl import slurm
+            from prl.ops import slurm
 
             slurm.scontrol_requeue(os.environ["SLURM_JOB_ID"])
             return self.finish("requeued", 0)
@@ -262,7 +262,7 @@ class Launcher:
 
 def _time_limit_warning() -> bool:
     """A TERM while Slurm still calls the job RUNNING is the --signal warning, not scancel or requeue."""
-    from prl import slurm
+    from prl.ops import slurm
 
     try:
         rows = slurm.squeue_jobs([os.environ["SLURM_JOB_ID"]])
@@ -281,7 +281,7 @@ def attempt_number(slurm: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m prl.launch")
+    parser = argparse.ArgumentParser(prog="python -m prl.job.launch")
     parser.add_argument("--run-dir", required=True)
     args = parser.parse_args(argv)
     run = RunDir(args.run_dir)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import jinja2
 
-from prl.plan import Plan
+from prl.planner.plan import Plan
 
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "templates"
 JOB_SCRIPT = "scripts/job.sbatch"
 
 
@@ -51,7 +51,7 @@ def render(plan: Plan, topology_yaml: str) -> dict[str, str]:
 
 def write(files: dict[str, str], run_dir: Path) -> list[Path]:
     """Write rendered files into the run directory, each atomically; scripts executable."""
-    from prl.rundir import atomic_write_text
+    from prl.run.rundir import atomic_write_text
 
     written = []
     for rel, text in sorted(files.items()):

@@ -1,13 +1,13 @@
 """One task of one role, started by a step script: preflight first, then the role's work.
 
-    python -m prl.role ROLE --run-dir RUN
+    python -m prl.job.role ROLE --run-dir RUN
 
 The task finds itself in the plan by SLURM_PROCID (or PRL_TASK in local runs).
 Modes (PRL_MODE, set at submission):
 - `preflight`: run the checks, report ready, keep the allocation for PRL_HOLD seconds
   (heartbeating; SIGTERM ends it early), exit 0. Checks the cluster and the plan
   before a real run, and keeps nodes for debugging.
-- `run`: the checks, then the role's runtime (prl/runtimes.py): vLLM servers, the P/D
+- `run`: the checks, then the role's runtime (prl/job/runtimes.py): vLLM servers, the P/D
   router, the orchestrator, the trainer under torchrun.
 """
 
@@ -21,9 +21,9 @@ import sys
 import time
 from typing import Any
 
-from prl import doctor
-from prl.runtimes import run_role, say
-from prl.rundir import RunDir, atomic_write_json
+from prl.job import doctor
+from prl.job.runtimes import run_role, say
+from prl.run.rundir import RunDir, atomic_write_json
 
 HEARTBEAT_SECONDS = 5.0
 
@@ -75,7 +75,7 @@ def _hold(run: RunDir, role: str, task: int, seconds: float, stop: _Stop) -> int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m prl.role")
+    parser = argparse.ArgumentParser(prog="python -m prl.job.role")
     parser.add_argument("role")
     parser.add_argument("--run-dir", required=True)
     args = parser.parse_args(argv)

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from prl.errors import ConfigError, SlurmError
-from prl.rundir import RunDir, pid_alive, read_json
-from prl.registry import entries, read_job, registry_path
+from prl.run.rundir import RunDir, pid_alive, read_json
+from prl.ops.registry import entries, read_job, registry_path
 
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "STOPPED",
             "BOOT_FAIL", "DEADLINE")
@@ -132,7 +132,7 @@ def collect(run: RunDir) -> Status:
     if job is None:
         state = "PLANNED"
     elif backend == "slurm":
-        from prl import slurm
+        from prl.ops import slurm
 
         before = slurm.commands_run()
         try:

@@ -1,6 +1,6 @@
 """The topology schema (`configs/*.yaml`): what the user asks for, checked, nothing derived.
 
-`prl.plan.make_plan` turns a Topology and a ClusterProfile into a Plan. Every
+`prl.planner.plan.make_plan` turns a Topology and a ClusterProfile into a Plan. Every
 field is documented right under it; docs/topology.md is the guide.
 """
 
@@ -11,8 +11,8 @@ from typing import Any, Literal, Optional, Sequence
 
 from pydantic import Field, field_validator, model_validator
 
-from prl.cluster import Strict, Token, check_env_names, check_time, minutes_as_text
-from prl.loader import Source, load
+from prl.config.cluster import Strict, Token, check_env_names, check_time, minutes_as_text
+from prl.config.loader import Source, load
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 

@@ -1,6 +1,6 @@
 """Write the field reference of topologies and cluster profiles from the schema itself.
 
-    python -m prl.schema_doc > docs/reference.md
+    python -m prl.config.schema_doc > docs/reference.md
 
 tests/test_docs.py fails when docs/reference.md is out of date.
 """
@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from prl.cluster import ClusterProfile
-from prl.topology import Topology
+from prl.config.cluster import ClusterProfile
+from prl.config.topology import Topology
 
 
 def _model_of(annotation: Any) -> type[BaseModel] | None:
@@ -29,7 +29,7 @@ def _model_of(annotation: Any) -> type[BaseModel] | None:
 def _type_name(annotation: Any) -> str:
     text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
     text = text or str(annotation).replace("typing.", "")
-    for noise in ("prl.topology.", "prl.cluster.", "NoneType"):
+    for noise in ("prl.config.topology.", "prl.config.cluster.", "NoneType"):
         text = text.replace(noise, "None" if noise == "NoneType" else "")
     return text
 
@@ -59,7 +59,7 @@ def reference() -> str:
     return "\n".join([
         "# Field reference",
         "",
-        "Generated from the schema by `python -m prl.schema_doc > docs/reference.md`; do not edit by hand.",
+        "Generated from the schema by `python -m prl.config.schema_doc > docs/reference.md`; do not edit by hand.",
         "",
         "## Topology (`configs/*.yaml`)",
         "",

@@ -1,6 +1,6 @@
 """How one task of each role starts its runtime process and proves it healthy.
 
-Called by `prl.role` after the preflight. Each role's runtime is a child process:
+Called by `prl.job.role` after the preflight. Each role's runtime is a child process:
 
     inference / prefill / decode   python -m prl.inference   ready when /health answers 200
     router                         python -m prl.inference.router  (P/D)  ready on /health
@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable
 
-from prl.rundir import RunDir, atomic_write_json
+from prl.run.rundir import RunDir, atomic_write_json
 
 START_TIMEOUT = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
 ENDPOINT_WAIT_SECONDS = START_TIMEOUT

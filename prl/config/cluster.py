@@ -2,7 +2,7 @@
 
 A profile is written once per cluster by whoever knows it (often the admins)
 and named by topologies with `cluster: NAME` (a file in `clusters/`) or a path.
-Only checks live here; `prl.plan` derives everything else.
+Only checks live here; `prl.planner.plan` derives everything else.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Annotated, Literal, Optional, Sequence
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from prl.errors import ConfigError
-from prl.loader import Source, load
+from prl.config.loader import Source, load
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CLUSTERS_DIR = REPO_ROOT / "clusters"
 
 _TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")

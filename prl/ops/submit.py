@@ -7,7 +7,7 @@ submission is also appended to the user's run registry (`$PRL_HOME/runs.jsonl`, 
 
 submitit is not used: it has no heterogeneous jobs (one configuration per job), and its
 sacct watcher keys rows by the plain job id, so it never sees `ID+N` components finish.
-prl renders its own hetjob script and submits it with `sbatch` through `prl.slurm`; it
+prl renders its own hetjob script and submits it with `sbatch` through `prl.ops.slurm`; it
 follows submitit in batching one squeue/sacct call per status and in a small error hierarchy.
 """
 
@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from prl.errors import ConfigError, SlurmError
-from prl.prepare import Prepared, prepare, write_run_files
-from prl.registry import read_job, register
-from prl.rundir import RunDir, atomic_write_json
+from prl.planner.prepare import Prepared, prepare, write_run_files
+from prl.ops.registry import read_job, register
+from prl.run.rundir import RunDir, atomic_write_json
 
 # sbatch complaint -> the profile or topology field that fixes it.
 _HINTS = (
@@ -84,7 +84,7 @@ def submit(topology: Path, overrides: Sequence[str], *, local: bool, detach: boo
     run.create()
     env = {"PRL_MODE": mode, "PRL_HOLD": f"{hold:g}", "PRL_ATTEMPT_BASE": str(attempt_base)}
     if backend == "slurm":
-        from prl import slurm
+        from prl.ops import slurm
 
         exports = ",".join(["ALL", *(f"{k}={v}" for k, v in env.items())])
         try:
@@ -100,7 +100,7 @@ def submit(topology: Path, overrides: Sequence[str], *, local: bool, detach: boo
 
     job = _job_record(prepared, backend, f"local-{int(time.time())}", mode, hold, attempt_base, topology, overrides)
     log = open(run.logs_dir / "launcher.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "prl.launch", "--run-dir", str(run.root)],
+    proc = subprocess.Popen([sys.executable, "-m", "prl.job.launch", "--run-dir", str(run.root)],
                             env={**os.environ, **env, "PRL_ATTEMPT": str(attempt_base + 1)}, stdout=log,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                             cwd=run.root)
@@ -133,7 +133,7 @@ def cancel(run: RunDir) -> tuple[dict[str, Any], bool]:
     if job is None:
         raise ConfigError(f"{run.root} holds no submitted job (no job.json)")
     if job["backend"] == "slurm":
-        from prl import slurm
+        from prl.ops import slurm
 
         rows = slurm.squeue_jobs([job["job_id"]])
         if not rows or all(r.terminal for r in rows.values()):

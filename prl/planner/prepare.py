@@ -8,12 +8,12 @@ from typing import Sequence
 
 import yaml
 
-from prl.cluster import CLUSTERS_DIR, ClusterProfile, load_profile, profile_path
+from prl.config.cluster import CLUSTERS_DIR, ClusterProfile, load_profile, profile_path
 from prl.errors import ConfigError
-from prl.loader import load_document, validate
-from prl.plan import Plan, make_plan
-from prl.render import render, write
-from prl.topology import Topology, cluster_overrides
+from prl.config.loader import load_document, validate
+from prl.planner.plan import Plan, make_plan
+from prl.planner.render import render, write
+from prl.config.topology import Topology, cluster_overrides
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def prepare(topology_path: Path, overrides: Sequence[str] = (), cwd: Path | None
 
 def write_run_files(prepared: Prepared, *, force: bool = False) -> list[Path]:
     """Write the rendered files into the run directory; refuse one that holds a submitted job."""
-    from prl.rundir import RunDir
+    from prl.run.rundir import RunDir
 
     run = RunDir(prepared.run_dir)
     if run.job_json.exists() and not force:

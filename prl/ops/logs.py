@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from prl.errors import ConfigError
-from prl.rundir import RunDir
-from prl.status import log_tail, role_logs
-from prl.registry import read_job
+from prl.run.rundir import RunDir
+from prl.ops.status import log_tail, role_logs
+from prl.ops.registry import read_job
 
 FOLLOW_POLL = 0.5
 QUIET_AFTER_END = 2.0

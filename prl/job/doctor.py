@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from prl.rundir import RunDir
+from prl.run.rundir import RunDir
 
 ROLE_PACKAGES = {
     "trainer": ("torch", "transformers", "safetensors"),

@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from prl.plan import Plan
+from prl.planner.plan import Plan
 
 
 def _ports(ports: list[int]) -> str:

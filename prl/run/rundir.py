@@ -486,7 +486,7 @@ class RunDir:
             atomic_write_text(self.metrics_jsonl, "".join(line + "\n" for line in keep))
         return dropped
 
-    # -- the launcher and its tasks (prl.launch, prl.role)
+    # -- the launcher and its tasks (prl.job.launch, prl.job.role)
     @property
     def launcher_state(self) -> Path:
         """state/launcher.json: attempt, mode, per-step start/exit, first failure, final status."""

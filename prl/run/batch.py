@@ -47,7 +47,7 @@ from prl.errors import RunDirError
 if TYPE_CHECKING:
     import numpy as np
 
-    from prl.rundir import RunDir
+    from prl.run.rundir import RunDir
 
 FORMAT = "prl.rollouts/1"
 BATCH_FILE = "batch.safetensors"

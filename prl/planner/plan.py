@@ -21,10 +21,10 @@ import shlex
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
-from prl.cluster import ClusterProfile
+from prl.config.cluster import ClusterProfile
 from prl.errors import PlanError
-from prl.loader import Source
-from prl.topology import InferenceGroup, Topology
+from prl.config.loader import Source
+from prl.config.topology import InferenceGroup, Topology
 
 # Port layout on one node, as offsets from the profile's port_base.
 ROUTER_PORT_OFFSET = 90

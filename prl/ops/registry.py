@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from prl.rundir import RunDir
+from prl.run.rundir import RunDir
 
 
 def registry_path() -> Path:
