@@ -26,10 +26,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-ENGINE = """
+MODEL = "local-tiny"
+"""The served model name of configs/local-tiny.yaml's plan, which the run uses."""
+
+ENGINE = f"""
 import sys, time
 from tests.fake_engine import FakeEngine
-eng = FakeEngine(model="bench", token_ids=range(3, 400), stop_id=2, p_stop=0.0).start()
+eng = FakeEngine(model={MODEL!r}, token_ids=range(3, 400), stop_id=2, p_stop=0.0).start()
 print(eng.url, flush=True)
 while True:
     time.sleep(3600)
@@ -45,7 +48,7 @@ async def baseline(url: str, n: int, max_tokens: int, concurrency: int = 256) ->
     import aiohttp
 
     sem = asyncio.Semaphore(concurrency)
-    body = {"model": "bench", "token_ids": list(range(3, 40)), "sampling_params": {"max_tokens": max_tokens, "logprobs": 1}}
+    body = {"model": MODEL, "token_ids": list(range(3, 40)), "sampling_params": {"max_tokens": max_tokens, "logprobs": 1}}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
 
         async def one():
@@ -69,7 +72,8 @@ def main() -> None:
     a = p.parse_args()
 
     from prl.orchestrator import main as orchestrate
-    from prl.run.rundir import RunDir, atomic_write_json
+    from prl.run.rundir import RunDir
+    from tests.plans import local_plan, write_plan
     from tests.tiny_model import build_tokenizer
 
     eng = subprocess.Popen([sys.executable, "-c", ENGINE], stdout=subprocess.PIPE, text=True, cwd=REPO)
@@ -78,18 +82,13 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             tok = Path(tmp) / "tok"
             build_tokenizer().save_pretrained(tok)
-            run = RunDir(Path(tmp) / "run").create()
-            atomic_write_json(
-                run.plan_json,
-                {
-                    "environment": {"id": a.env, "args": {}, "harness": "prl", "eval": {"every": 0}},
-                    "model": {"path": str(tok)},
-                    "trainer": {"mesh": {"dp_replicate": 1, "dp_shard": 1}},
-                    "training": {"batch_size": a.batch, "rollouts_per_example": a.group, "max_steps": a.steps,
-                                 "max_off_policy_steps": a.steps, "max_tokens": a.max_tokens,
-                                 "micro_batch_tokens": 8192},
-                },
-            )
+            plan = local_plan(Path(tmp) / "run", tok, [
+                f"environment.id={a.env}", "trainer.gpus_per_node=1", f"training.batch_size={a.batch}",
+                f"training.rollouts_per_example={a.group}", f"training.max_steps={a.steps}",
+                f"training.max_off_policy_steps={a.steps}", f"training.max_tokens={a.max_tokens}",
+                "training.micro_batch_tokens=8192"])
+            assert plan.served_model_name == MODEL, plan.served_model_name
+            run = write_plan(RunDir(plan.run_dir), plan)
             base = asyncio.run(baseline(url, a.batch * 2, a.max_tokens))
             c0, w0 = cpu(), time.perf_counter()
             orchestrate(str(run.root), [url])

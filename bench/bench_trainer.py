@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from prl.run.batch import Sample, publish_batch, read_batch  # noqa: E402
-from prl.run.rundir import RunDir, atomic_write_json  # noqa: E402
+from prl.run.rundir import RunDir  # noqa: E402
+from tests.plans import write_plan  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 from tests.trainer_helpers import launch, make_plan  # noqa: E402
 
@@ -93,17 +94,16 @@ def main() -> None:
             head_dim=64,
         )
         vocab = int(__import__("json").loads((model_dir / "config.json").read_text())["vocab_size"])
-        run = RunDir(tmp / "run").create()
-        plan = make_plan(
+        run = write_plan(RunDir(tmp / "run"), make_plan(
             model_dir,
+            tmp / "run",
             world_size=args.nproc,
             max_steps=args.steps,
             checkpoint_interval=0,
             micro_batch_tokens=args.micro_batch_tokens,
             lr=1e-5,
             max_off_policy_steps=args.steps,
-        )
-        atomic_write_json(run.plan_json, plan)
+        ))
         for s in range(1, args.steps + 1):
             publish_batch(
                 run,

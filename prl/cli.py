@@ -1,61 +1,54 @@
 """The `prl` command. Control-plane commands stay light: no torch, vLLM, transformers or
 verifiers is imported here or by what they import (tests/test_imports.py checks it).
 
+argparse, not typer: typer builds every parameter through pydantic on each call, ~100 ms a
+login-node user feels on every `prl status`. Each command imports what it needs when it runs.
+
 Errors: the project's own (PrlError) become one line on stderr and exit 2 (bad input)
-or 1 (failure); anything else is a bug and keeps its traceback.
+or 1 (failure); a bad flag is one line and exit 2 too; anything else is a bug and keeps
+its traceback.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, NoReturn, Optional
 
-import typer
-
-from prl.errors import PrlError
-
-app = typer.Typer(
-    add_completion=False,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-    help="prl: asynchronous RL post-training on Slurm. Start with `prl plan configs/local-tiny.yaml`.",
-)
-
-def _version(value: bool) -> None:
-    if value:
-        from prl import __version__
-
-        print(f"prl {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                      help="Print the version and exit.")) -> None:
-    """prl: asynchronous RL post-training on Slurm."""
-
+from prl.errors import ConfigError, PrlError
 
 OVERRIDES_HELP = "key.path=value overrides, e.g. trainer.nodes=8 (cluster.KEY=... overrides the profile)"
+RUN_HELP = "Run directory or job id (default: the most recent run)."
 
 
-@app.command()
-def plan(
-    topology: Path = typer.Argument(..., help="Topology YAML (see configs/)."),
-    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON instead of tables."),
-    no_write: bool = typer.Option(False, "--no-write", help="Check and show only; write nothing."),
-    force: bool = typer.Option(False, "--force", help="Write into a run directory that already holds a job."),
-) -> None:
+class Exit(Exception):
+    """End a command with this exit code (after it printed what it had to say)."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, as for every other bad input; the usage is one --help away.
+        raise ConfigError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def plan(a: argparse.Namespace) -> None:
     """Validate a topology, show the placement and write the rendered job to its run directory (dry run)."""
     from prl.planner.prepare import prepare, write_run_files
 
-    prepared = prepare(topology, overrides or [])
-    written = [] if no_write else write_run_files(prepared, force=force)
-    if as_json:
+    prepared = prepare(a.topology, a.overrides)
+    written = [] if a.no_write else write_run_files(prepared, force=a.force)
+    if a.as_json:
         out = json.loads(prepared.plan.to_json())
+        out["settings"] = prepared.plan.settings().model_dump(mode="json")
         out["written"] = [str(p) for p in written]
         sys.stdout.write(json.dumps(out, indent=2, sort_keys=True) + "\n")
         return
@@ -64,177 +57,123 @@ def plan(
     show_plan(prepared.plan, written)
 
 
-@app.command()
-def submit(
-    topology: Path = typer.Argument(..., help="Topology YAML (see configs/)."),
-    overrides: Optional[List[str]] = typer.Argument(None, help=OVERRIDES_HELP),
-    local: bool = typer.Option(False, "--local", help="Run the roles as local processes, not on Slurm."),
-    detach: bool = typer.Option(False, "--detach", help="With --local: return at once; the run goes on."),
-    resume: bool = typer.Option(False, "--resume", help="Continue the run in this run directory from its checkpoints."),
-    force: bool = typer.Option(False, "--force", help="Submit into a run directory that already holds a job."),
-    preflight: bool = typer.Option(False, "--preflight",
-                                   help="Only run every role's preflight checks on its nodes, then end."),
-    hold: float = typer.Option(0.0, "--hold", help="With --preflight: keep the allocation this many seconds."),
-) -> None:
+def submit(a: argparse.Namespace) -> None:
     """Plan, render and submit one heterogeneous job (or local processes); record its handle."""
     from prl.ops.submit import submit as do_submit
 
-    run, job = do_submit(topology, overrides or [], local=local, detach=detach, resume=resume, force=force,
-                         preflight=preflight, hold=hold)
+    run, job = do_submit(a.topology, a.overrides, local=a.local, detach=a.detach, resume=a.resume, force=a.force,
+                         preflight=a.preflight, hold=a.hold)
     where = f"job {job['job_id']}" if job["backend"] == "slurm" else f"local run (launcher pid {job['pid']})"
     parts = ", ".join(f"{k}: {v}" for k, v in job["components"].items())
-    print(f"submitted {where}: {job['name']} ({parts}){' [preflight]' if preflight else ''}")
+    print(f"submitted {where}: {job['name']} ({parts}){' [preflight]' if a.preflight else ''}")
     print(f"run dir {run.root}")
     if "exit_code" in job:
         print(f"local run ended with exit code {job['exit_code']}")
         if job["exit_code"]:
-            raise typer.Exit(1)
+            raise Exit(1)
         return
     print(f"  prl status {run.root}\n  prl logs {run.root} -f\n  prl cancel {run.root}")
 
 
-@app.command()
-def status(
-    run: Optional[str] = typer.Argument(None, help="Run directory or job id (default: the most recent run)."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-    watch: bool = typer.Option(False, "--watch", "-w", help="Refresh every few seconds until the job ends."),
-    interval: float = typer.Option(3.0, "--interval", help="Seconds between refreshes with --watch."),
-) -> None:
+def status(a: argparse.Namespace) -> None:
     """Per-role state of a run: Slurm, heartbeats, progress, the first failure and its log."""
     import time
 
-    from prl.ops.status import TERMINAL, collect, resolve_run, show
+    from prl.ops.status import collect, resolve_run, show
+    from prl.states import FAILED_STATES, TERMINAL_STATES
 
-    run_dir = resolve_run(run)
+    run_dir = resolve_run(a.run)
     while True:
         current = collect(run_dir)
-        if as_json:
+        if a.as_json:
             print(current.to_json())
         else:
             show(current)
-        if not watch or current.state in TERMINAL:
+        if not a.watch or current.state in TERMINAL_STATES:
             break
-        time.sleep(interval)
-        if not as_json:
+        time.sleep(a.interval)
+        if not a.as_json:
             print()
-    if current.state in ("FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "CANCELLED") and not as_json:
-        raise typer.Exit(1)
+    if current.state in FAILED_STATES and not a.as_json:
+        raise Exit(1)
 
 
-@app.command()
-def logs(
-    run: Optional[str] = typer.Argument(None, help="Run directory or job id (default: the most recent run)."),
-    role: Optional[str] = typer.Option(None, "--role", "-r", help="Role (default: the failed one, else trainer)."),
-    rank: int = typer.Option(0, "--rank", "-k", help="Task (rank) of the role."),
-    attempt: Optional[int] = typer.Option(None, "--attempt", help="Attempt (default: the latest)."),
-    lines: int = typer.Option(100, "-n", help="Lines to show from the end."),
-    follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines, across requeues."),
-) -> None:
+def logs(a: argparse.Namespace) -> None:
     """Show a role's log from the run directory."""
-    from prl.ops.logs import default_role, follow as do_follow, log_path
+    from prl.ops.logs import default_role, follow, log_path
     from prl.ops.status import log_tail, resolve_run
+    from prl.planner.model import Plan
 
-    run_dir = resolve_run(run)
-    role = role or default_role(run_dir, run_dir.read_plan())
-    if follow:
-        do_follow(run_dir, role, rank, lines)
+    run_dir = resolve_run(a.run)
+    role = a.role or default_role(run_dir, Plan.read(run_dir))
+    if a.follow:
+        follow(run_dir, role, a.rank, a.lines)
         return
-    for line in log_tail(log_path(run_dir, role, rank, attempt), lines):
+    for line in log_tail(log_path(run_dir, role, a.rank, a.attempt), a.lines):
         print(line)
 
 
-@app.command()
-def cancel(run: Optional[str] = typer.Argument(None, help="Run directory or job id (default: the most recent run).")
-           ) -> None:
+def cancel(a: argparse.Namespace) -> None:
     """Cancel the whole job (every het component) and record it."""
     from prl.ops.status import resolve_run
     from prl.ops.submit import cancel as do_cancel
 
-    job, cancelled = do_cancel(resolve_run(run))
+    job, cancelled = do_cancel(resolve_run(a.run))
     if cancelled:
         print(f"cancelled job {job['job_id']} ({job['name']})")
     else:
         print(f"job {job['job_id']} ({job['name']}) has already ended; nothing to cancel")
 
 
-@app.command()
-def doctor(
-    run: str = typer.Argument(..., help="Run directory (after `prl plan` or `prl submit`)."),
-    role: str = typer.Option(..., "--role", help="Role whose checks to run here."),
-    task: int = typer.Option(0, "--task", help="Task index of the role."),
-    strict: bool = typer.Option(True, "--strict/--lenient", help="Missing role packages are errors."),
-) -> None:
+def doctor(a: argparse.Namespace) -> None:
     """Run a role's preflight checks on this node (what every role does first)."""
     from prl.job import doctor as checks
+    from prl.planner.model import Plan
     from prl.run.rundir import RunDir
 
-    run_dir = RunDir(run)
-    plan = run_dir.read_plan()
-    roles = [s["name"] for s in plan["steps"]]
-    if role not in roles:
-        from prl.errors import ConfigError
-
-        raise ConfigError(f"--role {role!r}: this run's roles are {', '.join(roles)}")
-    results = checks.preflight(run_dir, plan, role, task, strict=strict)
+    run_dir = RunDir(a.run)
+    plan = Plan.read(run_dir)
+    if a.role not in plan.role_names:
+        raise ConfigError(f"--role {a.role!r}: this run's roles are {', '.join(plan.role_names)}")
+    results = checks.preflight(run_dir, plan, a.role, a.task, strict=a.strict)
     print(checks.format_checks(results))
     if checks.failed(results):
-        raise typer.Exit(1)
+        raise Exit(1)
 
 
-@app.command()
-def trainer(
-    run_dir: str = typer.Option(..., "--run-dir", help="The run directory (holds plan.json)."),
-    resume: str = typer.Option("latest", "--resume", help="latest, none, or a checkpoint step."),
-) -> None:
+def trainer(a: argparse.Namespace) -> None:
     """Run one trainer rank (start it under torchrun; the job's step scripts do)."""
     from prl.trainer import main as train
 
-    code = train(run_dir, resume)
+    code = train(a.run_dir, a.resume)
     if code:
-        raise typer.Exit(code)
+        raise Exit(code)
 
 
-@app.command()
-def orchestrator(
-    run_dir: str = typer.Option(..., "--run-dir", help="The run directory (holds plan.json)."),
-    server: Optional[List[str]] = typer.Option(None, "--server", help="Inference server URL (repeatable); "
-                                                                     "default: the run's endpoints."),
-) -> None:
+def orchestrator(a: argparse.Namespace) -> None:
     """Run the orchestrator: environments -> rollouts -> batches; new weights -> every server."""
     from prl.orchestrator import main as orchestrate
 
-    code = orchestrate(run_dir, server or None)
+    code = orchestrate(a.run_dir, a.server or None)
     if code:
-        raise typer.Exit(code)
+        raise Exit(code)
 
 
-@app.command(name="eval")
-def evaluate(
-    env_id: str = typer.Argument(..., help="verifiers taskset id, e.g. prl_reverse_text."),
-    base_url: str = typer.Option(..., "--base-url", help="OpenAI-compatible endpoint, e.g. http://host:8000/v1."),
-    model: str = typer.Option(..., "--model", help="Model name the endpoint serves."),
-    api_key_env: Optional[str] = typer.Option(None, "--api-key-env", help="Variable that holds the API key."),
-    examples: int = typer.Option(64, "--examples", "-n", help="Eval-split examples."),
-    rollouts: int = typer.Option(1, "--rollouts", help="Rollouts per example."),
-    max_tokens: int = typer.Option(512, "--max-tokens"),
-    temperature: float = typer.Option(0.0, "--temperature"),
-    env_arg: Optional[List[str]] = typer.Option(None, "--arg", help="Taskset argument KEY=VALUE (repeatable)."),
-) -> None:
+def evaluate(a: argparse.Namespace) -> None:
     """Evaluate an environment's eval split against any OpenAI-compatible endpoint (the same env code as training)."""
-    from prl.errors import ConfigError
     from prl.orchestrator.eval import main as run_eval
 
     args = {}
-    for item in env_arg or []:
+    for item in a.env_arg or []:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"--arg {item!r}: expected KEY=VALUE")
         args[key] = yaml_value(value)
-    stats = run_eval(env_id, base_url, model, api_key_env=api_key_env, examples=examples, rollouts=rollouts,
-                     args=args, max_tokens=max_tokens, temperature=temperature)
+    stats = run_eval(a.env_id, a.base_url, a.model, api_key_env=a.api_key_env, examples=a.examples,
+                     rollouts=a.rollouts, args=args, max_tokens=a.max_tokens, temperature=a.temperature)
     if stats.get("rollouts") and stats.get("failed_rollouts") == stats.get("rollouts"):
-        print(f"error: every rollout failed against {base_url}", file=sys.stderr)
-        raise typer.Exit(1)
+        print(f"error: every rollout failed against {a.base_url}", file=sys.stderr)
+        raise Exit(1)
 
 
 def yaml_value(text: str) -> object:
@@ -244,25 +183,137 @@ def yaml_value(text: str) -> object:
     return yaml.safe_load(text)
 
 
-def main() -> None:
+# ----------------------------------------------------------------------------- the parsers
+
+
+def _topology(p: argparse.ArgumentParser) -> None:
+    p.add_argument("topology", type=Path, help="Topology YAML (see configs/).")
+    p.add_argument("overrides", nargs="*", default=[], help=OVERRIDES_HELP)
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    _topology(p)
+    p.add_argument("--json", dest="as_json", action="store_true", help="Print the plan as JSON instead of tables.")
+    p.add_argument("--no-write", action="store_true", help="Check and show only; write nothing.")
+    p.add_argument("--force", action="store_true", help="Write into a run directory that already holds a job.")
+
+
+def _submit_args(p: argparse.ArgumentParser) -> None:
+    _topology(p)
+    p.add_argument("--local", action="store_true", help="Run the roles as local processes, not on Slurm.")
+    p.add_argument("--detach", action="store_true", help="With --local: return at once; the run goes on.")
+    p.add_argument("--resume", action="store_true", help="Continue the run in this run directory from its checkpoints.")
+    p.add_argument("--force", action="store_true", help="Submit into a run directory that already holds a job.")
+    p.add_argument("--preflight", action="store_true", help="Only run every role's preflight checks, then end.")
+    p.add_argument("--hold", type=float, default=0.0, help="With --preflight: keep the allocation this many seconds.")
+
+
+def _status_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", nargs="?", help=RUN_HELP)
+    p.add_argument("--json", dest="as_json", action="store_true", help="Print JSON.")
+    p.add_argument("--watch", "-w", action="store_true", help="Refresh every few seconds until the job ends.")
+    p.add_argument("--interval", type=float, default=3.0, help="Seconds between refreshes with --watch.")
+
+
+def _logs_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", nargs="?", help=RUN_HELP)
+    p.add_argument("--role", "-r", help="Role (default: the failed one, else trainer); `launcher` for the launcher.")
+    p.add_argument("--rank", "-k", type=int, default=0, help="Task (rank) of the role.")
+    p.add_argument("--attempt", type=int, help="Attempt (default: the latest).")
+    p.add_argument("-n", dest="lines", type=int, default=100, help="Lines to show from the end.")
+    p.add_argument("--follow", "-f", action="store_true", help="Keep printing new lines, across requeues.")
+
+
+def _cancel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", nargs="?", help=RUN_HELP)
+
+
+def _doctor_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", help="Run directory (after `prl plan` or `prl submit`).")
+    p.add_argument("--role", required=True, help="Role whose checks to run here.")
+    p.add_argument("--task", type=int, default=0, help="Task index of the role.")
+    p.add_argument("--lenient", dest="strict", action="store_false", help="Missing role packages are warnings.")
+
+
+def _trainer_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", required=True, help="The run directory (holds plan.json).")
+    p.add_argument("--resume", default="latest", help="latest, none, or a checkpoint step.")
+
+
+def _orchestrator_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", required=True, help="The run directory (holds plan.json).")
+    p.add_argument("--server", action="append", help="Inference server URL (repeatable); default: the run's endpoints.")
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("env_id", help="verifiers taskset id, e.g. prl_reverse_text.")
+    p.add_argument("--base-url", required=True, help="OpenAI-compatible endpoint, e.g. http://host:8000/v1.")
+    p.add_argument("--model", required=True, help="Model name the endpoint serves.")
+    p.add_argument("--api-key-env", help="Variable that holds the API key.")
+    p.add_argument("--examples", "-n", type=int, default=64, help="Eval-split examples.")
+    p.add_argument("--rollouts", type=int, default=1, help="Rollouts per example.")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--arg", dest="env_arg", action="append", help="Taskset argument KEY=VALUE (repeatable).")
+
+
+Command = tuple[Callable[[argparse.Namespace], None], Callable[[argparse.ArgumentParser], None]]
+COMMANDS: dict[str, Command] = {
+    "plan": (plan, _plan_args), "submit": (submit, _submit_args), "status": (status, _status_args),
+    "logs": (logs, _logs_args), "cancel": (cancel, _cancel_args), "doctor": (doctor, _doctor_args),
+    "trainer": (trainer, _trainer_args), "orchestrator": (orchestrator, _orchestrator_args),
+    "eval": (evaluate, _eval_args),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    rows = "\n".join(f"  {name:<{width}}  {(func.__doc__ or '').strip().splitlines()[0]}"
+                     for name, (func, _) in COMMANDS.items())
+    return (f"usage: prl COMMAND [ARGS] [--help]\n\nprl: asynchronous RL post-training on Slurm. "
+            f"Start with `prl plan configs/local-tiny.yaml`.\n\ncommands:\n{rows}\n")
+
+
+def parse(args: list[str]) -> Optional[argparse.Namespace]:
+    """The command's arguments (options and overrides in any order), or None after help/version."""
+    if not args or args[0] in ("-h", "--help"):
+        print(usage(), end="")
+        return None
+    if args[0] == "--version":
+        from prl import __version__
+
+        print(f"prl {__version__}")
+        return None
+    if args[0] not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(args[0], COMMANDS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"prl: unknown command {args[0]!r}; {hint}commands: {', '.join(COMMANDS)}")
+    func, add_args = COMMANDS[args[0]]
+    doc = (func.__doc__ or "").strip()
+    parser = Parser(prog=f"prl {args[0]}", description=doc)
+    add_args(parser)
+    ns = parser.parse_intermixed_args(args[1:])
+    ns.func = func
+    return ns
+
+
+def main(argv: Optional[list[str]] = None) -> None:
     try:
-        code = app(standalone_mode=False)
+        ns = parse(sys.argv[1:] if argv is None else list(argv))
+        if ns is not None:
+            ns.func(ns)
     except PrlError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        # One line, whatever user text the message quotes: newlines and terminal escapes are shown escaped.
+        message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(exc))
+        print(f"error: {message}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
+    except Exit as done:
+        raise SystemExit(done.code) from None
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         raise SystemExit(130) from None
-    except Exception as exc:
-        # Usage errors of the click that typer carries: print them as click would.
-        if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
-            exc.show()
-            raise SystemExit(exc.exit_code) from None
-        if type(exc).__name__ == "Abort":
-            raise SystemExit(1) from None
-        raise
-    if isinstance(code, int) and code:
-        raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""Shared fixtures. Real-component fixtures (Slurm cluster, vLLM server) live beside their tests."""
+"""Shared fixtures. The real components come as plugins: the Slurm cluster (tests/slurm_fixtures.py) and
+vLLM servers (tests/vllm_fixtures.py); plain helpers (REPO, SHIPPED, prl_cli) are in tests/helpers.py."""
 
 from __future__ import annotations
 
-import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -12,16 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-SHIPPED = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
-
-
-def prl_cli(env: dict, *args, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`prl ARGS` as a user runs it, from the repository root; with `check`, it must exit 0."""
-    result = subprocess.run([sys.executable, "-m", "prl.cli", *map(str, args)], capture_output=True, text=True,
-                            env=env, cwd=REPO, timeout=timeout)
-    if check:
-        assert result.returncode == 0, result.stdout + result.stderr
-    return result
+pytest_plugins = ["tests.slurm_fixtures", "tests.vllm_fixtures"]
 
 
 @pytest.fixture
@@ -32,8 +24,6 @@ def repo() -> Path:
 @pytest.fixture
 def env(tmp_path) -> dict:
     """The environment for `prl` subprocesses, with a run registry of the test's own."""
-    import os
-
     return {**os.environ, "PRL_HOME": str(tmp_path / "home")}
 
 

@@ -1,6 +1,6 @@
 """The real local Slurm cluster (scripts/slurm-cluster.sh) as a session fixture.
 
-Import the fixture into a test module: `from tests.slurm_fixtures import slurm_cluster`.
+A pytest plugin (tests/conftest.py `pytest_plugins`): a test asks for `slurm_cluster` by name, no import.
 """
 
 from __future__ import annotations
@@ -8,19 +8,16 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
 
 import pytest
+
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "slurm-cluster.sh"
 PARTITION = "lab"
 NODES = 4
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -67,15 +64,3 @@ def slurm_cluster() -> SlurmCluster:
             pytest.fail(f"{SCRIPT} start failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     assert _ready_nodes() == NODES, "cluster started but not all nodes are ready"
     return SlurmCluster(partition=PARTITION, nodes=NODES, accounting=_accounting())
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 60.0, interval: float = 0.3) -> T:
-    """Poll `probe` until it returns something truthy; fail with `what` and the last value."""
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")

@@ -6,8 +6,10 @@ import math
 
 import pytest
 
+from prl.config.topology import Advantage
 from prl.errors import ConfigError
-from prl.orchestrator.advantages import AdvantageConfig, group_advantages, is_zero_group, reward_stats
+from prl.orchestrator.advantages import group_advantages, is_zero_group, reward_stats
+from tests.plans import local_plan
 
 
 def approx(values, expected):
@@ -25,12 +27,12 @@ def test_mean_centring():
 def test_std_normalisation():
     # rewards 1, 0, 0, 0: mean 0.25, centred 0.75, -0.25 x3; population std sqrt(0.1875)
     std = math.sqrt((0.75**2 + 3 * 0.25**2) / 4)
-    cfg = AdvantageConfig(std_normalize=True, eps=1e-6)
+    cfg = Advantage(std_normalize=True, eps=1e-6)
     approx(group_advantages([1.0, 0.0, 0.0, 0.0], cfg=cfg), [0.75 / (std + 1e-6)] + [-0.25 / (std + 1e-6)] * 3)
 
 
 def test_zero_std_group_is_all_zero_and_never_nan():
-    for cfg in (AdvantageConfig(), AdvantageConfig(std_normalize=True)):
+    for cfg in (Advantage(), Advantage(std_normalize=True)):
         adv = group_advantages([0.3, 0.3, 0.3], cfg=cfg)
         assert adv == [0.0, 0.0, 0.0]
         assert is_zero_group(adv)
@@ -40,7 +42,7 @@ def test_zero_std_group_is_all_zero_and_never_nan():
 
 def test_length_penalty():
     # penalty 0.5 per max_tokens(10): lengths 2 and 8 -> rewards 1 - 0.1 = 0.9 and 1 - 0.4 = 0.6
-    cfg = AdvantageConfig(length_penalty=0.5)
+    cfg = Advantage(length_penalty=0.5)
     approx(group_advantages([1.0, 1.0], [2, 8], cfg, max_tokens=10), [0.15, -0.15])
     # equal rewards, equal lengths: still no signal
     assert group_advantages([1.0, 1.0], [5, 5], cfg, max_tokens=10) == [0.0, 0.0]
@@ -52,7 +54,7 @@ def test_groups_sum_to_zero():
     import random
 
     rng = random.Random(0)
-    for cfg in (AdvantageConfig(), AdvantageConfig(std_normalize=True), AdvantageConfig(length_penalty=0.2)):
+    for cfg in (Advantage(), Advantage(std_normalize=True), Advantage(length_penalty=0.2)):
         for _ in range(50):
             n = rng.randint(1, 9)
             adv = group_advantages([rng.random() for _ in range(n)], [rng.randint(1, 50) for _ in range(n)], cfg, 50)
@@ -64,14 +66,16 @@ def test_single_rollout_group_has_no_signal():
     assert group_advantages([]) == []
 
 
-def test_config_from_dict():
-    assert AdvantageConfig.from_dict({}) == AdvantageConfig()
-    cfg = AdvantageConfig.from_dict({"std_normalize": True, "drop_zero_groups": True, "length_penalty": 0.1})
-    assert cfg.std_normalize and cfg.drop_zero_groups and cfg.length_penalty == 0.1
-    with pytest.raises(ConfigError, match="unknown key.*std_norm"):
-        AdvantageConfig.from_dict({"std_norm": True})
-    with pytest.raises(ConfigError, match="length_penalty"):
-        AdvantageConfig.from_dict({"length_penalty": -1})
+def test_advantage_settings_come_from_the_topology(tmp_path):
+    plan = local_plan(tmp_path / "run", tmp_path / "model")
+    assert plan.settings().training.advantage == Advantage(std_normalize=True), "local-tiny.yaml sets std_normalize"
+    plan = local_plan(tmp_path / "run", tmp_path / "model",
+                      ["training.advantage.drop_zero_groups=true", "training.advantage.length_penalty=0.1"])
+    assert plan.settings().training.advantage == Advantage(std_normalize=True, drop_zero_groups=True, length_penalty=0.1)
+    with pytest.raises(ConfigError, match=r"training\.advantage\.std_norm\): unknown field; did you mean 'std_normalize'"):
+        local_plan(tmp_path / "run", tmp_path / "model", ["training.advantage.std_norm=true"])
+    with pytest.raises(ConfigError, match=r"training\.advantage\.length_penalty\): .*greater than or equal to 0"):
+        local_plan(tmp_path / "run", tmp_path / "model", ["training.advantage.length_penalty=-1"])
 
 
 def test_reward_stats():

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SHIPPED
+from prl.planner.model import Plan
+from prl.run.rundir import RunDir
+from tests.helpers import REPO, SHIPPED
 
 
 def prl(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -23,13 +25,13 @@ def test_plan_writes_the_run_directory(name, tmp_path):
     result = prl("plan", f"configs/{name}.yaml", f"run_dir={run}")
     assert result.returncode == 0, result.stderr
     assert "wrote" in result.stdout and str(run) in result.stdout
-    plan = json.loads((run / "plan.json").read_text())
-    assert plan["run_dir"] == str(run) and plan["name"] == name
+    plan = Plan.read(RunDir(run))  # as every role reads it
+    assert plan.run_dir == str(run) and plan.name == name
     assert (run / "topology.yaml").exists()
-    for step in plan["steps"]:
-        script = run / step["script"]
+    for step in plan.steps:
+        script = run / step.script
         assert script.exists() and script.stat().st_mode & 0o111
-    assert (run / "scripts" / "job.sbatch").exists() == plan["slurm"]
+    assert (run / "scripts" / "job.sbatch").exists() == plan.slurm
     assert not (run / "job.json").exists(), "plan must not submit"
 
 

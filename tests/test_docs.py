@@ -1,6 +1,6 @@
 """Docs that are generated must be current; docs that name commands must name real ones."""
 
-from conftest import REPO
+from tests.helpers import REPO
 from prl.config.schema_doc import reference
 
 

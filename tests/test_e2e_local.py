@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from tests.helpers import REPO
 from tests.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -7,14 +7,13 @@ import json
 
 import pytest
 
-from conftest import prl_cli as prl
-from tests.slurm_fixtures import slurm_cluster, wait_for  # noqa: F401
+from tests.helpers import prl_cli as prl, wait_for
 from tests.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.slow]
 
 
-def test_lab_hetjob_runs_the_rl_loop(tmp_path, env, slurm_cluster):  # noqa: F811
+def test_lab_hetjob_runs_the_rl_loop(tmp_path, env, slurm_cluster):
     model = build_tiny_model(tmp_path / "model")
     run = tmp_path / "run"
     prl(env, "submit", "configs/lab.yaml", f"run_dir={run}", f"model.path={model}", "training.max_steps=3",

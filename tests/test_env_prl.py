@@ -8,11 +8,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import verifiers.v1 as vf  # the env extra; CI installs it
 
-import verifiers.v1 as vf  # noqa: E402  (the env extra; CI installs it)
-
-from prl.orchestrator.env import env_config, load_env  # noqa: E402
-from tests.fake_engine import FakeEngine  # noqa: E402
+from prl.orchestrator.env import env_config, load_env
+from tests.fake_engine import FakeEngine
 
 ENVS = ("prl_letters", "prl_reverse_text")
 

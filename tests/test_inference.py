@@ -28,14 +28,7 @@ from prl.inference.checks import (
     resolve_weights_dir,
 )
 from prl.run.rundir import RunDir
-from tests.vllm_fixtures import (  # noqa: F401 (fixtures)
-    HTTPFailure,
-    http_json,
-    start_inference,
-    start_router,
-    tiny_model_dir,
-    tiny_server,
-)
+from tests.vllm_fixtures import HTTPFailure, http_json, start_inference, start_router
 
 LOGPROB_TOL = 2e-3
 """Served vs transformers logprobs, fp32 (DESIGN.md: within 0.002)."""
@@ -454,10 +447,15 @@ def test_pause_resume(tiny_server):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_openai_routes_keep_token_ids_and_logprobs(tiny_server):
+    prompt = prompts_for(tiny_server.model_dir)[0]
     out = tiny_server.post("/v1/completions", {
-        "model": str(tiny_server.model_dir), "prompt": prompts_for(tiny_server.model_dir)[0],
-        "max_tokens": 4, "temperature": 0.0, "logprobs": 1, "return_token_ids": True,
+        "model": str(tiny_server.model_dir), "prompt": prompt,
+        "max_tokens": 4, "temperature": 0.0, "logprobs": 1, "return_token_ids": True, "ignore_eos": True,
     })
     choice = out["choices"][0]
+    assert choice["prompt_token_ids"] == prompt
     assert len(choice["token_ids"]) == 4 and len(choice["logprobs"]["token_logprobs"]) == 4
-    assert json.dumps(out)  # plain JSON
+    # The same greedy tokens, with the same logprobs, as the token-level endpoint gives.
+    tokens, lps = served(tiny_server, prompt, max_tokens=4)
+    assert choice["token_ids"] == tokens
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(lps, abs=1e-4)

@@ -4,8 +4,10 @@ import math
 
 import pytest
 import torch
+from pydantic import ValidationError
 
-from prl.trainer.loss import LossConfig, merge_stats, policy_loss, token_logprobs_and_entropy
+from prl.config.topology import Loss
+from prl.trainer.loss import merge_stats, policy_loss, token_logprobs_and_entropy
 
 
 def _case():
@@ -19,7 +21,7 @@ def _case():
 
 def test_mask_mode_drops_out_of_bounds_tokens_but_keeps_them_in_the_count():
     logp, q, adv, mask = _case()
-    loss, stats = policy_loss(logp, q, adv, mask, LossConfig(ratio_low=0.0, ratio_high=5.0, mode="mask"), 3)
+    loss, stats = policy_loss(logp, q, adv, mask, Loss(ratio_low=0.0, ratio_high=5.0, mode="mask"), 3)
     # -(1*1 + 0.5*2 + [10 masked]) / 3
     assert loss.item() == pytest.approx(-2 / 3)
     loss.backward()
@@ -32,14 +34,14 @@ def test_mask_mode_drops_out_of_bounds_tokens_but_keeps_them_in_the_count():
 
 def test_mask_mode_low_bound():
     logp, q, adv, mask = _case()
-    loss, stats = policy_loss(logp, q, adv, mask, LossConfig(ratio_low=0.9, ratio_high=20.0), 3)
+    loss, stats = policy_loss(logp, q, adv, mask, Loss(ratio_low=0.9, ratio_high=20.0), 3)
     assert loss.item() == pytest.approx(-(1 * 1 + 10 * 3) / 3)
     assert stats["masked_tokens"] == 1
 
 
 def test_clip_mode_clamps_the_weight_and_keeps_the_gradient():
     logp, q, adv, mask = _case()
-    loss, stats = policy_loss(logp, q, adv, mask, LossConfig(ratio_low=0.0, ratio_high=5.0, mode="clip"), 3)
+    loss, stats = policy_loss(logp, q, adv, mask, Loss(ratio_low=0.0, ratio_high=5.0, mode="clip"), 3)
     assert loss.item() == pytest.approx(-(1 + 1 + 5 * 3) / 3)
     loss.backward()
     # gradient weight is the clamped ratio: -c_t * A_t / N
@@ -49,7 +51,7 @@ def test_clip_mode_clamps_the_weight_and_keeps_the_gradient():
 
 def test_normalised_by_the_global_token_count_across_micro_batches():
     logp, q, adv, mask = _case()
-    cfg = LossConfig(ratio_high=100.0)
+    cfg = Loss(ratio_high=100.0)
     whole, _ = policy_loss(logp, q, adv, mask, cfg, 3)
     (g_whole,) = torch.autograd.grad(whole, logp)
     a, sa = policy_loss(logp[:2], q[:2], adv[:2], mask[:2], cfg, 3)
@@ -67,7 +69,7 @@ def test_normalised_by_the_global_token_count_across_micro_batches():
 def test_kl_term_is_k3():
     logp = torch.log(torch.tensor([0.4], dtype=torch.float64))
     q = torch.log(torch.tensor([0.2], dtype=torch.float64))
-    loss, stats = policy_loss(logp, q, torch.zeros(1, dtype=torch.float64), torch.ones(1), LossConfig(kl_coef=0.5), 1)
+    loss, stats = policy_loss(logp, q, torch.zeros(1, dtype=torch.float64), torch.ones(1), Loss(kl_coef=0.5), 1)
     k3 = 2 - 1 - math.log(2)
     assert loss.item() == pytest.approx(0.5 * k3)
     assert stats["kl_sum"] == pytest.approx(k3)
@@ -75,7 +77,7 @@ def test_kl_term_is_k3():
 
 def test_no_loss_tokens_gives_zero_not_nan():
     logp = torch.tensor([-1.0, -2.0], requires_grad=True)
-    loss, stats = policy_loss(logp, torch.tensor([-50.0, 30.0]), torch.ones(2), torch.zeros(2), LossConfig(), 0)
+    loss, stats = policy_loss(logp, torch.tensor([-50.0, 30.0]), torch.ones(2), torch.zeros(2), Loss(), 0)
     assert loss.item() == 0.0 and stats["loss_tokens"] == 0
     loss.backward()
     assert torch.all(logp.grad == 0)
@@ -91,7 +93,7 @@ def test_logprobs_and_entropy():
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(ValueError, match="mode"):
-        LossConfig(mode="ppo")
-    with pytest.raises(ValueError, match="ratio_low"):
-        LossConfig(ratio_low=2.0, ratio_high=1.0)
+    with pytest.raises(ValidationError, match="mode"):
+        Loss(mode="ppo")
+    with pytest.raises(ValidationError, match=r"ratio_low \(2.0\) must be below ratio_high \(1.0\)"):
+        Loss(ratio_low=2.0, ratio_high=1.0)

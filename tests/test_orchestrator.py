@@ -3,23 +3,21 @@ weight watcher, resume, retries, eval. The real-server test is tests/test_orches
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-
-from prl.run.batch import read_batch  # noqa: E402
-from prl.errors import PrlError  # noqa: E402
-from prl.orchestrator import main  # noqa: E402
-from tests.fake_engine import FakeEngine  # noqa: E402
-from prl.run.rundir import RunDir, atomic_write_json  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
+from prl.errors import PrlError
+from prl.orchestrator import main
+from prl.planner.model import Plan
+from prl.run.batch import read_batch
+from prl.run.rundir import RunDir, atomic_write_json
+from tests.fake_engine import FakeEngine
+from tests.helpers import REPO
+from tests.plans import local_plan, write_plan
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +29,16 @@ def tokenizer_dir(tmp_path_factory):
     return path
 
 
-def make_run(tmp_path, tokenizer_dir, **training) -> RunDir:
-    run = RunDir(tmp_path / "run").create()
-    plan = json.loads((REPO / "tests/golden/local-tiny/plan.json").read_text())
-    plan["run_dir"] = str(run.root)
-    plan["environment"] = {"id": "prl_letters", "args": {}, "harness": "prl", "eval": {"every": 0, "examples": 8}}
-    plan["model"]["path"] = str(tokenizer_dir)
-    plan["training"].update(
-        {"batch_size": 8, "rollouts_per_example": 4, "max_steps": 3, "max_off_policy_steps": 1, "max_tokens": 12, **training}
-    )
-    atomic_write_json(run.plan_json, plan)
-    return run
+def make_plan(run: RunDir, tokenizer_dir, *overrides: str, **training) -> Plan:
+    """local-tiny, smaller: 2 prompts x 4 rollouts a step, 12 tokens each; `training` overrides by name."""
+    training = {"batch_size": 8, "rollouts_per_example": 4, "max_steps": 3, "max_off_policy_steps": 1, "max_tokens": 12,
+                **training}
+    return local_plan(run.root, tokenizer_dir, [*(f"training.{k}={v}" for k, v in training.items()), *overrides])
+
+
+def make_run(tmp_path, tokenizer_dir, *overrides: str, **training) -> RunDir:
+    run = RunDir(tmp_path / "run")
+    return write_plan(run, make_plan(run, tokenizer_dir, *overrides, **training))
 
 
 def engine(run: RunDir, **kw) -> FakeEngine:
@@ -76,10 +73,8 @@ class FakeTrainer:
 
 
 def test_steps_respect_the_staleness_bound_and_weights_reach_the_server(tmp_path, tokenizer_dir):
-    run = make_run(tmp_path, tokenizer_dir, max_steps=4, max_off_policy_steps=1)
-    plan = json.loads(run.plan_json.read_text())
-    plan["environment"]["eval"] = {"every": 2, "examples": 4}
-    atomic_write_json(run.plan_json, plan)
+    run = make_run(tmp_path, tokenizer_dir, "environment.eval.every=2", "environment.eval.examples=4", max_steps=4,
+                   max_off_policy_steps=1)
     eng = engine(run)
     try:
         with FakeTrainer(run):
@@ -132,9 +127,7 @@ def test_resume_continues_after_the_newest_published_step(tmp_path, tokenizer_di
     try:
         assert main(str(run.root)) == 0
         first = read_batch(run.rollouts(2)).arrays["input_ids"].tolist()
-        plan = json.loads(run.plan_json.read_text())
-        plan["training"]["max_steps"] = 4
-        atomic_write_json(run.plan_json, plan)
+        write_plan(run, make_plan(run, tokenizer_dir, max_steps=4, max_off_policy_steps=5))
         run.append_metrics({"role": "orchestrator", "step": 3, "stale": True})  # from a killed attempt
         assert main(str(run.root)) == 0
     finally:

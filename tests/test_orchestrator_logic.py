@@ -2,57 +2,56 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from prl.run.batch import publish_batch, read_batch
-from prl.errors import ConfigError
-from prl.orchestrator.advantages import AdvantageConfig
+from prl.config.topology import Advantage
+from prl.errors import ConfigError, PlanError, StepTimeout
 from prl.orchestrator.config import OrchestratorConfig
 from prl.orchestrator.rollouts import Branch, Rollout, TaskStream, build_samples
-from prl.orchestrator.sync import Server, ServerPool, discover, expected_endpoints, read_endpoints
+from prl.orchestrator.sync import Server, ServerPool, discover, read_endpoints
+from prl.planner.model import Plan
+from prl.run.batch import publish_batch, read_batch
 from prl.run.rundir import RunDir, atomic_write_json
+from tests.plans import local_plan
 
 GOLDEN = Path(__file__).parent / "golden"
 
 
-def golden_plan(name: str = "local-tiny") -> dict:
-    return json.loads((GOLDEN / name / "plan.json").read_text())
-
-
-def test_config_from_golden_plan():
-    cfg = OrchestratorConfig.from_plan(golden_plan())
-    assert cfg.env_id == "prl_letters" and cfg.harness == "prl"
+def test_config_from_the_golden_plan_json():
+    """What `prl plan configs/local-tiny.yaml` writes is what the orchestrator reads."""
+    cfg = OrchestratorConfig.from_plan(Plan.from_json((GOLDEN / "local-tiny" / "plan.json").read_text()))
+    assert cfg.env_id == "prl_letters" and cfg.harness == "prl" and cfg.env_args == {}
     assert (cfg.batch_size, cfg.rollouts_per_example, cfg.examples_per_step) == (32, 4, 8)
     assert cfg.max_off_policy_steps == 1 and cfg.max_steps == 20 and cfg.max_tokens == 16
     assert cfg.dp_size == 2  # dp_replicate 1 * dp_shard 2
     assert cfg.served_model_name == "local-tiny"
     assert cfg.model_path == "models/tiny-qwen3"
-    assert cfg.advantage == AdvantageConfig(std_normalize=True)  # the schema writes every advantage key
+    assert cfg.advantage == Advantage(std_normalize=True)
 
 
-def test_config_new_keys_and_errors():
-    plan = golden_plan()
-    plan["training"]["advantage"] = {"std_normalize": True, "drop_zero_groups": True}
-    plan["training"]["max_concurrent_rollouts"] = 8
+def test_config_reads_the_settings_the_topology_gives(tmp_path):
+    plan = local_plan(tmp_path / "run", tmp_path / "model", [
+        "training.advantage.drop_zero_groups=true", "training.max_concurrent_rollouts=8",
+        "model.tokenizer=" + str(tmp_path / "tok"), "trainer.dp_replicate=2"])
     cfg = OrchestratorConfig.from_plan(plan)
-    assert cfg.advantage.std_normalize and cfg.advantage.drop_zero_groups and cfg.max_concurrent_rollouts == 8
-    plan["training"]["batch_size"] = 10
-    with pytest.raises(ConfigError, match=r"batch_size\(10\) must be a multiple of .*rollouts_per_example\(4\)"):
-        OrchestratorConfig.from_plan(plan)
-    with pytest.raises(ConfigError, match="environment.id"):
-        OrchestratorConfig.from_plan({"model": {"path": "m"}})
+    assert cfg.advantage == Advantage(std_normalize=True, drop_zero_groups=True) and cfg.max_concurrent_rollouts == 8
+    assert cfg.model_path == str(tmp_path / "tok"), "the tokenizer wins over the model path"
+    assert cfg.dp_size == 2  # dp_replicate 2 * dp_shard 1
+    with pytest.raises(PlanError, match=r"batch_size\(10\) must be a multiple of rollouts_per_example\(4\); use 8"):
+        local_plan(tmp_path / "run", tmp_path / "model", ["training.batch_size=10"])
+    with pytest.raises(ConfigError, match=r"environment\.id"):
+        local_plan(tmp_path / "run", tmp_path / "model", ["environment.id="])
 
 
 @pytest.mark.parametrize(
     ("k", "step", "oldest"),
     [(0, 1, 0), (0, 2, 1), (0, 7, 6), (1, 1, 0), (1, 2, 0), (1, 3, 1), (2, 10, 7)],
 )
-def test_staleness_bound(k, step, oldest):
+def test_staleness_bound(tmp_path, k, step, oldest):
     # step N is trained on by a policy at version N-1; k steps off-policy allows version N-1-k
-    cfg = OrchestratorConfig(env_id="e", model_path="m", max_off_policy_steps=k)
+    cfg = OrchestratorConfig.from_plan(local_plan(tmp_path, tmp_path, [f"training.max_off_policy_steps={k}"]))
     assert cfg.min_version(step) == oldest
 
 
@@ -69,33 +68,33 @@ def test_build_samples_advantages_versions_and_failures():
         [rollout(0.5, 2), rollout(0.5, 2)],  # zero advantage
         [rollout(1.0, 2), rollout(0.0, 2, error="ProviderError: 503")],  # failed: dropped whole
     ]
-    b = build_samples(groups, AdvantageConfig(), max_tokens=8, min_version=2)
+    b = build_samples(groups, Advantage(), max_tokens=8, min_version=2)
     assert b.failed_groups == 1 and b.failed_rollouts == 1 and b.first_error == "ProviderError: 503"
     assert b.zero_groups == 1 and b.dropped_zero_groups == 0 and b.groups_used == 2
     assert [s.advantage for s in b.samples] == [0.5, -0.5, 0.0, 0.0]
     assert [s.policy_version for s in b.samples] == [2, 3, 2, 2]
     assert b.rewards == [1.0, 0.0, 0.5, 0.5]
 
-    dropped = build_samples(groups, AdvantageConfig(drop_zero_groups=True), max_tokens=8, min_version=2)
+    dropped = build_samples(groups, Advantage(drop_zero_groups=True), max_tokens=8, min_version=2)
     assert dropped.dropped_zero_groups == 1 and [s.advantage for s in dropped.samples] == [0.5, -0.5]
     assert dropped.rewards == [1.0, 0.0, 0.5, 0.5]  # stats still see the dropped group
 
 
 def test_all_zero_groups_are_kept_rather_than_an_empty_batch():
     groups = [[rollout(1.0), rollout(1.0)], [rollout(0.0), rollout(0.0)]]
-    b = build_samples(groups, AdvantageConfig(drop_zero_groups=True), max_tokens=8, min_version=0)
+    b = build_samples(groups, Advantage(drop_zero_groups=True), max_tokens=8, min_version=0)
     assert len(b.samples) == 4 and b.dropped_zero_groups == 0 and all(s.advantage == 0.0 for s in b.samples)
 
 
 def test_a_stale_sample_is_never_built():
     with pytest.raises(AssertionError, match="policy version 1 < bound 2"):
-        build_samples([[rollout(1.0, 1), rollout(0.0, 2)]], AdvantageConfig(), max_tokens=8, min_version=2)
+        build_samples([[rollout(1.0, 1), rollout(0.0, 2)]], Advantage(), max_tokens=8, min_version=2)
 
 
 def test_samples_publish_as_a_valid_batch(tmp_path):
     run = RunDir(tmp_path / "run").create()
     groups = [[rollout(r, 4, n_prompt=3 + i, n_completion=1 + j) for j, r in enumerate((1.0, 0.2, 0.0))] for i in range(3)]
-    b = build_samples(groups, AdvantageConfig(std_normalize=True), max_tokens=8, min_version=4)
+    b = build_samples(groups, Advantage(std_normalize=True), max_tokens=8, min_version=4)
     publish_batch(run, 5, b.samples, dp_size=2, micro_batch_tokens=16)
     batch = read_batch(run.rollouts(5))
     assert batch.num_samples == 9 and batch.arrays["policy_version"].tolist() == [4] * 9
@@ -136,14 +135,14 @@ def test_pool_picks_least_busy_server_new_enough():
 
 def test_endpoints_from_the_run_dir(tmp_path):
     run = RunDir(tmp_path / "run").create()
-    plan = golden_plan("moe-30b-pd")
-    assert expected_endpoints(plan) == {("prefill", i) for i in range(4)} | {("decode", 0), ("decode", 1), ("router", 0)}
+    plan = local_plan(run.root, tmp_path / "model", topology="moe-30b-pd")
+    assert plan.expected_endpoints() == {("prefill", i) for i in range(4)} | {("decode", 0), ("decode", 1), ("router", 0)}
     for i in range(4):
         atomic_write_json(run.endpoint("prefill", i), {"url": f"http://p{i}:8000/"})
     for i in range(2):
         atomic_write_json(run.endpoint("decode", i), {"url": f"http://d{i}:8000"})
     atomic_write_json(run.endpoint("decode", 1001), {"host": "d1"})  # a multi-node head's address: no url
-    with pytest.raises(Exception, match="router.0"):
+    with pytest.raises(StepTimeout, match="router.0"):
         discover(run, plan, timeout=0.2)
     atomic_write_json(run.endpoint("router", 0), {"url": "http://r:8090"})
     assert read_endpoints(run)["prefill"][0] == "http://p0:8000"

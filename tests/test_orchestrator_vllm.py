@@ -13,36 +13,32 @@ import time
 
 import pytest
 
-
-from prl.run.batch import read_batch  # noqa: E402
-from prl.orchestrator import main  # noqa: E402
-from prl.run.rundir import RunDir, atomic_write_json  # noqa: E402
-from tests.vllm_fixtures import start_inference, tiny_model_dir  # noqa: E402,F401 (fixtures)
+from prl.orchestrator import main
+from prl.run.batch import read_batch
+from prl.run.rundir import RunDir, atomic_write_json
+from tests.plans import local_plan, write_plan
+from tests.vllm_fixtures import start_inference
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory, tiny_model_dir):  # noqa: F811
-    """A server of this module's own: the shared one's run dir already holds other tests' weights."""
-    run = RunDir(tmp_path_factory.mktemp("orchestrator-run") / "run").create()
-    with start_inference(run.root, tiny_model_dir) as server:
+def tiny_server(tmp_path_factory, tiny_model_dir):
+    """A server of this module's own, with the run's plan: the shared one's run dir already holds other tests' weights."""
+    run = RunDir(tmp_path_factory.mktemp("orchestrator-run") / "run")
+    plan = local_plan(run.root, tiny_model_dir, [
+        "environment.eval.every=2", "environment.eval.examples=4", "trainer.gpus_per_node=1",
+        "training.batch_size=8", "training.rollouts_per_example=4", "training.max_steps=2",
+        "training.max_off_policy_steps=0", "training.max_tokens=16", "training.temperature=1.0",
+        "training.micro_batch_tokens=1024", "training.seed=0", "training.weights_timeout_s=300"])
+    write_plan(run, plan)
+    with start_inference(run.root, tiny_model_dir, extra_args=["--served-model-name", plan.served_model_name]) as server:
         yield server
 
 
-def test_orchestrator_writes_real_batches_and_loads_published_weights(tiny_server, tiny_model_dir):  # noqa: F811
+def test_orchestrator_writes_real_batches_and_loads_published_weights(tiny_server, tiny_model_dir):
     run = RunDir(tiny_server.run_dir)
     assert run.latest_stable("rollouts") is None and run.latest_stable("weights") is None
-    plan = {
-        "environment": {"id": "prl_letters", "args": {}, "harness": "prl", "eval": {"every": 2, "examples": 4}},
-        "model": {"path": str(tiny_model_dir)},
-        "trainer": {"mesh": {"dp_replicate": 1, "dp_shard": 1}},
-        "servers": [],
-        "training": {"batch_size": 8, "rollouts_per_example": 4, "max_steps": 2, "max_off_policy_steps": 0,
-                     "max_tokens": 16, "temperature": 1.0, "micro_batch_tokens": 1024, "seed": 0,
-                     "weights_timeout_s": 300},
-    }
-    atomic_write_json(run.plan_json, plan)
     atomic_write_json(run.endpoint("inference", 0), {"url": tiny_server.url})
 
     def trainer():  # publishes weights/step_1 (the same tensors) once rollouts/step_1 exist

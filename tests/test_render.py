@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SHIPPED
 from prl.planner.prepare import prepare
+from tests.helpers import REPO, SHIPPED
 
 GOLDEN = REPO / "tests" / "golden"
 # Shipped topologies with relative paths resolve against this fixed directory in the goldens.

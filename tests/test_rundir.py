@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from prl.errors import PrlError, RunDirError, StepTimeout
-from prl.run.rundir import MARKER, RunDir, atomic_write_json, atomic_write_text, is_stable
+from prl.run.rundir import MARKER, RunDir, atomic_write_json, atomic_write_text, current_attempt, is_stable, step_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,6 +42,81 @@ def test_atomic_writes_and_latest_logs(tmp_path):
     run.link_latest_logs(0)
     run.link_latest_logs(1)
     assert run.latest_logs.resolve() == run.attempt_logs(1).resolve()
+
+
+def test_attempts_and_the_latest_one(tmp_path):
+    run = RunDir(tmp_path)
+    assert run.attempts() == [] and run.latest_attempt() is None, "no logs dir yet"
+    for name in ("attempt_3", "attempt_1", "attempt_10", "attempt_x", "attempt_2.old", "launcher.log"):
+        (run.logs_dir / name).mkdir(parents=True)
+    assert run.attempts() == [1, 3, 10]
+    assert run.latest_attempt() == 10, "without the latest link: the highest attempt"
+    run.link_latest_logs(3)
+    assert run.latest_attempt() == 3, "the link decides (a resubmission may leave a higher stale dir)"
+    assert run.attempts() == [1, 3, 10], "logs/latest is not an attempt"
+
+
+def test_rank_logs_are_parsed_by_rank_number(tmp_path):
+    run = RunDir(tmp_path)
+    assert run.rank_logs(1, "inference") == [], "the role has not started"
+    folder = run.role_logs_dir(1, "inference")
+    folder.mkdir(parents=True)
+    for name in ("rank_10.log", "rank_2.log", "rank_0.log", "inference.log", "rank_x.log", "rank_3.log.1"):
+        (folder / name).write_text("")
+    assert run.rank_logs(1, "inference") == [(0, folder / "rank_0.log"), (2, folder / "rank_2.log"),
+                                             (10, folder / "rank_10.log")]
+    assert run.rank_logs(2, "inference") == []
+    with pytest.raises(RunDirError, match="unknown role"):
+        run.rank_logs(1, "trainr")
+
+
+def test_log_paths_of_the_launcher_and_of_srun(tmp_path):
+    run = RunDir(tmp_path)
+    assert run.launcher_log("local") == tmp_path / "logs/launcher.log"
+    assert run.launcher_log("slurm", "77") == tmp_path / "logs/slurm-77.out"
+    assert run.batch_log_pattern.replace("%j", "77") == str(run.launcher_log("slurm", "77"))
+    assert run.task_log_pattern(2, "decode").replace("%t", "5") == str(run.role_log(2, "decode", 5))
+
+
+@pytest.mark.parametrize("env, want", [
+    ({}, 1),
+    ({"PRL_ATTEMPT": "4"}, 4),
+    ({"PRL_ATTEMPT_BASE": "2"}, 3),
+    ({"PRL_ATTEMPT_BASE": "2", "SLURM_RESTART_COUNT": "1"}, 4),
+    ({"SLURM_RESTART_COUNT": "2"}, 3),
+    ({"PRL_ATTEMPT": "2", "PRL_ATTEMPT_BASE": "5", "SLURM_RESTART_COUNT": "5"}, 2),
+    ({"PRL_ATTEMPT": "", "PRL_ATTEMPT_BASE": "x", "SLURM_RESTART_COUNT": "-1"}, 1),
+])
+def test_current_attempt_counts_from_one(env, want):
+    assert current_attempt(env) == want
+
+
+def test_claim_defaults_to_the_current_attempt(tmp_path, monkeypatch):
+    run = RunDir(tmp_path)
+    for var in ("PRL_ATTEMPT", "PRL_ATTEMPT_BASE", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(var, raising=False)
+    assert run.claim("orchestrator")["attempt"] == 1
+    monkeypatch.setenv("PRL_ATTEMPT", "3")
+    assert run.claim("orchestrator")["attempt"] == 3
+
+
+def test_weights_root_and_step_names(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    run = RunDir(tmp_path / "link")
+    assert run.weights_root() == real / "weights", "resolved: the run dir may sit behind a symlink"
+    assert step_of(run.weights(12)) == 12 and step_of("step_0") == 0
+    assert [step_of(name) for name in ("step_", "step_1x", ".step_3.tmp-a", "weights", "step_-1")] == [None] * 5
+
+
+def test_state_files_hold_plain_strings(tmp_path):
+    """The states are enums in code; on disk they stay the strings `prl status` and older runs read."""
+    run = RunDir(tmp_path)
+    run.claim("trainer", attempt=1)
+    assert json.loads(run.role_state("trainer").read_text())["status"] == "running"
+    run.mark_exit("trainer", 3)
+    assert '"status": "failed"' in run.role_state("trainer").read_text()
 
 
 def test_publish_wait_and_clash(tmp_path):

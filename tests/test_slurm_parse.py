@@ -9,6 +9,7 @@ import pytest
 
 from prl.ops import slurm
 from prl.errors import PrlError, SlurmError, SlurmUnavailable
+from prl.states import TERMINAL_STATES, JobState
 
 S = slurm.SEP
 
@@ -267,7 +268,31 @@ def test_scancel_and_requeue_errors(fake):
     ],
 )
 def test_normalize_state(raw, want):
-    assert slurm.normalize_state(raw) == want
+    got = slurm.normalize_state(raw)
+    assert got == want and isinstance(got[0], JobState)
+
+
+# Every job state Slurm documents (squeue(1), JOB STATE CODES): short code, long name.
+SLURM_STATES = [
+    ("BF", "BOOT_FAIL"), ("CA", "CANCELLED"), ("CD", "COMPLETED"), ("CF", "CONFIGURING"), ("CG", "COMPLETING"),
+    ("DL", "DEADLINE"), ("F", "FAILED"), ("NF", "NODE_FAIL"), ("OOM", "OUT_OF_MEMORY"), ("PD", "PENDING"),
+    ("PR", "PREEMPTED"), ("R", "RUNNING"), ("RD", "RESV_DEL_HOLD"), ("RF", "REQUEUE_FED"), ("RH", "REQUEUE_HOLD"),
+    ("RQ", "REQUEUED"), ("RS", "RESIZING"), ("RV", "REVOKED"), ("SI", "SIGNALING"), ("SE", "SPECIAL_EXIT"),
+    ("SO", "STAGE_OUT"), ("ST", "STOPPED"), ("S", "SUSPENDED"), ("TO", "TIMEOUT"),
+]
+ENDED = {"BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+         "TIMEOUT", "REVOKED", "SPECIAL_EXIT"}
+"""The states after which Slurm runs nothing more of the job (until a requeue)."""
+
+
+@pytest.mark.parametrize("code, name", SLURM_STATES)
+def test_every_slurm_state_maps_to_a_job_state(code, name):
+    state, _ = slurm.normalize_state(name)
+    assert isinstance(state, JobState) and state is not JobState.UNKNOWN
+    assert slurm.normalize_state(code) == (state, None), "the short code means the same"
+    assert state not in {JobState.PLANNED, JobState.STOPPING, JobState.STOPPED}, "prl's own states, not Slurm's"
+    assert (state in TERMINAL_STATES) == (name in ENDED)
+    assert row("1", state, "squeue").terminal == (name in ENDED)
 
 
 @pytest.mark.parametrize(
@@ -288,7 +313,7 @@ def test_parse_duration(text, want):
 
 def row(key: str, state: str, source: str, **kw) -> slurm.JobRow:
     job_id, off = slurm.split_job_key(key)
-    return slurm.JobRow(job_id=job_id, het_offset=off, state=state, source=source, **kw)
+    return slurm.JobRow(job_id=job_id, het_offset=off, state=JobState(state), source=source, **kw)
 
 
 def test_merge_prefers_terminal_then_sacct():
@@ -316,7 +341,7 @@ def test_merge_prefers_terminal_then_sacct():
 )
 def test_merge_state_reports_the_worst_component(states, want):
     rows = [row(f"1+{i}", s, "sacct") for i, s in enumerate(states)]
-    assert slurm.merge_state(rows) == want
+    assert slurm.merge_state(rows) is JobState(want)
 
 
 def test_query_jobs_falls_back_to_scontrol_without_accounting(fake):

@@ -3,17 +3,23 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import ast
 import json
+import os
 import subprocess
 import time
 
 import pytest
 
-from conftest import REPO
+from tests.helpers import REPO
 from prl.ops import slurm
+from prl.ops import status as status_module
 from prl.planner.prepare import prepare, write_run_files
 from prl.run.rundir import RunDir, atomic_write_json
-from prl.ops.status import collect
+from prl.ops.status import Status, _launcher_state, _role_status, collect
+from prl.states import FAILED_STATES, TERMINAL_STATES, JobState, LauncherStatus, RoleState
 
 
 def _run(tmp_path, topology="lab", *overrides) -> RunDir:
@@ -92,3 +98,106 @@ def test_planned_run_has_no_job(tmp_path):
     status = collect(RunDir(prepared.run_dir))
     assert status.state == "PLANNED" and status.job_id is None
     assert json.loads(status.to_json())["roles"][0]["role"] == "inference"
+
+
+FORGOTTEN = {"squeue": ("", "slurm_load_jobs error: Invalid job id specified", 1),
+             "sacct": ("", "Slurm accounting storage is disabled", 1),
+             "scontrol": ("", "slurm_load_jobs error: Invalid job id specified", 1)}
+"""Slurm answers for a job the controller forgot, on a cluster without accounting."""
+
+
+@pytest.mark.parametrize("preflight_failed, want", [(1, 1), (None, 2)])
+def test_the_failure_shows_the_log_of_the_task_that_failed(tmp_path, monkeypatch, preflight_failed, want):
+    """The task whose preflight failed, else the log written last (srun reports only the step's worst)."""
+    run = _run(tmp_path)
+    atomic_write_json(run.launcher_state, {
+        "status": "failed", "attempt": 2, "steps": {"inference": {"status": "failed", "exit_code": 1}},
+        "first_failure": {"role": "inference", "exit_code": 1, "reason": "exited with code 1", "time": time.time()}})
+    for rank in (0, 2, 1, 10):
+        log = run.role_log(2, "inference", rank)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(f"rank {rank}\n")
+        os.utime(log, (1000 + rank, 1000 + (rank % 10)))  # rank 10 is not the newest: rank 2 is
+        atomic_write_json(run.preflight_report("inference", rank), {"ok": rank != preflight_failed})
+    monkeypatch.setattr(slurm, "RUNNER", Fake(FORGOTTEN))
+    failure = collect(run).failure
+    assert failure["log"] == str(run.role_log(2, "inference", want))
+    assert failure["log_tail"] == [f"rank {want}"]
+
+
+@pytest.mark.parametrize("launcher, cancelled, want", [
+    (None, False, "PENDING"), (None, True, "PENDING"),
+    ("starting", False, "RUNNING"), ("running", False, "RUNNING"), ("completed", False, "COMPLETED"),
+    ("failed", False, "FAILED"), ("requeued", False, "REQUEUED"),
+    ("stopping", False, "STOPPED"), ("stopped", False, "STOPPED"),
+    ("stopping", True, "CANCELLED"), ("stopped", True, "CANCELLED"),
+])
+def test_the_launchers_record_gives_the_job_state(launcher, cancelled, want):
+    assert _launcher_state(launcher, cancelled) is JobState(want)
+
+
+def test_every_launcher_status_has_a_job_state():
+    assert {_launcher_state(s.value, False) for s in LauncherStatus} <= set(JobState) - {JobState.UNKNOWN}
+
+
+@pytest.mark.parametrize("launched, own, submitted, ended, want", [
+    ({}, {}, False, False, ""),
+    ({}, {"status": "running"}, False, False, "running"),
+    ({}, {}, True, False, "waiting"),
+    ({}, {"status": "running"}, True, True, "not started"),
+    ({"status": "running"}, {"status": "exited"}, True, False, "running"),
+    ({"status": "running"}, {}, True, True, "killed"),
+    ({"status": "stopped"}, {"status": "running"}, True, True, "stopped"),
+    ({"status": "failed"}, {}, True, True, "failed"),
+    ({}, {"status": "interrupted"}, False, True, "interrupted"),
+])
+def test_role_status(launched, own, submitted, ended, want):
+    got = _role_status(launched, own, submitted, ended)
+    assert got == want and (got == "" or isinstance(got, RoleState))
+
+
+def test_one_terminal_set():
+    assert status_module.TERMINAL_STATES is slurm.TERMINAL_STATES is TERMINAL_STATES
+    assert FAILED_STATES < TERMINAL_STATES
+
+
+@pytest.mark.parametrize("state", list(JobState))
+def test_status_watch_stops_at_a_terminal_state_and_fails_on_a_failed_one(tmp_path, monkeypatch, state):
+    from prl import cli
+
+    states = iter([state, JobState.COMPLETED])
+    monkeypatch.setattr(status_module, "resolve_run", lambda arg: RunDir(tmp_path))
+    monkeypatch.setattr(status_module, "collect", lambda run: Status(str(run.root), "x", None, "none", next(states),
+                                                                     None, None, [], {}, None))
+    shown = []
+    monkeypatch.setattr(status_module, "show", shown.append)
+    with pytest.raises(SystemExit) if state in FAILED_STATES else contextlib.nullcontext() as ended:
+        cli.main(["status", str(tmp_path), "--watch", "--interval", "0"])
+    assert [s.state for s in shown] == ([state] if state in TERMINAL_STATES else [state, JobState.COMPLETED])
+    assert ended is None or ended.value.code == 1
+
+
+def test_status_json_holds_plain_strings(tmp_path, monkeypatch):
+    run = _run(tmp_path)
+    atomic_write_json(run.launcher_state, {"status": "running", "attempt": 1, "steps": {}})
+    monkeypatch.setattr(slurm, "RUNNER", Fake({"squeue": ("", "Unable to contact slurm controller", 1)}))
+    out = json.loads(collect(run).to_json())
+    assert out["state"] == "UNKNOWN" and {r["slurm_state"] for r in out["roles"]} == {"UNKNOWN"}
+    assert [r["status"] for r in out["roles"]] == ["waiting", "waiting", "waiting"]
+
+
+def test_state_vocabularies_are_listed_only_in_prl_states():
+    """No module restates two words of one state vocabulary in a tuple, list, set or dict (use prl.states)."""
+    vocabularies = [{s.value for s in kind} for kind in (JobState, LauncherStatus, RoleState)]
+    found = []
+    for path in sorted((REPO / "prl").rglob("*.py")):
+        if path == REPO / "prl" / "states.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            items = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None)
+            if not isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+                continue
+            words = {e.value for e in items if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+            if any(len(words & vocabulary) >= 2 for vocabulary in vocabularies):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {sorted(words)}")
+    assert not found, "states listed outside prl/states.py:\n" + "\n".join(found)

@@ -9,9 +9,7 @@ import subprocess
 import sys
 import time
 
-
-from conftest import REPO, prl_cli as prl
-from tests.slurm_fixtures import wait_for
+from tests.helpers import REPO, prl_cli as prl, wait_for
 
 
 def state(env, run) -> dict:
@@ -65,8 +63,10 @@ def test_ctrl_c_stops_every_role(tmp_path, env, model):
     proc = subprocess.Popen([sys.executable, "-m", "prl.cli", "submit", "configs/local-tiny.yaml", f"run_dir={run}",
                              f"model.path={model}", "--local", "--preflight", "--hold", "120"],
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # `prl status` says running once the launcher started a role; its pid is in its state file a moment later.
     wait_for("running", lambda: (run / "state" / "launcher.json").exists()
-             and all(r["status"] == "running" for r in state(env, run)["roles"]), 60)
+             and all(r["status"] == "running" for r in state(env, run)["roles"])
+             and all((run / "state" / f"{r}.json").exists() for r in ("inference", "trainer")), 60)
     pids = [json.loads((run / "state" / f"{r}.json").read_text())["pid"] for r in ("inference", "trainer")]
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

@@ -16,8 +16,7 @@ import time
 
 import pytest
 
-from conftest import REPO, prl_cli as prl
-from tests.slurm_fixtures import slurm_cluster, wait_for  # noqa: F401
+from tests.helpers import REPO, prl_cli as prl, wait_for
 
 pytestmark = pytest.mark.slurm
 
@@ -27,7 +26,7 @@ def status(env, run) -> dict:
 
 
 @pytest.fixture
-def lab(tmp_path, env, model, slurm_cluster):  # noqa: F811
+def lab(tmp_path, env, model, slurm_cluster):
     """Submit the lab topology; cancel whatever is left at the end."""
     runs = []
 
@@ -153,7 +152,7 @@ def test_status_without_an_argument_is_the_latest_run(lab, env):
     assert json.loads(prl(env, "status", job["job_id"], "--json").stdout)["run_dir"] == str(run)
 
 
-def test_rejected_submission_prints_sbatchs_words_and_records_nothing(tmp_path, env, model, slurm_cluster):  # noqa: F811
+def test_rejected_submission_prints_sbatchs_words_and_records_nothing(tmp_path, env, model, slurm_cluster):
     run = tmp_path / "rejected"
     result = prl(env, "submit", "configs/lab.yaml", f"run_dir={run}", f"model.path={model}",
                  "cluster.partitions.trainer=nosuchpart", "--preflight", check=False)

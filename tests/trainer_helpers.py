@@ -7,47 +7,59 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
+from prl.planner.model import Plan
 from prl.run.batch import Sample, publish_batch
-from prl.run.rundir import RunDir, atomic_write_json
+from prl.run.rundir import RunDir
+from tests.plans import local_plan, write_plan
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def make_plan(
-    model_dir: Path, *, world_size: int = 2, max_steps: int = 3, checkpoint_interval: int = 2, **training
-) -> dict:
-    return {
-        "model": {"path": str(model_dir), "dtype": "float32", "max_model_len": 256},
-        "trainer": {
-            "nodes": 1,
-            "gpus_per_node": world_size,
-            "world_size": world_size,
-            "mesh": {"dp_replicate": 1, "dp_shard": world_size, "cp": 1, "ep": 1},
-            "activation_checkpointing": False,
-            "precision": "fp32",
-            "master_port": 29500,
-        },
-        "training": {
-            "batch_size": 4,
-            "rollouts_per_example": 2,
-            "micro_batch_tokens": 64,
-            "max_off_policy_steps": 1,
-            "lr": 1e-2,
-            "max_steps": max_steps,
-            "seed": 0,
-            "checkpoint_interval": checkpoint_interval,
-            "checkpoint_keep": 2,
-            "loss": {"ratio_low": 0.0, "ratio_high": 5.0, "mode": "mask", "kl_coef": 0.0},
-            "weight_decay": 0.0,
-            "max_grad_norm": 1.0,
-            "rollout_timeout_s": 120,
-            **training,
-        },
-        "inference": {"ignored": True},
+    model_dir: Path,
+    run_dir: Path | None = None,
+    *,
+    world_size: int = 2,
+    max_steps: int = 3,
+    checkpoint_interval: int = 2,
+    overrides: Sequence[str] = (),
+    **training,
+) -> Plan:
+    """local-tiny on `world_size` CPU ranks with small, fast training settings; `training` overrides them by name,
+    `overrides` are any others ("trainer.dp_replicate=2"). `run_dir` defaults to MODEL_DIR/../run."""
+    training = {
+        "batch_size": 4,
+        "rollouts_per_example": 2,
+        "micro_batch_tokens": 64,
+        "max_off_policy_steps": 1,
+        "lr": 1e-2,
+        "max_steps": max_steps,
+        "seed": 0,
+        "checkpoint_interval": checkpoint_interval,
+        "checkpoint_keep": 2,
+        "loss.mode": "mask",
+        "loss.ratio_low": 0.0,
+        "loss.ratio_high": 5.0,
+        "loss.kl_coef": 0.0,
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "rollout_timeout_s": 120,
+        **training,
     }
+    return local_plan(
+        run_dir or Path(model_dir).parent / "run",
+        model_dir,
+        [
+            "model.max_model_len=256",
+            f"trainer.gpus_per_node={world_size}",
+            *(f"training.{k}={v}" for k, v in training.items()),
+            *overrides,
+        ],
+    )
 
 
 def make_samples(step: int, vocab: int, n: int = 8, seed: int = 0) -> list[Sample]:
@@ -69,8 +81,7 @@ def make_samples(step: int, vocab: int, n: int = 8, seed: int = 0) -> list[Sampl
 
 
 def setup_run(root: Path, model_dir: Path, steps: range, vocab: int, **plan_kw) -> RunDir:
-    run = RunDir(root).create()
-    atomic_write_json(run.plan_json, make_plan(model_dir, **plan_kw))
+    run = write_plan(RunDir(root), make_plan(model_dir, root, **plan_kw))
     for s in steps:
         publish_batch(run, s, make_samples(s, vocab), dp_size=2, micro_batch_tokens=64)
     return run

@@ -11,29 +11,70 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from prl.errors import ConfigError
-from prl.config.loader import Source, load
+from prl.config.loader import Source, load, shown, shown_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLUSTERS_DIR = REPO_ROOT / "clusters"
 
-_TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_TIME = re.compile(r"^([0-9]{1,3}-)?[0-9]{1,3}(:[0-9]{2}){0,2}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
+# C0/C1 controls, line separators and bidirectional overrides (text that reads other than it runs).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_SHELL_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
-Token = Annotated[str, Field(min_length=1, pattern=r"^[^\s'\"`$;\\]+$")]
+MAX_NODES = 100_000
+"""Most nodes any count may name (a typo of 10**12 stops at the schema)."""
+MAX_GPUS_PER_NODE = 1024
+MAX_CPUS = 65_536
+MAX_GB = 10_000_000
+MAX_ITEMS = 1000
+"""Most items in a list or mapping field."""
+MAX_TEXT = 4096
+"""Longest string field."""
+
+
+def check_printable(value: str) -> str:
+    """No control characters (newlines, tabs, terminal escapes, bidi overrides) in a value for scripts or screens."""
+    found = _CONTROL.search(value)
+    if found:
+        raise ValueError(f"must not contain control characters such as newlines, tabs or escapes "
+                         f"(U+{ord(found.group()):04X} in {shown(value)})")
+    return value
+
+
+def check_shell_text(value: str) -> str:
+    """Admin shell code may span lines and hold tabs, but no other control characters."""
+    found = _SHELL_CONTROL.search(value)
+    if found:
+        raise ValueError(f"must not contain control characters other than newlines and tabs "
+                         f"(U+{ord(found.group()):04X} in {shown(value)})")
+    return value
+
+
+Text = Annotated[str, Field(max_length=MAX_TEXT), AfterValidator(check_printable)]
+"""A string of at most 4096 printable characters."""
+
+Token = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\s'\"`$;\\]+$"),
+                  AfterValidator(check_printable)]
 """A value that lands in an #SBATCH line or an srun option: no spaces, quotes, '$', ';' or backslashes."""
+
+Env = Annotated[dict[str, Text], Field(max_length=MAX_ITEMS)]
+"""Environment variables: shell names to printable values."""
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    # strict: YAML's `yes` is no number and "3" no int; no inf or nan in any float.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=False, strict=True,
+                              allow_inf_nan=False)
 
 
 def check_env_names(env: dict[str, str]) -> dict[str, str]:
     for name in env:
         if not _ENV_NAME.match(name):
-            raise ValueError(f"environment variable name {name!r} is not a valid shell name")
+            raise ValueError(f"environment variable name {shown(name)} is not a valid shell name")
     return env
 
 
@@ -44,16 +85,16 @@ def minutes_as_text(value: object) -> object:
 
 def check_time(value: Optional[str]) -> Optional[str]:
     if value is not None and not _TIME.match(value):
-        raise ValueError(f"time must look like MM, HH:MM:SS or D-HH:MM:SS, not {value!r}")
+        raise ValueError(f"time must look like MM, HH:MM:SS or D-HH:MM:SS, not {shown(value)}")
     return value
 
 
 class NodeSpec(Strict):
-    gpus: int = Field(ge=0)
+    gpus: int = Field(ge=0, le=MAX_GPUS_PER_NODE)
     """GPUs on each node of this kind (0 for CPU-only nodes)."""
-    cpus: int = Field(ge=1)
+    cpus: int = Field(ge=1, le=MAX_CPUS)
     """CPU cores on each node that jobs may use."""
-    memory_gb: float = Field(gt=0)
+    memory_gb: float = Field(gt=0, le=MAX_GB)
     """Memory per node that jobs may use, in GiB."""
 
 
@@ -69,7 +110,7 @@ class Partitions(Strict):
 class Container(Strict):
     image: Token
     """Container image for every step (pyxis `--container-image`)."""
-    mounts: list[Token] = []
+    mounts: list[Token] = Field(default=[], max_length=MAX_ITEMS)
     """`SRC:DST[:FLAGS]` mounts (pyxis `--container-mounts`); the run directory's root is added."""
     workdir: Optional[Token] = None
     """Working directory inside the container."""
@@ -78,7 +119,7 @@ class Container(Strict):
 class Network(Strict):
     interface: Optional[Token] = None
     """Interface the roles bind to and talk over (None: the node's hostname address)."""
-    env: dict[str, str] = {}
+    env: Env = {}
     """Variables for the fabric: NCCL_*, UCX_*, FI_* and so on."""
 
     _names = field_validator("env")(check_env_names)
@@ -87,14 +128,14 @@ class Network(Strict):
 class Requeue(Strict):
     enabled: bool = False
     """Let Slurm requeue the job on node failure or preemption (`--requeue`)."""
-    signal_seconds: int = Field(default=120, ge=0)
+    signal_seconds: int = Field(default=120, ge=0, le=65535)
     """Seconds before the time limit that the batch shell gets SIGTERM to checkpoint (0: none)."""
-    grace_seconds: int = Field(default=60, ge=0)
+    grace_seconds: int = Field(default=60, ge=0, le=86400)
     """Seconds the roles get to finish a checkpoint after a stop, before they are killed."""
 
 
 class ClusterProfile(Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    name: str = Field(max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     """Profile name, shown in plans and errors."""
     slurm: bool = True
     """False for the local profile: roles run as local processes, no Slurm."""
@@ -111,31 +152,32 @@ class ClusterProfile(Strict):
     """What a node of the orchestrator partition offers (None: same as gpu_node)."""
     gpu_directive: Literal["gpus-per-node", "gres", "none"] = "gpus-per-node"
     """How GPUs are requested: `--gpus-per-node=N`, `--gres=gpu:N`, or not at all (whole-node clusters)."""
-    gres_name: str = Field(default="gpu", pattern=r"^[A-Za-z0-9_:.-]+$")
+    gres_name: str = Field(default="gpu", max_length=256, pattern=r"^[A-Za-z0-9_:.-]+$")
     """GRES name for the `gres` directive (e.g. `gpu` or `gpu:h100`)."""
     exclusive: bool = True
     """Ask for whole nodes (`--exclusive`)."""
-    segment: Optional[int] = Field(default=None, ge=1)
+    segment: Optional[int] = Field(default=None, ge=1, le=MAX_NODES)
     """`--segment` size for block/topology-aware placement (Slurm 23.11+)."""
     constraint: Optional[Token] = None
     """`--constraint` feature expression."""
     container: Optional[Container] = None
     """Run every step in a pyxis container."""
-    modules: list[str] = []
+    modules: list[Text] = Field(default=[], max_length=MAX_ITEMS)
     """Environment modules loaded before the roles start (`module load NAME`)."""
-    venv: Optional[str] = None
+    venv: Optional[Text] = None
     """A Python virtual environment activated before the roles start."""
-    setup: list[str] = []
+    setup: list[Annotated[str, Field(max_length=16 * MAX_TEXT), AfterValidator(check_shell_text)]] = Field(
+        default=[], max_length=MAX_ITEMS)
     """Shell lines run before the roles start. Cluster-admin shell code, rendered verbatim:
     the one field that is shell by contract (topology values never are)."""
-    python: str = "python3"
+    python: Text = Field(default="python3", min_length=1)
     """Interpreter that runs prl on compute nodes."""
-    env: dict[str, str] = {}
+    env: Env = {}
     """Variables exported to every role."""
-    shared_root: str
+    shared_root: Text = Field(min_length=1)
     """Root of the shared filesystem every node sees (run directories belong under it)."""
     network: Network = Network()
-    max_nodes: int = Field(ge=1)
+    max_nodes: int = Field(ge=1, le=MAX_NODES)
     """Most nodes one job may use."""
     default_time: Optional[str] = None
     """Time limit when the topology gives none."""
@@ -164,5 +206,6 @@ def load_profile(name_or_path: str, relative_to: Path, overrides: Sequence[str] 
     path = profile_path(name_or_path, relative_to)
     if not path.exists():
         known = ", ".join(sorted(p.stem for p in CLUSTERS_DIR.glob("*.yaml")))
-        raise ConfigError(f"cluster profile {name_or_path!r} not found ({path}); shipped profiles: {known}")
+        raise ConfigError(f"cluster profile {shown(name_or_path)} not found ({shown_path(path)}); "
+                          f"shipped profiles: {known}")
     return load(ClusterProfile, path, overrides)

@@ -6,10 +6,22 @@ node tree gives every key its line, which OmegaConf forgets; pydantic
 checks the schema. Every failure becomes one ConfigError whose message reads
 
     configs/topo.yaml:14 (trainer.ep): Input should be greater than or equal to 1 (got 0)
+
+No input may crash or hang the loader: the file is stat'ed before it is read
+(regular, at most 1 MiB, UTF-8), the YAML event stream is checked before any
+tree is built (depth, tags, alias expansion), the tree before OmegaConf sees
+it (duplicate and complex keys, base-60 numbers, merge keys), interpolation
+before it is resolved (expanded size), and the resolved data before pydantic
+(no non-finite floats anywhere).
 """
 
 from __future__ import annotations
 
+import difflib
+import math
+import re
+import stat
+import typing
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
@@ -24,6 +36,39 @@ M = TypeVar("M", bound=BaseModel)
 
 FieldPath = tuple[Any, ...]
 
+MAX_BYTES = 1 << 20
+"""Largest topology or profile file read."""
+MAX_DEPTH = 32
+"""Deepest nesting of mappings and lists."""
+MAX_VALUES = 10_000
+"""Most values (scalars, mappings, lists) in one document, aliases expanded."""
+MAX_EXPANDED = 1 << 20
+"""Most characters and values the document may hold once interpolation is resolved."""
+MAX_REFERENCE_HOPS = 16
+"""Longest chain of `${...}` references (a -> b -> c ...)."""
+
+# Libyaml when present: a 1 MiB hostile file parses in milliseconds rather than seconds.
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_CORE = "tag:yaml.org,2002:"
+_ALLOWED_TAGS = {None, _CORE + "str", _CORE + "map", _CORE + "seq"}
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x84\x86-\x9f]")
+_KEY_PART = re.compile(r"^[A-Za-z0-9_-]+$")
+_PLAIN_PART = re.compile(r"^[\w.-]{1,64}$")
+# A reference inside `${...}`: `a.b`, or `.b` / `..b` relative to the value's own mapping.
+_REFERENCE = re.compile(r"(\.*)([A-Za-z_][\w-]*(?:\.[\w-]+)*)")
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """A value as it may appear in a one-line message: repr'd (control characters escaped), cut short."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(str(value))} characters)"
+
+
+def shown_path(path: Path | str) -> str:
+    """A file name for a message: as is when printable, else escaped."""
+    text = str(path)
+    return text if text.isprintable() and len(text) <= 300 else shown(text, 300)
+
 
 class Source:
     """Where the values of one loaded document came from: a file and its lines, plus overrides."""
@@ -36,68 +81,324 @@ class Source:
     def locate(self, field: FieldPath) -> str:
         """`file:line (a.b.c)` for a field, or where it was overridden; nearest ancestor wins."""
         dotted = dotted_path(field)
+        name = shown_path(self.path)
+        below = [item for path, item in self.overrides.items() if path[:len(field)] == tuple(field)]
+        in_file = any(len(path) > len(field) and path[:len(field)] == tuple(field) for path in self.lines)
+        if field and below and not in_file:  # `trainer.nodes.x=3` made a mapping of what the file has as a value
+            return f"override {shown(below[-1], 200)} ({dotted})"
         for cut in range(len(field), -1, -1):
             prefix = tuple(field[:cut])
             if prefix in self.overrides:
-                return f"override {self.overrides[prefix]!r} ({dotted})"
+                return f"override {shown(self.overrides[prefix], 200)} ({dotted})"
             if prefix in self.lines:
-                return f"{self.path}:{self.lines[prefix]} ({dotted})" if dotted else f"{self.path}:{self.lines[prefix]}"
-        return f"{self.path} ({dotted})" if dotted else str(self.path)
+                return f"{name}:{self.lines[prefix]} ({dotted})" if dotted else f"{name}:{self.lines[prefix]}"
+        return f"{name} ({dotted})" if dotted else name
 
     def error(self, field: FieldPath, message: str) -> ConfigError:
         return ConfigError(f"{self.locate(field)}: {message}")
 
 
+class FieldValueError(ValueError):
+    """Raised by a model validator to blame one of the model's fields rather than the whole model."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class _YamlProblem(Exception):
+    """A YAML-level refusal at a line of the text being checked (a file, or an override's value)."""
+
+    def __init__(self, line: int, message: str, field: FieldPath = ()):
+        super().__init__(message)
+        self.line = line
+        self.message = message
+        self.field = field
+
+
 def dotted_path(field: FieldPath) -> str:
     out = ""
     for part in field:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        text = part if isinstance(part, str) and _PLAIN_PART.match(part) else shown(part, 40)
+        out += f".{text}" if out else text
     return out
 
 
-def _line_map(node: yaml.Node, prefix: FieldPath, out: dict[FieldPath, int]) -> None:
+def read_text(path: Path) -> str:
+    """The file's text; anything but a regular UTF-8 file of at most 1 MiB is refused before it is read."""
+    name = shown_path(path)
+    try:
+        info = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        raise ConfigError(f"{name}: no such file") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{name}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"{name}: is a directory; give a YAML file")
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"{name}: not a regular file (a FIFO, socket or device); give a YAML file")
+    if info.st_size > MAX_BYTES:
+        raise ConfigError(f"{name}: {info.st_size} bytes is too large; a topology or profile is at most 1 MiB")
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{name}: cannot read ({exc.strerror})") from None
+    if len(raw) > MAX_BYTES:
+        raise ConfigError(f"{name}: too large; a topology or profile is at most 1 MiB")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"{name}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); "
+                          f"save the file as UTF-8") from None
+    return text[1:] if text.startswith("\ufeff") else text
+
+
+def _check_text(text: str) -> None:
+    """Control characters other than tab and newline: YAML refuses them, and they have no place here."""
+    found = _CONTROL.search(text)
+    if found:
+        line = text[:found.start()].count("\n") + 1
+        raise _YamlProblem(line, f"control character U+{ord(found.group()):04X} in the text; YAML files hold text")
+
+
+def _check_events(text: str) -> dict[tuple[int, int], str]:
+    """Walk the event stream: one document, no deep nesting, aliases that expand to little.
+
+    Returns where explicit tags other than !!str, !!map and !!seq are (line, column -> tag), for
+    _line_map to refuse with the field they are on."""
+    tags: dict[tuple[int, int], str] = {}
+    anchors: dict[str, int] = {}
+    open_anchors: list[tuple[str | None, int]] = []  # (anchor, total when the collection started)
+    total = documents = 0
+    for event in yaml.parse(text, Loader=_LOADER):
+        line = event.start_mark.line + 1 if event.start_mark else 1
+        if isinstance(event, yaml.DocumentStartEvent):
+            documents += 1
+            if documents > 1:
+                raise _YamlProblem(line, "a second YAML document ('---'); one file holds one document")
+        if isinstance(event, (yaml.ScalarEvent, yaml.CollectionStartEvent)) and event.tag not in _ALLOWED_TAGS:
+            tags[(event.start_mark.line, event.start_mark.column)] = event.tag
+        if isinstance(event, yaml.AliasEvent):
+            if any(name == event.anchor for name, _ in open_anchors):
+                raise _YamlProblem(line, f"alias *{event.anchor} refers to a mapping or list that contains it")
+            if event.anchor not in anchors:
+                raise _YamlProblem(line, f"alias *{event.anchor} has no anchor &{event.anchor} before it")
+            total += anchors[event.anchor]
+        elif isinstance(event, yaml.ScalarEvent):
+            total += 1
+            if event.anchor:
+                anchors[event.anchor] = 1
+        elif isinstance(event, yaml.CollectionStartEvent):
+            total += 1
+            open_anchors.append((event.anchor, total - 1))
+            if len(open_anchors) > MAX_DEPTH:
+                raise _YamlProblem(line, f"nested more than {MAX_DEPTH} levels deep")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            anchor, start = open_anchors.pop()
+            if anchor:
+                anchors[anchor] = total - start
+        if total > MAX_VALUES:
+            raise _YamlProblem(line, f"more than {MAX_VALUES} values (aliases expanded); a topology needs far fewer")
+    return tags
+
+
+def _is_base60(node: yaml.ScalarNode) -> bool:
+    # YAML 1.1 reads plain 5:00 as 300 and 1:30:00 as 5400; nobody means that.
+    return not node.style and ":" in node.value and node.tag in (_CORE + "int", _CORE + "float")
+
+
+def _check_tag(node: yaml.Node, field: FieldPath, tags: dict[tuple[int, int], str]) -> None:
+    tag = tags.get((node.start_mark.line, node.start_mark.column))
+    if tag:
+        raise _YamlProblem(node.start_mark.line + 1, f"YAML tag {shown(tag)} is not supported; write the plain "
+                                                      f"value (quote it to keep it a string)", field)
+
+
+def _line_map(node: yaml.Node, prefix: FieldPath, out: dict[FieldPath, int], tags: dict) -> None:
+    """Record the line of every key, refusing what OmegaConf would crash on or misread."""
     out.setdefault(prefix, node.start_mark.line + 1)
+    _check_tag(node, prefix, tags)
     if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
         for key, value in node.value:
-            path = prefix + (key.value,)
-            out[path] = key.start_mark.line + 1
-            _line_map(value, path, out)
+            line = key.start_mark.line + 1
+            _check_tag(key, prefix, tags)
+            if not isinstance(key, yaml.ScalarNode):
+                raise _YamlProblem(line, "a key must be a name, not a list or mapping ('? [a, b]')", prefix)
+            if key.tag == _CORE + "merge":
+                _merge_lines(value, prefix, out, tags)
+                continue
+            if key.tag != _CORE + "str":  # `~:`, `true:`, `1.5:` are no field names
+                raise _YamlProblem(line, f"key {shown(key.value)} reads as {key.tag.rsplit(':', 1)[-1]}, not "
+                                         f"a name; quote it", prefix)
+            if key.value in seen:
+                raise _YamlProblem(line, f"duplicate key {shown(key.value)} (first at line {seen[key.value]})",
+                                   prefix + (key.value,))
+            seen[key.value] = line
+            out[prefix + (key.value,)] = line
+            _line_map(value, prefix + (key.value,), out, tags)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
-            _line_map(item, prefix + (index,), out)
+            _line_map(item, prefix + (index,), out, tags)
+    elif isinstance(node, yaml.ScalarNode) and _is_base60(node):
+        raise _YamlProblem(node.start_mark.line + 1, f"YAML 1.1 reads {node.value} as a base-60 number; "
+                                                      f"quote it: \"{node.value}\"", prefix)
+    elif isinstance(node, yaml.ScalarNode) and node.tag == _CORE + "value":
+        raise _YamlProblem(node.start_mark.line + 1, "a lone '=' is a YAML 1.1 value key; quote it: \"=\"", prefix)
+
+
+def _merge_lines(value: yaml.Node, prefix: FieldPath, out: dict[FieldPath, int], tags: dict) -> None:
+    """`<<: *base` or `<<: [*a, *b]`: merged keys get the lines of their anchor, unless given here too."""
+    sources = value.value if isinstance(value, yaml.SequenceNode) else [value]
+    for source in sources:
+        if not isinstance(source, yaml.MappingNode):
+            raise _YamlProblem(source.start_mark.line + 1, "a merge key '<<' takes a mapping or a list of mappings",
+                               prefix)
+        merged: dict[FieldPath, int] = {}
+        _line_map(source, prefix, merged, tags)
+        for path, line in merged.items():
+            out.setdefault(path, line)
+
+
+def check_yaml(text: str, lines: dict[FieldPath, int] | None = None) -> yaml.Node | None:
+    """The checked node tree of a YAML text, the line of every key into `lines`; _YamlProblem if refused."""
+    _check_text(text)
+    try:
+        tags = _check_events(text)
+        node = yaml.compose(text, Loader=_LOADER)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise _YamlProblem(mark.line + 1 if mark else 1, f"invalid YAML: {problem}") from None
+    if node is not None:
+        _line_map(node, (), {} if lines is None else lines, tags)
+    elif tags:
+        raise _YamlProblem(min(tags)[0] + 1, f"YAML tag {shown(tags[min(tags)])} is not supported")
+    return node
 
 
 def read_yaml(path: Path) -> tuple[str, dict[FieldPath, int]]:
     """The file's text and the line of every key in it."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{where}: invalid YAML: {problem}") from None
+    text = read_text(path)
     lines: dict[FieldPath, int] = {}
-    if node is not None:
-        if not isinstance(node, yaml.MappingNode):
-            raise ConfigError(f"{path}:{node.start_mark.line + 1}: expected a mapping of fields at the top")
-        _line_map(node, (), lines)
+    try:
+        node = check_yaml(text, lines)
+        if node is not None and not isinstance(node, yaml.MappingNode):
+            raise _YamlProblem(node.start_mark.line + 1, "expected a mapping of fields at the top")
+    except _YamlProblem as problem:
+        field = f" ({dotted_path(problem.field)})" if problem.field else ""
+        raise ConfigError(f"{shown_path(path)}:{problem.line}{field}: {problem.message}") from None
     return text, lines
 
 
 def _parse_overrides(overrides: Sequence[str]) -> dict[FieldPath, str]:
+    """`key.path=value` -> path; the key must be dotted names, the value YAML that passes check_yaml."""
     parsed: dict[FieldPath, str] = {}
     for item in overrides:
-        key, sep, _ = item.partition("=")
-        if not sep or not key.strip() or any(not part for part in key.split(".")):
-            raise ConfigError(f"override {item!r}: expected key.path=value, e.g. trainer.nodes=8")
-        parsed[tuple(key.strip().split("."))] = item
+        if not _is_utf8(item):
+            raise ConfigError(f"override {shown(item, 200)}: not valid UTF-8 text")
+        key, sep, value = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) > MAX_DEPTH or not all(_KEY_PART.match(part) for part in parts):
+            raise ConfigError(f"override {shown(item, 200)}: expected key.path=value, the key at most {MAX_DEPTH} "
+                              f"names of letters, digits, '_' and '-', e.g. trainer.nodes=8")
+        try:
+            check_yaml(value)
+        except _YamlProblem as problem:
+            raise ConfigError(f"override {shown(item, 200)} ({dotted_path(tuple(parts))}): {problem.message}") from None
+        parsed[tuple(parts)] = item
     return parsed
+
+
+def _is_utf8(text: str) -> bool:
+    # Undecodable bytes in argv arrive as lone surrogates, which no YAML parser can take.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _omegaconf_error(exc: Exception, source: Source, blame: FieldPath = ()) -> ConfigError:
+    key = getattr(exc, "full_key", None) or ""
+    field = blame or tuple(int(p) if p.isdigit() else p for p in re.split(r"[.\[\]]+", str(key)) if p)
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return source.error(field, reason)
+
+
+def _merge_overrides(conf: Any, source: Source) -> Any:
+    """Apply the overrides one by one, so that an error names the override that caused it."""
+    for path, item in source.overrides.items():
+        try:
+            conf = OmegaConf.merge(conf, OmegaConf.from_dotlist([item]))
+        except (OmegaConfBaseException, yaml.YAMLError) as exc:
+            raise _omegaconf_error(exc, source, path) from None
+        except (TypeError, ValueError) as exc:  # OmegaConf's "Cannot merge incompatible container types"
+            raise source.error(path, f"cannot merge it into the file: {exc}") from None
+    return conf
+
+
+def _oversized(raw: Any) -> FieldPath | None:
+    """The deepest field that would hold too much once `${...}` is resolved (an upper-bound estimate).
+
+    `b: ${a}${a}`, `c: ${b}${b}`, ... doubles at each line; OmegaConf would build it all."""
+    sizes: dict[FieldPath, int] = {}
+
+    def lookup(path: FieldPath) -> Any:
+        node = raw
+        for part in path:
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return node
+
+    def size(path: FieldPath, value: Any, active: frozenset, hops: int) -> int:
+        if path in sizes:
+            return sizes[path]
+        if path in active:  # a loop: OmegaConf reports it by name
+            return 0
+        if hops > MAX_REFERENCE_HOPS:  # a chain of references this long is an attack: count it as too large
+            return MAX_EXPANDED + 1
+        active = active | {path}
+        if isinstance(value, dict):
+            total = 1 + sum(size(path + (k,), v, active, hops) for k, v in value.items())
+        elif isinstance(value, list):
+            total = 1 + sum(size(path + (i,), v, active, hops) for i, v in enumerate(value))
+        elif isinstance(value, str) and "${" in value:
+            total = len(value)
+            for dots, ref in _REFERENCE.findall(value[value.index("${"):]):
+                target = (path[:len(path) - len(dots)] if dots else ()) + tuple(ref.split("."))
+                found = lookup(target)
+                if found is not None:
+                    total += size(target, found, active, hops + 1)
+                if total > MAX_EXPANDED:
+                    break
+        else:
+            total = 1 if not isinstance(value, str) else len(value)
+        sizes[path] = total
+        return total
+
+    try:
+        size((), raw, frozenset(), 0)
+    except RecursionError:  # references into deep mappings, many times over
+        return ()
+    return max((path for path, n in sizes.items() if n > MAX_EXPANDED), key=len, default=None)
+
+
+def _check_finite(data: Any, source: Source, path: FieldPath = ()) -> None:
+    if isinstance(data, float) and not math.isfinite(data):
+        raise source.error(path, f"{data} is not a finite number")
+    if isinstance(data, dict):
+        for key, value in data.items():
+            _check_finite(value, source, path + (key,))
+    elif isinstance(data, list):
+        for index, value in enumerate(data):
+            _check_finite(value, source, path + (index,))
 
 
 def load_document(path: Path, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], Source]:
@@ -105,33 +406,81 @@ def load_document(path: Path, overrides: Sequence[str] = ()) -> tuple[dict[str, 
     text, lines = read_yaml(path)
     source = Source(path, lines, _parse_overrides(overrides))
     try:
-        conf = OmegaConf.create(text or "{}")
-        if overrides:
-            conf = OmegaConf.merge(conf, OmegaConf.from_dotlist(list(overrides)))
+        conf = _merge_overrides(OmegaConf.create(text or "{}"), source)
+        oversized = _oversized(OmegaConf.to_container(conf, resolve=False))
+        if oversized is not None:
+            raise source.error(oversized, f"interpolation ('${{...}}') chains more than {MAX_REFERENCE_HOPS} "
+                                          f"references or expands to more than {MAX_EXPANDED} characters")
         data = OmegaConf.to_container(conf, resolve=True)
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or ""
-        field = tuple(key.split(".")) if key else ()
-        reason = str(exc).splitlines()[0]
-        raise source.error(field, reason) from None
+    except (OmegaConfBaseException, yaml.YAMLError) as exc:
+        raise _omegaconf_error(exc, source) from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of fields at the top")
+        raise ConfigError(f"{shown_path(path)}: expected a mapping of fields at the top")
+    _check_finite(data, source)
     return data, source
 
 
 def validate(model: type[M], data: dict[str, Any], source: Source) -> M:
-    """pydantic validation whose first error becomes a located ConfigError."""
+    """pydantic validation whose most telling error becomes a located ConfigError.
+
+    An unknown key is reported before the missing field it was probably meant to be."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        field = tuple(part for part in first["loc"] if not _is_union_tag(part))
-        raise source.error(field, _describe(first)) from None
+        errors = exc.errors(include_url=False)
+        first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+        field = _data_path(data, first["loc"])
+        blamed = first.get("ctx", {}).get("error")
+        if isinstance(blamed, FieldValueError):
+            field += (blamed.field,)
+        message = _unknown(model, field) if first["type"] == "extra_forbidden" else _describe(first)
+        raise source.error(field, message) from None
 
 
 def _is_union_tag(part: Any) -> bool:
     # pydantic puts the chosen member's name in locations of tagged unions
     return isinstance(part, str) and (part[:1].isupper() or part.startswith("function-"))
+
+
+def _data_path(data: Any, loc: tuple) -> FieldPath:
+    """pydantic's location as a path in the data: union member names dropped, user keys (`env.FOO`) kept."""
+    out: list[Any] = []
+    node = data
+    for part in loc:
+        if isinstance(node, dict) and part in node or (
+                isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)):
+            out.append(part)
+            node = node[part]
+        elif not _is_union_tag(part):
+            out.append(part)
+            node = None
+    return tuple(out)
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation (`Optional[Model]`, `list[Model]`), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_of(arg)
+        if found:
+            return found
+    return None
+
+
+def _unknown(model: type[BaseModel], field: FieldPath) -> str:
+    """`unknown field; did you mean 'trainer'?` with the closest name the schema has at that place."""
+    current: type[BaseModel] | None = model
+    for part in field[:-1]:
+        if isinstance(part, int):
+            continue
+        info = current.model_fields.get(part) if current else None
+        current = _model_of(info.annotation) if info else None
+    names = list(current.model_fields) if current else []
+    close = difflib.get_close_matches(str(field[-1]), names, n=1, cutoff=0.5) if field else []
+    if close:
+        return f"unknown field; did you mean {close[0]!r}?"
+    return "unknown field (check the spelling; docs/reference.md lists every field)"
 
 
 _PATTERN_MEANING = {
@@ -145,18 +494,18 @@ def _describe(error: dict[str, Any]) -> str:
     if kind == "string_pattern_mismatch":
         pattern = error.get("ctx", {}).get("pattern", "")
         meaning = _PATTERN_MEANING.get(pattern, f"must match {pattern}")
-        return f"{meaning} (got {error['input']!r})"
+        return f"{meaning} (got {shown(error['input'])})"
     if kind == "missing":
         return "required field is missing"
-    if kind == "extra_forbidden":
-        return "unknown field (check the spelling; see docs/topology.md)"
     message = error["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, "):]
     if "input" in error and kind not in ("model_type", "dict_type"):
-        shown = error["input"]
-        if not isinstance(shown, (dict, list)):
-            message += f" (got {shown!r})"
+        shown_input = error["input"]
+        if not isinstance(shown_input, (dict, list)) and shown(shown_input) not in message:
+            message += f" (got {shown(shown_input)})"
+        if isinstance(shown_input, bool) and kind != "bool_type":
+            message += "; YAML reads yes/no/on/off/true/false as booleans: write the value you mean"
     return message
 
 

@@ -7,44 +7,67 @@ tests/test_docs.py fails when docs/reference.md is out of date.
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
+import types
 import typing
 from typing import Any
 
 from pydantic import BaseModel
 
 from prl.config.cluster import ClusterProfile
+from prl.config.loader import _model_of
 from prl.config.topology import Topology
 
 
-def _model_of(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _model_of(arg)
-        if found:
-            return found
-    return None
-
-
 def _type_name(annotation: Any) -> str:
-    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
-    text = text or str(annotation).replace("typing.", "")
-    for noise in ("prl.config.topology.", "prl.config.cluster.", "NoneType"):
-        text = text.replace(noise, "None" if noise == "NoneType" else "")
-    return text
+    """A type as a reader says it: `int or None`, `list of str`, "one of `mask`, `clip`"."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _type_name(args[0])
+    if origin in (typing.Union, types.UnionType):
+        names = [_type_name(arg) for arg in args if arg is not type(None)]
+        return " or ".join(names + (["None"] if type(None) in args else []))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(f"`{value}`" for value in args)
+    if origin is list:
+        return f"list of {_type_name(args[0])}"
+    if origin is dict:
+        return f"mapping of {_type_name(args[0])} to {_type_name(args[1])}"
+    if annotation is typing.Any:
+        return "any value"
+    if annotation is type(None):
+        return "None"
+    return annotation.__name__ if isinstance(annotation, type) else str(annotation)
+
+
+def _field_docs(model: type[BaseModel]) -> dict[str, str]:
+    """The docstring under each field, read from the source (the models skip this at import, for speed)."""
+    docs: dict[str, str] = {}
+    for cls in reversed([c for c in model.__mro__ if issubclass(c, BaseModel) and c is not BaseModel]):
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+        for field, doc in zip(body, body[1:]):
+            if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+                    and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                    and isinstance(doc.value.value, str)):
+                docs[field.target.id] = inspect.cleandoc(doc.value.value)
+    return docs
 
 
 def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     rows = []
     nested = []
+    docs = _field_docs(model)
     for name, field in model.model_fields.items():
         path = f"{prefix}{name}"
         sub = _model_of(field.annotation)
         default = "required" if field.is_required() else ("see below" if sub and field.default is not None
                                                           else repr(field.default))
         kind = sub.__name__ if sub else _type_name(field.annotation)
-        doc = (field.description or (sub.__doc__ or "").strip().splitlines()[0] if sub and sub.__doc__ else
-               field.description or "").replace("\n", " ").replace("|", "\\|")
+        described = field.description or docs.get(name)
+        doc = (described or (sub.__doc__ or "").strip().splitlines()[0] if sub and sub.__doc__ else
+               described or "").replace("\n", " ").replace("|", "\\|")
         doc = " ".join(doc.split())
         rows.append(f"| `{path}` | {kind.replace('|', ' or ')} | {default.replace('|', ' or ')} | {doc} |")
         if sub:

@@ -1,58 +1,71 @@
 """The topology schema (`configs/*.yaml`): what the user asks for, checked, nothing derived.
 
 `prl.planner.plan.make_plan` turns a Topology and a ClusterProfile into a Plan. Every
-field is documented right under it; docs/topology.md is the guide.
+field is documented right under it; docs/reference.md lists them all. Counts carry upper
+bounds so that a typo (10**12 nodes) stops here, at its line, rather than in the planner.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional, Sequence
+import re
+from typing import Annotated, Any, Literal, Optional, Sequence
 
 from pydantic import Field, field_validator, model_validator
 
-from prl.config.cluster import Strict, Token, check_env_names, check_time, minutes_as_text
-from prl.config.loader import Source, load
+from prl.config.cluster import (MAX_CPUS, MAX_GB, MAX_GPUS_PER_NODE, MAX_ITEMS, MAX_NODES, Env, Strict, Text,
+                                Token, check_env_names, check_time, minutes_as_text)
+from prl.config.loader import FieldValueError, Source, load, shown
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+MAX_DEGREE = 4096
+"""Largest tp, dp, cp, ep or dp_replicate."""
+MAX_TOKENS = 1 << 24
+MAX_COUNT = 1_000_000_000
+"""Largest step, example or rollout count."""
+MAX_SECONDS = 10_000_000.0
+_DIRECTIVE = re.compile(r"^--[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.,:/@%+=\[\]-]+)?$")
+
+Args = Annotated[list[Text], Field(max_length=MAX_ITEMS)]
+"""Command-line arguments, one per item."""
 
 
 class Model(Strict):
-    path: str = Field(min_length=1)
+    path: Text = Field(min_length=1)
     """Local directory of a Hugging Face model, or a hub id the nodes have cached."""
-    tokenizer: Optional[str] = None
+    tokenizer: Optional[Text] = None
     """Tokenizer directory or id when it differs from `path`."""
     dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
     """Weights dtype for inference and published weights."""
-    max_model_len: int = Field(default=4096, ge=16)
+    max_model_len: int = Field(default=4096, ge=16, le=MAX_TOKENS)
     """Longest prompt + completion, in tokens."""
 
 
 class InferenceGroup(Strict):
     """Nodes that run identical vLLM replicas."""
 
-    nodes: int = Field(ge=1)
+    nodes: int = Field(ge=1, le=MAX_NODES)
     """Nodes in this group."""
-    tp: int = Field(default=1, ge=1)
+    tp: int = Field(default=1, ge=1, le=MAX_DEGREE)
     """Tensor-parallel size of one engine (GPUs of one node)."""
-    dp: int = Field(default=1, ge=1)
+    dp: int = Field(default=1, ge=1, le=MAX_DEGREE)
     """Data-parallel ranks in one replica (one server); with `expert_parallel`, MoE experts spread over tp*dp GPUs."""
     expert_parallel: bool = False
     """vLLM `--enable-expert-parallel` for MoE models."""
     gpu_memory_utilization: Optional[float] = Field(default=None, gt=0, le=1)
     """vLLM `--gpu-memory-utilization` (None: vLLM's default)."""
-    extra_args: list[str] = []
+    extra_args: Args = []
     """More `vllm serve` arguments, passed as given (each list item is one argument)."""
-    env: dict[str, str] = {}
+    env: Env = {}
     """Variables for this group's servers."""
 
     _names = field_validator("env")(check_env_names)
 
 
 class KVConnector(Strict):
-    name: str = Field(default="NixlConnector", pattern=r"^[A-Za-z0-9_.]+$")
+    name: str = Field(default="NixlConnector", max_length=256, pattern=r"^[A-Za-z0-9_.]+$")
     """vLLM KV connector class (`NixlConnector` on GPU clusters, `ExampleConnector` for the storage-based CPU test)."""
-    extra_config: dict[str, Any] = {}
+    extra_config: dict[str, Any] = Field(default={}, max_length=MAX_ITEMS)
     """`kv_connector_extra_config` passed to both sides."""
 
 
@@ -64,11 +77,11 @@ class Router(Strict):
 class KVOffload(Strict):
     backend: Literal["none", "native", "lmcache"] = "none"
     """KV-cache offload: off, vLLM's native CPU offload, or LMCache."""
-    cpu_gb: float = Field(default=0, ge=0)
+    cpu_gb: float = Field(default=0, ge=0, le=MAX_GB)
     """CPU memory per replica for offloaded KV blocks, in GiB."""
-    disk_path: Optional[str] = None
+    disk_path: Optional[Text] = None
     """LMCache only: a local disk tier directory."""
-    disk_gb: float = Field(default=0, ge=0)
+    disk_gb: float = Field(default=0, ge=0, le=MAX_GB)
     """LMCache only: size of the disk tier, in GiB."""
 
     @model_validator(mode="after")
@@ -85,19 +98,19 @@ class KVOffload(Strict):
 class Inference(Strict):
     """Either one unified group (`nodes`, `tp`, ...) or a `prefill` and a `decode` group."""
 
-    nodes: Optional[int] = Field(default=None, ge=1)
+    nodes: Optional[int] = Field(default=None, ge=1, le=MAX_NODES)
     """Unified: nodes serving both prefill and decode."""
-    tp: int = Field(default=1, ge=1)
+    tp: int = Field(default=1, ge=1, le=MAX_DEGREE)
     """Unified: tensor-parallel size."""
-    dp: int = Field(default=1, ge=1)
+    dp: int = Field(default=1, ge=1, le=MAX_DEGREE)
     """Unified: data-parallel ranks per replica."""
     expert_parallel: bool = False
     """Unified: vLLM expert parallelism."""
     gpu_memory_utilization: Optional[float] = Field(default=None, gt=0, le=1)
     """Unified: vLLM `--gpu-memory-utilization`."""
-    extra_args: list[str] = []
+    extra_args: Args = []
     """Unified: more `vllm serve` arguments."""
-    env: dict[str, str] = {}
+    env: Env = {}
     """Unified: variables for the servers."""
     prefill: Optional[InferenceGroup] = None
     """Disaggregated: the prefill group."""
@@ -121,6 +134,10 @@ class Inference(Strict):
             raise ValueError("disaggregated inference needs both prefill and decode groups")
         if not split and self.nodes is None:
             raise ValueError("give nodes (unified inference) or prefill + decode groups")
+        stray = [name for name in _UNIFIED if name in self.model_fields_set] if split else []
+        if stray:
+            raise FieldValueError(stray[0], f"{stray[0]} is a field of unified inference and would be ignored "
+                                            f"beside prefill and decode; set it inside each group")
         return self
 
     @property
@@ -139,24 +156,27 @@ class Inference(Strict):
         return {"inference": unified}
 
 
+_UNIFIED = ("tp", "dp", "expert_parallel", "gpu_memory_utilization", "extra_args", "env")
+
+
 class Trainer(Strict):
-    nodes: int = Field(ge=1)
+    nodes: int = Field(ge=1, le=MAX_NODES)
     """Nodes of the trainer."""
-    gpus_per_node: Optional[int] = Field(default=None, ge=1)
+    gpus_per_node: Optional[int] = Field(default=None, ge=1, le=MAX_GPUS_PER_NODE)
     """GPUs used per node (None: all of the cluster's)."""
-    dp_replicate: int = Field(default=1, ge=1)
+    dp_replicate: int = Field(default=1, ge=1, le=MAX_DEGREE)
     """HSDP replicas (full copies of the sharded model)."""
-    dp_shard: int = Field(default=-1)
+    dp_shard: int = Field(default=-1, le=MAX_NODES * MAX_GPUS_PER_NODE)
     """FSDP shard degree; -1 fills what the other degrees leave."""
-    cp: int = Field(default=1, ge=1)
+    cp: int = Field(default=1, ge=1, le=MAX_DEGREE)
     """Context-parallel degree."""
-    ep: int = Field(default=1, ge=1)
+    ep: int = Field(default=1, ge=1, le=MAX_DEGREE)
     """Expert-parallel degree (MoE), carved out of dp_shard * cp as in torchtitan."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     precision: Literal["bf16", "fp32"] = "bf16"
     """Parameter/compute dtype of the FSDP mixed-precision policy (reduction in fp32)."""
-    env: dict[str, str] = {}
+    env: Env = {}
     """Variables for the trainer."""
 
     _names = field_validator("env")(check_env_names)
@@ -172,27 +192,27 @@ class Trainer(Strict):
 class Orchestrator(Strict):
     placement: Literal["own", "trainer", "inference"] = "own"
     """`own`: a CPU node group of its own; `trainer`/`inference`: share the first node of that group."""
-    cpus: Optional[int] = Field(default=None, ge=1)
+    cpus: Optional[int] = Field(default=None, ge=1, le=MAX_CPUS)
     """CPU cores for the orchestrator (None: a whole node when `own`, 4 when shared)."""
-    env: dict[str, str] = {}
+    env: Env = {}
     """Variables for the orchestrator."""
 
     _names = field_validator("env")(check_env_names)
 
 
 class EvalSettings(Strict):
-    every: int = Field(default=0, ge=0)
+    every: int = Field(default=0, ge=0, le=MAX_COUNT)
     """Evaluate every N steps on the eval split (0: never)."""
-    examples: int = Field(default=64, ge=1)
+    examples: int = Field(default=64, ge=1, le=MAX_COUNT)
     """Examples per evaluation."""
 
 
 class Environment(Strict):
-    id: str = Field(min_length=1)
+    id: Text = Field(min_length=1)
     """verifiers taskset id (an installed module) or a module path."""
-    args: dict[str, Any] = {}
+    args: dict[str, Any] = Field(default={}, max_length=MAX_ITEMS)
     """Arguments for the taskset."""
-    harness: str = "prl"
+    harness: Text = Field(default="prl", min_length=1)
     """verifiers harness id."""
     eval: EvalSettings = EvalSettings()
 
@@ -224,39 +244,43 @@ class Advantage(Strict):
 
 
 class Training(Strict):
-    batch_size: int = Field(ge=1)
+    batch_size: int = Field(ge=1, le=MAX_COUNT)
     """Rollouts per training step (all ranks together)."""
-    rollouts_per_example: int = Field(default=8, ge=1)
+    rollouts_per_example: int = Field(default=8, ge=1, le=MAX_COUNT)
     """Rollouts per prompt; advantages are relative within these groups."""
-    micro_batch_tokens: int = Field(default=8192, ge=16)
+    micro_batch_tokens: int = Field(default=8192, ge=16, le=MAX_COUNT)
     """Most tokens in one packed micro-batch."""
-    max_off_policy_steps: int = Field(default=2, ge=0)
+    max_off_policy_steps: int = Field(default=2, ge=0, le=MAX_COUNT)
     """Rollouts for step N come from weights no older than step N-1-k (0: synchronous, on-policy)."""
     lr: float = Field(default=1e-6, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
-    max_steps: int = Field(ge=1)
-    seed: int = 0
-    checkpoint_interval: int = Field(default=50, ge=0)
+    max_steps: int = Field(ge=1, le=MAX_COUNT)
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)
+    """Seed of every random generator (NumPy takes at most 2**32 - 1)."""
+    checkpoint_interval: int = Field(default=50, ge=0, le=MAX_COUNT)
     """Steps between checkpoints (0: never)."""
-    checkpoint_keep: int = Field(default=2, ge=1)
+    checkpoint_keep: int = Field(default=2, ge=1, le=MAX_ITEMS)
     """Checkpoints kept on disk."""
-    max_tokens: int = Field(default=1024, ge=1)
+    max_tokens: int = Field(default=1024, ge=1, le=MAX_TOKENS)
     """Most tokens generated per rollout turn."""
     temperature: float = Field(default=1.0, ge=0)
     loss: Loss = Loss()
     advantage: Advantage = Advantage()
-    max_concurrent_rollouts: int = Field(default=256, ge=1)
+    router_aux_loss_coef: float = Field(default=0.0, ge=0)
+    """MoE only: weight of the router's load-balancing loss (transformers' `load_balancing_loss_func`; 0: off,
+    the RL loss alone trains the router)."""
+    max_concurrent_rollouts: int = Field(default=256, ge=1, le=MAX_COUNT)
     """Rollouts in flight at once, over all inference servers."""
-    rollout_retries: int = Field(default=3, ge=0)
+    rollout_retries: int = Field(default=3, ge=0, le=MAX_ITEMS)
     """Extra attempts for a rollout that failed on a transient HTTP error (on another server if any)."""
-    weight_update_retries: int = Field(default=5, ge=1)
+    weight_update_retries: int = Field(default=5, ge=1, le=MAX_ITEMS)
     """Attempts to make a server load a weights step before the orchestrator fails."""
-    weights_timeout_s: float = Field(default=3600.0, gt=0)
+    weights_timeout_s: float = Field(default=3600.0, gt=0, le=MAX_SECONDS)
     """Longest the orchestrator waits for the weights a step needs."""
-    endpoint_timeout_s: float = Field(default=600.0, gt=0)
+    endpoint_timeout_s: float = Field(default=600.0, gt=0, le=MAX_SECONDS)
     """Longest the orchestrator waits for the inference servers at start."""
-    rollout_timeout_s: float = Field(default=3600.0, gt=0)
+    rollout_timeout_s: float = Field(default=3600.0, gt=0, le=MAX_SECONDS)
     """Longest the trainer waits for a step's rollouts."""
 
 
@@ -267,9 +291,9 @@ class Slurm(Strict):
     reservation: Optional[Token] = None
     account: Optional[Token] = None
     """Overrides the profile's account."""
-    job_name: Optional[str] = Field(default=None, pattern=NAME)
+    job_name: Optional[str] = Field(default=None, max_length=128, pattern=NAME)
     """Job name (None: the topology name)."""
-    extra_directives: list[str] = []
+    extra_directives: list[Text] = Field(default=[], max_length=MAX_ITEMS)
     """More `#SBATCH` options for every het component, e.g. `--mail-type=END` (one option per item)."""
 
     _time_in = field_validator("time", mode="before")(minutes_as_text)
@@ -279,17 +303,18 @@ class Slurm(Strict):
     @classmethod
     def _directives(cls, items: list[str]) -> list[str]:
         for item in items:
-            if not item.startswith("--") or any(c.isspace() for c in item):
-                raise ValueError(f"each extra directive is one long option like --mail-type=END, not {item!r}")
+            if not _DIRECTIVE.match(item):
+                raise ValueError(f"each extra directive is one long option like --mail-type=END: --name or "
+                                 f"--name=value of letters, digits and _.,:/@%+=[]- only, not {shown(item)}")
         return items
 
 
 class Topology(Strict):
-    name: str = Field(pattern=NAME)
+    name: str = Field(max_length=128, pattern=NAME)
     """Run name: letters, digits, '.', '_', '-'."""
-    cluster: str = Field(min_length=1)
+    cluster: Text = Field(min_length=1)
     """Cluster profile: a name in clusters/ or a path to a profile file."""
-    run_dir: Optional[str] = None
+    run_dir: Optional[Text] = None
     """Run directory on the shared filesystem (None: SHARED_ROOT/prl-runs/NAME)."""
     model: Model
     inference: Inference
@@ -298,6 +323,18 @@ class Topology(Strict):
     environment: Environment
     training: Training
     slurm: Slurm = Slurm()
+
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir(cls, value: Optional[str]) -> Optional[str]:
+        if value is None:
+            return value
+        parts = value.split("/")
+        if ".." in parts:
+            raise ValueError(f"run_dir must not contain '..' components (got {shown(value)})")
+        if all(part in ("", ".") for part in parts):
+            raise ValueError(f"run_dir must name a directory of its own, not {shown(value)}")
+        return value
 
 
 def load_topology(path: Path, overrides: Sequence[str] = ()) -> tuple[Topology, Source]:

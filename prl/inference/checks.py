@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prl.run.rundir import RunDir, is_stable
-
-_STEP_NAME = re.compile(r"^step_(\d+)$")
+from prl.run.rundir import RunDir, is_stable, step_of
 
 
 class UpdateRefused(Exception):
@@ -46,11 +43,6 @@ class WeightsTarget:
     """Policy version, from the directory name step_N (None for another name)."""
 
 
-def weights_root(run: RunDir) -> Path:
-    """RUN/weights, resolved (the run dir itself may sit behind a symlink)."""
-    return Path(os.path.realpath(run.root / "weights"))
-
-
 def _inside(path: Path, root: Path) -> bool:
     return path != root and os.path.commonpath([str(path), str(root)]) == str(root)
 
@@ -59,7 +51,7 @@ def resolve_weights_dir(run: RunDir, body: Any) -> WeightsTarget:
     """The directory a `POST /prl/weights` body names, or `UpdateRefused` (400/403/409)."""
     if not isinstance(body, dict) or ("step" in body) == ("path" in body):
         raise UpdateRefused(400, 'body must be a JSON object with exactly one of "step" (int) or "path" (str)')
-    root = weights_root(run)
+    root = run.weights_root()
     if "step" in body:
         step = body["step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
@@ -82,8 +74,7 @@ def resolve_weights_dir(run: RunDir, body: Any) -> WeightsTarget:
     for f in weight_files(real):
         if not _inside(Path(os.path.realpath(f)), root):
             raise UpdateRefused(403, f"refused: weight file {f} links outside {root}")
-    m = _STEP_NAME.match(real.name)
-    return WeightsTarget(real, int(m.group(1)) if m else None)
+    return WeightsTarget(real, step_of(real))
 
 
 def weight_files(path: str | Path) -> list[Path]:

@@ -19,19 +19,19 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
-import logging
 import os
 import signal
 import sys
 from pathlib import Path
 
+from prl.log import get_logger, init_logging
 from prl.run.rundir import RunDir
 
 WORKER_EXTENSION = "prl.inference.worker.WeightUpdater"
 OPEN_PATHS = ("/health",)
 """Paths served without the API key (the launcher's readiness probe)."""
 
-log = logging.getLogger("prl.inference")
+log = get_logger("prl.inference")
 
 
 def split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -190,8 +190,5 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(rest)
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("(prl) %(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
-    logging.getLogger("prl").addHandler(handler)
-    logging.getLogger("prl").setLevel(logging.INFO)
+    init_logging("inference")
     uvloop.run(serve(ours, args))

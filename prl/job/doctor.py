@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from prl.planner.model import Plan
 from prl.run.rundir import RunDir
 
 ROLE_PACKAGES = {
@@ -44,7 +45,7 @@ class Check:
 
 
 def _run_dir(run: RunDir) -> list[Check]:
-    probe = run.state_dir / "preflight" / f".probe-{socket.gethostname()}-{os.getpid()}"
+    probe = run.probe_file()
     try:
         probe.parent.mkdir(parents=True, exist_ok=True)
         probe.write_text(socket.gethostname())
@@ -72,9 +73,8 @@ def visible_gpus() -> int | None:
     return None
 
 
-def _gpus(plan: dict[str, Any], role: str) -> list[Check]:
-    step = next((s for s in plan["steps"] if s["name"] == role), None)
-    expected = step["gpus_per_node"] if step else 0
+def _gpus(plan: Plan, role: str) -> list[Check]:
+    expected = plan.step(role).gpus_per_node
     if expected == 0:
         return [Check("gpus", "ok", "this role uses no GPUs")]
     if os.environ.get("PRL_DEVICE") == "cpu":
@@ -86,18 +86,9 @@ def _gpus(plan: dict[str, Any], role: str) -> list[Check]:
     return [Check("gpus", "ok", f"{seen} GPUs visible, {expected} planned")]
 
 
-def task_ports(plan: dict[str, Any], role: str, task: int) -> list[int]:
-    ports = [s["port"] for s in plan["servers"] if s["role"] == role and s["task"] == task and s["port"]]
-    if role == "router" and plan.get("router_port"):
-        ports.append(plan["router_port"])
-    if role == "trainer" and task == 0:
-        ports.append(plan["trainer"]["master_port"])
-    return ports
-
-
-def _ports(plan: dict[str, Any], role: str, task: int) -> list[Check]:
+def _ports(plan: Plan, role: str, task: int) -> list[Check]:
     checks = []
-    for port in task_ports(plan, role, task):
+    for port in plan.task_ports(role, task):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             # As servers bind: a port in TIME_WAIT from an earlier run is free, a listening one is not.
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -111,10 +102,10 @@ def _ports(plan: dict[str, Any], role: str, task: int) -> list[Check]:
     return checks
 
 
-def _model(plan: dict[str, Any], role: str) -> list[Check]:
+def _model(plan: Plan, role: str) -> list[Check]:
     if role not in MODEL_ROLES:
         return []
-    path = plan["model"]["path"]
+    path = plan.settings().model.path
     local = path.startswith(("/", ".", "~")) or os.path.isdir(path)
     if not local:
         return [Check("model", "warn", f"{path!r} is not a local path: the nodes' hub cache must hold it")]
@@ -125,8 +116,8 @@ def _model(plan: dict[str, Any], role: str) -> list[Check]:
     return [Check("model", "ok", f"{path} has config.json")]
 
 
-def _interface(plan: dict[str, Any]) -> list[Check]:
-    name = plan["orchestrator"].get("interface")
+def _interface(plan: Plan) -> list[Check]:
+    name = plan.network_interface
     if not name:
         return []
     if not Path("/sys/class/net", name).exists():
@@ -154,7 +145,7 @@ def _packages(role: str, strict: bool) -> list[Check]:
     return checks
 
 
-def preflight(run: RunDir, plan: dict[str, Any], role: str, task: int, *, strict: bool) -> list[Check]:
+def preflight(run: RunDir, plan: Plan, role: str, task: int, *, strict: bool) -> list[Check]:
     """All checks for one task of one role. `strict`: the role will run for real (packages must import)."""
     return [*_run_dir(run), *_gpus(plan, role), *_ports(plan, role, task), *_model(plan, role),
             *_interface(plan), *_packages(role, strict)]

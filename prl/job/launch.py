@@ -25,7 +25,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from prl.run.rundir import RunDir, atomic_write_json, read_json
+from prl.log import get_logger, init_logging
+from prl.planner.model import Plan, Step
+from prl.run.rundir import RunDir, atomic_write_json, current_attempt, read_json
+from prl.states import JobState, LauncherStatus, RoleState
+
+log = get_logger(__name__)
 
 POLL_SECONDS = 0.5
 START_TIMEOUT = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
@@ -43,17 +48,17 @@ class Stopped(Exception):
 
 @dataclass
 class Running:
-    step: dict[str, Any]
+    step: Step
     procs: list[subprocess.Popen] = field(default_factory=list)
     exit_code: int | None = None
 
     @property
     def name(self) -> str:
-        return self.step["name"]
+        return self.step.name
 
     @property
     def tasks(self) -> int:
-        return self.step["nodes"] * self.step["ntasks_per_node"]
+        return self.step.tasks
 
     def poll(self) -> int | None:
         """None while any process runs; else the first non-zero exit code (or 0)."""
@@ -72,13 +77,14 @@ def _code(returncode: int) -> int:
 
 
 class Launcher:
-    def __init__(self, run: RunDir, plan: dict[str, Any], attempt: int, slurm: bool, mode: str):
+    def __init__(self, run: RunDir, plan: Plan, attempt: int, slurm: bool, mode: str):
         self.run, self.plan, self.attempt, self.slurm, self.mode = run, plan, attempt, slurm, mode
         self.running: dict[str, Running] = {}
         self.signum: int | None = None
         self.state: dict[str, Any] = {
             "attempt": attempt, "mode": mode, "job_id": os.environ.get("SLURM_JOB_ID"), "pid": os.getpid(),
-            "started": time.time(), "status": "starting", "steps": {}, "first_failure": None, "ended": None,
+            "started": time.time(), "status": LauncherStatus.STARTING, "steps": {}, "first_failure": None,
+            "ended": None,
         }
 
     # -- bookkeeping
@@ -89,30 +95,27 @@ class Launcher:
         self.state["steps"].setdefault(name, {}).update(fields)
         self.save()
 
-    def log(self, message: str) -> None:
-        print(f"[prl launcher {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
     # -- starting roles
-    def start(self, step: dict[str, Any]) -> None:
-        script = str(self.run.root / step["script"])
+    def start(self, step: Step) -> None:
+        script = str(self.run.path(step.script))
         env = {**os.environ, "PRL_ATTEMPT": str(self.attempt), "PRL_MODE": self.mode}
         running = Running(step)
-        (self.run.attempt_logs(self.attempt) / step["name"]).mkdir(parents=True, exist_ok=True)
+        self.run.role_logs_dir(self.attempt, step.name).mkdir(parents=True, exist_ok=True)
         if self.slurm:
-            argv = ["srun", *step["srun_args"], f"--output={self.run.task_log_pattern(self.attempt, step['name'])}",
+            argv = ["srun", *step.srun_args, f"--output={self.run.task_log_pattern(self.attempt, step.name)}",
                     "--open-mode=append", "bash", script]
             running.procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL))
         else:
             for task in range(running.tasks):
-                log = open(self.run.role_log(self.attempt, step["name"], task), "ab")
-                task_env = {**env, "PRL_TASK": str(task), "PRL_NODE": str(task // step["ntasks_per_node"])}
-                running.procs.append(subprocess.Popen(["bash", script], env=task_env, stdout=log,
+                output = open(self.run.role_log(self.attempt, step.name, task), "ab")
+                task_env = {**env, "PRL_TASK": str(task), "PRL_NODE": str(task // step.ntasks_per_node)}
+                running.procs.append(subprocess.Popen(["bash", script], env=task_env, stdout=output,
                                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                                       start_new_session=True))
-                log.close()
-        self.running[step["name"]] = running
-        self.log(f"started {step['name']} ({running.tasks} task(s))")
-        self.note_step(step["name"], started=time.time(), tasks=running.tasks, status="running")
+                output.close()
+        self.running[step.name] = running
+        log.info(f"started {step.name} ({running.tasks} task(s))")
+        self.note_step(step.name, started=time.time(), tasks=running.tasks, status=RoleState.RUNNING)
 
     def ready(self, name: str) -> bool:
         running = self.running[name]
@@ -130,14 +133,15 @@ class Launcher:
             if code is None:
                 continue
             running.exit_code = code
-            self.note_step(name, exit_code=code, ended=time.time(), status="exited" if code == 0 else "failed")
+            self.note_step(name, exit_code=code, ended=time.time(),
+                           status=RoleState.EXITED if code == 0 else RoleState.FAILED)
             if code != 0:
                 code, task = self.first_task_failure(name, running.tasks, code)
                 running.exit_code = code
                 self.note_step(name, exit_code=code)
                 where = f"task {task} " if task is not None else ""
                 raise RoleFailed(name, code, f"{where}exited with code {code}")
-            self.log(f"{name} exited 0")
+            log.info(f"{name} exited 0")
 
     def first_task_failure(self, name: str, tasks: int, fallback: int) -> tuple[int, int | None]:
         """The exit code of the task that failed first: srun reports the step's worst, often a
@@ -168,7 +172,7 @@ class Launcher:
             time.sleep(POLL_SECONDS)
 
     def wait_done(self) -> None:
-        last = self.plan["steps"][-1]["name"]
+        last = self.plan.steps[-1].name
         while True:
             self.check()
             if self.running[last].exit_code == 0 or all(r.exit_code == 0 for r in self.running.values()):
@@ -184,7 +188,7 @@ class Launcher:
         """
         alive = [p for r in self.running.values() for p in r.procs if p.poll() is None]
         atomic_write_json(self.run.stop_request, {"attempt": self.attempt, "signal": signum, "time": time.time()})
-        deadline = time.monotonic() + float(self.plan["grace_seconds"])
+        deadline = time.monotonic() + float(self.plan.grace_seconds)
         while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
             time.sleep(0.2)
         for p in alive:
@@ -205,7 +209,7 @@ class Launcher:
             if running.exit_code is None:
                 code = running.poll()
                 running.exit_code = code
-                self.state["steps"][name].update(exit_code=code, ended=time.time(), status="stopped")
+                self.state["steps"][name].update(exit_code=code, ended=time.time(), status=RoleState.STOPPED)
         self.save()
 
     def _signal(self, proc: subprocess.Popen, signum: int) -> None:
@@ -217,47 +221,47 @@ class Launcher:
         except ProcessLookupError:
             pass
 
-    def finish(self, status: str, code: int) -> int:
+    def finish(self, status: LauncherStatus, code: int) -> int:
         self.state.update(status=status, ended=time.time(), exit_code=code)
         self.save()
-        self.log(f"job {status} (exit {code})")
+        (log.info if status == LauncherStatus.COMPLETED else log.warning)(f"job {status} (exit {code})")
         return code
 
     # -- the job
     def main(self) -> int:
         self.save()
         try:
-            for step in self.plan["steps"]:
-                self.wait_ready(step["start_after"])
+            for step in self.plan.steps:
+                self.wait_ready(step.start_after)
                 self.start(step)
-            self.state["status"] = "running"
+            self.state["status"] = LauncherStatus.RUNNING
             self.save()
             self.wait_done()
         except RoleFailed as failure:
             self.state["first_failure"] = {"role": failure.role, "exit_code": failure.code,
                                            "reason": failure.reason, "time": time.time()}
-            self.log(f"{failure.role} failed ({failure.reason}); stopping the other roles")
+            log.error(f"{failure.role} failed ({failure.reason}); stopping the other roles")
             self.stop_all()
-            return self.finish("failed", failure.code or 1)
+            return self.finish(LauncherStatus.FAILED, failure.code or 1)
         except Stopped:
             return self.stopped()
         self.stop_all()
-        return self.finish("completed", 0)
+        return self.finish(LauncherStatus.COMPLETED, 0)
 
     def stopped(self) -> int:
         signum = self.signum or signal.SIGTERM
         # Recorded first: on scancel Slurm may kill this process before the roles are down.
-        self.state.update(status="stopping", stop_signal=signum, stop_time=time.time())
+        self.state.update(status=LauncherStatus.STOPPING, stop_signal=signum, stop_time=time.time())
         self.save()
         warning = self.slurm and _time_limit_warning()
-        self.log(f"signal {signum}{' (time-limit warning)' if warning else ''}: stopping every role")
+        log.warning(f"signal {signum}{' (time-limit warning)' if warning else ''}: stopping every role")
         self.stop_all(signum)
-        if warning and self.plan.get("requeue"):
+        if warning and self.plan.requeue:
             from prl.ops import slurm
 
             slurm.scontrol_requeue(os.environ["SLURM_JOB_ID"])
-            return self.finish("requeued", 0)
-        return self.finish("stopped", 128 + signum)
+            return self.finish(LauncherStatus.REQUEUED, 0)
+        return self.finish(LauncherStatus.STOPPED, 128 + signum)
 
 
 def _time_limit_warning() -> bool:
@@ -268,33 +272,26 @@ def _time_limit_warning() -> bool:
         rows = slurm.squeue_jobs([os.environ["SLURM_JOB_ID"]])
     except Exception:  # noqa: BLE001 - deliberate: if Slurm can't say, treat it as a plain stop
         return False
-    return bool(rows) and all(r.state == "RUNNING" for r in rows.values())
-
-
-def attempt_number(slurm: bool) -> int:
-    """1 for a run's first attempt; one more per requeue and per resubmission."""
-    if slurm:
-        # Attempts continue across `prl submit --resume`: the submission passes how many came before.
-        base = int(os.environ.get("PRL_ATTEMPT_BASE") or 0)
-        return base + int(os.environ.get("SLURM_RESTART_COUNT") or 0) + 1
-    return int(os.environ.get("PRL_ATTEMPT") or 1)
+    return bool(rows) and all(r.state == JobState.RUNNING for r in rows.values())
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m prl.job.launch")
     parser.add_argument("--run-dir", required=True)
     args = parser.parse_args(argv)
+    init_logging("launcher")
     run = RunDir(args.run_dir)
-    plan = run.read_plan()
-    slurm = bool(plan["slurm"]) and "SLURM_JOB_ID" in os.environ
-    attempt = attempt_number(slurm)
+    plan = Plan.read(run)
+    slurm = plan.slurm and "SLURM_JOB_ID" in os.environ
+    # Under Slurm the attempt follows the requeue count; a PRL_ATTEMPT exported from the submitting shell is stale.
+    attempt = current_attempt({k: v for k, v in os.environ.items() if k != "PRL_ATTEMPT"} if slurm else None)
     run.create()
     run.link_latest_logs(attempt)
     run.reset_attempt_state()
-    for step in plan["steps"]:
-        state = run.read_state(step["name"])
-        if state and state.get("status") == "running" and int(state.get("attempt", 0)) < attempt:
-            run.write_state(step["name"], status="interrupted")
+    for step in plan.steps:
+        state = run.read_state(step.name)
+        if state and state.get("status") == RoleState.RUNNING and int(state.get("attempt", 0)) < attempt:
+            run.write_state(step.name, status=RoleState.INTERRUPTED)
     launcher = Launcher(run, plan, attempt, slurm, os.environ.get("PRL_MODE", "run"))
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -302,8 +299,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    launcher.log(f"attempt {attempt} of {plan['name']} in {run.root} ({'slurm' if slurm else 'local'}, "
-                 f"mode {launcher.mode})")
+    log.info(f"attempt {attempt} of {plan.name} in {run.root} ({'slurm' if slurm else 'local'}, mode {launcher.mode})")
     return launcher.main()
 
 

@@ -22,8 +22,12 @@ import time
 from typing import Any
 
 from prl.job import doctor
-from prl.job.runtimes import run_role, say
-from prl.run.rundir import RunDir, atomic_write_json
+from prl.job.runtimes import run_role
+from prl.log import get_logger, init_logging
+from prl.planner.model import Plan
+from prl.run.rundir import RunDir, atomic_write_json, current_attempt
+
+log = get_logger(__name__)
 
 HEARTBEAT_SECONDS = 5.0
 
@@ -65,11 +69,11 @@ def _hold(run: RunDir, role: str, task: int, seconds: float, stop: _Stop) -> int
         if time.monotonic() >= next_beat:
             if task == 0:
                 run.heartbeat(role)
-            say(role, task, f"holding the allocation, {deadline - time.monotonic():.0f} s left")
+            log.info(f"holding the allocation, {deadline - time.monotonic():.0f} s left")
             next_beat = time.monotonic() + HEARTBEAT_SECONDS
         time.sleep(0.1)
     if stop.signum is not None:
-        say(role, task, f"stopped by signal {stop.signum}")
+        log.info(f"stopped by signal {stop.signum}")
         return 128 + stop.signum
     return 0
 
@@ -79,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("role")
     parser.add_argument("--run-dir", required=True)
     args = parser.parse_args(argv)
+    init_logging(args.role, task_index())
     run = RunDir(args.run_dir)
     code = run_task(run, args.role)
     atomic_write_json(run.task_exit(args.role, task_index()), {"exit_code": code, "time": time.time(),
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_task(run: RunDir, role: str) -> int:
-    plan = run.read_plan()
+    plan = Plan.read(run)
     task = task_index()
     mode = os.environ.get("PRL_MODE", "run")
     stop = _Stop()
@@ -95,18 +100,20 @@ def run_task(run: RunDir, role: str) -> int:
     signal.signal(signal.SIGINT, stop)
     stop.watch(run)
     node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
-    say(role, task, f"{mode} on {node} (attempt {os.environ.get('PRL_ATTEMPT', '1')}, pid {os.getpid()})")
+    attempt = current_attempt()
+    log.info(f"{mode} on {node} (attempt {attempt}, pid {os.getpid()})")
 
     checks = doctor.preflight(run, plan, role, task, strict=mode == "run")
     atomic_write_json(run.preflight_report(role, task), doctor.report(checks))
-    print(doctor.format_checks(checks), flush=True)
+    for line in doctor.format_checks(checks).splitlines():
+        log.info(line)
     bad = doctor.failed(checks)
     if task == 0 and (mode == "preflight" or bad):
         # In a real run the role's runtime claims the role itself (its pid holds it).
-        run.claim(role, int(os.environ.get("PRL_ATTEMPT", "1")))
+        run.claim(role, attempt)
     if bad:
         message = "; ".join(c.detail for c in bad)
-        say(role, task, f"preflight failed: {message}")
+        log.error(f"preflight failed: {message}")
         if task == 0:
             run.mark_exit(role, 1, error=f"preflight: {message}")
         return 1

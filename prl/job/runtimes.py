@@ -24,19 +24,20 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable
 
+from prl.log import get_logger
+from prl.planner.model import Plan
 from prl.run.rundir import RunDir, atomic_write_json
+from prl.states import RoleState
+
+log = get_logger(__name__)
 
 START_TIMEOUT = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
 ENDPOINT_WAIT_SECONDS = START_TIMEOUT
 
 
-def say(role: str, task: int, message: str) -> None:
-    print(f"[prl {role}.{task} {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def node_address(plan: dict[str, Any]) -> str:
+def node_address(plan: Plan) -> str:
     """This node's address as other nodes reach it (the profile's interface when it names one)."""
-    iface = plan["orchestrator"].get("interface")
+    iface = plan.network_interface
     if iface:
         import fcntl
         import struct
@@ -44,7 +45,7 @@ def node_address(plan: dict[str, Any]) -> str:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface[:15].encode()))  # SIOCGIFADDR
             return socket.inet_ntoa(packed[20:24])
-    if not plan["slurm"]:
+    if not plan.slurm:
         return "127.0.0.1"
     return socket.gethostbyname(socket.gethostname())
 
@@ -67,10 +68,10 @@ def wait_endpoint(run: RunDir, role: str, index: int, stopped: Callable[[], bool
     return json.loads(path.read_text())
 
 
-def supervise(role: str, task: int, argv: list[str], env: dict[str, str], stop: Any,
-              ready: Callable[[], bool], on_ready: Callable[[], None]) -> int:
+def supervise(argv: list[str], env: dict[str, str], stop: Any, ready: Callable[[], bool],
+              on_ready: Callable[[], None]) -> int:
     """Run the child; call on_ready once `ready()` holds; pass signals on; return its exit code."""
-    say(role, task, " ".join(argv))
+    log.info(" ".join(argv))
     proc = subprocess.Popen(argv, env=env)
     announced = False
     deadline = time.monotonic() + START_TIMEOUT
@@ -82,9 +83,9 @@ def supervise(role: str, task: int, argv: list[str], env: dict[str, str], stop: 
             if ready():
                 on_ready()
                 announced = True
-                say(role, task, "ready")
+                log.info("ready")
             elif time.monotonic() > deadline:
-                say(role, task, f"not healthy after {START_TIMEOUT:.0f} s; stopping it")
+                log.error(f"not healthy after {START_TIMEOUT:.0f} s; stopping it")
                 proc.terminate()
         time.sleep(0.5)
     code = proc.returncode
@@ -95,40 +96,40 @@ def _ready_marker(run: RunDir, role: str, task: int) -> Callable[[], None]:
     return lambda: atomic_write_json(run.task_ready(role, task), {"host": socket.gethostname(), "time": time.time()})
 
 
-def run_server(run: RunDir, plan: dict[str, Any], role: str, task: int, stop: Any) -> int:
+def run_server(run: RunDir, plan: Plan, role: str, task: int, stop: Any) -> int:
     """One vLLM server process: a whole replica, or one node's share of a multi-node replica."""
-    server = next(s for s in plan["servers"] if s["role"] == role and s["task"] == task)
+    server = plan.server(role, task)
     host = node_address(plan)
-    args = list(server["args"])
+    args = list(server.args)
     env = dict(os.environ)
-    if server["gpus"] and os.environ.get("PRL_DEVICE") != "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, server["gpus"]))
-    if "--data-parallel-size-local" in args:
+    if server.gpus and os.environ.get("PRL_DEVICE") != "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, server.gpus))
+    if server.address_from_head:
         # Multi-node replica: its head publishes its address (no url until healthy) for the followers.
-        if server["head"]:
-            atomic_write_json(run.endpoint(role, server["replica"]), {"host": host})
-        head = wait_endpoint(run, role, server["replica"], lambda: stop.signum is not None)
+        if server.head:
+            atomic_write_json(run.endpoint(role, server.replica), {"host": host})
+        head = wait_endpoint(run, role, server.replica, lambda: stop.signum is not None)
         args += ["--data-parallel-address", head["host"]]
     argv = [sys.executable, "-m", "prl.inference", "--run-dir", str(run.root), *args, "--host", host]
     mark = _ready_marker(run, role, task)
-    if not server["head"]:
-        return supervise(role, task, argv, env, stop, lambda: True, mark)
-    url = f"http://{host}:{server['port']}"
+    if not server.head:
+        return supervise(argv, env, stop, lambda: True, mark)
+    url = f"http://{host}:{server.port}"
 
     def on_ready() -> None:
-        atomic_write_json(run.endpoint(role, server["replica"]), {"url": url, "host": host, "role": role,
-                                                                   "replica": server["replica"]})
+        atomic_write_json(run.endpoint(role, server.replica), {"url": url, "host": host, "role": role,
+                                                                "replica": server.replica})
         mark()
 
-    return supervise(role, task, argv, env, stop, lambda: http_ok(f"{url}/health"), on_ready)
+    return supervise(argv, env, stop, lambda: http_ok(f"{url}/health"), on_ready)
 
 
-def run_router(run: RunDir, plan: dict[str, Any], task: int, stop: Any) -> int:
+def run_router(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
     host = node_address(plan)
-    port = plan["router_port"]
+    port = plan.router_port
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role in urls:
-        replicas = sorted({s["replica"] for s in plan["servers"] if s["role"] == role})
+        replicas = sorted({s.replica for s in plan.role_servers(role)})
         urls[role] = [wait_endpoint(run, role, r, lambda: stop.signum is not None)["url"] for r in replicas]
     argv = [sys.executable, "-m", "prl.inference.router", "--host", host, "--port", str(port)]
     for role, found in urls.items():
@@ -140,32 +141,31 @@ def run_router(run: RunDir, plan: dict[str, Any], task: int, stop: Any) -> int:
         atomic_write_json(run.endpoint("router", 0), {"url": url, "role": "router", "replica": 0})
         _ready_marker(run, "router", task)()
 
-    return supervise("router", task, argv, dict(os.environ), stop, lambda: http_ok(f"{url}/health"), on_ready)
+    return supervise(argv, dict(os.environ), stop, lambda: http_ok(f"{url}/health"), on_ready)
 
 
-def run_orchestrator(run: RunDir, plan: dict[str, Any], task: int, stop: Any) -> int:
+def run_orchestrator(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
     started = time.time()
 
     def heartbeating() -> bool:
         state = run.read_state("orchestrator") or {}
-        return state.get("status") == "running" and float(state.get("heartbeat") or 0) >= started
+        return state.get("status") == RoleState.RUNNING and float(state.get("heartbeat") or 0) >= started
 
     argv = [sys.executable, "-m", "prl.orchestrator", "--run-dir", str(run.root)]
-    return supervise("orchestrator", task, argv, dict(os.environ), stop, heartbeating,
-                     _ready_marker(run, "orchestrator", task))
+    return supervise(argv, dict(os.environ), stop, heartbeating, _ready_marker(run, "orchestrator", task))
 
 
-def run_trainer(run: RunDir, plan: dict[str, Any], task: int, stop: Any) -> int:
+def run_trainer(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
     """torchrun on this node; node 0 publishes the rendezvous address for the others."""
-    tr = plan["trainer"]
+    tr = plan.trainer
     if task == 0:
-        atomic_write_json(run.endpoint("trainer", 0), {"host": node_address(plan), "port": tr["master_port"]})
+        atomic_write_json(run.endpoint("trainer", 0), {"host": node_address(plan), "port": tr.master_port})
     head = wait_endpoint(run, "trainer", 0, lambda: stop.signum is not None)
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={tr['nodes']}",
-            f"--nproc-per-node={tr['gpus_per_node']}", f"--node-rank={task}",
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={tr.nodes}",
+            f"--nproc-per-node={tr.gpus_per_node}", f"--node-rank={task}",
             f"--master-addr={head['host']}", f"--master-port={head['port']}",
             "-m", "prl.trainer", "--run-dir", str(run.root)]
-    return supervise("trainer", task, argv, dict(os.environ), stop, lambda: True, _ready_marker(run, "trainer", task))
+    return supervise(argv, dict(os.environ), stop, lambda: True, _ready_marker(run, "trainer", task))
 
 
 RUNTIMES: dict[str, Callable[..., int]] = {
@@ -175,7 +175,7 @@ RUNTIMES: dict[str, Callable[..., int]] = {
 }
 
 
-def run_role(run: RunDir, plan: dict[str, Any], role: str, task: int, stop: Any) -> int:
+def run_role(run: RunDir, plan: Plan, role: str, task: int, stop: Any) -> int:
     if role in ("inference", "prefill", "decode"):
         return run_server(run, plan, role, task, stop)
     return RUNTIMES[role](run, plan, task, stop)

@@ -16,56 +16,48 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from prl.errors import ConfigError
+from prl.planner.model import Plan
 from prl.run.rundir import RunDir
-from prl.ops.status import log_tail, role_logs
+from prl.ops.status import log_tail
 from prl.ops.registry import read_job
+from prl.states import LAUNCHER_ENDED
 
 FOLLOW_POLL = 0.5
 QUIET_AFTER_END = 2.0
 
 
-def latest_attempt(run: RunDir) -> int | None:
-    try:
-        return int(run.latest_logs.resolve().name.split("_")[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def default_role(run: RunDir, plan: dict) -> str:
+def default_role(run: RunDir, plan: Plan) -> str:
     failure = run.read_launcher().get("first_failure")
-    return failure["role"] if failure else plan["steps"][-1]["name"]
+    return failure["role"] if failure else plan.steps[-1].name
 
 
 def log_path(run: RunDir, role: str, rank: int, attempt: int | None) -> Path:
     if role == "launcher":
-        job = read_job(run)
-        if job and job["backend"] == "slurm":
-            return run.logs_dir / f"slurm-{job['job_id']}.out"
-        return run.logs_dir / "launcher.log"
-    plan = run.read_plan()
-    names = [s["name"] for s in plan["steps"]]
+        job = read_job(run) or {"backend": "local", "job_id": None}
+        return run.launcher_log(job["backend"], job["job_id"])
+    names = Plan.read(run).role_names
     if role not in names:
         raise ConfigError(f"no role {role!r} in this run; roles: {', '.join(names)}, launcher")
     if attempt is None:
-        attempt = latest_attempt(run)
+        attempt = run.latest_attempt()
         if attempt is None:
             raise ConfigError(f"{run.root} has no logs yet (the job has not started); see `prl status`")
     path = run.role_log(attempt, role, rank)
     if not path.exists():
-        ranks = [p.stem for p in role_logs(run, attempt, role)]
+        ranks = [path.stem for _, path in run.rank_logs(attempt, role)]
         have = f"; it has {', '.join(ranks)}" if ranks else "; that role has not started in this attempt"
         raise ConfigError(f"no log {path}{have}")
     return path
 
 
 def _ended(run: RunDir) -> bool:
-    return run.read_launcher().get("status") in ("completed", "failed", "stopped")
+    return run.read_launcher().get("status") in LAUNCHER_ENDED
 
 
 def follow(run: RunDir, role: str, rank: int, start_lines: int, out: TextIO = sys.stdout,
            should_stop: Callable[[], bool] = lambda: False) -> None:
     """Print the last lines, then new data as it comes; switch files when a new attempt starts."""
-    attempt = latest_attempt(run) if role != "launcher" else None
+    attempt = run.latest_attempt() if role != "launcher" else None
     path = log_path(run, role, rank, attempt)
     for line in log_tail(path, start_lines):
         out.write(line + "\n")
@@ -81,7 +73,7 @@ def follow(run: RunDir, role: str, rank: int, start_lines: int, out: TextIO = sy
             quiet_since = None
             continue
         if role != "launcher":
-            newest = latest_attempt(run)
+            newest = run.latest_attempt()
             if newest is not None and newest != attempt:
                 candidate = run.role_log(newest, role, rank)
                 if candidate.exists():

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Protocol, Sequence
 
 from prl.errors import SlurmError, SlurmUnavailable
+from prl.states import TERMINAL_STATES, JobState
 
 DEFAULT_TIMEOUT = 60.0
 """Seconds a Slurm command may take; a busy controller can be slow."""
@@ -125,38 +126,27 @@ def _message(proc: subprocess.CompletedProcess[str]) -> str:
 
 # --------------------------------------------------------------------------- rows
 
-# Every normalized state; the long Slurm names map onto these.
-PENDING, RUNNING, COMPLETING = "PENDING", "RUNNING", "COMPLETING"
-COMPLETED, FAILED, CANCELLED, TIMEOUT = "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"
-NODE_FAIL, OUT_OF_MEMORY, PREEMPTED = "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"
-REQUEUED, SUSPENDED, UNKNOWN = "REQUEUED", "SUSPENDED", "UNKNOWN"
-
-TERMINAL_STATES = frozenset(
-    {COMPLETED, FAILED, CANCELLED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, PREEMPTED}
-)
-"""States a job does not leave (unless requeued, which makes a new PENDING)."""
-
-_STATE_ALIASES = {
-    # squeue's short codes
-    "PD": PENDING, "R": RUNNING, "CG": COMPLETING, "CD": COMPLETED, "F": FAILED,
-    "CA": CANCELLED, "TO": TIMEOUT, "NF": NODE_FAIL, "OOM": OUT_OF_MEMORY,
-    "PR": PREEMPTED, "RQ": REQUEUED, "RH": REQUEUED, "RF": REQUEUED,
-    "S": SUSPENDED, "ST": SUSPENDED, "CF": PENDING, "BF": NODE_FAIL,
-    "DL": TIMEOUT, "SE": FAILED, "SO": COMPLETING, "SI": RUNNING,
-    "RS": RUNNING, "RD": PENDING, "RV": CANCELLED,
-    # long names that are not already normalized
-    "CONFIGURING": PENDING, "RESV_DEL_HOLD": PENDING, "BOOT_FAIL": NODE_FAIL,
-    "DEADLINE": TIMEOUT, "SPECIAL_EXIT": FAILED, "REQUEUE_HOLD": REQUEUED,
-    "REQUEUE_FED": REQUEUED, "REVOKED": CANCELLED, "STOPPED": SUSPENDED,
-    "SIGNALING": RUNNING, "RESIZING": RUNNING, "STAGE_OUT": COMPLETING,
-}  # fmt: skip
-_KNOWN = {
-    PENDING, RUNNING, COMPLETING, COMPLETED, FAILED, CANCELLED, TIMEOUT,
-    NODE_FAIL, OUT_OF_MEMORY, PREEMPTED, REQUEUED, SUSPENDED,
-}  # fmt: skip
+# Slurm's other names for the states prl knows (prl.states.JobState), by the state they mean.
+_ALIASES_OF = {
+    JobState.PENDING: ("PD", "CF", "RD", "CONFIGURING", "RESV_DEL_HOLD"),
+    JobState.RUNNING: ("R", "SI", "RS", "SIGNALING", "RESIZING"),
+    JobState.COMPLETING: ("CG", "SO", "STAGE_OUT"),
+    JobState.COMPLETED: ("CD",),
+    JobState.FAILED: ("F", "SE", "SPECIAL_EXIT"),
+    JobState.CANCELLED: ("CA", "RV", "REVOKED"),
+    JobState.TIMEOUT: ("TO", "DL", "DEADLINE"),
+    JobState.NODE_FAIL: ("NF", "BF", "BOOT_FAIL"),
+    JobState.OUT_OF_MEMORY: ("OOM",),
+    JobState.PREEMPTED: ("PR",),
+    JobState.REQUEUED: ("RQ", "RH", "RF", "REQUEUE_HOLD", "REQUEUE_FED"),
+    JobState.SUSPENDED: ("S", "ST", "STOPPED"),
+}
+_STATE_ALIASES = {alias: state for state, aliases in _ALIASES_OF.items() for alias in aliases}
+_KNOWN = frozenset(_ALIASES_OF)
+"""The states Slurm prints under prl's own names (prl's STOPPED is not one: Slurm's STOPPED is SUSPENDED)."""
 
 
-def normalize_state(raw: str) -> tuple[str, int | None]:
+def normalize_state(raw: str) -> tuple[JobState, int | None]:
     """Slurm's state text -> (normalized state, uid that cancelled or None).
 
     Handles `CANCELLED by 1000`, `CANCELLED+` (sacct cuts long names to its
@@ -167,20 +157,20 @@ def normalize_state(raw: str) -> tuple[str, int | None]:
     cancelled_by = None
     m = re.match(r"^CANCELLED\s+BY\s+(\d+)", text)
     if m:
-        text, cancelled_by = CANCELLED, int(m.group(1))
+        text, cancelled_by = JobState.CANCELLED.value, int(m.group(1))
     word = re.split(r"[\s+,]", text, maxsplit=1)[0] if text else ""
     if not word:
-        return UNKNOWN, cancelled_by
+        return JobState.UNKNOWN, cancelled_by
     if word in _KNOWN:
-        return word, cancelled_by
+        return JobState(word), cancelled_by
     if word in _STATE_ALIASES:
         return _STATE_ALIASES[word], cancelled_by
     # A width-truncated name: the one known state it is a prefix of.
-    matches = {s for s in (*_KNOWN, *_STATE_ALIASES) if len(word) >= 3 and s.startswith(word)}
-    resolved = {_STATE_ALIASES.get(s, s) for s in matches}
+    matches = {s for s in (*map(str, _KNOWN), *_STATE_ALIASES) if len(word) >= 3 and s.startswith(word)}
+    resolved = {_STATE_ALIASES.get(s) or JobState(s) for s in matches}
     if len(resolved) == 1:
         return resolved.pop(), cancelled_by
-    return UNKNOWN, cancelled_by
+    return JobState.UNKNOWN, cancelled_by
 
 
 @dataclass(frozen=True)
@@ -191,7 +181,7 @@ class JobRow:
     """The job id without het suffix: the het leader's id for a component."""
     het_offset: int | None
     """Component index in a heterogeneous job (the N in 123+N); None for a plain job."""
-    state: str
+    state: JobState
     """Normalized: a TERMINAL_STATES member, PENDING, RUNNING, COMPLETING, REQUEUED, SUSPENDED or UNKNOWN."""
     raw_state: str = ""
     """The state exactly as Slurm printed it (`CANCELLED by 0`)."""
@@ -584,12 +574,13 @@ def merge_rows(*sources: Mapping[str, JobRow] | None) -> dict[str, JobRow]:
 # The state that describes a het job as a whole: the worst component. A failed
 # component dooms the job even while others still run.
 _SEVERITY = (
-    NODE_FAIL, OUT_OF_MEMORY, FAILED, TIMEOUT, CANCELLED, PREEMPTED, REQUEUED,
-    UNKNOWN, SUSPENDED, RUNNING, COMPLETING, PENDING, COMPLETED,
+    JobState.NODE_FAIL, JobState.OUT_OF_MEMORY, JobState.FAILED, JobState.TIMEOUT, JobState.CANCELLED,
+    JobState.PREEMPTED, JobState.REQUEUED, JobState.UNKNOWN, JobState.SUSPENDED, JobState.RUNNING,
+    JobState.COMPLETING, JobState.PENDING, JobState.COMPLETED,
 )  # fmt: skip
 
 
-def merge_state(rows: Iterable[JobRow]) -> str:
+def merge_state(rows: Iterable[JobRow]) -> JobState:
     """One state for a job from its components' rows (UNKNOWN if there are none).
 
     Worst first: a failure of any component, then running, then pending;
@@ -597,11 +588,11 @@ def merge_state(rows: Iterable[JobRow]) -> str:
     """
     states = {r.state for r in rows}
     if not states:
-        return UNKNOWN
+        return JobState.UNKNOWN
     for state in _SEVERITY:
         if state in states:
             return state
-    return UNKNOWN
+    return JobState.UNKNOWN
 
 
 def query_jobs(job_ids: Iterable[str | int], *, timeout: float = DEFAULT_TIMEOUT) -> dict[str, JobRow]:

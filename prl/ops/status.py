@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from prl.errors import ConfigError, SlurmError
+from prl.planner.model import Plan
 from prl.run.rundir import RunDir, pid_alive, read_json
 from prl.ops.registry import entries, read_job, registry_path
+from prl.states import TERMINAL_STATES, JobState, LauncherStatus, RoleState
 
-TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "STOPPED",
-            "BOOT_FAIL", "DEADLINE")
 LOG_TAIL_LINES = 15
 
 
@@ -32,13 +32,14 @@ LOG_TAIL_LINES = 15
 class RoleRow:
     role: str
     component: str
-    slurm_state: str
+    slurm_state: JobState | str
+    """The component's Slurm state; '' for a local run or before submission."""
     nodes: str = ""
     elapsed: int | None = None
     reason: str = ""
     exit_code: int | None = None
-    status: str = ""
-    """What the role's own state file and the launcher say (running, exited, failed...)."""
+    status: RoleState | str = ""
+    """What the launcher, else the role's own state file, says; '' when neither has a word yet."""
     heartbeat_age: float | None = None
     step: int | None = None
 
@@ -49,7 +50,7 @@ class Status:
     name: str
     job_id: str | None
     backend: str
-    state: str
+    state: JobState
     attempt: int | None
     mode: str | None
     roles: list[RoleRow]
@@ -89,122 +90,141 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
         return []
 
 
-def role_logs(run: RunDir, attempt: int, role: str) -> list[Path]:
-    folder = run.attempt_logs(attempt) / role
-    return sorted(folder.glob("rank_*.log"), key=lambda p: int(p.stem.split("_")[1])) if folder.is_dir() else []
-
-
 def _failed_log(run: RunDir, attempt: int, role: str) -> Path | None:
     """The log of the task that failed: one whose preflight failed, else the newest."""
-    logs = role_logs(run, attempt, role)
-    for log in logs:
-        report = read_json(run.preflight_report(role, int(log.stem.split("_")[1])))
+    logs = run.rank_logs(attempt, role)
+    for rank, log in logs:
+        report = read_json(run.preflight_report(role, rank))
         if report and not report.get("ok"):
             return log
-    return max(logs, key=lambda p: p.stat().st_mtime) if logs else None
+    return max((log for _, log in logs), key=lambda p: p.stat().st_mtime) if logs else None
 
 
-def _launcher_state(status: str | None, cancelled: bool) -> str:
-    return {"completed": "COMPLETED", "failed": "FAILED", "requeued": "REQUEUED", "running": "RUNNING",
-            "starting": "RUNNING", "stopping": "CANCELLED" if cancelled else "STOPPED"}.get(status or "", "CANCELLED" if cancelled else "STOPPED" if status else "PENDING")
+_LAUNCHER_TO_JOB = {
+    LauncherStatus.STARTING: JobState.RUNNING, LauncherStatus.RUNNING: JobState.RUNNING,
+    LauncherStatus.COMPLETED: JobState.COMPLETED, LauncherStatus.FAILED: JobState.FAILED,
+    LauncherStatus.REQUEUED: JobState.REQUEUED,
+}
+_LAUNCHER_LIVE = (None, LauncherStatus.STARTING, LauncherStatus.RUNNING)
+_ROLE_STATES = {s.value for s in RoleState}
 
 
-def _role_status(launched: dict[str, Any], role_state: dict[str, Any], submitted: bool, ended: bool) -> str:
+def _launcher_state(status: str | None, cancelled: bool) -> JobState:
+    """The job's state from the launcher's record alone: no record yet is PENDING; a stop is CANCELLED
+    when the user cancelled, else STOPPED."""
+    if not status:
+        return JobState.PENDING
+    return _LAUNCHER_TO_JOB.get(status, JobState.CANCELLED if cancelled else JobState.STOPPED)
+
+
+def _role_status(launched: dict[str, Any], role_state: dict[str, Any], submitted: bool,
+                 ended: bool) -> RoleState | str:
     """The launcher's view of a role, else the role's own; a role still 'running' in a job that ended was killed."""
     status = launched.get("status") or role_state.get("status") or ""
     if not launched and submitted:
-        return "not started" if ended else "waiting"
-    if ended and status == "running":
-        return "killed"
-    return status
+        return RoleState.NOT_STARTED if ended else RoleState.WAITING
+    if ended and status == RoleState.RUNNING:
+        return RoleState.KILLED
+    return RoleState(status) if status in _ROLE_STATES else status
 
 
 def collect(run: RunDir) -> Status:
-    plan = run.read_plan()
+    plan = Plan.read(run)
     job = read_job(run)
     launcher = run.read_launcher()
     notes: list[str] = []
-    rows: dict[str, Any] | None = None
-    commands = 0
     backend = job["backend"] if job else "none"
-    cancelled = bool(job and job.get("cancelled"))
+    rows, commands = _slurm_rows(job, notes) if backend == "slurm" else (None, 0)
+    state = _job_state(job, launcher, rows, notes)
+    roles = [_role_row(run, plan, step, job, launcher, rows, state) for step in plan.steps]
+    attempt = launcher.get("attempt")
+    return Status(str(run.root), plan.name, job["job_id"] if job else None, backend, state, attempt,
+                  launcher.get("mode") or (job or {}).get("mode"), roles, _progress(run),
+                  _failure(run, launcher), notes, commands)
 
+
+def _slurm_rows(job: dict[str, Any], notes: list[str]) -> tuple[dict[str, Any] | None, int]:
+    """Slurm's rows of the job's components (None when Slurm could not be asked) and the commands it took."""
+    from prl.ops import slurm
+
+    before = slurm.commands_run()
+    rows = None
+    try:
+        rows = slurm.query_jobs([job["job_id"]])
+    except SlurmError as exc:
+        notes.append(f"Slurm could not be asked ({str(exc).splitlines()[0]}); state may be stale")
+    return rows, slurm.commands_run() - before
+
+
+def _job_state(job: dict[str, Any] | None, launcher: dict[str, Any], rows: dict[str, Any] | None,
+               notes: list[str]) -> JobState:
+    """The job's state: Slurm's (the worst component), else the launcher's record, else the local pid."""
+    cancelled = bool(job and job.get("cancelled"))
     if job is None:
-        state = "PLANNED"
-    elif backend == "slurm":
+        return JobState.PLANNED
+    if job["backend"] == "slurm":
         from prl.ops import slurm
 
-        before = slurm.commands_run()
-        try:
-            rows = slurm.query_jobs([job["job_id"]])
-        except SlurmError as exc:
-            notes.append(f"Slurm could not be asked ({str(exc).splitlines()[0]}); state may be stale")
-        commands = slurm.commands_run() - before
         if rows is None:
-            state = "UNKNOWN"
-        elif rows:
-            state = slurm.merge_state(rows.values())
-        else:
-            # Neither the controller nor accounting knows the job any more: the launcher's record decides.
-            state = _launcher_state(launcher.get("status"), cancelled)
-            notes.append("Slurm no longer knows this job (no accounting?); state from the run directory")
-    else:
-        alive = pid_alive(job.get("pid"))
-        if alive and launcher.get("status") == "stopping":
-            state = "STOPPING"
-        elif alive and launcher.get("status") in (None, "starting", "running"):
-            state = "RUNNING"
-        else:
-            state = _launcher_state(launcher.get("status"), cancelled)
-        if not alive and launcher.get("status") in (None, "starting", "running"):
-            state = "FAILED"
-            notes.append("the local launcher died without recording an end")
-    if state == "STOPPED" and launcher.get("status") == "stopped" and cancelled:
-        state = "CANCELLED"
+            return JobState.UNKNOWN
+        if rows:
+            return slurm.merge_state(rows.values())
+        # Neither the controller nor accounting knows the job any more: the launcher's record decides.
+        notes.append("Slurm no longer knows this job (no accounting?); state from the run directory")
+        return _launcher_state(launcher.get("status"), cancelled)
+    alive = pid_alive(job.get("pid"))
+    if alive and launcher.get("status") == LauncherStatus.STOPPING:
+        return JobState.STOPPING
+    if alive and launcher.get("status") in _LAUNCHER_LIVE:
+        return JobState.RUNNING
+    if launcher.get("status") in _LAUNCHER_LIVE:
+        notes.append("the local launcher died without recording an end")
+        return JobState.FAILED
+    return _launcher_state(launcher.get("status"), cancelled)
 
-    roles: list[RoleRow] = []
-    steps = launcher.get("steps", {})
-    for step in plan["steps"]:
-        name = step["name"]
-        component = ""
-        slurm_row = None
-        if job and backend == "slurm":
-            component = f"{job['job_id']}+{step['group']}" if plan["hetjob"] else job["job_id"]
-            slurm_row = (rows or {}).get(component)
-        role_state = run.read_state(name) or {}
-        launched = steps.get(name, {})
-        heartbeat = role_state.get("heartbeat")
-        roles.append(RoleRow(
-            role=name, component=component,
-            slurm_state=slurm_row.state if slurm_row else ("UNKNOWN" if rows is None and backend == "slurm" else ""),
-            nodes=slurm_row.nodes if slurm_row else "",
-            elapsed=slurm_row.elapsed if slurm_row else None,
-            reason=slurm_row.reason if slurm_row and slurm_row.state == "PENDING" else "",
-            exit_code=launched.get("exit_code"),
-            status=_role_status(launched, role_state, job is not None, state in TERMINAL),
-            heartbeat_age=round(time.time() - heartbeat, 1) if heartbeat else None,
-            step=role_state.get("step"),
-        ))
 
+def _role_row(run: RunDir, plan: Plan, step: Any, job: dict[str, Any] | None, launcher: dict[str, Any],
+              rows: dict[str, Any] | None, state: JobState) -> RoleRow:
+    slurm_job = bool(job and job["backend"] == "slurm")
+    component = (f"{job['job_id']}+{step.group}" if plan.hetjob else job["job_id"]) if slurm_job else ""
+    slurm_row = (rows or {}).get(component) if slurm_job else None
+    role_state = run.read_state(step.name) or {}
+    launched = launcher.get("steps", {}).get(step.name, {})
+    heartbeat = role_state.get("heartbeat")
+    return RoleRow(
+        role=step.name, component=component,
+        slurm_state=slurm_row.state if slurm_row else (JobState.UNKNOWN if rows is None and slurm_job else ""),
+        nodes=slurm_row.nodes if slurm_row else "",
+        elapsed=slurm_row.elapsed if slurm_row else None,
+        reason=slurm_row.reason if slurm_row and slurm_row.state == JobState.PENDING else "",
+        exit_code=launched.get("exit_code"),
+        status=_role_status(launched, role_state, job is not None, state in TERMINAL_STATES),
+        heartbeat_age=round(time.time() - heartbeat, 1) if heartbeat else None,
+        step=role_state.get("step"),
+    )
+
+
+def _progress(run: RunDir) -> dict[str, Any]:
     trainer_step = run.latest_stable("weights")
     rollout_step = run.latest_stable("rollouts")
-    progress: dict[str, Any] = {"trainer_step": trainer_step, "rollout_step": rollout_step,
-                                "lag": (rollout_step - trainer_step) if None not in (rollout_step, trainer_step)
-                                else None, "last_reward": None}
+    lag = rollout_step - trainer_step if None not in (rollout_step, trainer_step) else None
+    progress: dict[str, Any] = {"trainer_step": trainer_step, "rollout_step": rollout_step, "lag": lag,
+                                "last_reward": None}
     for record in reversed(run.read_metrics()):
         reward = record.get("reward_mean", record.get("reward"))
         if reward is not None:
             progress["last_reward"] = reward
             break
+    return progress
 
-    failure = None
+
+def _failure(run: RunDir, launcher: dict[str, Any]) -> dict[str, Any] | None:
+    """The first role that failed, with the log of its failed task and that log's last lines."""
     first = launcher.get("first_failure")
-    attempt = launcher.get("attempt")
-    if first:
-        log = _failed_log(run, int(attempt), first["role"])
-        failure = {**first, "log": str(log) if log else None, "log_tail": log_tail(log) if log else []}
-    return Status(str(run.root), plan["name"], job["job_id"] if job else None, backend, state, attempt,
-                  launcher.get("mode") or (job or {}).get("mode"), roles, progress, failure, notes, commands)
+    if not first:
+        return None
+    log = _failed_log(run, int(launcher.get("attempt")), first["role"])
+    return {**first, "log": str(log) if log else None, "log_tail": log_tail(log) if log else []}
 
 
 def _age(seconds: float | None) -> str:
@@ -227,7 +247,7 @@ def show(status: Status, console: Any = None) -> None:
     from rich.table import Table
 
     console = console or Console(width=None if sys.stdout.isatty() else 160)
-    color = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow"}.get(status.state, "red")
+    color = {JobState.COMPLETED: "green", JobState.RUNNING: "cyan", JobState.PENDING: "yellow"}.get(status.state, "red")
     console.print(f"[bold]{status.name}[/bold]  job {status.job_id or '-'} ({status.backend})  "
                   f"[{color}]{status.state}[/{color}]  attempt {status.attempt or '-'}  mode {status.mode or '-'}")
     console.print(f"run dir {status.run_dir}")

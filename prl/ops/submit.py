@@ -27,6 +27,7 @@ from prl.errors import ConfigError, SlurmError
 from prl.planner.prepare import Prepared, prepare, write_run_files
 from prl.ops.registry import read_job, register
 from prl.run.rundir import RunDir, atomic_write_json
+from prl.states import LAUNCHER_ENDED
 
 # sbatch complaint -> the profile or topology field that fixes it.
 _HINTS = (
@@ -38,13 +39,6 @@ _HINTS = (
     (r"node configuration is not available|gres|gpu", "gpu_node / gpu_directive / constraint in the cluster profile"),
     (r"node count|nodes", "the node counts in the topology, or max_nodes in the cluster profile"),
 )
-
-
-def _previous_attempts(run: RunDir) -> int:
-    if not run.logs_dir.is_dir():
-        return 0
-    numbers = [int(m.group(1)) for p in run.logs_dir.iterdir() if (m := re.fullmatch(r"attempt_(\d+)", p.name))]
-    return max(numbers, default=0)
 
 
 def _hint(message: str) -> str:
@@ -79,7 +73,7 @@ def submit(topology: Path, overrides: Sequence[str], *, local: bool, detach: boo
                           f"continue that run from its checkpoints, --force to submit anyway, or another run_dir")
     backend = "local" if local or not prepared.plan.slurm else "slurm"
     mode = "preflight" if preflight else "run"
-    attempt_base = _previous_attempts(run)
+    attempt_base = max(run.attempts(), default=0)
     write_run_files(prepared, force=True)
     run.create()
     env = {"PRL_MODE": mode, "PRL_HOLD": f"{hold:g}", "PRL_ATTEMPT_BASE": str(attempt_base)}
@@ -99,7 +93,7 @@ def submit(topology: Path, overrides: Sequence[str], *, local: bool, detach: boo
         return run, job
 
     job = _job_record(prepared, backend, f"local-{int(time.time())}", mode, hold, attempt_base, topology, overrides)
-    log = open(run.logs_dir / "launcher.log", "ab")
+    log = open(run.launcher_log(backend), "ab")
     proc = subprocess.Popen([sys.executable, "-m", "prl.job.launch", "--run-dir", str(run.root)],
                             env={**os.environ, **env, "PRL_ATTEMPT": str(attempt_base + 1)}, stdout=log,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -140,7 +134,7 @@ def cancel(run: RunDir) -> tuple[dict[str, Any], bool]:
             return job, False
         slurm.scancel(job["job_id"])
     else:
-        if run.read_launcher().get("status") in ("completed", "failed", "stopped"):
+        if run.read_launcher().get("status") in LAUNCHER_ENDED:
             return job, False  # ended: its pid may belong to someone else by now
         try:
             os.killpg(int(job["pid"]), signal.SIGTERM)

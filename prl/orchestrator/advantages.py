@@ -17,41 +17,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import Any
 
-from prl.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class AdvantageConfig:
-    std_normalize: bool = False
-    """Divide by the group's reward standard deviation (GRPO); off: Dr.GRPO-style mean-centring only."""
-    length_penalty: float = 0.0
-    """Subtract length_penalty * completion_tokens / max_tokens from each reward before centring."""
-    drop_zero_groups: bool = False
-    """Leave groups whose advantages are all zero out of the batch."""
-    eps: float = 1e-6
-    """Added to the std before dividing."""
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> AdvantageConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ConfigError(f"training.advantage: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        cfg = cls(**raw)
-        if cfg.length_penalty < 0 or cfg.eps <= 0:
-            raise ConfigError(
-                f"training.advantage: length_penalty({cfg.length_penalty}) must be >= 0 and eps({cfg.eps}) > 0"
-            )
-        return cfg
+from prl.config.topology import Advantage
 
 
 def group_advantages(
     rewards: Sequence[float],
     lengths: Sequence[int] | None = None,
-    cfg: AdvantageConfig = AdvantageConfig(),
+    cfg: Advantage = Advantage(),
     max_tokens: int = 1,
 ) -> list[float]:
     """Advantages of one group of rollouts of the same prompt (see the module docstring)."""

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import sys
-import time
+
+from prl.log import get_logger
+
+log = get_logger("prl.orchestrator")
 
 
 def _line(step: int, max_steps: int, m: dict) -> str:
@@ -19,20 +22,17 @@ def _line(step: int, max_steps: int, m: dict) -> str:
 class PlainDisplay:
     def __init__(self, max_steps: int, start: int):
         self.max_steps = max_steps
-        print(f"[orchestrator] steps {start + 1}..{max_steps}", flush=True)
+        log.info(f"steps {start + 1}..{max_steps}")
 
     def phase(self, step: int, phase: str) -> None:
         pass
 
     def step(self, step: int, m: dict) -> None:
-        print(f"[orchestrator {time.strftime('%H:%M:%S')}] {_line(step, self.max_steps, m)}", flush=True)
+        log.info(_line(step, self.max_steps, m))
 
     def eval(self, step: int, m: dict) -> None:
-        print(
-            f"[orchestrator {time.strftime('%H:%M:%S')}] eval at step {step}: reward "
-            f"{m['reward_mean']:.3f}±{m['reward_std']:.3f} over {m['rollouts']} rollouts",
-            flush=True,
-        )
+        log.info(f"eval at step {step}: reward {m['reward_mean']:.3f}±{m['reward_std']:.3f} "
+                 f"over {m['rollouts']} rollouts")
 
     def close(self) -> None:
         pass

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import os
 import signal
 import time
 from typing import Any
@@ -26,8 +24,10 @@ import httpx
 
 from prl.run.batch import publish_batch
 from prl.errors import PrlError
+from prl.log import get_logger, init_logging
 from prl.orchestrator.advantages import reward_stats
 from prl.orchestrator.config import OrchestratorConfig
+from prl.planner.model import Plan
 from prl.orchestrator.display import make_display
 from prl.orchestrator.env import load_env
 from prl.orchestrator.eval import evaluate
@@ -40,7 +40,7 @@ ROLE = "orchestrator"
 API_KEY_VAR = "PRL_INFERENCE_API_KEY"
 """Variable with the inference servers' API key, if they need one (unset: none)."""
 
-log = logging.getLogger("prl.orchestrator")
+log = get_logger("prl.orchestrator")
 
 
 class Beat:
@@ -206,9 +206,9 @@ def main(run_dir: str, servers: list[str] | None = None) -> int:
     RUN/state/endpoints. Records start, heartbeats and exit in RUN/state/orchestrator.json.
     """
     run = RunDir(run_dir)
-    cfg = OrchestratorConfig.from_plan(run.read_plan())
-    logging.basicConfig(level=os.environ.get("PRL_LOG_LEVEL", "WARNING"), format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("prl.orchestrator").setLevel(os.environ.get("PRL_LOG_LEVEL", "INFO"))
+    plan = Plan.read(run)
+    cfg = OrchestratorConfig.from_plan(plan)
+    init_logging(ROLE)
     run.create()
     run.claim(ROLE)
     beat = Beat(run)
@@ -219,7 +219,7 @@ def main(run_dir: str, servers: list[str] | None = None) -> int:
 
     old = signal.signal(signal.SIGTERM, on_term)
     try:
-        pool = standalone(servers) if servers else discover(run, run.read_plan(), cfg.endpoint_timeout_s)
+        pool = standalone(servers) if servers else discover(run, plan, cfg.endpoint_timeout_s)
         code = asyncio.run(orchestrate(run, cfg, pool, beat))
         return code
     except BaseException as e:

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prl.run.batch import Sample
-from prl.orchestrator.advantages import AdvantageConfig, group_advantages, is_zero_group
+from prl.config.topology import Advantage
+from prl.orchestrator.advantages import group_advantages, is_zero_group
 from prl.orchestrator.sync import Server, ServerPool
 
 
@@ -196,7 +197,7 @@ class StepBatch:
 
 def build_samples(
     groups: Sequence[Sequence[Rollout]],
-    cfg: AdvantageConfig,
+    cfg: Advantage,
     *,
     max_tokens: int,
     min_version: int,

@@ -1,8 +1,9 @@
 """Topology + cluster profile -> Plan: who runs where, with every number derived and checked.
 
 Pure: no I/O, no clock, no environment. `make_plan` either returns a frozen
-Plan or raises PlanError with the numbers and the fix, located at the YAML
-line of the field to change. The renderer and the launcher only read a Plan.
+Plan (prl/planner/model.py) or raises PlanError with the numbers and the fix,
+located at the YAML line of the field to change. The renderer, the launcher
+and the roles only read a Plan.
 
 Layout of a job (one het group per role kind, in start order):
 
@@ -12,168 +13,56 @@ Layout of a job (one het group per role kind, in start order):
 
 Start order: every inference server healthy (router after prefill + decode)
 -> orchestrator healthy -> trainer.
+
+`make_plan` is a short sequence of named steps; each is a function of its own,
+unit-tested in tests/test_plan_steps.py.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import asdict, dataclass, field, replace
+
+import msgspec
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from prl.config.cluster import ClusterProfile
-from prl.errors import PlanError
 from prl.config.loader import Source
 from prl.config.topology import InferenceGroup, Topology
+from prl.errors import PlanError
+from prl.planner.capabilities import trainer_refusals
+from prl.planner.settings import RunSettings
+from prl.run.rundir import RunDir
+from prl.planner.model import (
+    ContainerPlan,
+    Group,
+    InferenceRole,
+    Mesh,
+    MeshError,
+    OrchestratorPlan,
+    Plan,
+    Server,
+    Step,
+    Totals,
+    TrainerPlan,
+    derive_mesh,
+)
 
 # Port layout on one node, as offsets from the profile's port_base.
 ROUTER_PORT_OFFSET = 90
 DP_RPC_PORT_OFFSET = 200
 RDZV_PORT_OFFSET = 500
+MAX_PORT = 65535
 SHARED_ORCHESTRATOR_CPUS = 4
 KV_OFFLOAD_MEMORY_FRACTION = 0.8
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+_UNSAFE_PATH = set(" \t\n\r'\"`$;\\")
 
 
-@dataclass(frozen=True)
-class Group:
-    """One het component (or, without hetjobs, one node range of the single allocation)."""
-
-    index: int
-    name: str
-    partition: Optional[str]
-    nodes: int
-    gpus_per_node: int
-    """GPUs requested per node (0: none)."""
-    ntasks_per_node: int
-    cpus_per_task: int
-    node_offset: int
-    """First node of this group in the single allocation (hetjob: always 0)."""
-    directives: tuple[str, ...]
-    """`#SBATCH` options of this component."""
-
-
-@dataclass(frozen=True)
-class Server:
-    """One vLLM server process: a whole replica, or one node's share of a multi-node replica."""
-
-    role: str
-    replica: int
-    group: int
-    node: int
-    """Node index within the group."""
-    task: int
-    """Index of this process in its step (SLURM_PROCID)."""
-    gpus: tuple[int, ...]
-    """GPU indices on the node (empty on CPU clusters)."""
-    port: Optional[int]
-    """HTTP port; None for headless data-parallel followers."""
-    head: bool
-    """True for the process that serves HTTP for its replica."""
-    args: tuple[str, ...]
-    """`vllm serve` arguments; the launcher adds --host and, for multi-node replicas, the head's address."""
-
-
-@dataclass(frozen=True)
-class Mesh:
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    ep: int
-    world_size: int
-
-    @property
-    def dp(self) -> int:
-        """Ranks that see different data."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def expert_shard(self) -> int:
-        """FSDP degree of expert weights: (dp_shard * cp) / ep, as torchtitan carves EP."""
-        return self.dp_shard * self.cp // self.ep
-
-    def describe(self) -> str:
-        return (f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) = "
-                f"{self.world_size}, ep({self.ep})")
-
-
-@dataclass(frozen=True)
-class TrainerPlan:
-    group: int
-    nodes: int
-    gpus_per_node: int
-    """Ranks per node (GPUs on GPU clusters; processes on CPU clusters)."""
-    world_size: int
-    device: str
-    """`cuda` or `cpu`."""
-    mesh: Mesh
-    master_port: int
-    """torchrun rendezvous port on the trainer's first node."""
-    activation_checkpointing: bool
-    precision: str
-
-
-@dataclass(frozen=True)
-class Step:
-    """One `srun` of the job: a role on some nodes of a group."""
-
-    name: str
-    group: int
-    nodes: int
-    ntasks_per_node: int
-    cpus_per_task: int
-    gpus_per_node: int
-    overlap: bool
-    """Shares nodes with another step (`srun --overlap`)."""
-    start_after: tuple[str, ...]
-    health: str
-    """`http`: every head server answers /health; `heartbeat`: the role's state file says ready."""
-    script: str
-    """Step script, relative to the run directory."""
-    env: tuple[tuple[str, str], ...]
-    srun_args: tuple[str, ...] = ()
-    """`srun` options that place this step (empty for local runs)."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    name: str
-    job_name: str
-    cluster: str
-    slurm: bool
-    hetjob: bool
-    run_dir: str
-    python: str
-    model: dict[str, Any]
-    groups: tuple[Group, ...]
-    servers: tuple[Server, ...]
-    router_port: Optional[int]
-    trainer: TrainerPlan
-    orchestrator: dict[str, Any]
-    steps: tuple[Step, ...]
-    batch_directives: tuple[str, ...]
-    """`#SBATCH` options for the whole job (name, output, time, signal, requeue)."""
-    setup: tuple[str, ...]
-    """Shell lines from the cluster profile (modules, venv, setup)."""
-    container: Optional[dict[str, Any]]
-    environment: dict[str, Any]
-    training: dict[str, Any]
-    kv_offload: dict[str, Any]
-    kv_connector: Optional[dict[str, Any]]
-    grace_seconds: int
-    requeue: bool
-    """The job may requeue itself at the time-limit warning (and Slurm may requeue it)."""
-    totals: dict[str, int]
-    warnings: tuple[str, ...] = field(default=())
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
-
-    def step(self, name: str) -> Step:
-        return next(s for s in self.steps if s.name == name)
-
-
-class _Checker:
-    """Collects placement facts and turns violated ones into located PlanErrors."""
+class Checker:
+    """Turns violated placement facts into located PlanErrors; collects warnings."""
 
     def __init__(self, topo_source: Source, cluster: ClusterProfile, cluster_source: Source):
         self.topo = topo_source
@@ -188,37 +77,60 @@ class _Checker:
         return PlanError(f"{self.cluster_source.locate(field)}: {message}")
 
 
-def _gpu_directive(cluster: ClusterProfile, gpus: int) -> tuple[str, ...]:
-    if gpus == 0 or cluster.gpu_directive == "none":
-        return ()
-    if cluster.gpu_directive == "gres":
-        return (f"--gres={cluster.gres_name}:{gpus}",)
-    return (f"--gpus-per-node={gpus}",)
+@dataclass
+class Layout:
+    """What the placement steps build up, in het-group order."""
+
+    groups: list[Group] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
+    node_offset: int = 0
+
+    def add_group(self, cluster: ClusterProfile, name: str, partition: Optional[str], nodes: int, ntasks: int,
+                  cpus: int, gpus: int) -> Group:
+        group = Group(index=len(self.groups), name=name, partition=partition, nodes=nodes, gpus_per_node=gpus,
+                      ntasks_per_node=ntasks, cpus_per_task=cpus, node_offset=self.node_offset,
+                      directives=group_directives(cluster, partition, nodes, ntasks, cpus, gpus))
+        self.groups.append(group)
+        self.node_offset += nodes
+        return group
 
 
-def _group_directives(cluster: ClusterProfile, partition: Optional[str], nodes: int, ntasks: int, cpus: int,
-                      gpus: int) -> tuple[str, ...]:
-    out = []
-    if partition:
-        out.append(f"--partition={partition}")
-    out += [f"--nodes={nodes}", f"--ntasks-per-node={ntasks}", f"--cpus-per-task={cpus}"]
-    out += _gpu_directive(cluster, gpus)
-    if cluster.exclusive:
-        out += ["--exclusive", "--mem=0"]
-    if cluster.constraint:
-        out.append(f"--constraint={cluster.constraint}")
-    if cluster.segment:
-        out.append(f"--segment={cluster.segment}")
-    return tuple(out)
+# ----------------------------------------------------------------------------- the steps
 
 
-def _inference_layout(check: _Checker, role: str, field: tuple[str, ...], group: InferenceGroup,
-                      gpus_per_node: int) -> tuple[int, int, int]:
+def check_run_dir(check: Checker, run_dir: str) -> None:
+    if _UNSAFE_PATH & set(run_dir) or not run_dir.startswith("/"):
+        raise check.fail(("run_dir",), (
+            f"run directory {run_dir!r} must be an absolute path without spaces, quotes, '$', ';' or backslashes "
+            f"(it appears in #SBATCH lines and on every node's command line)"))
+    if run_dir.rstrip("/") == "":
+        raise check.fail(("run_dir",), "run directory '/' would make prl write into the filesystem root; "
+                                       "use a directory of its own, e.g. /scratch/$USER/prl-runs/NAME")
+
+
+def check_node_budget(check: Checker, topo: Topology) -> None:
+    """Node totals against max_nodes before anything is expanded per node (a typo of 10**9 fails at once)."""
+    cluster = check.cluster
+    counts = {role: g.nodes for role, g in topo.inference.groups().items()}
+    if topo.orchestrator.placement == "own":
+        counts["orchestrator"] = 1
+    counts["trainer"] = topo.trainer.nodes
+    total = sum(counts.values())
+    if total <= cluster.max_nodes:
+        return
+    parts = " + ".join(f"{role} {n}" for role, n in counts.items())
+    raise check.fail_cluster(("max_nodes",), (
+        f"the job needs {parts} = {total} nodes, over cluster '{cluster.name}' max_nodes({cluster.max_nodes}); "
+        f"shrink a group or raise max_nodes"))
+
+
+def inference_layout(check: Checker, role: str, field: tuple[str, ...], group: InferenceGroup,
+                     gpus_per_node: int) -> tuple[int, int, int]:
     """(GPUs per replica, nodes per replica, servers per node) for one inference group, checked."""
     cluster = check.cluster
     if gpus_per_node == 0:
         # CPU cluster: one server per node (vLLM's CPU backend), tp/dp are engine threads.
-        if group.tp * group.dp > 1 and group.tp > 1:
+        if group.tp > 1:
             check.warnings.append(f"{role}: tp({group.tp}) on a CPU cluster runs {group.tp} CPU workers per server")
         return 0, 1, 1
     if group.tp > gpus_per_node:
@@ -247,8 +159,9 @@ def _inference_layout(check: _Checker, role: str, field: tuple[str, ...], group:
     return per_replica, nodes_per_replica, 1
 
 
-def _server_args(topo: Topology, group: InferenceGroup, role: str, port: Optional[int], dp_local: int,
-                 dp_start: int, nodes_per_replica: int, rpc_port: int, kv_role: Optional[str]) -> tuple[str, ...]:
+def server_args(topo: Topology, group: InferenceGroup, port: Optional[int], dp_local: int, dp_start: int,
+                nodes_per_replica: int, rpc_port: Optional[int], kv_role: Optional[str]) -> tuple[str, ...]:
+    """`vllm serve` arguments of one server process."""
     m = topo.model
     args = ["--model", m.path, "--served-model-name", topo.name, "--dtype", m.dtype,
             "--max-model-len", str(m.max_model_len), "--tensor-parallel-size", str(group.tp)]
@@ -257,10 +170,10 @@ def _server_args(topo: Topology, group: InferenceGroup, role: str, port: Optiona
     if port is not None:
         args += ["--port", str(port)]
     if group.dp > 1:
-        args += ["--data-parallel-size", str(group.dp)]
+        # An explicit RPC port per server: two dp servers on one node would otherwise share vLLM's default.
+        args += ["--data-parallel-size", str(group.dp), "--data-parallel-rpc-port", str(rpc_port)]
         if nodes_per_replica > 1:
-            args += ["--data-parallel-size-local", str(dp_local), "--data-parallel-start-rank", str(dp_start),
-                     "--data-parallel-rpc-port", str(rpc_port)]
+            args += ["--data-parallel-size-local", str(dp_local), "--data-parallel-start-rank", str(dp_start)]
             if port is None:
                 args.append("--headless")
     if group.expert_parallel:
@@ -278,228 +191,159 @@ def _server_args(topo: Topology, group: InferenceGroup, role: str, port: Optiona
     return tuple(args)
 
 
-def _env(*parts: dict[str, str]) -> tuple[tuple[str, str], ...]:
-    merged: dict[str, str] = {}
-    for part in parts:
-        merged.update(part)
-    return tuple(sorted(merged.items()))
-
-
-def _parse_minutes(value: str) -> Optional[float]:
-    """Slurm time string -> minutes (MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]])."""
-    days = 0
-    if "-" in value:
-        head, value = value.split("-", 1)
-        days = int(head)
-        parts = [int(p) for p in value.split(":")] + [0, 0]
-        return days * 1440 + parts[0] * 60 + parts[1] + parts[2] / 60
-    parts = [int(p) for p in value.split(":")]
-    if len(parts) == 1:
-        return float(parts[0])
-    if len(parts) == 2:
-        return parts[0] + parts[1] / 60
-    return parts[0] * 60 + parts[1] + parts[2] / 60
-
-
-def container_args(cluster: ClusterProfile, run_dir: str) -> tuple[str, ...]:
-    c = cluster.container
-    if c is None:
-        return ()
-    args = [f"--container-image={c.image}", f"--container-mounts={','.join(list(c.mounts) + [f'{run_dir}:{run_dir}'])}"]
-    if c.workdir:
-        args.append(f"--container-workdir={c.workdir}")
-    return tuple(args)
-
-
-def _srun_args(step: Step, group: Group, cluster: ClusterProfile, container: tuple[str, ...]) -> tuple[str, ...]:
-    """Where one step runs: its het group (or node range) and its tasks. Passed to srun as argv, never a shell."""
-    args = [f"--het-group={step.group}"] if cluster.hetjob else [f"--relative={group.node_offset}"]
-    args += [f"--nodes={step.nodes}", f"--ntasks-per-node={step.ntasks_per_node}",
-             f"--cpus-per-task={step.cpus_per_task}", f"--job-name={step.name}", "--kill-on-bad-exit=1"]
-    args += _gpu_directive(cluster, step.gpus_per_node)
-    if step.overlap:
-        args.append("--overlap")
-    return tuple(args) + container
-
-
-_UNSAFE_PATH = set(" \t\n\r'\"`$;\\")
-
-
-def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, cluster_source: Source,
-              run_dir: str) -> Plan:
-    """Place every role of `topo` on `cluster`; `run_dir` is the resolved absolute run directory."""
-    check = _Checker(topo_source, cluster, cluster_source)
-    if _UNSAFE_PATH & set(run_dir) or not run_dir.startswith("/"):
-        raise check.fail(("run_dir",), (
-            f"run directory {run_dir!r} must be an absolute path without spaces, quotes, '$', ';' or backslashes "
-            f"(it appears in #SBATCH lines and on every node's command line)"))
+def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: dict[str, str]
+                    ) -> tuple[list[InferenceRole], list[Server]]:
+    """One het group per inference role, one server per replica and node, ports per node."""
+    cluster = check.cluster
     gpn = cluster.gpu_node.gpus
-    base = cluster.port_base
-
-    groups: list[Group] = []
+    roles: list[InferenceRole] = []
     servers: list[Server] = []
-    steps: list[Step] = []
-    node_offset = 0
-    common_env = {**cluster.env, **cluster.network.env, "PRL_RUN_DIR": run_dir}
-    if cluster.network.interface:
-        common_env.setdefault("NCCL_SOCKET_IFNAME", cluster.network.interface)
-        common_env.setdefault("GLOO_SOCKET_IFNAME", cluster.network.interface)
-
-    # --- inference groups -------------------------------------------------------------------
-    inference_groups = topo.inference.groups()
     disagg = topo.inference.disaggregated
-    inference_steps: list[str] = []
-    servers_per_node_max = 0
-    for role, group in inference_groups.items():
+    for role, group in topo.inference.groups().items():
+        task = 0
         field = ("inference", role) if disagg else ("inference",)
-        per_replica, nodes_per_replica, per_node = _inference_layout(check, role, field, group, gpn)
-        servers_per_node_max = max(servers_per_node_max, per_node)
-        index = len(groups)
-        gpus_req = gpn
-        cpus_per_task = max(1, (cluster.gpu_node.cpus // per_node))
-        groups.append(Group(index, role, cluster.partitions.inference, group.nodes, gpus_req, per_node, cpus_per_task,
-                            node_offset, _group_directives(cluster, cluster.partitions.inference, group.nodes,
-                                                           per_node, cpus_per_task, gpus_req)))
-        node_offset += group.nodes
-        kv_role = {"prefill": "kv_producer", "decode": "kv_consumer"}.get(role)
-        if kv_role and topo.inference.kv_connector.name == "NixlConnector":
-            kv_role = "kv_both"  # NIXL pulls KV from the decode side; both ends use the same role
+        per_replica, nodes_per_replica, per_node = inference_layout(check, role, field, group, gpn)
+        cpus = max(1, cluster.gpu_node.cpus // per_node)
+        g = layout.add_group(cluster, role, cluster.partitions.inference, group.nodes, per_node, cpus, gpn)
+        kv_role = KV_ROLES.get(role) if disagg else None
         dp_local = per_replica // group.tp if nodes_per_replica == 1 else gpn // group.tp
         replicas = group.nodes // nodes_per_replica * per_node
-        task = 0
         for replica in range(replicas):
-            first_node = replica // per_node * nodes_per_replica
-            slot = replica % per_node
+            first_node, slot = replica // per_node * nodes_per_replica, replica % per_node
             for k in range(nodes_per_replica):
-                node = first_node + k
                 head = k == 0
-                if cluster.slurm:
-                    port = base + slot if head else None
-                    rpc_port = base + DP_RPC_PORT_OFFSET + slot
-                else:
-                    # Local runs put every "node" on this one host: ports must differ job-wide.
-                    port = base + len(servers) if head else None
-                    rpc_port = base + DP_RPC_PORT_OFFSET + len(servers)
-                gpus = tuple(range(slot * per_replica, (slot + 1) * per_replica)) if per_replica and nodes_per_replica == 1 \
-                    else tuple(range(gpn)) if gpn else ()
-                args = _server_args(topo, group, role, port, dp_local, k * dp_local, nodes_per_replica, rpc_port,
-                                    kv_role)
-                servers.append(Server(role, replica, index, node, task, gpus, port, head, args))
+                # Slurm: each node has its own ports. Local runs put every "node" on one host: ports differ job-wide.
+                offset = slot if cluster.slurm else len(servers)
+                port = cluster.port_base + offset if head else None
+                rpc_port = cluster.port_base + DP_RPC_PORT_OFFSET + offset if group.dp > 1 else None
+                gpus = (tuple(range(slot * per_replica, (slot + 1) * per_replica)) if per_replica and nodes_per_replica == 1
+                        else tuple(range(gpn)))
+                args = server_args(topo, group, port, dp_local, k * dp_local, nodes_per_replica, rpc_port, kv_role)
+                servers.append(Server(role=role, replica=replica, group=g.index, node=first_node + k, task=task,
+                                      gpus=gpus, port=port, head=head, address_from_head=nodes_per_replica > 1,
+                                      args=args))
                 task += 1
-        steps.append(Step(role, index, group.nodes, per_node, cpus_per_task, gpus_req, False, (), "http",
-                          f"scripts/{role}.sh", _env(common_env, group.env, {"PRL_ROLE": role})))
-        inference_steps.append(role)
+        layout.steps.append(Step(name=role, group=g.index, nodes=group.nodes, ntasks_per_node=per_node,
+                                 cpus_per_task=cpus, gpus_per_node=gpn, overlap=False, start_after=(),
+                                 health="http", script=f"scripts/{role}.sh",
+                                 env=merged_env(common_env, group.env, {"PRL_ROLE": role})))
+        roles.append(InferenceRole(name=role, group=g.index, nodes=group.nodes, tp=group.tp, dp=group.dp,
+                                   expert_parallel=group.expert_parallel, replicas=replicas,
+                                   nodes_per_replica=nodes_per_replica, servers_per_node=per_node, kv_role=kv_role))
         if group.expert_parallel and group.tp * group.dp == 1:
             check.warnings.append(f"{role}: expert_parallel with tp*dp = 1 has nothing to spread experts over")
+    return roles, servers
 
-    router_port: Optional[int] = None
-    if disagg:
-        router_port = topo.inference.router.port or base + ROUTER_PORT_OFFSET
-        steps.append(Step("router", 0, 1, 1, 2, 0, True, tuple(inference_steps), "http", "scripts/router.sh",
-                          _env(common_env, {"PRL_ROLE": "router"})))
-        inference_steps = inference_steps + ["router"]
-        if gpn and topo.inference.kv_connector.name == "ExampleConnector":
-            check.warnings.append("kv_connector ExampleConnector moves KV through shared storage: a CPU test "
-                                  "connector, slow on GPU clusters (use NixlConnector)")
 
-    # --- KV offload memory ------------------------------------------------------------------
+def place_router(check: Checker, topo: Topology, layout: Layout, common_env: dict[str, str]) -> Optional[int]:
+    """The P/D router on the first prefill node, started after every prefill and decode server."""
+    if not topo.inference.disaggregated:
+        return None
+    port = topo.inference.router.port or check.cluster.port_base + ROUTER_PORT_OFFSET
+    layout.steps.append(Step(name="router", group=0, nodes=1, ntasks_per_node=1, cpus_per_task=2, gpus_per_node=0,
+                             overlap=True, start_after=("prefill", "decode"), health="http",
+                             script="scripts/router.sh", env=merged_env(common_env, {"PRL_ROLE": "router"})))
+    if check.cluster.gpu_node.gpus and topo.inference.kv_connector.name == "ExampleConnector":
+        check.warnings.append("kv_connector ExampleConnector moves KV through shared storage: a CPU test "
+                              "connector, slow on GPU clusters (use NixlConnector)")
+    return port
+
+
+def check_kv_offload(check: Checker, topo: Topology, roles: list[InferenceRole]) -> None:
     off = topo.inference.kv_offload
-    if off.backend != "none":
-        if gpn == 0:
-            check.warnings.append("kv_offload: vLLM's CPU backend refuses KV offload; only the rendering can be tested")
-        need = off.cpu_gb * servers_per_node_max
-        have = cluster.gpu_node.memory_gb * KV_OFFLOAD_MEMORY_FRACTION
-        if need > have:
-            raise check.fail(("inference", "kv_offload", "cpu_gb"), (
-                f"KV offload needs cpu_gb({off.cpu_gb:g}) * {servers_per_node_max} servers per node = {need:g} GiB, "
-                f"over {KV_OFFLOAD_MEMORY_FRACTION:.0%} of a node's {cluster.gpu_node.memory_gb:g} GiB on cluster "
-                f"'{cluster.name}'; use cpu_gb <= {have / servers_per_node_max:g}"))
+    if off.backend == "none":
+        return
+    cluster = check.cluster
+    if cluster.gpu_node.gpus == 0:
+        check.warnings.append("kv_offload: vLLM's CPU backend refuses KV offload; only the rendering can be tested")
+    per_node = max(r.servers_per_node for r in roles)
+    need = off.cpu_gb * per_node
+    have = cluster.gpu_node.memory_gb * KV_OFFLOAD_MEMORY_FRACTION
+    if need > have:
+        raise check.fail(("inference", "kv_offload", "cpu_gb"), (
+            f"KV offload needs cpu_gb({off.cpu_gb:g}) * {per_node} servers per node = {need:g} GiB, "
+            f"over {KV_OFFLOAD_MEMORY_FRACTION:.0%} of a node's {cluster.gpu_node.memory_gb:g} GiB on cluster "
+            f"'{cluster.name}'; use cpu_gb <= {have / per_node:g}"))
 
-    # --- orchestrator -----------------------------------------------------------------------
+
+def place_orchestrator(check: Checker, topo: Topology, layout: Layout, common_env: dict[str, str],
+                       after: tuple[str, ...]) -> OrchestratorPlan:
+    """A CPU node of its own, or a few cores on the first node of the trainer or of inference."""
     orch = topo.orchestrator
-    trainer_index = len(groups) + (1 if orch.placement == "own" else 0)
-    orch_env = _env(common_env, orch.env, {"PRL_ROLE": "orchestrator"})
-    orch_after = tuple(inference_steps)
+    cluster = check.cluster
+    env = merged_env(common_env, orch.env, {"PRL_ROLE": "orchestrator"})
     if orch.placement == "own":
         node = cluster.orchestrator_node
         cpus = orch.cpus or node.cpus
         if cpus > node.cpus:
             raise check.fail(("orchestrator", "cpus"), (
                 f"orchestrator asks for {cpus} CPUs but a node of its partition has {node.cpus}"))
-        index = len(groups)
-        partition = cluster.partitions.orchestrator
-        groups.append(Group(index, "orchestrator", partition, 1, 0, 1, cpus, node_offset,
-                            _group_directives(cluster, partition, 1, 1, cpus, 0)))
-        node_offset += 1
-        steps.append(Step("orchestrator", index, 1, 1, cpus, 0, False, orch_after, "heartbeat",
-                          "scripts/orchestrator.sh", orch_env))
-        orch_group = index
+        group = layout.add_group(cluster, "orchestrator", cluster.partitions.orchestrator, 1, 1, cpus, 0).index
     else:
-        host_group = trainer_index if orch.placement == "trainer" else 0
+        # The trainer's group comes right after the inference groups when the orchestrator has none.
+        group = len(layout.groups) if orch.placement == "trainer" else 0
         cpus = orch.cpus or SHARED_ORCHESTRATOR_CPUS
-        steps.append(Step("orchestrator", host_group, 1, 1, cpus, 0, True, orch_after, "heartbeat",
-                          "scripts/orchestrator.sh", orch_env))
-        orch_group = host_group
+    layout.steps.append(Step(name="orchestrator", group=group, nodes=1, ntasks_per_node=1, cpus_per_task=cpus,
+                             gpus_per_node=0, overlap=orch.placement != "own", start_after=after,
+                             health="heartbeat", script="scripts/orchestrator.sh", env=env))
+    return OrchestratorPlan(placement=orch.placement, group=group, cpus=cpus)
 
-    # --- trainer ----------------------------------------------------------------------------
+
+def trainer_mesh(check: Checker, topo: Topology) -> tuple[int, int, Mesh]:
+    """(nodes, ranks per node, mesh) of the trainer, checked."""
     tr = topo.trainer
-    if gpn == 0:
-        procs = tr.gpus_per_node or 1
-        device = "cpu"
-    else:
-        procs = tr.gpus_per_node or gpn
-        device = "cuda"
-        if procs > gpn:
-            raise check.fail(("trainer", "gpus_per_node"), (
-                f"trainer.gpus_per_node({procs}) is more than the {gpn} GPUs of a node on cluster '{cluster.name}'"))
+    gpn = check.cluster.gpu_node.gpus
+    procs = tr.gpus_per_node or (gpn or 1)
+    if gpn and procs > gpn:
+        raise check.fail(("trainer", "gpus_per_node"), (
+            f"trainer.gpus_per_node({procs}) is more than the {gpn} GPUs of a node on cluster '{check.cluster.name}'"))
     world = tr.nodes * procs
-    where = f"{tr.nodes} nodes x {procs} {'GPUs' if gpn else 'ranks'} on cluster '{cluster.name}'"
-    fixed = tr.dp_replicate * tr.cp
-    if tr.dp_shard == -1:
-        if world % fixed:
-            raise check.fail(("trainer", "dp_replicate" if tr.cp == 1 else "cp"), (
-                f"trainer needs dp_replicate({tr.dp_replicate}) * cp({tr.cp}) = {fixed} to divide its {world} "
-                f"{'GPUs' if gpn else 'ranks'} ({where})"))
-        dp_shard = world // fixed
-    else:
-        dp_shard = tr.dp_shard
-        if fixed * dp_shard != world:
-            raise check.fail(("trainer", "dp_shard"), (
-                f"Invalid trainer mesh: dp_replicate({tr.dp_replicate}) * dp_shard({dp_shard}) * cp({tr.cp}) = "
-                f"{fixed * dp_shard} != world size {world} ({where}); use dp_shard: -1 to fill"))
-    if (dp_shard * tr.cp) % tr.ep:
-        raise check.fail(("trainer", "ep"), (
-            f"trainer needs ep({tr.ep}) to divide dp_shard({dp_shard}) * cp({tr.cp}) = {dp_shard * tr.cp} "
-            f"({where}); experts are sharded over the dp_shard x cp ranks"))
-    mesh = Mesh(tr.dp_replicate, dp_shard, tr.cp, tr.ep, world)
-    trainer_gpus = procs if gpn else 0
-    trainer_group = Group(trainer_index, "trainer", cluster.partitions.trainer, tr.nodes, trainer_gpus, 1,
-                          cluster.gpu_node.cpus, node_offset,
-                          _group_directives(cluster, cluster.partitions.trainer, tr.nodes, 1, cluster.gpu_node.cpus,
-                                            trainer_gpus))
-    groups.append(trainer_group)
-    node_offset += tr.nodes
-    rdzv_port = base + RDZV_PORT_OFFSET
-    trainer_plan = TrainerPlan(trainer_index, tr.nodes, procs, world, device, mesh, rdzv_port,
-                               tr.activation_checkpointing, tr.precision)
-    steps.append(Step("trainer", trainer_index, tr.nodes, 1, cluster.gpu_node.cpus, trainer_gpus,
-                      orch.placement == "trainer", ("orchestrator",), "heartbeat", "scripts/trainer.sh",
-                      _env(common_env, tr.env, {"PRL_ROLE": "trainer"})))
+    where = f"{tr.nodes} nodes x {procs} {'GPUs' if gpn else 'ranks'} on cluster '{check.cluster.name}'"
+    try:
+        return tr.nodes, procs, derive_mesh(world, tr.dp_replicate, tr.dp_shard, tr.cp, tr.ep, where,
+                                            unit='GPUs' if gpn else 'ranks')
+    except MeshError as exc:
+        raise check.fail(("trainer", exc.field), str(exc)) from None
 
-    # --- cluster-wide checks ----------------------------------------------------------------
-    total_nodes = sum(g.nodes for g in groups)
-    if cluster.slurm and total_nodes > cluster.max_nodes:
-        parts = " + ".join(f"{g.name} {g.nodes}" for g in groups)
-        raise check.fail_cluster(("max_nodes",), (
-            f"the job needs {parts} = {total_nodes} nodes, over cluster '{cluster.name}' max_nodes({cluster.max_nodes})"
-            f"; shrink a group or raise max_nodes"))
-    if not cluster.hetjob and cluster.slurm:
-        used = {g.partition for g in groups}
-        if len(used) > 1:
-            raise check.fail_cluster(("hetjob",), (
-                f"cluster '{cluster.name}' allows no hetjobs, so all roles share one allocation, but the roles use "
-                f"partitions {sorted(p or '(default)' for p in used)}; use one partition or allow hetjobs"))
-    # --- training settings ------------------------------------------------------------------
+
+def place_trainer(check: Checker, topo: Topology, layout: Layout, common_env: dict[str, str],
+                  orchestrator: OrchestratorPlan) -> TrainerPlan:
+    tr = topo.trainer
+    cluster = check.cluster
+    nodes, procs, mesh = trainer_mesh(check, topo)
+    gpus = procs if cluster.gpu_node.gpus else 0
+    group = layout.add_group(cluster, "trainer", cluster.partitions.trainer, nodes, 1, cluster.gpu_node.cpus, gpus)
+    layout.steps.append(Step(name="trainer", group=group.index, nodes=nodes, ntasks_per_node=1,
+                             cpus_per_task=cluster.gpu_node.cpus, gpus_per_node=gpus,
+                             overlap=orchestrator.placement == "trainer", start_after=("orchestrator",),
+                             health="heartbeat", script="scripts/trainer.sh",
+                             env=merged_env(common_env, tr.env, {"PRL_ROLE": "trainer"})))
+    return TrainerPlan(group=group.index, nodes=nodes, gpus_per_node=procs, world_size=mesh.world_size,
+                       device="cuda" if cluster.gpu_node.gpus else "cpu", mesh=mesh,
+                       master_port=cluster.port_base + RDZV_PORT_OFFSET,
+                       activation_checkpointing=tr.activation_checkpointing, precision=tr.precision)
+
+
+def check_trainer_can_run(check: Checker, model_config: Optional[dict], mesh: Mesh) -> None:
+    """Refuse, before any allocation, what the trainer cannot execute on this model (prl/planner/capabilities.py)."""
+    refusals = trainer_refusals(model_config, mesh.dp_replicate, mesh.dp_shard, mesh.cp, mesh.ep)
+    if refusals:
+        field, message = refusals[0]
+        raise check.fail(field, message)
+
+
+def check_single_allocation(check: Checker, layout: Layout) -> None:
+    cluster = check.cluster
+    if cluster.hetjob or not cluster.slurm:
+        return
+    used = {g.partition for g in layout.groups}
+    if len(used) > 1:
+        raise check.fail_cluster(("hetjob",), (
+            f"cluster '{cluster.name}' allows no hetjobs, so all roles share one allocation, but the roles use "
+            f"partitions {sorted(p or '(default)' for p in used)}; use one partition or allow hetjobs"))
+
+
+def check_training(check: Checker, topo: Topology, mesh: Mesh) -> None:
     t = topo.training
     if t.batch_size % t.rollouts_per_example:
         raise check.fail(("training", "batch_size"), (
@@ -514,109 +358,226 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
             f"max_tokens({t.max_tokens}) leaves no room for the prompt within model.max_model_len"
             f"({topo.model.max_model_len})"))
 
-    ports: dict[tuple[Any, int], str] = {}
 
-    def claim(host: Any, port: Optional[int], what: str) -> None:
+def check_ports(check: Checker, topo: Topology, servers: list[Server], router_port: Optional[int],
+                trainer: TrainerPlan) -> None:
+    """Every port a process listens on is <= 65535 and used once per node (once per host, locally)."""
+    cluster = check.cluster
+    taken: dict[tuple[Any, int], str] = {}
+
+    def claim(node: Any, port: Optional[int], what: str, field: tuple[Any, ...], in_topology: bool) -> None:
         if port is None:
             return
-        key = (host if cluster.slurm else "localhost", port)
-        if key in ports:
-            raise check.fail_cluster(("port_base",), f"port {port} is used twice on one node: {ports[key]} and {what}")
-        ports[key] = what
+        fail = check.fail if in_topology else check.fail_cluster
+        if port > MAX_PORT:
+            raise fail(field, f"{what} would listen on port {port}, above {MAX_PORT}; lower the cluster's "
+                              f"port_base({cluster.port_base}) or the port")
+        key = (node if cluster.slurm else "localhost", port)
+        if key in taken:
+            raise fail(field, f"port {port} is used twice on one node: by {taken[key]} and by {what}")
+        taken[key] = what
 
     for s in servers:
-        claim((s.group, s.node), s.port, f"{s.role} server {s.replica}")
+        claim((s.group, s.node), s.port, f"{s.role} server {s.replica}", ("port_base",), False)
+        if "--data-parallel-rpc-port" in s.args:
+            rpc = int(s.args[s.args.index("--data-parallel-rpc-port") + 1])
+            if s.head:
+                claim((s.group, s.node), rpc, f"{s.role} server {s.replica}'s data-parallel RPC", ("port_base",),
+                      False)
     if router_port is not None:
-        claim((0, 0), router_port, "router")
-    claim((trainer_index, 0), rdzv_port, "trainer rendezvous")
+        # Last: when the user's router port collides, the error points at it.
+        claim((0, 0), router_port, "the router", ("inference", "router", "port"), topo.inference.router.port is not None)
+    claim((trainer.group, 0), trainer.master_port, "the trainer rendezvous", ("port_base",), False)
 
-    shared_root = cluster.shared_root.rstrip("/") + "/"
-    if not (run_dir.rstrip("/") + "/").startswith(shared_root):
-        check.warnings.append(f"run_dir {run_dir} is outside the cluster's shared_root {cluster.shared_root}: "
-                              f"every node must see it")
 
+def job_directives(check: Checker, topo: Topology, run_dir: str) -> tuple[list[str], list[str]]:
+    """(`#SBATCH` options of the whole job, options every het component needs for itself)."""
+    cluster = check.cluster
     time_limit = topo.slurm.time or cluster.default_time
-    batch: list[str] = [f"--job-name={topo.slurm.job_name or topo.name}",
-                        f"--output={run_dir}/logs/slurm-%j.out", "--open-mode=append"]
+    batch = [f"--job-name={topo.slurm.job_name or topo.name}", f"--output={RunDir(run_dir).batch_log_pattern}",
+             "--open-mode=append"]
     if cluster.requeue.signal_seconds:
         # B: signals the batch shell only; USR1 is avoided because NCCL installs a handler for it.
         batch.append(f"--signal=B:TERM@{cluster.requeue.signal_seconds}")
     batch.append("--requeue" if cluster.requeue.enabled else "--no-requeue")
-    # Options every het component needs for itself (Slurm schedules components separately).
     common: list[str] = []
     if time_limit:
         common.append(f"--time={time_limit}")
-        minutes = _parse_minutes(time_limit)
-        if cluster.requeue.signal_seconds and minutes is not None and minutes * 60 <= cluster.requeue.signal_seconds:
+        minutes = parse_minutes(time_limit)
+        if cluster.requeue.signal_seconds and minutes * 60 <= cluster.requeue.signal_seconds:
             check.warnings.append(f"time {time_limit} is shorter than the checkpoint signal lead "
                                   f"({cluster.requeue.signal_seconds} s): the signal comes at the start")
     elif cluster.slurm:
         check.warnings.append("no time limit (slurm.time or the profile's default_time): the partition default applies")
-    account = topo.slurm.account or cluster.account
-    if account:
-        common.append(f"--account={account}")
-    qos = topo.slurm.qos or cluster.qos
-    if qos:
-        common.append(f"--qos={qos}")
-    if topo.slurm.reservation:
-        common.append(f"--reservation={topo.slurm.reservation}")
-    common += topo.slurm.extra_directives
+    for flag, value in (("account", topo.slurm.account or cluster.account), ("qos", topo.slurm.qos or cluster.qos),
+                        ("reservation", topo.slurm.reservation)):
+        if value:
+            common.append(f"--{flag}={value}")
+    return batch, common + list(topo.slurm.extra_directives)
 
+
+def finish_groups(check: Checker, layout: Layout, common: list[str], orchestrator: OrchestratorPlan) -> list[Group]:
+    """Hetjob: every component gets the common options. Otherwise one allocation of whole nodes of one kind."""
+    cluster = check.cluster
+    groups = layout.groups
     if cluster.hetjob:
-        groups = [replace(g, directives=g.directives + tuple(common)) for g in groups]
-    else:
-        # One allocation: whole nodes of one kind; each step picks its node range with --relative.
-        gpus = max(g.gpus_per_node for g in groups)
-        ntasks = max(g.ntasks_per_node for g in groups)
-        single = _group_directives(cluster, groups[0].partition, total_nodes, ntasks,
-                                   max(1, cluster.gpu_node.cpus // ntasks), gpus) + tuple(common)
-        groups = [replace(g, directives=single if g.index == 0 else ()) for g in groups]
-        if orch.placement == "own" and gpus:
-            check.warnings.append("without hetjobs the orchestrator's node is a GPU node too: its GPUs stay idle")
-    steps = [replace(s, srun_args=_srun_args(s, groups[s.group], cluster, container_args(cluster, run_dir)))
-             if cluster.slurm else s for s in steps]
+        return [msgspec.structs.replace(g, directives=g.directives + tuple(common)) for g in groups]
+    gpus = max(g.gpus_per_node for g in groups)
+    ntasks = max(g.ntasks_per_node for g in groups)
+    total = sum(g.nodes for g in groups)
+    single = group_directives(cluster, groups[0].partition, total, ntasks, max(1, cluster.gpu_node.cpus // ntasks),
+                              gpus) + tuple(common)
+    if orchestrator.placement == "own" and gpus:
+        check.warnings.append("without hetjobs the orchestrator's node is a GPU node too: its GPUs stay idle")
+    return [msgspec.structs.replace(g, directives=single if g.index == 0 else ()) for g in groups]
 
-    setup = [f"module load {shlex.quote(m)}" for m in cluster.modules]
+
+def place_steps(cluster: ClusterProfile, steps: list[Step], groups: list[Group], run_dir: str) -> list[Step]:
+    """Each step's srun placement (Slurm clusters only)."""
+    if not cluster.slurm:
+        return steps
+    container = container_args(cluster, run_dir)
+    return [msgspec.structs.replace(s, srun_args=srun_args(s, groups[s.group], cluster, container)) for s in steps]
+
+
+def setup_lines(cluster: ClusterProfile) -> tuple[str, ...]:
+    lines = [f"module load {shlex.quote(m)}" for m in cluster.modules]
     if cluster.venv:
-        setup.append(f"source {shlex.quote(cluster.venv + '/bin/activate')}")
-    setup += cluster.setup
+        lines.append(f"source {shlex.quote(cluster.venv + '/bin/activate')}")
+    return tuple(lines + list(cluster.setup))
 
-    container = None
-    if cluster.container:
-        c = cluster.container
-        container = {"image": c.image, "mounts": list(c.mounts) + [f"{run_dir}:{run_dir}"], "workdir": c.workdir}
 
-    totals = {
-        "nodes": total_nodes,
-        "gpus": sum(g.nodes * g.gpus_per_node for g in groups),
-        "inference_servers": sum(1 for s in servers if s.head),
-        "inference_gpus": sum(g.nodes * g.gpus_per_node for g in groups if g.name in inference_groups),
-        "trainer_world_size": world,
-    }
+def container_plan(cluster: ClusterProfile, run_dir: str) -> Optional[ContainerPlan]:
+    c = cluster.container
+    if c is None:
+        return None
+    return ContainerPlan(image=c.image, mounts=tuple(c.mounts) + (f"{run_dir}:{run_dir}",), workdir=c.workdir)
+
+
+def check_shared_root(check: Checker, run_dir: str) -> None:
+    shared_root = check.cluster.shared_root.rstrip("/") + "/"
+    if not (run_dir.rstrip("/") + "/").startswith(shared_root):
+        check.warnings.append(f"run_dir {run_dir} is outside the cluster's shared_root {check.cluster.shared_root}: "
+                              f"every node must see it")
+
+
+# ----------------------------------------------------------------------------- make_plan
+
+
+def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, cluster_source: Source,
+              run_dir: str, model_config: Optional[dict] = None) -> Plan:
+    """Place every role of `topo` on `cluster`; `run_dir` is the resolved absolute run directory.
+
+    `model_config` is the model's config.json when the planner can read it (model-dependent checks).
+    """
+    check = Checker(topo_source, cluster, cluster_source)
+    check_run_dir(check, run_dir)
+    check_node_budget(check, topo)
+    common_env = role_env(cluster, run_dir)
+    layout = Layout()
+    roles, servers = place_inference(check, topo, layout, common_env)
+    router_port = place_router(check, topo, layout, common_env)
+    check_kv_offload(check, topo, roles)
+    orchestrator = place_orchestrator(check, topo, layout, common_env, tuple(s.name for s in layout.steps))
+    trainer = place_trainer(check, topo, layout, common_env, orchestrator)
+    check_trainer_can_run(check, model_config, trainer.mesh)
+    check_single_allocation(check, layout)
+    check_training(check, topo, trainer.mesh)
+    check_ports(check, topo, servers, router_port, trainer)
+    check_shared_root(check, run_dir)
+    batch, common = job_directives(check, topo, run_dir)
+    groups = finish_groups(check, layout, common, orchestrator)
     return Plan(
-        name=topo.name,
-        job_name=topo.slurm.job_name or topo.name,
-        cluster=cluster.name,
-        slurm=cluster.slurm,
-        hetjob=cluster.hetjob,
-        run_dir=run_dir,
-        python=cluster.python,
-        model=topo.model.model_dump(),
-        groups=tuple(groups),
-        servers=tuple(servers),
-        router_port=router_port,
-        trainer=trainer_plan,
-        orchestrator={"placement": orch.placement, "group": orch_group, "interface": cluster.network.interface},
-        steps=tuple(steps),
-        batch_directives=tuple(batch),
-        setup=tuple(setup),
-        container=container,
-        environment=topo.environment.model_dump(),
-        training=topo.training.model_dump(),
-        kv_offload=off.model_dump(),
-        kv_connector=topo.inference.kv_connector.model_dump() if disagg else None,
-        grace_seconds=cluster.requeue.grace_seconds,
-        requeue=cluster.requeue.enabled,
-        totals=totals,
-        warnings=tuple(check.warnings),
+        name=topo.name, job_name=topo.slurm.job_name or topo.name, cluster=cluster.name, slurm=cluster.slurm,
+        hetjob=cluster.hetjob, run_dir=run_dir, python=cluster.python,
+        served_model_name=topo.name, network_interface=cluster.network.interface,
+        groups=tuple(groups), inference=tuple(roles), servers=tuple(servers), router_port=router_port,
+        trainer=trainer, orchestrator=orchestrator, steps=tuple(place_steps(cluster, layout.steps, groups, run_dir)),
+        batch_directives=tuple(batch), setup=setup_lines(cluster), container=container_plan(cluster, run_dir),
+        settings_json=msgspec.Raw(RunSettings.of(topo).to_json()),
+        grace_seconds=cluster.requeue.grace_seconds, requeue=cluster.requeue.enabled,
+        totals=totals(groups, servers, roles, trainer), warnings=tuple(check.warnings),
     )
+
+
+# ----------------------------------------------------------------------------- small pieces
+
+
+def role_env(cluster: ClusterProfile, run_dir: str) -> dict[str, str]:
+    env = {**cluster.env, **cluster.network.env, "PRL_RUN_DIR": run_dir}
+    if cluster.network.interface:
+        env.setdefault("NCCL_SOCKET_IFNAME", cluster.network.interface)
+        env.setdefault("GLOO_SOCKET_IFNAME", cluster.network.interface)
+    return env
+
+
+def merged_env(*parts: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    merged: dict[str, str] = {}
+    for part in parts:
+        merged.update(part)
+    return tuple(sorted(merged.items()))
+
+
+def totals(groups: list[Group], servers: list[Server], roles: list[InferenceRole], trainer: TrainerPlan) -> Totals:
+    inference_groups = {r.group for r in roles}
+    return Totals(nodes=sum(g.nodes for g in groups), gpus=sum(g.nodes * g.gpus_per_node for g in groups),
+                  inference_servers=sum(1 for s in servers if s.head),
+                  inference_gpus=sum(g.nodes * g.gpus_per_node for g in groups if g.index in inference_groups),
+                  trainer_world_size=trainer.world_size)
+
+
+def gpu_directive(cluster: ClusterProfile, gpus: int) -> tuple[str, ...]:
+    if gpus == 0 or cluster.gpu_directive == "none":
+        return ()
+    if cluster.gpu_directive == "gres":
+        return (f"--gres={cluster.gres_name}:{gpus}",)
+    return (f"--gpus-per-node={gpus}",)
+
+
+def group_directives(cluster: ClusterProfile, partition: Optional[str], nodes: int, ntasks: int, cpus: int,
+                     gpus: int) -> tuple[str, ...]:
+    out = [f"--partition={partition}"] if partition else []
+    out += [f"--nodes={nodes}", f"--ntasks-per-node={ntasks}", f"--cpus-per-task={cpus}"]
+    out += gpu_directive(cluster, gpus)
+    if cluster.exclusive:
+        out += ["--exclusive", "--mem=0"]
+    if cluster.constraint:
+        out.append(f"--constraint={cluster.constraint}")
+    if cluster.segment:
+        out.append(f"--segment={cluster.segment}")
+    return tuple(out)
+
+
+def parse_minutes(value: str) -> float:
+    """Slurm time string -> minutes (MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]])."""
+    if "-" in value:
+        head, value = value.split("-", 1)
+        parts = [int(p) for p in value.split(":")] + [0, 0]
+        return int(head) * 1440 + parts[0] * 60 + parts[1] + parts[2] / 60
+    parts = [int(p) for p in value.split(":")]
+    if len(parts) == 1:
+        return float(parts[0])
+    if len(parts) == 2:
+        return parts[0] + parts[1] / 60
+    return parts[0] * 60 + parts[1] + parts[2] / 60
+
+
+def container_args(cluster: ClusterProfile, run_dir: str) -> tuple[str, ...]:
+    c = container_plan(cluster, run_dir)
+    if c is None:
+        return ()
+    args = [f"--container-image={c.image}", f"--container-mounts={','.join(c.mounts)}"]
+    if c.workdir:
+        args.append(f"--container-workdir={c.workdir}")
+    return tuple(args)
+
+
+def srun_args(step: Step, group: Group, cluster: ClusterProfile, container: tuple[str, ...]) -> tuple[str, ...]:
+    """Where one step runs: its het group (or node range) and its tasks. Passed to srun as argv, never a shell."""
+    args = [f"--het-group={step.group}"] if cluster.hetjob else [f"--relative={group.node_offset}"]
+    args += [f"--nodes={step.nodes}", f"--ntasks-per-node={step.ntasks_per_node}",
+             f"--cpus-per-task={step.cpus_per_task}", f"--job-name={step.name}", "--kill-on-bad-exit=1"]
+    args += gpu_directive(cluster, step.gpus_per_node)
+    if step.overlap:
+        args.append("--overlap")
+    return tuple(args) + container

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Sequence
 
@@ -10,9 +12,8 @@ import yaml
 
 from prl.config.cluster import CLUSTERS_DIR, ClusterProfile, load_profile, profile_path
 from prl.errors import ConfigError
-from prl.config.loader import load_document, validate
+from prl.config.loader import Source, load_document, validate
 from prl.planner.plan import Plan, make_plan
-from prl.planner.render import render, write
 from prl.config.topology import Topology, cluster_overrides
 
 
@@ -21,8 +22,15 @@ class Prepared:
     topology: Topology
     cluster: ClusterProfile
     plan: Plan
-    files: dict[str, str]
-    """Relative path in the run directory -> text."""
+    resolved_yaml: str
+    """The topology as prl read it (interpolation and overrides applied), for RUN/topology.yaml."""
+
+    @cached_property
+    def files(self) -> dict[str, str]:
+        """Relative path in the run directory -> text (rendered on first use: `--no-write` needs none)."""
+        from prl.planner.render import render
+
+        return render(self.plan, self.resolved_yaml)
 
     @property
     def run_dir(self) -> Path:
@@ -45,6 +53,20 @@ def _absolute_model_paths(topo: Topology, cwd: Path) -> Topology:
     return topo.model_copy(update={"model": topo.model.model_copy(update=update)}) if update else topo
 
 
+def model_config(topo: Topology, source: Source) -> dict | None:
+    """The model's config.json when this machine sees the model directory (None: a hub id or a remote path)."""
+    path = Path(topo.model.path) / "config.json"
+    try:
+        if not path.is_file():
+            return None
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise source.error(("model", "path"), f"cannot read the model's config.json ({path}): {exc}") from None
+    if not isinstance(data, dict):
+        raise source.error(("model", "path"), f"{path} does not hold a JSON object")
+    return data
+
+
 def prepare(topology_path: Path, overrides: Sequence[str] = (), cwd: Path | None = None) -> Prepared:
     """Load and check everything, plan, render in memory. Writes nothing."""
     cwd = cwd or Path.cwd()
@@ -61,10 +83,10 @@ def prepare(topology_path: Path, overrides: Sequence[str] = (), cwd: Path | None
     cluster = cluster.model_copy(update={"shared_root": shared_root})
     run_dir = _absolute(topo.run_dir or f"{shared_root.rstrip('/')}/prl-runs/{topo.name}", cwd)
     run_dir = str(Path(run_dir))  # normalise '//' and a trailing '/'
-    plan = make_plan(topo, source, cluster, cluster_source, run_dir)
+    plan = make_plan(topo, source, cluster, cluster_source, run_dir, model_config(topo, source))
     header = f"# {topology_path.name} as resolved by prl (interpolation and overrides applied)\n"
     resolved = header + yaml.safe_dump(data, sort_keys=False)
-    return Prepared(topo, cluster, plan, render(plan, resolved))
+    return Prepared(topo, cluster, plan, resolved)
 
 
 def write_run_files(prepared: Prepared, *, force: bool = False) -> list[Path]:
@@ -75,6 +97,8 @@ def write_run_files(prepared: Prepared, *, force: bool = False) -> list[Path]:
     if run.job_json.exists() and not force:
         raise ConfigError(f"{run.root} holds a submitted job ({run.job_json}); writing new scripts there would "
                           f"change a running job's files: use another run_dir or --force")
+    from prl.planner.render import write
+
     try:
         return write(prepared.files, run.root)
     except OSError as exc:

@@ -9,12 +9,11 @@ spaces, quotes or '$'. Output is deterministic: same plan, same bytes.
 from __future__ import annotations
 
 import shlex
-from dataclasses import asdict
 from pathlib import Path
 
 import jinja2
 
-from prl.planner.plan import Plan
+from prl.planner.model import Plan
 
 TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "templates"
 JOB_SCRIPT = "scripts/job.sbatch"
@@ -36,7 +35,7 @@ def _environment() -> jinja2.Environment:
 def render(plan: Plan, topology_yaml: str) -> dict[str, str]:
     """Relative path in the run directory -> file text."""
     env = _environment()
-    context = asdict(plan)
+    context = {name: getattr(plan, name) for name in plan.__struct_fields__}
     files = {
         "topology.yaml": topology_yaml,
         "plan.json": plan.to_json(),
@@ -44,8 +43,8 @@ def render(plan: Plan, topology_yaml: str) -> dict[str, str]:
     if plan.slurm:
         files[JOB_SCRIPT] = env.get_template("job.sbatch.j2").render(**context)
     step_template = env.get_template("step.sh.j2")
-    for step in context["steps"]:
-        files[step["script"]] = step_template.render(step=step, **context)
+    for step in plan.steps:
+        files[step.script] = step_template.render(step=step, **context)
     return files
 
 

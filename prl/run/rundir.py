@@ -11,6 +11,7 @@ joins path pieces under a run. It imports no torch: login nodes import it.
       logs/attempt_N/<role>/<role>.log        one dir per attempt (requeue = new attempt)
       logs/attempt_N/<role>/rank_K.log        per-rank logs of multi-rank roles
       logs/latest -> attempt_N
+      logs/launcher.log | logs/slurm-JOBID.out the launcher's own output (local | Slurm)
       rollouts/step_N/   + STABLE             orchestrator -> trainer
       weights/step_N/    + STABLE             trainer -> inference (HF layout)
       checkpoints/step_N/<role>/ + STABLE     per-role resumable state
@@ -38,11 +39,12 @@ import secrets
 import shutil
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from prl.errors import RunDirError, StepTimeout
+from prl.states import RoleState
 
 ROLES = ("inference", "orchestrator", "trainer", "prefill", "decode", "router")
 """Roles that may write state, logs and checkpoints under a run."""
@@ -54,6 +56,8 @@ MARKER = "STABLE"
 """Name of the marker file that makes a published directory visible to readers."""
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_ATTEMPT_RE = re.compile(r"^attempt_(\d+)$")
+_RANK_LOG_RE = re.compile(r"^rank_(\d+)\.log$")
 
 
 # ---------------------------------------------------------------- atomic files
@@ -107,12 +111,24 @@ def fsync_tree(path: Path) -> None:
         _fsync_dir(Path(dirpath))
 
 
-def current_attempt() -> int:
-    """This job's attempt number: $PRL_ATTEMPT, else Slurm's requeue count, else 0."""
-    for var in ("PRL_ATTEMPT", "SLURM_RESTART_COUNT"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
+def current_attempt(env: Mapping[str, str] | None = None) -> int:
+    """This job's attempt number, from 1: one more per Slurm requeue and per `prl submit --resume`.
+
+    $PRL_ATTEMPT when set: the launcher passes it to every task, and `prl submit --local` to
+    the launcher. Else (the launcher of a Slurm job) the attempts before this submission
+    ($PRL_ATTEMPT_BASE, set by `prl submit`) + Slurm's requeue count ($SLURM_RESTART_COUNT) + 1.
+    """
+    env = os.environ if env is None else env
+    if env.get("PRL_ATTEMPT", "").isdigit():
+        return int(env["PRL_ATTEMPT"])
+    base, requeues = env.get("PRL_ATTEMPT_BASE", ""), env.get("SLURM_RESTART_COUNT", "")
+    return (int(base) if base.isdigit() else 0) + (int(requeues) if requeues.isdigit() else 0) + 1
+
+
+def step_of(path: str | Path) -> int | None:
+    """N for a step directory `.../step_N`; None for any other name."""
+    m = _STEP_RE.match(Path(path).name)
+    return int(m.group(1)) if m else None
 
 
 def read_json(path: str | Path) -> Any:
@@ -170,13 +186,6 @@ class RunDir:
     def metrics_jsonl(self) -> Path:
         return self.root / "metrics.jsonl"
 
-    def read_plan(self) -> dict:
-        """plan.json as a dict; a RunDirError says what is missing."""
-        try:
-            return json.loads(self.plan_json.read_text())
-        except FileNotFoundError:
-            raise RunDirError(f"no plan in {self.root}: {self.plan_json} is missing (run `prl plan` first)") from None
-
     # -- logs
     @property
     def logs_dir(self) -> Path:
@@ -185,15 +194,53 @@ class RunDir:
     def attempt_logs(self, attempt: int) -> Path:
         return self.logs_dir / f"attempt_{attempt}"
 
+    def attempts(self) -> list[int]:
+        """Every attempt that has a log dir (logs/attempt_N), ascending."""
+        if not self.logs_dir.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.logs_dir.iterdir() if (m := _ATTEMPT_RE.match(p.name)))
+
+    def latest_attempt(self) -> int | None:
+        """The attempt logs/latest points at; else the highest with a log dir; None before the job started."""
+        try:
+            m = _ATTEMPT_RE.match(os.readlink(self.latest_logs))
+        except OSError:
+            m = None
+        if m:
+            return int(m.group(1))
+        return max(self.attempts(), default=None)
+
     @property
     def latest_logs(self) -> Path:
         """Symlink to the newest attempt's log dir (see `link_latest_logs`)."""
         return self.logs_dir / "latest"
 
-    def role_log(self, attempt: int, role: str, rank: int | None = None) -> Path:
+    def role_logs_dir(self, attempt: int, role: str) -> Path:
+        """logs/attempt_N/<role>: the role's logs of one attempt."""
         _check_role(role)
+        return self.attempt_logs(attempt) / role
+
+    def role_log(self, attempt: int, role: str, rank: int | None = None) -> Path:
         name = f"{role}.log" if rank is None else f"rank_{rank}.log"
-        return self.attempt_logs(attempt) / role / name
+        return self.role_logs_dir(attempt, role) / name
+
+    def rank_logs(self, attempt: int, role: str) -> list[tuple[int, Path]]:
+        """(rank, path) of every per-rank log of `role` in `attempt`, by rank."""
+        folder = self.role_logs_dir(attempt, role)
+        if not folder.is_dir():
+            return []
+        return sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _RANK_LOG_RE.match(p.name)))
+
+    def launcher_log(self, backend: str, job_id: str | None = None) -> Path:
+        """The launcher's own output: logs/slurm-JOBID.out on Slurm (the batch script's), else logs/launcher.log."""
+        if backend == "slurm":
+            return self.logs_dir / f"slurm-{job_id}.out"
+        return self.logs_dir / "launcher.log"
+
+    @property
+    def batch_log_pattern(self) -> str:
+        """`sbatch --output` pattern of the launcher's log on Slurm (`launcher_log("slurm", JOBID)`)."""
+        return str(self.logs_dir / "slurm-%j.out")
 
     def link_latest_logs(self, attempt: int) -> Path:
         """Point logs/latest at attempt_N (atomic replace of the link)."""
@@ -252,7 +299,7 @@ class RunDir:
                 f"attempt {attempt}; refusing to write over a newer attempt's steps."
             )
         owner = {k: old.get(k) for k in me}
-        if old.get("status") == "running" and owner != me and old_attempt == attempt:
+        if old.get("status") == RoleState.RUNNING and owner != me and old_attempt == attempt:
             age = time.time() - float(old.get("heartbeat", old.get("updated", 0)))
             if age < stale_after and not (owner["host"] == me["host"] and not pid_alive(owner["pid"])):
                 raise RunDirError(
@@ -261,11 +308,11 @@ class RunDir:
                     f"Use a new run directory, or stop the other job and wait {stale_after:.0f} s."
                 )
         now = time.time()
-        return self.write_state(role, status="running", started=now, heartbeat=now, exit_code=None, **me)
+        return self.write_state(role, status=RoleState.RUNNING, started=now, heartbeat=now, exit_code=None, **me)
 
     def mark_exit(self, role: str, exit_code: int, error: str | None = None) -> dict:
         """Record the role's end (status 'exited' or 'failed')."""
-        status = "exited" if exit_code == 0 else "failed"
+        status = RoleState.EXITED if exit_code == 0 else RoleState.FAILED
         return self.write_state(role, status=status, exit_code=exit_code, error=error, ended=time.time())
 
     # -- per-step directories
@@ -275,6 +322,10 @@ class RunDir:
         if step < 0:
             raise RunDirError(f"step must be >= 0, got {step}")
         return self.root / kind / f"step_{step}"
+
+    def weights_root(self) -> Path:
+        """weights/, resolved (the run dir itself may sit behind a symlink): what a server may load from."""
+        return Path(os.path.realpath(self.root / "weights"))
 
     def rollouts(self, step: int) -> Path:
         return self.step_dir("rollouts", step)
@@ -300,7 +351,7 @@ class RunDir:
             raise RunDirError(f"unknown step kind {kind!r}; expected one of {', '.join(KINDS)}")
         if not base.is_dir():
             return []
-        return sorted(int(m.group(1)) for p in base.iterdir() if (m := _STEP_RE.match(p.name)))
+        return sorted(step for p in base.iterdir() if (step := step_of(p)) is not None)
 
     def stable_steps(self, kind: str, role: str | None = None) -> list[int]:
         """Published (STABLE) steps of `kind`, ascending. Checkpoints: of `role` (default trainer)."""
@@ -505,6 +556,10 @@ class RunDir:
         _check_role(role)
         return self.state_dir / "preflight" / f"{role}.{task}.json"
 
+    def probe_file(self) -> Path:
+        """A scratch file of this process under state/ (the preflight's check that the run dir is writable)."""
+        return self.state_dir / "preflight" / f".probe-{socket.gethostname()}-{os.getpid()}"
+
     def task_exit(self, role: str, task: int) -> Path:
         """A task's own record of how it ended (exit code, time): srun reports only the step's worst."""
         _check_role(role)
@@ -515,14 +570,18 @@ class RunDir:
         """Written by the launcher to ask every task of this attempt to stop (checkpoint, then exit)."""
         return self.state_dir / "stop.json"
 
+    @property
+    def endpoints_dir(self) -> Path:
+        return self.state_dir / "endpoints"
+
     def endpoint(self, role: str, index: int) -> Path:
         """Where task/replica `index` of `role` says how to reach it (host, port)."""
         _check_role(role)
-        return self.state_dir / "endpoints" / f"{role}.{index}.json"
+        return self.endpoints_dir / f"{role}.{index}.json"
 
     def endpoints(self) -> dict[str, dict[int, dict]]:
         """Every endpoint published so far: role -> index -> what the task wrote (url, host, port...)."""
-        folder = self.state_dir / "endpoints"
+        folder = self.endpoints_dir
         out: dict[str, dict[int, dict]] = {}
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             role, _, index = path.stem.partition(".")
@@ -533,7 +592,11 @@ class RunDir:
 
     def task_log_pattern(self, attempt: int, role: str) -> str:
         """`srun --output` pattern for one log per task: role_log(attempt, role, rank=K) for task K."""
-        return str(self.role_log(attempt, role, 0)).replace("rank_0.log", "rank_%t.log")
+        return str(self.role_logs_dir(attempt, role) / "rank_%t.log")
+
+    def path(self, relative: str | Path) -> Path:
+        """A path the plan records relative to the run directory (a step's script), made absolute."""
+        return self.root / relative
 
     def reset_attempt_state(self) -> None:
         """Forget an earlier attempt's readiness markers and endpoints before a new attempt starts."""

@@ -1,90 +1,62 @@
-"""The trainer's settings, read from the `model`, `trainer` and `training` sections of RUN/plan.json.
+"""The trainer's view of the plan: which model, which mesh, which training settings.
 
-The planner writes plan.json; the trainer only picks what it needs. Unknown
-keys are ignored (the plan carries other roles' settings too) and optional
-keys get the defaults below. A missing required key is a ConfigError that
-names it.
+Every value comes from RUN/plan.json (the typed `Plan`); nothing here has a default of its
+own. The training settings are the topology's `Training` schema itself (prl/config/topology.py),
+so `lr` or `checkpoint_interval` mean one thing everywhere.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass
 
-from prl.errors import ConfigError
-from prl.trainer.loss import LossConfig
+from prl.config.topology import Loss, Training
+from prl.planner.model import Mesh, Plan
 
 
 @dataclass(frozen=True)
 class TrainerConfig:
     model_path: str
     """Local directory of the Hugging Face model (config, safetensors, tokenizer)."""
-    model_dtype: str = "bfloat16"
+    model_dtype: str
     """dtype of the published weights (and of the model the inference engine serves)."""
-    max_model_len: int = 2048
-
-    world_size: int = 1
-    """Trainer processes (GPUs) in total; must equal the torchrun world size."""
-    dp_replicate: int = 1
-    """HSDP replica groups (>1: FSDP inside a group, all-reduce across groups)."""
-    dp_shard: int = 1
-    """Ranks each parameter is sharded across."""
-    cp: int = 1
-    """Context-parallel degree (only 1 is implemented)."""
-    ep: int = 1
-    """Expert-parallel degree (only 1 is implemented)."""
-    activation_checkpointing: bool = False
-    precision: str = "bf16"
+    mesh: Mesh
+    activation_checkpointing: bool
+    precision: str
     """'bf16' (bf16 compute, fp32 master weights and gradient reduction) or 'fp32'.
     On CPU, bf16 is run as fp32: CPU bf16 matmuls are slow and FSDP's CPU path is tested in fp32."""
-    master_port: int = 29500
-
-    micro_batch_tokens: int = 4096
-    max_off_policy_steps: int = 2
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    """0 disables gradient clipping (the norm is still reported)."""
-    max_steps: int = 10
-    seed: int = 0
-    checkpoint_interval: int = 5
-    """Save a checkpoint every this many steps (and after the last); 0 disables."""
-    checkpoint_keep: int = 2
-    """Newest checkpoints kept; 0 keeps all."""
-    rollout_timeout_s: float = 3600.0
-    """How long to wait for one step's rollouts before failing."""
-    loss: LossConfig = field(default_factory=LossConfig)
-
-    @property
-    def dp_size(self) -> int:
-        return self.dp_replicate * self.dp_shard
+    master_port: int
+    training: Training
 
     @classmethod
-    def from_plan(cls, plan: dict[str, Any]) -> TrainerConfig:
-        model = plan.get("model") or {}
-        trainer = plan.get("trainer") or {}
-        training = plan.get("training") or {}
-        mesh = trainer.get("mesh") or {}
-        if "path" not in model:
-            raise ConfigError("plan.json has no model.path: the trainer needs the model directory")
-        raw: dict[str, Any] = {
-            "model_path": model["path"],
-            "model_dtype": model.get("dtype"),
-            "max_model_len": model.get("max_model_len"),
-            **{k: trainer.get(k) for k in ("world_size", "activation_checkpointing", "precision", "master_port")},
-            **{k: mesh.get(k) for k in ("dp_replicate", "dp_shard", "cp", "ep")},
-            **{f.name: training.get(f.name) for f in fields(cls) if f.name in training and f.name != "loss"},
-        }
-        known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in raw.items() if v is not None and k in known}
-        try:
-            loss_raw = training.get("loss") or {}
-            loss = LossConfig(
-                **{k: loss_raw[k] for k in ("ratio_low", "ratio_high", "mode", "kl_coef") if k in loss_raw}
-            )
-            cfg = cls(**kwargs, loss=loss)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"plan.json trainer settings: {e}") from e
-        if cfg.precision not in ("bf16", "fp32"):
-            raise ConfigError(f"trainer.precision must be 'bf16' or 'fp32', got {cfg.precision!r}")
-        return cfg
+    def from_plan(cls, plan: Plan) -> TrainerConfig:
+        tr, settings = plan.trainer, plan.settings()
+        # "auto" keeps the checkpoint's own dtype for serving; published weights are then bf16.
+        dtype = "bfloat16" if settings.model.dtype == "auto" else settings.model.dtype
+        return cls(model_path=settings.model.path, model_dtype=dtype, mesh=tr.mesh,
+                   activation_checkpointing=tr.activation_checkpointing, precision=tr.precision,
+                   master_port=tr.master_port, training=settings.training)
+
+    # The mesh, by name.
+    world_size = property(lambda self: self.mesh.world_size)
+    dp_replicate = property(lambda self: self.mesh.dp_replicate)
+    dp_shard = property(lambda self: self.mesh.dp_shard)
+    cp = property(lambda self: self.mesh.cp)
+    ep = property(lambda self: self.mesh.ep)
+    dp_size = property(lambda self: self.mesh.dp)
+
+    # The training settings the trainer reads, by name.
+    micro_batch_tokens = property(lambda self: self.training.micro_batch_tokens)
+    max_off_policy_steps = property(lambda self: self.training.max_off_policy_steps)
+    lr = property(lambda self: self.training.lr)
+    weight_decay = property(lambda self: self.training.weight_decay)
+    max_grad_norm = property(lambda self: self.training.max_grad_norm)
+    max_steps = property(lambda self: self.training.max_steps)
+    seed = property(lambda self: self.training.seed)
+    checkpoint_interval = property(lambda self: self.training.checkpoint_interval)
+    checkpoint_keep = property(lambda self: self.training.checkpoint_keep)
+    rollout_timeout_s = property(lambda self: self.training.rollout_timeout_s)
+    router_aux_loss_coef = property(lambda self: self.training.router_aux_loss_coef)
+
+    @property
+    def loss(self) -> Loss:
+        return self.training.loss

@@ -27,27 +27,9 @@ they can be reduced across micro-batches and ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class LossConfig:
-    ratio_low: float = 0.0
-    """Tokens with r_t below this are masked (mode mask) or clamped up to it (mode clip)."""
-    ratio_high: float = 5.0
-    """Tokens with r_t above this are masked (mode mask) or clamped down to it (mode clip)."""
-    mode: str = "mask"
-    """'mask' or 'clip'."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL term; 0 disables it."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("mask", "clip"):
-            raise ValueError(f"training.loss.mode must be 'mask' or 'clip', got {self.mode!r}")
-        if not 0.0 <= self.ratio_low <= self.ratio_high:
-            raise ValueError(f"need 0 <= ratio_low <= ratio_high, got {self.ratio_low}, {self.ratio_high}")
+from prl.config.topology import Loss
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +47,7 @@ def policy_loss(
     inference_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
-    cfg: LossConfig,
+    cfg: Loss,
     total_loss_tokens: int | float,
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:

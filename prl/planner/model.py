@@ -1,0 +1,303 @@
+"""The Plan: what `make_plan` derives, frozen and typed, from the planner to every role.
+
+`prl plan` writes it as RUN/plan.json (`Plan.to_json`); the launcher, the role runners,
+`prl status`/`logs` and the three roles read it back as the same model (`Plan.read`), never as
+a dict. The user's own settings travel inside it as the topology's own schemas (`RunSettings`:
+`Model`, `Environment`, `Training`, KV settings): one definition per concept, no role restates a
+default. They are decoded on first use (`plan.settings()`), so the commands that only need the
+placement (`prl status`, `prl logs`, the launcher) never import pydantic: msgspec decodes and
+type-checks the rest in a few milliseconds, and login nodes feel every 100 ms.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import TYPE_CHECKING, Literal, Optional
+
+import msgspec
+
+from prl.errors import ConfigError, RunDirError
+from prl.run.rundir import RunDir
+
+if TYPE_CHECKING:
+    from prl.planner.settings import RunSettings
+
+PLAN_FORMAT = "prl.plan/2"
+"""Bumped whenever a field changes meaning: a role refuses a plan.json of another format."""
+
+ServerRole = Literal["inference", "prefill", "decode"]
+RoleName = Literal["inference", "prefill", "decode", "router", "orchestrator", "trainer"]
+
+
+class Frozen(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of the plan's records: immutable, typed on decode, unknown fields refused."""
+
+
+class Group(Frozen, kw_only=True):
+    """One het component (or, without hetjobs, one node range of the single allocation)."""
+
+    index: int
+    name: str
+    partition: Optional[str]
+    nodes: int
+    gpus_per_node: int
+    """GPUs requested per node (0: none)."""
+    ntasks_per_node: int
+    cpus_per_task: int
+    node_offset: int
+    """First node of this group in the single allocation (hetjob: always 0)."""
+    directives: tuple[str, ...]
+    """`#SBATCH` options of this component."""
+
+
+class Server(Frozen, kw_only=True):
+    """One vLLM server process: a whole replica, or one node's share of a multi-node replica."""
+
+    role: ServerRole
+    replica: int
+    group: int
+    node: int
+    """Node index within the group."""
+    task: int
+    """Index of this process in its step (SLURM_PROCID)."""
+    gpus: tuple[int, ...]
+    """GPU indices on the node (empty on CPU clusters)."""
+    port: Optional[int]
+    """HTTP port; None for headless data-parallel followers."""
+    head: bool
+    """True for the process that serves HTTP for its replica."""
+    address_from_head: bool
+    """A follower of a multi-node replica: the launcher adds the head's address."""
+    args: tuple[str, ...]
+    """`vllm serve` arguments; the launcher adds --host (and the head's address for followers)."""
+
+
+class InferenceRole(Frozen, kw_only=True):
+    """One group of identical vLLM replicas (the unified group, or prefill, or decode)."""
+
+    name: ServerRole
+    group: int
+    nodes: int
+    tp: int
+    dp: int
+    expert_parallel: bool
+    replicas: int
+    nodes_per_replica: int
+    servers_per_node: int
+    kv_role: Optional[Literal["kv_producer", "kv_consumer"]]
+    """The role's side of the KV connector under prefill/decode disaggregation."""
+
+
+class Mesh(Frozen, kw_only=True):
+    """The trainer's device mesh: data-parallel replicate x shard x context parallel, EP carved out."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    ep: int
+    world_size: int
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def expert_shard(self) -> int:
+        """FSDP degree of expert weights: (dp_shard * cp) / ep, as torchtitan carves EP."""
+        return self.dp_shard * self.cp // self.ep
+
+    def describe(self) -> str:
+        return (f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) = "
+                f"{self.world_size}, ep({self.ep})")
+
+
+class MeshError(ValueError):
+    """The parallel degrees do not multiply out; `field` is the topology field to change."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def derive_mesh(world_size: int, dp_replicate: int, dp_shard: int, cp: int, ep: int, where: str = "",
+                unit: str = "ranks") -> Mesh:
+    """The mesh for `world_size` ranks (dp_shard -1 fills what the others leave), or MeshError with every factor.
+
+    The planner calls it with the topology's degrees; the trainer checks torchrun's world against it.
+    """
+    units = f" ({where})" if where else ""
+    fixed = dp_replicate * cp
+    if dp_shard == -1:
+        if world_size % fixed:
+            raise MeshError("dp_replicate" if cp == 1 else "cp", (
+                f"trainer needs dp_replicate({dp_replicate}) * cp({cp}) = {fixed} to divide its {world_size} {unit}"
+                f"{units}"))
+        dp_shard = world_size // fixed
+    elif fixed * dp_shard != world_size:
+        raise MeshError("dp_shard", (
+            f"Invalid trainer mesh: dp_replicate({dp_replicate}) * dp_shard({dp_shard}) * cp({cp}) = "
+            f"{fixed * dp_shard} != world size {world_size}{units}; use dp_shard: -1 to fill"))
+    if (dp_shard * cp) % ep:
+        raise MeshError("ep", (
+            f"trainer needs ep({ep}) to divide dp_shard({dp_shard}) * cp({cp}) = {dp_shard * cp}{units}; "
+            f"experts are sharded over the dp_shard x cp ranks"))
+    return Mesh(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, ep=ep, world_size=world_size)
+
+
+class TrainerPlan(Frozen, kw_only=True):
+    group: int
+    nodes: int
+    gpus_per_node: int
+    """Ranks per node (GPUs on GPU clusters; processes on CPU clusters)."""
+    world_size: int
+    device: Literal["cuda", "cpu"]
+    mesh: Mesh
+    master_port: int
+    """torchrun rendezvous port on the trainer's first node."""
+    activation_checkpointing: bool
+    precision: Literal["bf16", "fp32"]
+
+
+class OrchestratorPlan(Frozen, kw_only=True):
+    placement: Literal["own", "trainer", "inference"]
+    group: int
+    """Het group (or node range) it runs in."""
+    cpus: int
+
+
+class Step(Frozen, kw_only=True):
+    """One `srun` of the job: a role on some nodes of a group."""
+
+    name: RoleName
+    group: int
+    nodes: int
+    ntasks_per_node: int
+    cpus_per_task: int
+    gpus_per_node: int
+    overlap: bool
+    """Shares nodes with another step (`srun --overlap`)."""
+    start_after: tuple[RoleName, ...]
+    health: Literal["http", "heartbeat"]
+    """`http`: every head server answers /health; `heartbeat`: the role's state file says ready."""
+    script: str
+    """Step script, relative to the run directory."""
+    env: tuple[tuple[str, str], ...]
+    srun_args: tuple[str, ...] = ()
+    """`srun` options that place this step (empty for local runs)."""
+
+    @property
+    def tasks(self) -> int:
+        return self.nodes * self.ntasks_per_node
+
+
+class ContainerPlan(Frozen, kw_only=True):
+    image: str
+    mounts: tuple[str, ...]
+    workdir: Optional[str]
+
+
+class Totals(Frozen, kw_only=True):
+    nodes: int
+    gpus: int
+    inference_servers: int
+    inference_gpus: int
+    trainer_world_size: int
+
+
+class Plan(Frozen, kw_only=True):
+    format: Literal["prl.plan/2"] = PLAN_FORMAT
+    name: str
+    job_name: str
+    cluster: str
+    slurm: bool
+    hetjob: bool
+    run_dir: str
+    python: str
+    served_model_name: str
+    """Name the inference servers answer to (`--served-model-name`)."""
+    network_interface: Optional[str]
+    """Interface the roles bind to and talk over (None: the node's hostname address)."""
+    groups: tuple[Group, ...]
+    inference: tuple[InferenceRole, ...]
+    servers: tuple[Server, ...]
+    router_port: Optional[int]
+    trainer: TrainerPlan
+    orchestrator: OrchestratorPlan
+    steps: tuple[Step, ...]
+    batch_directives: tuple[str, ...]
+    """`#SBATCH` options for the whole job (name, output, time, signal, requeue)."""
+    setup: tuple[str, ...]
+    """Shell lines from the cluster profile (modules, venv, setup)."""
+    container: Optional[ContainerPlan]
+    settings_json: msgspec.Raw
+    """The user's settings as `RunSettings` JSON: read them with `settings()`."""
+    grace_seconds: int
+    requeue: bool
+    """The job may requeue itself at the time-limit warning (and Slurm may requeue it)."""
+    totals: Totals
+    warnings: tuple[str, ...] = ()
+
+    def to_json(self) -> str:
+        return msgspec.json.format(msgspec.json.encode(self), indent=2).decode() + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str = "plan.json") -> Plan:
+        try:
+            return msgspec.json.decode(text, type=cls)
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"{where}: {exc}; it was written by another prl version or edited by hand: "
+                              f"run `prl plan` again") from None
+
+    def settings(self) -> RunSettings:
+        """The model, environment, training and KV settings, as the topology's schemas (validated once)."""
+        return _settings(bytes(self.settings_json))
+
+    @classmethod
+    def read(cls, run: RunDir) -> Plan:
+        """RUN/plan.json as a Plan; a RunDirError says what is missing."""
+        try:
+            text = run.plan_json.read_text()
+        except FileNotFoundError:
+            raise RunDirError(f"no plan in {run.root}: {run.plan_json} is missing (run `prl plan` first)") from None
+        return cls.from_json(text, str(run.plan_json))
+
+    def step(self, name: str) -> Step:
+        """The step of role `name`; ConfigError naming the run's roles when it has none."""
+        for s in self.steps:
+            if s.name == name:
+                return s
+        raise ConfigError(f"no role {name!r} in this run; its roles are {', '.join(self.role_names)}")
+
+    @property
+    def role_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.steps)
+
+    def role_servers(self, role: str) -> tuple[Server, ...]:
+        return tuple(s for s in self.servers if s.role == role)
+
+    def server(self, role: str, task: int) -> Server:
+        return next(s for s in self.servers if s.role == role and s.task == task)
+
+    def task_ports(self, role: str, task: int) -> tuple[int, ...]:
+        """Ports task `task` of `role` listens on (its preflight checks they are free)."""
+        ports = [s.port for s in self.servers if s.role == role and s.task == task and s.port]
+        if role == "router" and self.router_port:
+            ports.append(self.router_port)
+        if role == "trainer" and task == 0:
+            ports.append(self.trainer.master_port)
+        return tuple(ports)
+
+    def expected_endpoints(self) -> set[tuple[str, int]]:
+        """(role, replica) of every server head, plus the router: what the orchestrator waits for."""
+        want = {(s.role, s.replica) for s in self.servers if s.head}
+        if self.router_port:
+            want.add(("router", 0))
+        return want
+
+
+@lru_cache(maxsize=8)
+def _settings(raw: bytes) -> RunSettings:
+    from prl.planner.settings import RunSettings
+
+    return RunSettings.from_json(raw)

@@ -1,0 +1,45 @@
+"""The user's own settings that every role needs, carried by the Plan as the topology's schemas.
+
+`make_plan` copies them from the topology unchanged; roles read them with `plan.settings()`.
+One definition per concept: these are the classes of prl/config/topology.py, nothing restated.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from pydantic import ValidationError
+
+from prl.config.cluster import Strict
+from prl.config.topology import Environment, KVConnector, KVOffload, Model, Topology, Training
+from prl.errors import ConfigError
+
+
+class RunSettings(Strict):
+    model: Model
+    environment: Environment
+    training: Training
+    kv_offload: KVOffload
+    kv_connector: Optional[KVConnector]
+    """The connector both sides use under prefill/decode disaggregation (None: unified)."""
+
+    @classmethod
+    def of(cls, topo: Topology) -> RunSettings:
+        inference = topo.inference
+        return cls(model=topo.model, environment=topo.environment, training=topo.training,
+                   kv_offload=inference.kv_offload,
+                   kv_connector=inference.kv_connector if inference.disaggregated else None)
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> RunSettings:
+        try:
+            return cls.model_validate_json(raw)
+        except ValidationError as exc:
+            first = exc.errors(include_url=False)[0]
+            field = ".".join(str(p) for p in first["loc"])
+            raise ConfigError(f"plan.json settings ({field}): {first['msg']}; the plan was written by another "
+                              f"prl version or edited by hand: run `prl plan` again") from None

@@ -1,0 +1,39 @@
+"""Plain helpers the tests import (fixtures come through tests/conftest.py): paths and `prl` as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import pytest
+
+T = TypeVar("T")
+
+REPO = Path(__file__).resolve().parent.parent
+
+SHIPPED = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
+"""Names of the shipped topologies (configs/*.yaml)."""
+
+
+def prl_cli(env: dict, *args, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`prl ARGS` as a user runs it, from the repository root; with `check`, it must exit 0."""
+    result = subprocess.run([sys.executable, "-m", "prl.cli", *map(str, args)], capture_output=True, text=True,
+                            env=env, cwd=REPO, timeout=timeout)
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 60.0, interval: float = 0.3) -> T:
+    """Poll `probe` until it returns something truthy; fail with `what` and the last value."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")

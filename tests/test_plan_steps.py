@@ -1,0 +1,268 @@
+"""Each named step of `make_plan`, on its own (tests/test_topology.py covers whole topologies)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from prl.config.cluster import ClusterProfile
+from prl.config.loader import Source
+from prl.config.topology import Topology
+from prl.errors import PlanError
+from prl.planner import plan as P
+from prl.planner.model import Mesh, MeshError, Plan, derive_mesh
+
+TOPO: dict[str, Any] = {
+    "name": "t", "cluster": "c", "model": {"path": "/m"},
+    "inference": {"nodes": 2, "tp": 2, "dp": 2},
+    "trainer": {"nodes": 2}, "environment": {"id": "e"},
+    "training": {"batch_size": 64, "rollouts_per_example": 8, "max_steps": 3, "max_tokens": 512},
+}
+CLUSTER: dict[str, Any] = {
+    "name": "c", "gpu_node": {"gpus": 8, "cpus": 64, "memory_gb": 1000}, "shared_root": "/shared",
+    "max_nodes": 16, "port_base": 8000, "partitions": {"inference": "gpu", "trainer": "gpu", "orchestrator": "cpu"},
+    "cpu_node": {"gpus": 0, "cpus": 32, "memory_gb": 256},
+}
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for k, v in update.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def topo(**update: Any) -> Topology:
+    return Topology.model_validate(_merge(TOPO, update))
+
+
+def topo_pd(**router: Any) -> Topology:
+    """Prefill/decode: one node each (the unified fields must go)."""
+    data = {**TOPO, "inference": {"prefill": {"nodes": 1}, "decode": {"nodes": 1}, "router": router}}
+    return Topology.model_validate(data)
+
+
+def checker(**cluster_update: Any) -> P.Checker:
+    cluster = ClusterProfile.model_validate(_merge(CLUSTER, cluster_update))
+    return P.Checker(Source(Path("topo.yaml"), {}, {}), cluster, Source(Path("prof.yaml"), {}, {}))
+
+
+def plan(t: Topology | None = None, **cluster_update: Any) -> Plan:
+    c = checker(**cluster_update)
+    return P.make_plan(t or topo(), c.topo, c.cluster, c.cluster_source, "/shared/runs/t")
+
+
+# ------------------------------------------------------------------ run dir and node budget
+
+@pytest.mark.parametrize("bad", ["relative/dir", "/with space", "/a;b", "/$HOME/x", "/"])
+def test_check_run_dir_refuses(bad):
+    with pytest.raises(PlanError, match=r"topo.yaml \(run_dir\)"):
+        P.check_run_dir(checker(), bad)
+
+
+def test_check_run_dir_accepts_a_plain_absolute_path():
+    P.check_run_dir(checker(), "/shared/runs/t")
+
+
+def test_node_budget_fails_before_any_server_is_expanded():
+    # 10**6 nodes would take minutes to expand server by server; the budget check names the sum first.
+    with pytest.raises(PlanError, match=r"inference 100000 \+ trainer 2 = 100002 nodes, over cluster 'c' "
+                                         r"max_nodes\(16\)"):
+        plan(topo(inference={"nodes": 100_000}, orchestrator={"placement": "trainer"}))
+
+
+def test_node_budget_counts_an_own_orchestrator_node():
+    P.check_node_budget(checker(max_nodes=4), topo(orchestrator={"placement": "trainer"}))  # 2 + 2 = 4
+    with pytest.raises(PlanError, match=r"inference 2 \+ orchestrator 1 \+ trainer 2 = 5 nodes"):
+        P.check_node_budget(checker(max_nodes=4), topo(orchestrator={"placement": "own"}))
+
+
+# ------------------------------------------------------------------ inference
+
+@pytest.mark.parametrize("tp, dp, nodes, expected", [
+    (1, 1, 1, (1, 1, 8)),      # eight single-GPU servers per node
+    (2, 2, 1, (4, 1, 2)),      # two tp2 x dp2 replicas per node
+    (8, 1, 1, (8, 1, 1)),
+    (8, 4, 4, (32, 4, 1)),     # one replica over four nodes
+])
+def test_inference_layout(tp, dp, nodes, expected):
+    group = topo(inference={"nodes": nodes, "tp": tp, "dp": dp}).inference.groups()["inference"]
+    assert P.inference_layout(checker(), "inference", ("inference",), group, 8) == expected
+
+
+@pytest.mark.parametrize("tp, dp, nodes, field", [(16, 1, 1, "tp"), (3, 1, 1, "tp"), (2, 3, 1, "dp"),
+                                                  (4, 3, 3, "dp"), (8, 2, 3, "nodes")])
+def test_inference_layout_refuses(tp, dp, nodes, field):
+    group = topo(inference={"nodes": nodes, "tp": tp, "dp": dp}).inference.groups()["inference"]
+    with pytest.raises(PlanError, match=rf"\(inference\.{field}\)"):
+        P.inference_layout(checker(), "inference", ("inference",), group, 8)
+
+
+def test_place_inference_gives_each_server_its_ports_and_gpus():
+    c, layout = checker(), P.Layout()
+    roles, servers = P.place_inference(c, topo(), layout, {})
+    assert [(r.name, r.replicas, r.servers_per_node) for r in roles] == [("inference", 4, 2)]
+    assert [(s.node, s.task, s.port, s.gpus) for s in servers] == [
+        (0, 0, 8000, (0, 1, 2, 3)), (0, 1, 8001, (4, 5, 6, 7)), (1, 2, 8000, (0, 1, 2, 3)), (1, 3, 8001, (4, 5, 6, 7))]
+    rpc = [s.args[s.args.index("--data-parallel-rpc-port") + 1] for s in servers]
+    assert rpc == ["8200", "8201", "8200", "8201"]
+    assert layout.steps[0].ntasks_per_node == 2 and layout.groups[0].nodes == 2
+
+
+def test_multi_node_replica_followers_are_headless():
+    layout = P.Layout()
+    _, servers = P.place_inference(checker(), topo(inference={"nodes": 2, "tp": 8, "dp": 2}), layout, {})
+    head, follower = servers
+    assert head.head and head.port == 8000 and "--headless" not in head.args
+    assert not follower.head and follower.port is None and "--headless" in follower.args
+    assert follower.address_from_head and follower.args[follower.args.index("--data-parallel-start-rank") + 1] == "1"
+
+
+def test_disaggregated_roles_get_their_kv_side_and_a_router():
+    p = plan(topo_pd())
+    assert {r.name: r.kv_role for r in p.inference} == {"prefill": "kv_producer", "decode": "kv_consumer"}
+    assert p.router_port == 8090 and p.step("router").start_after == ("prefill", "decode")
+    assert p.step("orchestrator").start_after == ("prefill", "decode", "router")
+
+
+# ------------------------------------------------------------------ trainer mesh
+
+def test_derive_mesh_fills_dp_shard_and_carves_ep():
+    m = derive_mesh(32, 1, -1, 2, 8)
+    assert m == Mesh(dp_replicate=1, dp_shard=16, cp=2, ep=8, world_size=32)
+    assert (m.dp, m.expert_shard) == (16, 4)
+
+
+@pytest.mark.parametrize("args, field, text", [
+    ((16, 3, -1, 1, 1), "dp_replicate", "dp_replicate(3) * cp(1) = 3 to divide its 16 ranks"),
+    ((16, 1, -1, 3, 1), "cp", "dp_replicate(1) * cp(3) = 3 to divide"),
+    ((16, 1, 4, 1, 1), "dp_shard", "dp_replicate(1) * dp_shard(4) * cp(1) = 4 != world size 16"),
+    ((16, 1, -1, 1, 3), "ep", "ep(3) to divide dp_shard(16) * cp(1) = 16"),
+])
+def test_derive_mesh_names_every_factor(args, field, text):
+    with pytest.raises(MeshError) as err:
+        derive_mesh(*args)
+    assert err.value.field == field and text in str(err.value)
+
+
+def test_place_trainer_uses_the_derived_mesh():
+    p = plan(topo(trainer={"nodes": 2, "ep": 4, "cp": 2}))
+    assert p.trainer.world_size == 16 and p.trainer.mesh.dp_shard == 8 and p.trainer.master_port == 8500
+    assert p.step("trainer").gpus_per_node == 8 and p.step("trainer").start_after == ("orchestrator",)
+
+
+# ------------------------------------------------------------------ ports, training, directives
+
+def test_check_ports_refuses_a_port_above_65535():
+    p = plan(topo(), port_base=65000)  # the highest base: rendezvous at 65500 still fits
+    high = [msgspec.structs.replace(s, port=65536) if s.task == 3 else s for s in p.servers]
+    with pytest.raises(PlanError, match=r"prof.yaml \(port_base\): inference server 3 would listen on port 65536"):
+        P.check_ports(checker(port_base=65000), topo(), high, None, p.trainer)
+
+
+def test_check_ports_refuses_a_router_port_on_a_server_port():
+    t = topo_pd(port=8003)
+    with pytest.raises(PlanError, match=r"topo.yaml \(inference.router.port\): port 8003 is used twice on one "
+                                        r"node: by prefill server 3 and by the router"):
+        plan(t)
+
+
+def test_check_ports_refuses_a_server_on_another_servers_rpc_port():
+    # Locally every server shares one host: 8 dp servers' RPC ports start at +200, the trainer's at +500 ...
+    # with port_base so low that server ports reach the RPC range they collide.
+    t = topo(inference={"nodes": 1, "tp": 1, "dp": 2})
+    c = checker(slurm=False, gpu_node={"gpus": 0, "cpus": 2, "memory_gb": 8})
+    P.check_ports(c, t, [], None, plan(t, slurm=False, gpu_node={"gpus": 0, "cpus": 2, "memory_gb": 8}).trainer)
+    servers = [msgspec.structs.replace(s, port=8200 if s.head else None) for s in
+               plan(t, slurm=False, gpu_node={"gpus": 0, "cpus": 2, "memory_gb": 8}).servers]
+    with pytest.raises(PlanError, match="data-parallel RPC"):
+        P.check_ports(c, t, servers, None, plan(t, slurm=False, gpu_node={"gpus": 0, "cpus": 2, "memory_gb": 8}).trainer)
+
+
+@pytest.mark.parametrize("update, text", [
+    ({"batch_size": 60}, r"batch_size\(60\) must be a multiple of rollouts_per_example\(8\); use 56"),
+    ({"max_tokens": 4096}, r"max_tokens\(4096\) leaves no room"),
+])
+def test_check_training(update, text):
+    with pytest.raises(PlanError, match=text):
+        P.check_training(checker(), topo(training=update), derive_mesh(16, 1, -1, 1, 1))
+
+
+def test_check_training_needs_a_sample_per_data_parallel_rank():
+    with pytest.raises(PlanError, match=r"batch_size\(8\) gives some of the trainer's 16 data-parallel ranks"):
+        P.check_training(checker(), topo(training={"batch_size": 8}), derive_mesh(16, 1, -1, 1, 1))
+
+
+def test_job_directives_put_account_qos_and_time_on_every_component():
+    batch, common = P.job_directives(checker(account="acct", qos="high", default_time="1:00:00"),
+                                     topo(slurm={"extra_directives": ["--mail-type=END"]}), "/shared/runs/t")
+    assert batch[:3] == ["--job-name=t", "--output=/shared/runs/t/logs/slurm-%j.out", "--open-mode=append"]
+    assert common == ["--time=1:00:00", "--account=acct", "--qos=high", "--mail-type=END"]
+
+
+def test_finish_groups_without_hetjobs_is_one_allocation():
+    p = plan(hetjob=False, partitions={"orchestrator": "gpu"})
+    first, *rest = p.groups
+    assert "--nodes=5" in first.directives and all(g.directives == () for g in rest)
+    assert [s.srun_args[0] for s in p.steps] == ["--relative=0", "--relative=2", "--relative=3"]
+
+
+def test_parse_minutes():
+    assert [P.parse_minutes(v) for v in ("30", "1:30", "2:00:00", "1-02", "1-00:30:30")] == \
+        [30.0, 1.5, 120.0, 1560.0, 1440 + 30.5]
+
+
+def test_plan_round_trips_through_json_as_the_same_model():
+    p = plan()
+    back = Plan.from_json(p.to_json())
+    assert back.to_json() == p.to_json() and back.settings() == p.settings()
+    assert (back.steps, back.servers, back.trainer) == (p.steps, p.servers, p.trainer)
+    assert back.settings().training.batch_size == 64
+
+
+# ------------------------------------------------------------------ what the trainer can execute, at plan time
+
+DENSE = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 6, "num_key_value_heads": 2}
+MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_attention_heads": 4,
+       "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize("config, overrides, field, text", [
+    (DENSE, ["trainer.ep=2"], "trainer.ep", r"LlamaForCausalLM is dense: use ep: 1"),
+    (MOE, ["trainer.ep=8", "trainer.gpus_per_node=8"], "trainer.ep", r"must divide the model's num_experts\(4\)"),
+    (DENSE, ["trainer.cp=4", "trainer.gpus_per_node=4"], "trainer.cp",
+     r"cp\(4\) must divide num_attention_heads\(6\) and num_key_value_heads\(2\)"),
+])
+def test_the_planner_refuses_what_the_trainer_cannot_run_at_the_yaml_line(tmp_path, config, overrides, field, text):
+    import json
+
+    from prl.planner.prepare import prepare
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    topo = tmp_path / "topo.yaml"
+    repo = Path(__file__).resolve().parents[1]
+    body = (repo / "configs" / "local-tiny.yaml").read_text().replace("cluster: local", f"cluster: {repo}/clusters/local.yaml")
+    topo.write_text(body)
+    line = next(i for i, t in enumerate(body.splitlines(), 1) if t.startswith("trainer:"))
+    with pytest.raises(PlanError, match=rf"^override '{overrides[0]}' \({field}\): .*{text}"):
+        prepare(topo, [f"model.path={model}", f"run_dir={tmp_path}/run", *overrides])
+    # Written in the file instead of overridden, the error points at its line.
+    key = field.split(".")[1]
+    value = overrides[0].split("=")[1]
+    topo.write_text(body.replace("trainer:\n", f"trainer:\n  {key}: {value}\n"))
+    with pytest.raises(PlanError, match=rf"^{topo}:{line + 1} \({field}\): .*{text}"):
+        prepare(topo, [f"model.path={model}", f"run_dir={tmp_path}/run", *overrides[1:]])
+
+
+def test_a_model_the_planner_cannot_see_is_not_refused(tmp_path):
+    from prl.planner.prepare import prepare
+
+    repo = Path(__file__).resolve().parents[1]
+    plan = prepare(repo / "configs" / "local-tiny.yaml", ["model.path=org/hub-id", "trainer.ep=2",
+                                                         f"run_dir={tmp_path}/run"], cwd=tmp_path).plan
+    assert plan.trainer.mesh.ep == 2
