@@ -3,8 +3,9 @@
 One 2-rank run (module fixture) is checked three ways: its losses and final
 weights against a plain transformers + AdamW loop over the same samples
 (unpacked, one sample at a time), its published weights against its own
-DCP checkpoint after a fresh `from_pretrained`, and (slow test) a run killed
-while waiting for data, resumed on 1 rank, against it.
+DCP checkpoint after a fresh `from_pretrained`, and a run killed while waiting
+for data, resumed on 1 rank, against it. Every real run is `slow` (torchrun on
+CPU: ~35 s a run here); the plan-to-config tests are fast.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import time
 import pytest
 import torch
 
-from prl.run.rundir import atomic_write_json, is_stable
-from prl.trainer.loss import LossConfig, policy_loss, token_logprobs_and_entropy
+from prl.run.rundir import is_stable
+from prl.trainer.loss import policy_loss, token_logprobs_and_entropy
+from tests.plans import write_plan
 from tests.tiny_model import build_tiny_model
 from tests.trainer_helpers import launch, make_plan, make_samples, setup_run
 
@@ -46,9 +48,8 @@ def _reference(model_dir, vocab, steps):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    plan = make_plan(model_dir)["training"]
-    cfg = LossConfig(**plan["loss"])
-    opt = torch.optim.AdamW(model.parameters(), lr=plan["lr"], weight_decay=plan["weight_decay"])
+    training = make_plan(model_dir).settings().training
+    opt = torch.optim.AdamW(model.parameters(), lr=training.lr, weight_decay=training.weight_decay)
     losses = []
     for step in range(1, steps + 1):
         samples = make_samples(step, vocab)
@@ -63,12 +64,12 @@ def _reference(model_dir, vocab, steps):
                 torch.tensor(s.inference_logprobs[1:]),
                 torch.full((len(ids[0]) - 1,), s.advantage),
                 torch.tensor(s.loss_mask[1:]),
-                cfg,
+                training.loss,
                 n,
             )
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), plan["max_grad_norm"])
+        torch.nn.utils.clip_grad_norm_(model.parameters(), training.max_grad_norm)
         opt.step()
         opt.zero_grad()
         losses.append(total)
@@ -76,11 +77,16 @@ def _reference(model_dir, vocab, steps):
 
 
 def _published_state(path):
+    """Every tensor of a published (possibly sharded: one file per writer rank) weights dir."""
     from safetensors.torch import load_file
 
-    return load_file(str(path / "model.safetensors"))
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
 
 
+@pytest.mark.slow  # the 2-rank run (module fixture) takes ~35 s on 2 cores
 def test_two_rank_fsdp_matches_single_process_reference(tiny, run_a):
     model_dir, vocab = tiny
     ref_losses, ref_model = _reference(model_dir, vocab, STEPS)
@@ -116,6 +122,7 @@ def test_two_rank_fsdp_matches_single_process_reference(tiny, run_a):
     assert run_a.read_state("trainer")["status"] == "exited"
 
 
+@pytest.mark.slow  # needs the 2-rank run (~35 s)
 def test_published_weights_load_into_a_fresh_model_and_match_the_trainer(run_a, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -136,34 +143,44 @@ def test_published_weights_load_into_a_fresh_model_and_match_the_trainer(run_a, 
     assert out.shape == (1, 7)
 
 
-def test_ep_and_cp_degrees_are_refused_by_name(tiny, tmp_path):
-    from prl.errors import ConfigError
+def test_a_mesh_that_does_not_fit_the_world_is_refused_with_its_numbers(tiny):
+    import dataclasses
+
+    from prl.errors import ConfigError, PlanError
+    from prl.planner.model import Mesh
     from prl.trainer.config import TrainerConfig
     from prl.trainer.parallel import check_degrees
 
-    plan = make_plan(tiny[0], world_size=2)
-    plan["trainer"]["mesh"].update(ep=2, dp_shard=1)
-    with pytest.raises(ConfigError, match=r"trainer.mesh.ep=2: expert parallelism .* not implemented"):
-        check_degrees(TrainerConfig.from_plan(plan), 2)
-    plan["trainer"]["mesh"].update(ep=1, cp=2)
-    with pytest.raises(ConfigError, match=r"trainer.mesh.cp=2: context parallelism"):
-        check_degrees(TrainerConfig.from_plan(plan), 2)
-    plan["trainer"]["mesh"].update(cp=1, dp_shard=2)
-    with pytest.raises(ConfigError, match=r"dp_replicate\(1\) \* dp_shard\(2\) .* torchrun started 4"):
-        check_degrees(TrainerConfig.from_plan(plan), 4)
+    cfg = TrainerConfig.from_plan(make_plan(tiny[0], world_size=2))
+    check_degrees(cfg, 2)
+    with pytest.raises(ConfigError, match=r"dp_replicate\(1\) \* dp_shard\(2\) \* cp\(1\) = 2, plan world_size = 2, "
+                                          r"but torchrun started 4"):
+        check_degrees(cfg, 4)
+    # The planner refuses an ep that does not divide dp_shard * cp; a plan edited by hand is still caught.
+    with pytest.raises(PlanError, match=r"ep\(3\) to divide dp_shard\(2\) \* cp\(1\) = 2"):
+        make_plan(tiny[0], world_size=2, overrides=["trainer.ep=3"])
+    bad = dataclasses.replace(cfg, mesh=Mesh(dp_replicate=1, dp_shard=2, cp=1, ep=3, world_size=2))
+    with pytest.raises(ConfigError, match=r"ep\(3\) must divide dp_shard\(2\) \* cp\(1\) = 2"):
+        check_degrees(bad, 2)
 
 
-def test_config_from_plan_ignores_extras_and_defaults_optionals(tiny):
+def test_config_is_the_plan_s_settings(tiny, tmp_path):
+    from prl.planner.model import Plan
+    from prl.run.rundir import RunDir
     from prl.trainer.config import TrainerConfig
 
-    plan = make_plan(tiny[0])
-    plan["training"]["unknown_future_key"] = 1
-    del plan["training"]["weight_decay"], plan["trainer"]["activation_checkpointing"]
-    cfg = TrainerConfig.from_plan(plan)
-    assert cfg.dp_size == 2 and cfg.weight_decay == 0.0 and cfg.activation_checkpointing is False
-    assert cfg.loss.ratio_high == 5.0 and cfg.micro_batch_tokens == 64
+    run = write_plan(RunDir(tmp_path / "run"), make_plan(tiny[0], tmp_path / "run",
+                                                          overrides=["trainer.dp_replicate=2"], weight_decay=0.1))
+    cfg = TrainerConfig.from_plan(Plan.read(run))  # as the trainer reads it: from plan.json
+    assert (cfg.dp_replicate, cfg.dp_shard, cfg.dp_size, cfg.world_size) == (2, 1, 2, 2)
+    assert cfg.weight_decay == 0.1 and cfg.activation_checkpointing is False and cfg.precision == "fp32"
+    assert cfg.loss.ratio_high == 5.0 and cfg.micro_batch_tokens == 64 and cfg.lr == 1e-2
+    assert cfg.model_path == str(tiny[0]) and cfg.model_dtype == "float32"
+    auto = make_plan(tiny[0], overrides=["model.dtype=auto"])
+    assert TrainerConfig.from_plan(auto).model_dtype == "bfloat16", "'auto' publishes bf16 weights"
 
 
+@pytest.mark.slow  # ~60 s, plus the 2-rank run
 def test_kill_after_checkpoint_then_resume_on_one_rank_matches_uninterrupted(tiny, run_a, tmp_path):
     model_dir, vocab = tiny
     # Rollouts only up to step 3: after checkpoint 2 and step 3, the trainer waits for step 4; kill it there.
@@ -190,7 +207,7 @@ def test_kill_after_checkpoint_then_resume_on_one_rank_matches_uninterrupted(tin
     from prl.run.batch import publish_batch
 
     publish_batch(run, 4, make_samples(4, vocab), dp_size=2, micro_batch_tokens=64)
-    atomic_write_json(run.plan_json, make_plan(model_dir, world_size=1, max_steps=STEPS))
+    write_plan(run, make_plan(model_dir, run.root, world_size=1, max_steps=STEPS))
     launch(run, 1, resume="latest")
 
     metrics = run.read_metrics("trainer")
@@ -203,14 +220,12 @@ def test_kill_after_checkpoint_then_resume_on_one_rank_matches_uninterrupted(tin
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # ~30 s, plus the 2-rank run
 def test_hsdp_with_activation_checkpointing_matches(tiny, run_a, tmp_path):
     """dp_replicate=2 (HSDP mesh 2x1) and activation checkpointing give the same losses as plain FSDP."""
     model_dir, vocab = tiny
-    run = setup_run(tmp_path / "run_c", model_dir, range(1, 3), vocab, max_steps=2, checkpoint_interval=0)
-    plan = make_plan(model_dir, max_steps=2, checkpoint_interval=0)
-    plan["trainer"]["mesh"].update(dp_replicate=2, dp_shard=1)
-    plan["trainer"]["activation_checkpointing"] = True
-    atomic_write_json(run.plan_json, plan)
+    run = setup_run(tmp_path / "run_c", model_dir, range(1, 3), vocab, max_steps=2, checkpoint_interval=0,
+                    overrides=["trainer.dp_replicate=2", "trainer.activation_checkpointing=true"])
     launch(run, 2, resume="none")
     want = [m["loss"] for m in run_a.read_metrics("trainer")][:2]
     assert [m["loss"] for m in run.read_metrics("trainer")] == pytest.approx(want, rel=1e-5, abs=1e-7)

@@ -7,6 +7,7 @@ refuses head sizes below 32.
 
     from tests.tiny_model import build_tiny_model
     path = build_tiny_model(tmp_path / "model")
+    moe = build_tiny_moe(tmp_path / "moe")       # Qwen3-MoE: 4 experts, top-2
 """
 
 from __future__ import annotations
@@ -98,7 +99,69 @@ def build_tiny_model(
     return out
 
 
-if __name__ == "__main__":  # pragma: no cover - manual use
-    import sys
+def build_tiny_moe(
+    out_dir: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    num_experts: int = 4,
+    top_k: int = 2,
+    moe_intermediate_size: int = 64,
+    vocab_size: int = 512,
+    seed: int = 0,
+    dtype: str = "float32",
+    router_std: float = 0.5,
+) -> Path:
+    """Build, save and return the directory of a random tiny Qwen3-MoE model + tokenizer.
 
-    print(build_tiny_model(sys.argv[1] if len(sys.argv) > 1 else "/tmp/tiny-model"))
+    The router gets a larger init (`router_std`) than transformers' 0.02 so routing is not a
+    coin toss between near-equal logits: tests compare routed runs across process layouts.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        moe_intermediate_size=moe_intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, router_std)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover - manual use
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Build a tiny random model + tokenizer into DIR.")
+    ap.add_argument("dir", nargs="?", default="/tmp/tiny-model")
+    ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE (4 experts, top-2) instead of dense Qwen3")
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (cp must divide them)")
+    args = ap.parse_args()
+    kw = {} if args.kv_heads is None else {"num_kv_heads": args.kv_heads}
+    print((build_tiny_moe if args.moe else build_tiny_model)(args.dir, **kw))

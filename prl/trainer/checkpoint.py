@@ -11,6 +11,10 @@ crash mid-save leaves nothing a resume would pick up. A resume on the same
 number of ranks restores each rank's RNG; on another number, ranks reseed
 from (seed, step, rank): the trainer draws no random numbers per step today,
 so losses are identical either way.
+
+Under expert parallelism each EP rank's experts are a different tensor under the same
+parameter name; they are saved under `NAME.ep{rank}of{ep}` so DCP keeps them apart, and a
+resume needs the same ep degree (dense weights and the expert FSDP dims still reshard).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from prl.errors import RunDirError
 from prl.run.rundir import RunDir, is_stable
+from prl.trainer.moe import ExpertParallelExperts
 from prl.trainer.parallel import Dist
 
 ROLE = "trainer"
@@ -49,6 +54,32 @@ def _rng_tensors() -> dict[str, torch.Tensor]:
     return out
 
 
+def _ep_names(model: torch.nn.Module, d: Dist) -> dict[str, str]:
+    """Parameter name -> checkpoint name for this rank's expert-parallel parameters."""
+    out = {}
+    for prefix, m in model.named_modules():
+        if isinstance(m, ExpertParallelExperts):
+            for leaf, _ in m.named_parameters(recurse=False):
+                out[f"{prefix}.{leaf}"] = f"{prefix}.{leaf}.ep{d.ep_rank}of{d.ep}"
+    return out
+
+
+def _renamed(state: dict, names: dict[str, str]) -> dict:
+    """Model and optimizer state dicts ({"model", "optim"}) with parameter keys mapped through `names`."""
+    if not names:
+        return state
+    optim = state["optim"]
+    groups = [{**g, "params": [names.get(p, p) for p in g["params"]]} for g in optim["param_groups"]]
+    return {
+        "model": {names.get(k, k): v for k, v in state["model"].items()},
+        "optim": {"state": {names.get(k, k): v for k, v in optim["state"].items()}, "param_groups": groups},
+    }
+
+
+def _state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict:
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+
+
 def save_checkpoint(
     run: RunDir, step: int, model: torch.nn.Module, optim: torch.optim.Optimizer, d: Dist, seed: int
 ) -> Path:
@@ -57,8 +88,7 @@ def save_checkpoint(
 
     dest = run.checkpoints(step, ROLE)
     tmp = Path(_broadcast_str(str(run.begin_publish(dest, tag=f"step{step}")) if d.is_main else None))
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
-    dcp.save(state, checkpoint_id=str(tmp / "dcp"))
+    dcp.save(_renamed(_state(model, optim), _ep_names(model, d)), checkpoint_id=str(tmp / "dcp"))
     (tmp / "rng").mkdir(exist_ok=True)
     save_file(_rng_tensors(), str(tmp / "rng" / f"rank_{d.rank}.safetensors"))
     dist.barrier()
@@ -68,6 +98,7 @@ def save_checkpoint(
             "next_rollout_step": step + 1,
             "world_size": d.world_size,
             "dp_size": d.dp_size,
+            "ep": d.ep,
             "seed": seed,
             "time": time.time(),
         }
@@ -111,11 +142,19 @@ def load_checkpoint(
     path = run.checkpoints(step, ROLE)
     if not is_stable(path):
         raise RunDirError(f"{path} is not a complete checkpoint (no STABLE marker)")
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+    progress = json.loads((path / "trainer_state.json").read_text())
+    if progress.get("ep", 1) != d.ep:
+        raise RunDirError(
+            f"{path} was saved with ep={progress.get('ep', 1)}; this trainer runs ep={d.ep}. Expert-parallel "
+            f"checkpoints resume with the same ep degree (dp_shard, dp_replicate and the rank count may change)"
+        )
+    names = _ep_names(model, d)
+    state = _renamed(_state(model, optim), names)
     dcp.load(state, checkpoint_id=str(path / "dcp"))
+    back = {v: k for k, v in names.items()}
+    state = _renamed(state, back)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optim, state["optim"])
-    progress = json.loads((path / "trainer_state.json").read_text())
     rng_file = path / "rng" / f"rank_{d.rank}.safetensors"
     if progress.get("world_size") == d.world_size and rng_file.is_file():
         rng = load_file(str(rng_file))

@@ -2,30 +2,37 @@
 
     for step in start..max_steps:
         wait for rollouts/step_N (heartbeat while waiting)
-        forward/backward every micro-batch of this rank, clip, optimizer step
-        publish weights/step_N (HF safetensors + STABLE)
+        forward/backward every micro-batch of this rank (its cp share of each), clip, optimizer step
+        publish weights/step_N (every rank writes its share of the HF safetensors; one STABLE)
         checkpoint every `checkpoint_interval` steps, clean up old steps
         append the step's metrics to metrics.jsonl
 
 Started under torchrun (one process per GPU, or per CPU rank with gloo);
 without torchrun it runs as a single rank. Settings come from RUN/plan.json
-(see prl/trainer/config.py), the loss is in prl/trainer/loss.py.
+(see prl/trainer/config.py), the loss is in prl/trainer/loss.py. The model is built on the
+meta device and loaded shard by shard (prl/trainer/loading.py); expert parallelism is in
+prl/trainer/moe.py, context parallelism in prl/trainer/context_parallel.py, the meshes in
+prl/trainer/parallel.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from prl.planner.model import Plan
 from prl.run.batch import BatchError, MicroBatch, read_batch
 from prl.run.rundir import RunDir
 from prl.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from prl.trainer.config import TrainerConfig
 from prl.trainer.loss import merge_stats, policy_loss, token_logprobs_and_entropy
-from prl.trainer.parallel import Dist, all_reduce_stats, apply_fsdp, init_distributed
+from prl.trainer.parallel import Dist, all_reduce_stats, apply_fsdp, clip_grad_norm, init_distributed
 from prl.trainer.weights import publish_weights
 
 ROLE = "trainer"
@@ -36,67 +43,160 @@ def log(d: Dist, msg: str) -> None:
         print(f"[trainer] {msg}", flush=True)
 
 
-def load_model(cfg: TrainerConfig, d: Dist) -> torch.nn.Module:
-    """Every rank reads the checkpoint on CPU in fp32 (master weights); fully_shard keeps its shard
-    and moves it to the device."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=torch.float32)
-    model.config.use_cache = False
-    model.train()  # HF applies activation checkpointing only in training mode
-    return apply_fsdp(model, cfg, d)
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def micro_batch_loss(model, mb: MicroBatch | None, cfg: TrainerConfig, n_loss_tokens: int, device):
-    """Loss share and stats of one packed micro-batch; None is a padding pass that adds zero."""
+def current_rss_mb() -> float:
+    """This process's resident memory now (Linux /proc; the peak elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return peak_rss_mb()
+
+
+def load_model(cfg: TrainerConfig, d: Dist) -> tuple[torch.nn.Module, float]:
+    """Meta-device model -> EP experts / Ulysses attention -> FSDP2 -> this rank's shards from the safetensors.
+
+    No rank reads the whole checkpoint (prl/trainer/loading.py); fp32 master weights. Returns the
+    model and how far loading raised this rank's peak RSS above its RSS before (MiB).
+    """
+    from prl.trainer.context_parallel import install_ulysses
+    from prl.trainer.loading import build_meta_model, load_model as load_shards_into
+    from prl.trainer.moe import install_expert_parallel
+
+    model = build_meta_model(cfg.model_path)
+    if d.ep > 1:
+        install_expert_parallel(model, d.ep, d.ep_rank, d.ep_group)
+    if d.cp > 1:
+        install_ulysses(model, d.cp)
+    apply_fsdp(model, cfg, d)
+    before = current_rss_mb()
+    load_shards_into(model, cfg.model_path, d.device)
+    return model, peak_rss_mb() - before
+
+
+def prepare(mb: MicroBatch | None, d: Dist) -> dict[str, torch.Tensor]:
+    """This rank's positions of one micro-batch, labels shifted on the whole sequence first.
+
+    Position p carries its input token and, as its label side, token p+1 with that token's loss
+    mask, advantage and sampling logprob (the last position, and a sample's first token, have
+    no loss). The sequence is padded to a multiple of cp with masked positions (a separate
+    pseudo-sample), then cp rank c keeps the c-th consecutive chunk. None (a padding pass:
+    every rank runs the same number of passes) becomes two masked tokens per cp rank.
+    """
     if mb is None:
-        # FSDP ranks must run the same number of passes: a one-token dummy keeps the collectives matched.
-        ids = torch.zeros((1, 2), dtype=torch.long, device=device)
-        logits = model(input_ids=ids, position_ids=torch.arange(2, device=device)[None], use_cache=False).logits
-        return logits.sum() * 0.0, {}
-    t = {
-        k: torch.from_numpy(getattr(mb, k)).to(device)
-        for k in ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs")
+        ids = np.zeros(2 * d.cp, dtype=np.int64)
+        pos, zero = np.arange(2 * d.cp), np.zeros(2 * d.cp)
+        arrays = {"input_ids": ids, "position_ids": pos, "loss_mask": zero, "advantages": zero,
+                  "inference_logprobs": zero}
+    else:
+        arrays = {k: getattr(mb, k) for k in ("input_ids", "position_ids", "loss_mask", "advantages",
+                                              "inference_logprobs")}
+    n = arrays["input_ids"].shape[0]
+    pad = (-n) % d.cp
+    x = {
+        "input_ids": torch.from_numpy(np.asarray(arrays["input_ids"])).long(),
+        "position_ids": torch.from_numpy(np.asarray(arrays["position_ids"])).long(),
+        "real": torch.full((n,), mb is not None, dtype=torch.bool),  # counted in the step's tokens
     }
-    out = model(input_ids=t["input_ids"].long()[None], position_ids=t["position_ids"].long()[None], use_cache=False)
-    # Token t is predicted by the logits at t-1; a micro-batch's (and sample's) first token has no loss.
-    logp, entropy = token_logprobs_and_entropy(out.logits[0, :-1], t["input_ids"][1:])
-    return policy_loss(
-        logp,
-        t["inference_logprobs"][1:],
-        t["advantages"][1:],
-        t["loss_mask"][1:],
-        cfg.loss,
-        n_loss_tokens,
-        entropy=entropy,
+    for k, out in (("input_ids", "targets"), ("loss_mask", "loss_mask"), ("advantages", "advantages"),
+                   ("inference_logprobs", "inference_logprobs")):
+        v = torch.from_numpy(np.asarray(arrays[k]))
+        x[out] = torch.cat([v[1:], v.new_zeros(1)])
+    x["targets"] = x["targets"].long()
+    x["loss_mask"] = x["loss_mask"].float()
+    x["advantages"] = x["advantages"].float()
+    x["inference_logprobs"] = x["inference_logprobs"].float()
+    if pad:
+        for k, v in x.items():
+            x[k] = torch.cat([v, torch.arange(pad) if k == "position_ids" else v.new_zeros(pad)])
+    x["full_position_ids"] = x["position_ids"]
+    if d.cp > 1:
+        from prl.trainer.context_parallel import split_for_cp
+
+        x = {k: v if k == "full_position_ids" else split_for_cp(v, d.cp, d.cp_rank) for k, v in x.items()}
+    return {k: v.to(d.device) for k, v in x.items()}
+
+
+def mismatch_stats(logp: torch.Tensor, inference_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Trainer vs inference-engine logprobs of the sampled tokens, before this step's update.
+
+    Over loss tokens only, whatever the loss masks: r = exp(logp_trainer - logp_engine),
+    sums of r and of the k3 KL estimate r - 1 - log r (KL(engine || trainer)), and min/max of r.
+    """
+    is_loss = mask.bool()
+    log_r = torch.where(is_loss, logp.detach() - inference_logprobs, torch.zeros_like(logp))
+    r = torch.exp(log_r)
+    big = torch.finfo(r.dtype).max
+    return {
+        "mismatch_ratio_sum": float((r * mask).sum()),
+        "mismatch_kl_sum": float(((r - 1 - log_r) * mask).sum()),
+        "mismatch_ratio_max": float(torch.where(is_loss, r, torch.full_like(r, -big)).max()),
+        "mismatch_ratio_min": float(torch.where(is_loss, r, torch.full_like(r, big)).min()),
+    }
+
+
+def micro_batch_loss(model, x: dict[str, torch.Tensor], cfg: TrainerConfig, n_loss_tokens: int, aux_weight: float):
+    """Loss share and stats of this rank's positions of one micro-batch (see `prepare`)."""
+    aux_coef = cfg.router_aux_loss_coef
+    out = model(
+        input_ids=x["input_ids"][None],
+        position_ids=x["position_ids"][None],
+        use_cache=False,
+        **({"output_router_logits": True} if aux_coef > 0 else {}),
     )
+    logp, entropy = token_logprobs_and_entropy(out.logits[0], x["targets"])
+    loss, stats = policy_loss(
+        logp, x["inference_logprobs"], x["advantages"], x["loss_mask"], cfg.loss, n_loss_tokens, entropy=entropy
+    )
+    stats |= mismatch_stats(logp, x["inference_logprobs"], x["loss_mask"])
+    if aux_coef > 0 and getattr(out, "aux_loss", None) is not None:
+        # Load-balancing loss of this micro-batch's routing, weighted by its share of the step's tokens.
+        loss = loss + aux_coef * aux_weight * out.aux_loss
+        stats["router_aux_loss_sum"] = float(out.aux_loss.detach()) * aux_weight
+    return loss, stats
 
 
 def train_step(model, optim, micro_batches: list[MicroBatch | None], cfg: TrainerConfig, d: Dist) -> dict:
     """One optimizer step over this rank's micro-batches; returns globally reduced metrics."""
-    local = sum(int(mb.loss_mask.sum()) for mb in micro_batches if mb is not None)
-    n_total = int(all_reduce_stats({"n": float(local)}, d.device)["n"])
+    from prl.trainer.context_parallel import ulysses_context
+
+    xs = [prepare(mb, d) for mb in micro_batches]
+    counts = all_reduce_stats(
+        {"n": float(sum(float(x["loss_mask"].sum()) for x in xs)), "t": float(sum(int(x["real"].sum()) for x in xs))},
+        d.device,
+    )
+    n_total, t_total = int(counts["n"]), max(counts["t"], 1.0)
     parts = []
-    for mb in micro_batches:
-        loss, stats = micro_batch_loss(model, mb, cfg, n_total, d.device)
-        # FSDP averages gradients over the dp ranks; the loss is already a global mean.
-        (loss * d.dp_size).backward()
-        parts.append(stats | {"tokens": float(mb.num_tokens if mb else 0)})
+    for x in xs:
+        ctx = ulysses_context(d.cp_group, d.cp, x["full_position_ids"]) if d.cp > 1 else contextlib.nullcontext()
+        with ctx:
+            loss, stats = micro_batch_loss(model, x, cfg, n_total, float(x["real"].sum()) / t_total)
+            # Gradients are summed over ranks (divide factor 1): each loss is already its share of the mean.
+            loss.backward()
+        parts.append(stats | {"tokens": float(x["real"].sum())})
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
+    grad_norm = clip_grad_norm(model, max_norm, d)
     optim.step()
     optim.zero_grad(set_to_none=True)
     s = all_reduce_stats(merge_stats(parts), d.device)
     n = max(s.get("loss_tokens", 0.0), 1.0)
+    has = bool(s.get("loss_tokens"))
     return {
         "loss": s.get("loss_sum", 0.0) / n,
         "entropy": s.get("entropy_sum", 0.0) / n,
         "kl": s.get("kl_sum", 0.0) / n,
         "ratio_mean": s.get("ratio_sum", 0.0) / n,
-        "ratio_min": s.get("ratio_min", 1.0) if s.get("loss_tokens") else None,
-        "ratio_max": s.get("ratio_max", 1.0) if s.get("loss_tokens") else None,
+        "ratio_min": s.get("ratio_min", 1.0) if has else None,
+        "ratio_max": s.get("ratio_max", 1.0) if has else None,
+        "mismatch_ratio_mean": s.get("mismatch_ratio_sum", 0.0) / n if has else None,
+        "mismatch_ratio_min": s.get("mismatch_ratio_min") if has else None,
+        "mismatch_ratio_max": s.get("mismatch_ratio_max") if has else None,
+        "mismatch_kl": s.get("mismatch_kl_sum", 0.0) / n if has else None,
+        **({"router_aux_loss": s["router_aux_loss_sum"]} if "router_aux_loss_sum" in s else {}),
         "masked_fraction": s.get("masked_tokens", 0.0) / n,
         "grad_norm": float(grad_norm),
         "tokens": int(s.get("tokens", 0)),
@@ -105,12 +205,14 @@ def train_step(model, optim, micro_batches: list[MicroBatch | None], cfg: Traine
 
 
 def run_trainer(run: RunDir, resume: str = "latest") -> int:
-    cfg = TrainerConfig.from_plan(run.read_plan())
+    cfg = TrainerConfig.from_plan(Plan.read(run))
     d = init_distributed(cfg)
     torch.manual_seed(cfg.seed)
     if d.is_main:
         run.claim(ROLE)
-    model = load_model(cfg, d)
+    model, grown = load_model(cfg, d)
+    load_rss = all_reduce_stats({"load_rss_growth_mb_max": grown}, d.device)["load_rss_growth_mb_max"]
+    log(d, f"model loaded from {cfg.model_path}: loading raised peak RSS by {load_rss:.1f} MiB (max over ranks)")
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     publish_dtype = getattr(torch, cfg.model_dtype)
     vocab_size = model.get_input_embeddings().num_embeddings
@@ -125,7 +227,8 @@ def run_trainer(run: RunDir, resume: str = "latest") -> int:
         run.remove_steps_after("checkpoints", start)
         run.drop_metrics_after(ROLE, start)
     dist.barrier()
-    log(d, f"world {d.world_size} (dp {d.dp_size}) on {d.device}; steps {start + 1}..{cfg.max_steps}")
+    log(d, f"world {d.world_size} (dp {d.dp_size}, cp {d.cp}, ep {d.ep}) on {d.device}; "
+           f"steps {start + 1}..{cfg.max_steps}")
 
     beat = (lambda **kw: run.heartbeat(ROLE, **kw)) if d.is_main else (lambda **kw: None)
     for step in range(start + 1, cfg.max_steps + 1):
@@ -139,13 +242,13 @@ def run_trainer(run: RunDir, resume: str = "latest") -> int:
                 f"{step_dir}: token id {int(batch.arrays['input_ids'].max())} >= the model's "
                 f"vocab_size {vocab_size}; were the rollouts made with another tokenizer?"
             )
-        micro_batches = batch.micro_batches(d.rank, d.dp_size, cfg.micro_batch_tokens)
+        micro_batches = batch.micro_batches(d.dp_rank, d.dp_size, cfg.micro_batch_tokens)
         t1 = time.monotonic()
 
         metrics = train_step(model, optim, micro_batches, cfg, d)
         t2 = time.monotonic()
 
-        publish_weights(run, step, model, cfg.model_path, publish_dtype, d.is_main)
+        publish_weights(run, step, model, cfg.model_path, publish_dtype, d)
         t3 = time.monotonic()
 
         if cfg.checkpoint_interval > 0 and (step % cfg.checkpoint_interval == 0 or step == cfg.max_steps):
@@ -164,6 +267,7 @@ def run_trainer(run: RunDir, resume: str = "latest") -> int:
                 "publish_s": t3 - t2,
                 "step_s": time.monotonic() - t0,
                 "lr": cfg.lr,
+                "peak_rss_mb": peak_rss_mb(),
                 "max_policy_lag": int(step - versions.min()) if versions.size else 0,
             }
             run.append_metrics(record)

@@ -1,25 +1,43 @@
-"""Publishing full weights in Hugging Face layout: weights/step_N/ + STABLE.
+"""Publishing full weights in Hugging Face layout: weights/step_N/ + STABLE, written by all ranks.
 
-Every rank takes part in gathering the full state dict (an all-gather per
-parameter, offloaded to CPU); rank 0 alone writes. The directory is what
-`from_pretrained` and `vllm serve` load: safetensors (sharded with an index
-above `max_shard_bytes`), config.json with the published dtype, and the
-tokenizer / chat template / generation config copied from the model dir.
+Sharded publish (the trainer's path, `publish_weights`): every parameter is assigned to one
+writer rank (greedy by size, the same deterministic plan on every rank, only ranks of the first
+dp_replicate group write); parameters are gathered one at a time, cast to the published dtype
+first (a per-parameter all-gather over the ranks that shard it, so any rank holds at most its
+own share plus one full parameter), the owner keeps it, and each writer saves its tensors as
+`model-0000K-of-0000N.safetensors`. Rank 0 writes `model.safetensors.index.json` (from the
+plan, no communication), config and tokenizer files. All ranks write into one temp dir named
+by rank 0 (`RunDir.begin_publish(dest, tag=...)`); after a barrier, rank 0 renames it and
+writes the one STABLE marker of the step, so a crash anywhere leaves no accepted partial step.
+A world of one writes a single `model.safetensors`.
+
+Experts (fused [E, ...] parameters in memory, prl/trainer/moe.py) are written per expert, the
+layout vLLM and `from_pretrained` read; a tied lm_head is stored once (as HF does).
+
+Publishing does not overlap the next step: the step's weights are on disk and marked before
+the next step's optimizer changes them, so staleness accounting stays exact.
+
+`publish_weights_gathered` is the previous path (full state dict gathered on rank 0, rank 0
+writes), kept as the benchmark baseline (bench/bench_publish.py).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from prl.run.rundir import RunDir
+from prl.trainer.moe import ExpertParallelExperts, expert_keys, is_fused_experts, split_experts
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+INDEX = "model.safetensors.index.json"
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -27,15 +45,41 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def drop_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Remove keys that alias another weight (tied lm_head): HF stores them once."""
+def tied_keys(model: torch.nn.Module) -> set[str]:
+    """Keys that alias another weight (a tied lm_head), which HF stores once."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     if not getattr(text, "tie_word_embeddings", False):
-        return state
+        return set()
     tied = getattr(model, "_tied_weights_keys", None) or {}
-    names = tied.keys() if isinstance(tied, dict) else tied
-    return {k: v for k, v in state.items() if k not in set(names)}
+    return set(tied.keys() if isinstance(tied, dict) else tied)
+
+
+def drop_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Remove keys that alias another weight (tied lm_head): HF stores them once."""
+    tied = tied_keys(model)
+    return {k: v for k, v in state.items() if k not in tied}
+
+
+def to_hf_layout(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full state dict -> on-disk HF names: fused experts split per expert, tied keys dropped."""
+    fused = {n for n, m in model.named_modules() if is_fused_experts(m)}
+    out = {}
+    for k, v in drop_tied(model, state).items():
+        prefix, _, leaf = k.rpartition(".")
+        out.update(split_experts(prefix, leaf, v, 0) if prefix in fused else {k: v})
+    return out
+
+
+def write_hf_metadata(out: Path, source_dir: str | Path, dtype: torch.dtype) -> None:
+    """Copy config/tokenizer/generation files from `source_dir`; config.json gets the published dtype."""
+    for f in Path(source_dir).iterdir():
+        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(f, out / f.name)
+    config = json.loads((Path(source_dir) / "config.json").read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def write_hf_dir(
@@ -70,28 +114,138 @@ def write_hf_dir(
             weight_map.update(dict.fromkeys(shard, name))
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    for f in Path(source_dir).iterdir():
-        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES):
-            shutil.copy2(f, out / f.name)
-    config = json.loads((Path(source_dir) / "config.json").read_text())
-    config["dtype"] = str(dtype).removeprefix("torch.")
-    config.pop("torch_dtype", None)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (out / INDEX).write_text(json.dumps(index, indent=2))
+    write_hf_metadata(out, source_dir, dtype)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One in-memory parameter (or one EP rank's part of a fused expert parameter) to publish."""
+
+    name: str
+    ep_index: int | None
+    """EP rank whose experts these are; None for a dense parameter."""
+    keys: tuple[str, ...]
+    """Its on-disk tensor names."""
+    nbytes: int
+
+
+def publish_plan(model: torch.nn.Module, d, dtype: torch.dtype) -> tuple[list[Unit], dict[Unit, int]]:
+    """Units to publish and the writer rank of each; identical on every rank (no communication).
+
+    Writers are the ranks of replica group 0; an EP unit may only go to a rank of its EP index
+    (the ranks that can gather it).
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    tied = tied_keys(model)
+    modules = dict(model.named_modules())
+    units: list[Unit] = []
+    for name, p in model.named_parameters():
+        if name in tied:
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        owner = modules.get(prefix)
+        nbytes = p.numel() * itemsize
+        if isinstance(owner, ExpertParallelExperts):
+            for e in range(owner.ep):
+                keys = expert_keys(prefix, leaf, e * owner.num_local, owner.num_local)
+                units.append(Unit(name, e, tuple(keys), nbytes))
+        elif owner is not None and is_fused_experts(owner):
+            units.append(Unit(name, None, tuple(expert_keys(prefix, leaf, 0, p.shape[0])), nbytes))
+        else:
+            units.append(Unit(name, None, (name,), nbytes))
+    writers = list(range(d.world_size // d.dp_replicate))
+    load = dict.fromkeys(writers, 0)
+    owners: dict[Unit, int] = {}
+    for u in sorted(units, key=lambda u: (-u.nbytes, u.name, u.ep_index or 0)):
+        eligible = [r for r in writers if u.ep_index is None or r % d.ep == u.ep_index]
+        r = min(eligible, key=lambda r: (load[r], r))
+        owners[u] = r
+        load[r] += u.nbytes
+    return units, owners
+
+
+def file_names(owners: dict[Unit, int]) -> dict[int, str]:
+    """Writer rank -> its safetensors file name (one `model.safetensors` if one rank writes all)."""
+    ranks = sorted(set(owners.values()))
+    if len(ranks) == 1:
+        return {ranks[0]: "model.safetensors"}
+    return {r: f"model-{i:05d}-of-{len(ranks):05d}.safetensors" for i, r in enumerate(ranks, 1)}
+
+
+def gather_owned(model: torch.nn.Module, d, dtype: torch.dtype, units: list[Unit], owners: dict[Unit, int]):
+    """Collective: the on-disk tensors of the units this rank writes (full, on CPU, in `dtype`)."""
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    mine: dict[str, torch.Tensor] = {}
+    for u in units:
+        if u.ep_index is not None and u.ep_index != d.ep_rank:
+            continue  # gathered (and written) by the ranks of that EP index
+        p = params[u.name].detach().to(dtype)
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        if owners[u] != d.rank:
+            continue
+        prefix, _, leaf = u.name.rpartition(".")
+        owner = modules.get(prefix)
+        full = full.cpu()
+        if owner is not None and is_fused_experts(owner):
+            first = owner.first if isinstance(owner, ExpertParallelExperts) else 0
+            mine.update({k: v.contiguous() for k, v in split_experts(prefix, leaf, full, first).items()})
+        else:
+            mine[u.name] = full.contiguous()
+    return mine
+
+
+def _broadcast_str(value: str | None) -> str:
+    obj = [value]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(obj, src=0)
+    return obj[0]
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def publish_weights(
-    run: RunDir,
-    step: int,
-    model: torch.nn.Module,
-    source_dir: str | Path,
-    dtype: torch.dtype,
-    is_main: bool,
+    run: RunDir, step: int, model: torch.nn.Module, source_dir: str | Path, dtype: torch.dtype, d
 ) -> Path:
-    """Collective: gather the full weights and (rank 0) publish weights/step_N atomically."""
+    """Collective: every writer rank saves its share of weights/step_N; rank 0 publishes it atomically."""
+    from safetensors.torch import save_file
+
+    dest = run.weights(step)
+    tmp = Path(_broadcast_str(str(run.begin_publish(dest, tag=f"step{step}")) if d.is_main else None))
+    units, owners = publish_plan(model, d, dtype)
+    files = file_names(owners)
+    mine = gather_owned(model, d, dtype, units, owners)
+    if d.rank in files:
+        save_file(mine, str(tmp / files[d.rank]), metadata={"format": "pt"})
+    del mine
+    _barrier()
+    if d.is_main:
+        if len(files) > 1:
+            weight_map = {k: files[owners[u]] for u in units for k in u.keys}
+            index = {"metadata": {"total_size": sum(u.nbytes for u in units)}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX).write_text(json.dumps(index, indent=2))
+        write_hf_metadata(tmp, source_dir, dtype)
+        run.finish_publish(dest, tmp, step=step)
+    _barrier()
+    return dest
+
+
+def publish_weights_gathered(
+    run: RunDir, step: int, model: torch.nn.Module, source_dir: str | Path, dtype: torch.dtype, is_main: bool
+) -> Path:
+    """Collective, the baseline: gather the full state dict on rank 0, which alone writes and publishes.
+
+    Dense and ep=1 models only (under EP a rank's state dict holds only its own experts).
+    """
+    if any(isinstance(m, ExpertParallelExperts) for m in model.modules()):
+        raise ValueError("publish_weights_gathered cannot publish an expert-parallel model; use publish_weights")
     state = full_state_dict(model)
     dest = run.weights(step)
     if is_main:
-        state = drop_tied(model, state)
+        state = to_hf_layout(model, state)
         run.publish_dir(dest, lambda tmp: write_hf_dir(tmp, state, source_dir, dtype), step=step)
     return dest

@@ -1,0 +1,181 @@
+"""The trainer's step on one GPU: tokens/s and MFU for a Qwen3-0.6B-shaped dense model and a small Qwen3-MoE.
+
+    python bench/gpu_trainer.py [--tokens 16384] [--steps 5] [--models dense moe] [--peak-tflops 989]
+    python bench/gpu_trainer.py --smoke        # tiny models on CPU (gloo, fp32): checks the code path
+
+One process, one GPU: NCCL process group of one rank, the trainer's own FSDP2 wrapping
+(prl.trainer.parallel.apply_fsdp: bf16 compute, fp32 master weights and reduction) and its own
+`train_step` (packed micro-batch, importance-ratio loss, backward, clipping, AdamW) on a packed
+micro-batch of `--tokens` tokens (8 samples). Models are built from a config with random
+weights (no download): meta device, sharded, `to_empty` on the GPU, initialised in place.
+Step 1 warms up; the median of the next `--steps` is reported.
+
+MFU = tokens/s x FLOPs/token / peak, with FLOPs/token = 6 x active parameters (MoE: the
+router's top-k share of the experts; embeddings excluded, lm_head included) + 6 x layers x
+attention width x sample length (causal attention, forward + backward). Peak: H200 dense
+bf16, 989 TFLOP/s (change with --peak-tflops). Both models together finish in a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def configs(smoke: bool) -> dict:
+    """name -> transformers config of the benchmarked models (tiny ones for --smoke)."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    if smoke:
+        return {
+            "dense": Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True),
+            "moe": Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+                                  num_experts=4, num_experts_per_tok=2, tie_word_embeddings=True),
+        }
+    return {
+        # Qwen3-0.6B's shape.
+        "dense": Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                             num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                             max_position_embeddings=40960),
+        # A small Qwen3-MoE: ~1.3B total, ~0.4B active.
+        "moe": Qwen3MoeConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=384,
+                              num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                              num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False,
+                              max_position_embeddings=40960),
+    }
+
+
+def active_params(model, config) -> tuple[int, int]:
+    """(all parameters, parameters one token uses), embeddings excluded."""
+    total = active = 0
+    experts, top_k = getattr(config, "num_experts", 0), getattr(config, "num_experts_per_tok", 0)
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name:
+            continue
+        n = p.numel()
+        total += n
+        active += n * top_k // experts if ".experts." in name else n
+    if getattr(config, "tie_word_embeddings", False):  # the tied lm_head still does its matmul
+        active += config.vocab_size * config.hidden_size
+    return total, active
+
+
+def build(config, cfg, d):
+    """Random-initialised, FSDP2-wrapped model on d.device, built through the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from prl.trainer.loading import rebuild_nonpersistent_buffers
+    from prl.trainer.parallel import apply_fsdp
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.config.use_cache = False
+    model.train()
+    apply_fsdp(model, cfg, d)
+    model.to_empty(device=d.device)
+    rebuild_nonpersistent_buffers(model, d.device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.fill_(1.0) if "norm" in name else local.normal_(0, 0.02)
+    return model
+
+
+def micro_batch(tokens: int, vocab: int, samples: int = 8):
+    """One packed micro-batch of `samples` equal samples, the second half of each trained on."""
+    import numpy as np
+
+    from prl.run.batch import MicroBatch
+
+    rng = np.random.default_rng(0)
+    n = tokens // samples
+    mask = np.concatenate([np.zeros(n // 2), np.ones(n - n // 2)]).astype("uint8")
+    return MicroBatch(sample_ids=list(range(samples)),
+                      input_ids=rng.integers(0, vocab, tokens).astype("int32"),
+                      position_ids=np.tile(np.arange(n), samples).astype("int32"),
+                      loss_mask=np.tile(mask, samples), advantages=rng.normal(size=tokens).astype("float32"),
+                      inference_logprobs=np.full(tokens, -5.0, dtype="float32")), n
+
+
+def bench(name: str, config, args, d) -> dict:
+    import torch
+
+    from prl.config.topology import Loss
+    from prl.trainer.train import train_step
+
+    cfg = SimpleNamespace(dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=1, activation_checkpointing=args.ac,
+                          precision="fp32" if args.smoke else "bf16", loss=Loss(), max_grad_norm=1.0)
+    model = build(config, cfg, d)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    mb, sample_len = micro_batch(args.tokens, config.vocab_size)
+    times = []
+    for _ in range(args.steps + 1):
+        if d.device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        train_step(model, optim, [mb], cfg, d)
+        if d.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    total, active = active_params(model, config)
+    tps = args.tokens / statistics.median(times[1:])
+    width = config.num_attention_heads * config.head_dim
+    flops_per_token = 6 * active + 6 * config.num_hidden_layers * width * sample_len
+    mem = torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else float("nan")
+    del model, optim
+    return {"name": name, "params_b": total / 1e9, "active_b": active / 1e9, "tokens_per_s": tps,
+            "mfu": tps * flops_per_token / (args.peak_tflops * 1e12), "max_mem_gib": mem}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens per step (one packed micro-batch)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps after one warm-up step")
+    ap.add_argument("--models", nargs="+", default=["dense", "moe"], choices=["dense", "moe"])
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H200: 989)")
+    ap.add_argument("--ac", action="store_true", help="activation checkpointing")
+    ap.add_argument("--smoke", action="store_true", help="tiny models on CPU (gloo, fp32), to check the code path")
+    args = ap.parse_args()
+    if args.smoke:
+        args.tokens, args.steps = min(args.tokens, 256), min(args.steps, 2)
+
+    import torch
+    import torch.distributed as dist
+
+    from prl.trainer.parallel import build_dist
+
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29731"}.items():
+        os.environ.setdefault(k, v)
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("gpu_trainer.py needs a CUDA GPU (use --smoke to check the code path on CPU)")
+    device = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo" if args.smoke else "nccl")
+    one = SimpleNamespace(dp_replicate=1, dp_shard=1, cp=1, ep=1)
+    d = build_dist(one, 0, 1, 0, device)
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke)"
+    print(f"{gpu}; {args.tokens} tokens/step in one packed micro-batch of 8 samples; median of {args.steps} steps")
+    for name in args.models:
+        r = bench(name, configs(args.smoke)[name], args, d)
+        print(f"  {r['name']:5s} {r['params_b']:.2f}B params ({r['active_b']:.2f}B active, no embeddings): "
+              f"{r['tokens_per_s']:9.0f} tokens/s  MFU {100 * r['mfu']:5.1f}%  max mem {r['max_mem_gib']:.1f} GiB")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""What the trainer can execute, checked at plan time against the model's config.json.
+
+Pure and light (no torch, no transformers): the planner calls `trainer_refusals` with the
+parsed config.json of the model directory when it exists locally (None otherwise: then only
+the model-independent checks run) and turns each refusal into a PlanError at the YAML line of
+its field. Keep it in step with the trainer:
+
+- expert parallelism: prl/trainer/moe.py (`FUSED_EXPERT_CLASSES`), for the architectures in
+  `EP_ARCHITECTURES`;
+- context parallelism: prl/trainer/context_parallel.py (Ulysses: the heads are split over cp).
+"""
+
+from __future__ import annotations
+
+Field = tuple[str, ...]
+
+EP_ARCHITECTURES: dict[str, tuple[str, ...]] = {
+    # Hub checkpoints write num_experts; transformers 5 saves the same count as num_local_experts.
+    "Qwen3MoeForCausalLM": ("num_experts", "num_local_experts"),
+}
+"""Architectures with an expert-parallel implementation -> config keys of their expert count."""
+
+KNOWN_MOE_ARCHITECTURES: frozenset[str] = frozenset({
+    *EP_ARCHITECTURES,
+    "Qwen2MoeForCausalLM",
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Qwen3NextForCausalLM",
+    "GptOssForCausalLM",
+})
+"""MoE architectures the trainer trains with ep = 1 only (experts FSDP-sharded like any weight)."""
+
+
+def _architecture(model_config: dict) -> str:
+    archs = model_config.get("architectures") or []
+    return archs[0] if archs else str(model_config.get("model_type", "unknown"))
+
+
+def _text_config(model_config: dict) -> dict:
+    """Multimodal configs nest the language model's settings under text_config."""
+    return model_config.get("text_config") or model_config
+
+
+def ep_refusals(model_config: dict | None, ep: int) -> list[tuple[Field, str]]:
+    """Refusals of trainer.ep for this model (none for ep = 1 or an unknown model)."""
+    if ep == 1 or model_config is None:
+        return []
+    arch = _architecture(model_config)
+    field = ("trainer", "ep")
+    if arch not in EP_ARCHITECTURES:
+        kind = "an MoE model without an EP implementation in the trainer" if arch in KNOWN_MOE_ARCHITECTURES \
+            else "dense"
+        supported = ", ".join(EP_ARCHITECTURES)
+        return [(field, f"trainer.ep({ep}) needs an MoE model with an EP implementation ({supported} has one); "
+                        f"{arch} is {kind}: use ep: 1")]
+    text = _text_config(model_config)
+    key = next((k for k in EP_ARCHITECTURES[arch] if isinstance(text.get(k), int)), EP_ARCHITECTURES[arch][0])
+    experts = text.get(key)
+    if not isinstance(experts, int) or experts < 1:
+        return [(field, f"trainer.ep({ep}): the model's config.json has no {key} (expert count) for {arch}; "
+                        f"use ep: 1 or fix the model directory")]
+    if experts % ep:
+        return [(field, f"trainer.ep({ep}) must divide the model's {key}({experts}): every EP rank holds "
+                        f"the same number of experts; use an ep that divides {experts}")]
+    return []
+
+
+def cp_refusals(model_config: dict | None, cp: int) -> list[tuple[Field, str]]:
+    """Refusals of trainer.cp for this model: Ulysses splits attention heads over the cp ranks."""
+    if cp == 1 or model_config is None:
+        return []
+    text = _text_config(model_config)
+    heads = text.get("num_attention_heads")
+    kv_heads = text.get("num_key_value_heads") or heads
+    field = ("trainer", "cp")
+    if not isinstance(heads, int) or not isinstance(kv_heads, int):
+        return [(field, f"trainer.cp({cp}): the model's config.json has no num_attention_heads; "
+                        f"context parallelism needs it; use cp: 1")]
+    if heads % cp or kv_heads % cp:
+        return [(field, f"trainer.cp({cp}) must divide num_attention_heads({heads}) and "
+                        f"num_key_value_heads({kv_heads}): context parallelism (Ulysses) splits the heads "
+                        f"over the cp ranks; use a cp that divides both")]
+    if text.get("use_sliding_window") and text.get("sliding_window"):
+        return [(field, f"trainer.cp({cp}): sliding-window attention is not supported with context "
+                        f"parallelism (the full-sequence mask is block-causal only); use cp: 1")]
+    return []
+
+
+def trainer_refusals(
+    model_config: dict | None, dp_replicate: int, dp_shard: int, cp: int, ep: int
+) -> list[tuple[Field, str]]:
+    """Every reason the trainer cannot run this mesh on this model, as (topology field, message).
+
+    `model_config` is config.json of the model directory (None when it is not readable at plan
+    time). Degrees are the derived ones (dp_shard already filled in).
+    """
+    out: list[tuple[Field, str]] = []
+    for name, value in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("cp", cp), ("ep", ep)):
+        if value < 1:
+            out.append((("trainer", name), f"trainer.{name}({value}) must be at least 1"))
+    if out:
+        return out
+    if (dp_shard * cp) % ep:
+        out.append((("trainer", "ep"), f"trainer.ep({ep}) must divide dp_shard({dp_shard}) * cp({cp}) = "
+                                       f"{dp_shard * cp}: experts are sharded over the dp_shard x cp ranks"))
+    out += ep_refusals(model_config, ep)
+    out += cp_refusals(model_config, cp)
+    return out

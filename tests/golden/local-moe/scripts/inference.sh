@@ -1,0 +1,8 @@
+#!/bin/bash
+# Rendered by prl: the 'inference' step of 'local-moe'. Do not edit: run `prl plan` again.
+# Started by the launcher (a local process per task).
+set -euo pipefail
+export PRL_ROLE=inference
+export PRL_RUN_DIR=/home/user/prl/runs/prl-runs/local-moe
+export VLLM_CPU_KVCACHE_SPACE=2
+exec python3 -m prl.job.role inference --run-dir /home/user/prl/runs/prl-runs/local-moe

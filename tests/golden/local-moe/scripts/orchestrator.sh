@@ -1,0 +1,7 @@
+#!/bin/bash
+# Rendered by prl: the 'orchestrator' step of 'local-moe'. Do not edit: run `prl plan` again.
+# Started by the launcher (a local process per task).
+set -euo pipefail
+export PRL_ROLE=orchestrator
+export PRL_RUN_DIR=/home/user/prl/runs/prl-runs/local-moe
+exec python3 -m prl.job.role orchestrator --run-dir /home/user/prl/runs/prl-runs/local-moe

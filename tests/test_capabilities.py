@@ -1,0 +1,102 @@
+"""Plan-time refusal of meshes the trainer cannot run (prl/planner/capabilities.py): pure, no torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from prl.planner.capabilities import EP_ARCHITECTURES, trainer_refusals
+
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 2}
+LLAMA = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 6, "num_key_value_heads": 2}
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "num_local_experts": 8, "num_attention_heads": 32,
+           "num_key_value_heads": 8}
+
+
+def test_a_mesh_the_trainer_runs_has_no_refusal():
+    assert trainer_refusals(QWEN3_MOE, 1, 2, 1, 2) == []
+    assert trainer_refusals(QWEN3_MOE, 1, 2, 2, 4) == []  # ep 4 over dp_shard 2 x cp 2
+    assert trainer_refusals(LLAMA, 2, 4, 2, 1) == []
+    assert trainer_refusals(None, 1, 8, 2, 8) == [], "no config.json at plan time: no model-dependent refusal"
+
+
+def test_ep_on_a_dense_model_is_refused_with_the_fix():
+    [(field, msg)] = trainer_refusals(LLAMA, 1, 2, 1, 2)
+    assert field == ("trainer", "ep")
+    assert msg == ("trainer.ep(2) needs an MoE model with an EP implementation (Qwen3MoeForCausalLM has one); "
+                   "LlamaForCausalLM is dense: use ep: 1")
+
+
+def test_ep_on_an_moe_without_an_ep_implementation_is_refused():
+    [(field, msg)] = trainer_refusals(MIXTRAL, 1, 8, 1, 8)
+    assert field == ("trainer", "ep") and "MixtralForCausalLM is an MoE model without an EP implementation" in msg
+    assert trainer_refusals(MIXTRAL, 1, 8, 1, 1) == [], "ep 1 trains it (experts FSDP-sharded like any weight)"
+
+
+def test_ep_must_divide_the_experts():
+    [(field, msg)] = trainer_refusals(QWEN3_MOE, 1, 8, 1, 8)
+    assert field == ("trainer", "ep")
+    assert "trainer.ep(8) must divide the model's num_experts(4)" in msg
+
+
+def test_the_expert_count_is_read_under_either_name():
+    """Hub checkpoints write num_experts; transformers 5's save_pretrained writes num_local_experts."""
+    saved = {k: v for k, v in QWEN3_MOE.items() if k != "num_experts"} | {"num_local_experts": 4}
+    assert trainer_refusals(saved, 1, 2, 1, 2) == []
+    assert "num_local_experts(4)" in trainer_refusals(saved, 1, 8, 1, 8)[0][1]
+    [(field, msg)] = trainer_refusals({k: v for k, v in QWEN3_MOE.items() if k != "num_experts"}, 1, 2, 1, 2)
+    assert "has no num_experts (expert count)" in msg
+
+
+def test_a_saved_tiny_moe_is_accepted(tmp_path):
+    """The config.json the installed transformers writes for the tiny MoE passes the check."""
+    from tests.tiny_model import build_tiny_moe
+
+    config = json.loads((build_tiny_moe(tmp_path / "moe") / "config.json").read_text())
+    assert trainer_refusals(config, 1, 2, 1, 2) == []
+    assert trainer_refusals(config, 1, 8, 1, 8)[0][0] == ("trainer", "ep")
+
+
+def test_ep_must_divide_dp_shard_times_cp():
+    refusals = trainer_refusals(None, 1, 3, 1, 2)
+    assert refusals == [(("trainer", "ep"), "trainer.ep(2) must divide dp_shard(3) * cp(1) = 3: experts are "
+                                            "sharded over the dp_shard x cp ranks")]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "ok"), [(6, 2, True), (6, 1, False), (5, 5, False), (8, 4, True)])
+def test_cp_must_divide_attention_and_kv_heads(heads, kv_heads, ok):
+    config = {"architectures": ["Qwen3ForCausalLM"], "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    refusals = trainer_refusals(config, 1, 1, 2, 1)
+    if ok:
+        assert refusals == []
+    else:
+        [(field, msg)] = refusals
+        assert field == ("trainer", "cp")
+        assert msg.startswith(f"trainer.cp(2) must divide num_attention_heads({heads}) and "
+                              f"num_key_value_heads({kv_heads})") and "Ulysses" in msg
+
+
+def test_several_problems_are_all_reported():
+    fields = [f for f, _ in trainer_refusals({**LLAMA, "num_key_value_heads": 1}, 1, 2, 2, 2)]
+    assert fields == [("trainer", "ep"), ("trainer", "cp")]
+
+
+def test_multimodal_configs_are_read_from_text_config():
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "text_config": {**QWEN3_MOE, "num_experts": 6}}
+    assert "num_experts(6)" in trainer_refusals(config, 1, 4, 1, 4)[0][1]
+
+
+def test_the_trainer_implements_what_the_planner_allows():
+    """EP_ARCHITECTURES matches the fused-expert classes prl/trainer/moe.py knows."""
+    from prl.trainer.moe import FUSED_EXPERT_CLASSES
+
+    assert {a.removesuffix("ForCausalLM") + "Experts" for a in EP_ARCHITECTURES} == set(FUSED_EXPERT_CLASSES)
+
+
+def test_capabilities_import_no_torch():
+    code = "import sys, prl.planner.capabilities; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
