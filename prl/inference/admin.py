@@ -4,14 +4,16 @@
     POST /prl/pause    {"mode": "keep"|"wait"|"abort"} (default "wait") -> {"paused": true, "mode"}
     POST /prl/resume   -> {"paused": false}
     POST /prl/weights  {"step": N} | {"path": "/abs/dir"} [, "mode": "keep"|"wait"|"abort"]
-                       -> {"step", "path", "seconds", "load_seconds", "pause_seconds"}
+                       -> {"step", "path", "seconds", "load_seconds", "pause_seconds", "kv_storage_cleared"}
 
 A weight update is validated completely before any weight is touched (the
 directory is under RUN/weights/ and published, its tensors have the served
 names and shapes); then: pause generation (default "keep": in-flight requests
-freeze and continue on the new weights), load in every worker, reset the
-prefix cache (KV computed with the old weights must not be reused), resume
-(unless the server was paused before the update). Updates are serialized.
+freeze and continue on the new weights), load in every worker, drop every KV
+computed with the old weights (`invalidate_kv`: the prefix cache, the KV
+connector's cache, and `ExampleConnector`'s storage, which vLLM does not
+reset), resume (unless the server was paused before the update). Updates are
+serialized.
 If loading fails part-way, the previously served weights are loaded again;
 if that fails too, `/prl/live` answers 503 with `"ok": false` so the
 launcher replaces the server.
@@ -20,6 +22,7 @@ launcher replaces the server.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 import time
 from dataclasses import dataclass, field
@@ -40,6 +43,16 @@ from prl.run.rundir import RunDir
 router = APIRouter()
 
 PAUSE_MODES = ("keep", "wait", "abort")
+
+KV_RESET_TIMEOUT_S = 90.0
+"""How long an update waits at least for KV blocks held for another server (a NIXL prefill server
+keeps a prompt's blocks until its decode server pulls them, or their lease runs out)."""
+NIXL_LEASE_S = 30
+"""NixlConnector's default `kv_lease_duration` (seconds)."""
+
+
+class KVResetFailed(RuntimeError):
+    """The old weights' KV could not be dropped: serving would reuse it."""
 
 
 @dataclass
@@ -162,9 +175,15 @@ async def update_weights(request: Request):
             return _error(500, f"{error}; rolled back to {state.weights_path}")
         finally:
             # KV computed with the old weights must not serve new requests; in-flight ones recompute.
-            await engine.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
-            if not was_paused:
-                await engine.resume_generation()
+            try:
+                cleared = await invalidate_kv(engine)
+            except KVResetFailed as e:
+                state.broken = f"after loading {target.path}: {e}"
+            finally:
+                if not was_paused:
+                    await engine.resume_generation()
+        if state.broken:
+            return _error(500, state.broken)
 
         seconds = time.perf_counter() - t0
         state.weights_path, state.weights_step = str(target.path), target.step
@@ -175,11 +194,98 @@ async def update_weights(request: Request):
             "seconds": seconds,
             "pause_seconds": pause_seconds,
             "load_seconds": max(r["seconds"] for r in results),
+            "kv_storage_cleared": cleared,
             "time": time.time(),
         }
     _record_metrics(state, request)
     return {"step": target.step, "path": str(target.path), "seconds": seconds,
-            "pause_seconds": pause_seconds, "load_seconds": state.last_update["load_seconds"]}
+            "pause_seconds": pause_seconds, "load_seconds": state.last_update["load_seconds"],
+            "kv_storage_cleared": cleared}
+
+
+async def invalidate_kv(engine, timeout: float | None = None) -> int:
+    """Drop all KV of the old weights; return how many stored KV entries were deleted.
+
+    Clears connector storage vLLM does not reset, then resets the prefix cache
+    and the connector (`reset_prefix_cache(reset_running_requests=True,
+    reset_connector=True)`: running requests are preempted and recompute).
+    The reset fails while blocks are held for a transfer (a NIXL prefill
+    server's blocks not yet pulled by a decode server); the engine keeps
+    stepping for those even while paused and releases them once pulled or
+    when their lease ends, so the reset is retried until then.
+    KVResetFailed after `timeout` seconds (default: `reset_timeout`).
+    """
+    config = engine.vllm_config.kv_transfer_config
+    timeout = reset_timeout(config) if timeout is None else timeout
+    cleared = clear_connector_storage(config)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if await engine.reset_prefix_cache(reset_running_requests=True, reset_connector=True):
+                return cleared
+            why = "some KV blocks are still in use"
+        except Exception as e:  # noqa: BLE001 - the engine's RuntimeError arrives as a plain Exception
+            why = str(e)
+        if time.monotonic() > deadline:
+            raise KVResetFailed(f"could not reset the prefix cache in {timeout:.0f} s: {why}")
+        await asyncio.sleep(0.5)
+
+
+def connector_configs(kv_transfer_config) -> list[dict]:
+    """The connector's config as dicts: itself, and each connector inside a `MultiConnector`."""
+    if kv_transfer_config is None:
+        return []
+    top = {"kv_connector": kv_transfer_config.kv_connector,
+           "kv_connector_extra_config": kv_transfer_config.kv_connector_extra_config or {}}
+    return [top, *(top["kv_connector_extra_config"].get("connectors") or [])]
+
+
+def reset_timeout(kv_transfer_config) -> float:
+    """How long an update may wait for held KV blocks: KV_RESET_TIMEOUT_S, or a NIXL lease + 30 s."""
+    leases = [float(c.get("kv_connector_extra_config", {}).get("kv_lease_duration", NIXL_LEASE_S))
+              for c in connector_configs(kv_transfer_config) if c.get("kv_connector") == "NixlConnector"]
+    return max([KV_RESET_TIMEOUT_S, *(lease + 30 for lease in leases)])
+
+
+def connector_storage(kv_transfer_config) -> list[Path]:
+    """Directories where the KV connector keeps KV outside the engine and never resets it.
+
+    That is `ExampleConnector`'s `shared_storage_path` (its `reset_cache` is
+    vLLM's no-op default), also inside a `MultiConnector`. NIXL keeps KV only
+    in the engine's blocks; the offloading connectors reset their own tiers.
+    """
+    return [Path(c.get("kv_connector_extra_config", {}).get("shared_storage_path", "/tmp"))
+            for c in connector_configs(kv_transfer_config) if c.get("kv_connector") == "ExampleConnector"]
+
+
+def clear_connector_storage(kv_transfer_config) -> int:
+    """Delete every KV entry in `connector_storage`; return how many.
+
+    An entry is what ExampleConnector writes: a directory named by a hex
+    digest of the prompt, holding only `.safetensors` files (one per layer).
+    Anything else is left alone, so a storage path shared with other files
+    (vLLM's default is /tmp) loses nothing else. Tolerates a concurrent clear
+    (the prefill and decode servers share the directory and both clear it).
+    """
+    removed = 0
+    for root in connector_storage(kv_transfer_config):
+        for entry in root.iterdir() if root.is_dir() else ():
+            if _is_kv_entry(entry):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed += 1
+    return removed
+
+
+def _is_kv_entry(path: Path) -> bool:
+    name = path.name
+    if len(name) < 16 or any(c not in "0123456789abcdef" for c in name):
+        return False
+    if path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        return all(f.suffix == ".safetensors" and f.is_file() for f in path.iterdir())
+    except OSError:  # cleared by the other server meanwhile
+        return False
 
 
 def _record_metrics(state: AdminState, request: Request) -> None:

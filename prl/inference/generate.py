@@ -16,6 +16,11 @@ vLLM 0.32 mounts a route of this name only with `--enable-scale-out` /
 so prl serves its own. Text in and multimodal features are not supported
 here (use the OpenAI routes); sampling keys vLLM does not know are ignored
 (the client passes provider-specific extras through).
+
+Prefill/decode disaggregation (vLLM's protocol, as on its OpenAI routes): a
+top-level `kv_transfer_params` is handed to the engine's KV connector, and
+the answer carries the connector's `kv_transfer_params` (a prefill server's
+say where a decode server fetches the prompt's KV; null without a connector).
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     features: Any = None
     content_parts: Any = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """For the KV connector (prefill/decode disaggregation): set by the router, see the module doc."""
 
 
 def _error(status: HTTPStatus, message: str) -> JSONResponse:
@@ -137,6 +144,8 @@ async def generate(request: GenerateRequest, raw_request: Request):
         params = build_sampling_params(request.sampling_params, model_config.get_diff_sampling_param(), room)
     except (TypeError, ValueError) as e:
         return _error(HTTPStatus.BAD_REQUEST, f"bad sampling_params: {e}")
+    if request.kv_transfer_params:
+        params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": request.kv_transfer_params}
 
     prompt = TokensPrompt(prompt_token_ids=request.token_ids)
     if request.cache_salt:
@@ -148,6 +157,7 @@ async def generate(request: GenerateRequest, raw_request: Request):
                                          session_id=raw_request.headers.get(SESSION_HEADER)):
             final = out
     except ValueError as e:  # vLLM's input validation (token ids out of vocab, too long, ...)
+        await _release_remote_kv(engine, request_id, request.kv_transfer_params)
         return _error(HTTPStatus.BAD_REQUEST, str(e))
     if final is None:
         return _error(HTTPStatus.INTERNAL_SERVER_ERROR, "the engine returned no output")
@@ -162,4 +172,16 @@ async def generate(request: GenerateRequest, raw_request: Request):
         "choices": choices,
         "usage": {"prompt_tokens": len(request.token_ids), "completion_tokens": completion_tokens,
                   "total_tokens": len(request.token_ids) + completion_tokens},
+        "kv_transfer_params": final.kv_transfer_params,
     })
+
+
+async def _release_remote_kv(engine, request_id: str, kv_transfer_params: dict[str, Any] | None) -> None:
+    """A decode request the engine refused: let the connector free the prompt's KV held on the prefill
+    server (as vLLM's OpenAI routes do), instead of leaving it pinned until its lease runs out."""
+    if not kv_transfer_params or not kv_transfer_params.get("do_remote_prefill"):
+        return
+    try:
+        await engine.notify_kv_transfer_request_rejected(request_id, kv_transfer_params)
+    except Exception:  # noqa: BLE001 - best effort: the lease frees the blocks anyway
+        logger.warning("could not release the remote KV of refused request %s", request_id, exc_info=True)

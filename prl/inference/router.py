@@ -1,22 +1,35 @@
 """`python -m prl.inference.router`: the proxy in front of prefill/decode-disaggregated servers.
 
     python -m prl.inference.router --port P [--host H] [--api-key-env VAR] \
+        [--policy cache_aware|round_robin] \
         --prefill http://p0:8000 [--prefill ...] --decode http://d0:8000 [--decode ...]
 
-For a generation request (`/v1/completions`, `/v1/chat/completions`,
-`/inference/v1/generate`) it first sends a copy to a prefill server with the
-output limited to one token (the prefill server computes the prompt's KV and
-its KV connector ships it), then sends the original request to a decode
-server (whose connector loads that KV instead of recomputing it) and relays
-its answer, streamed or not, with its status code. Servers are picked round
-robin. The KV hand-off itself is the connector's business (`ExampleConnector`
-through shared storage on CPU, `NixlConnector` on GPU clusters).
+A generation request (`/v1/completions`, `/v1/chat/completions`,
+`/inference/v1/generate`) follows vLLM's disaggregation protocol (its
+reference proxy, `tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`):
+
+1. a copy goes to a prefill server with one output token, no streaming, and
+   `kv_transfer_params: {"do_remote_decode": true, "do_remote_prefill": false,
+   "remote_engine_id": null, "remote_block_ids": null, "remote_host": null,
+   "remote_port": null}`; the prefill server computes the prompt's KV, keeps
+   it for a decode server and answers with the `kv_transfer_params` a decode
+   server needs to fetch it (engine id, block ids, host, port);
+2. the client's request, plus those `kv_transfer_params`, goes to a decode
+   server, whose connector pulls the KV instead of recomputing the prompt;
+   its answer is relayed, streamed or not, with its status code.
+
+Connectors that return no params (`ExampleConnector` shares KV through
+storage) get the client's request unchanged. Servers are chosen by
+`prl.inference.routing` (`cache_aware`, the default: a rollout's
+`X-Session-ID`, else its prompt prefix, keeps to one server, under a load
+bound) or `round_robin`.
 
 `GET /health` is 200 when every backend's `/health` is, else 503 with each
 backend's state. `GET /prl/live` gathers every backend's; `POST /prl/weights`,
 `/prl/pause` and `/prl/resume` go to every backend (prefill and decode must
-serve the same weights) and fail if any backend fails. Other paths
-(`/v1/models`, ...) go to a decode server.
+serve the same weights) and fail if any backend fails. `GET /prl/router`:
+requests sent to and in flight on each backend. Other paths (`/v1/models`,
+...) go to a decode server.
 """
 
 from __future__ import annotations
@@ -26,7 +39,6 @@ import asyncio
 import contextlib
 import itertools
 import json
-import logging
 import os
 import sys
 
@@ -34,39 +46,101 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-log = logging.getLogger("prl.inference.router")
+from prl.inference import routing
+from prl.log import get_logger, init_logging
+
+log = get_logger("prl.inference.router")
 
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 FANOUT_PATHS = ("/prl/weights", "/prl/pause", "/prl/resume")
 FORWARD_HEADERS = ("authorization", "content-type", "x-session-id", "x-request-id", "accept")
+POLICIES = ("cache_aware", "round_robin")
+
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
+"""The prefill request's `kv_transfer_params` (vLLM's reference proxy): keep the KV for a decode server."""
 
 
 def prefill_body(path: str, body: dict) -> dict:
-    """The request a prefill server gets: same prompt, one output token, no streaming."""
+    """The request a prefill server gets: same prompt, one output token, no streaming, KV kept for decode."""
     body = dict(body)
     if path == "/inference/v1/generate":
-        body["sampling_params"] = {**body.get("sampling_params", {}), "max_tokens": 1, "min_tokens": 0}
+        params = {**body.get("sampling_params", {}), "max_tokens": 1}
+        params.pop("min_tokens", None)
+        body["sampling_params"] = params
     else:
         body["max_tokens"] = 1
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
         body.pop("min_tokens", None)
+        body.pop("min_completion_tokens", None)  # not supported on the prefill side
     body["stream"] = False
     body.pop("stream_options", None)
+    body["kv_transfer_params"] = dict(REMOTE_DECODE)
     return body
 
 
+def decode_body(body: dict, prefill_answer: object) -> dict | None:
+    """The client's request plus the prefill answer's `kv_transfer_params`; None when it has none."""
+    params = prefill_answer.get("kv_transfer_params") if isinstance(prefill_answer, dict) else None
+    return {**body, "kv_transfer_params": params} if params else None
+
+
+class Balancer:
+    """Picks prefill and decode servers and counts what each has been sent and holds."""
+
+    def __init__(self, prefill: list[str], decode: list[str], policy: str = "cache_aware"):
+        if policy not in POLICIES:
+            raise ValueError(f"policy {policy!r}: use one of {', '.join(POLICIES)}")
+        self.prefill, self.decode, self.policy = prefill, decode, policy
+        self.in_flight = {u: 0 for u in [*prefill, *decode]}
+        self.sent = dict.fromkeys(self.in_flight, 0)
+        self._cycles = {"prefill": itertools.cycle(prefill), "decode": itertools.cycle(decode)}
+
+    def pick(self, kind: str, key: str | None) -> str:
+        """A `kind` ("prefill" or "decode") server for a request with routing `key`."""
+        if self.policy == "round_robin":
+            return next(self._cycles[kind])
+        return routing.choose(key, self.prefill if kind == "prefill" else self.decode, self.in_flight)
+
+    def acquire(self, url: str) -> str:
+        """Count one more request on `url`; pair with `release`."""
+        self.in_flight[url] += 1
+        self.sent[url] += 1
+        return url
+
+    def release(self, url: str) -> None:
+        self.in_flight[url] -= 1
+
+    @contextlib.contextmanager
+    def holding(self, url: str):
+        """Count a request on `url` while the block runs."""
+        try:
+            yield self.acquire(url)
+        finally:
+            self.release(url)
+
+    def stats(self) -> dict:
+        return {"policy": self.policy, "sent": dict(self.sent), "in_flight": dict(self.in_flight)}
+
+
 def build_app(prefill: list[str], decode: list[str], api_key: str | None = None,
-              timeout: float = 3600.0) -> FastAPI:
+              timeout: float = 3600.0, policy: str = "cache_aware", kv_handoff: bool = True,
+              transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The router app. `kv_handoff=False` drops the prefill answer's `kv_transfer_params` (decode then
+    recomputes the prompt): for measuring what the hand-off saves, never for serving. `transport`:
+    httpx's, to reach in-process backends (tests)."""
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
         await client.aclose()
 
     app = FastAPI(lifespan=lifespan)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), limits=httpx.Limits(max_connections=None))
-    next_prefill, next_decode = itertools.cycle(prefill), itertools.cycle(decode)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), limits=httpx.Limits(max_connections=None),
+                               transport=transport)
+    balancer = Balancer(prefill, decode, policy)
     backends = [*prefill, *decode]
+    app.state.balancer = balancer
 
     def headers_of(request: Request) -> dict[str, str]:
         return {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
@@ -105,6 +179,10 @@ def build_app(prefill: list[str], decode: list[str], api_key: str | None = None,
                              "paused": any(v.get("paused") for v in lives.values()), "backends": lives},
                             status_code=200 if ok else 503)
 
+    @app.get("/prl/router")
+    async def router_stats():
+        return balancer.stats()
+
     async def fanout(request: Request, path: str):
         body = await request.body()
 
@@ -135,32 +213,57 @@ def build_app(prefill: list[str], decode: list[str], api_key: str | None = None,
             body = json.loads(raw)
         except ValueError:
             return JSONResponse({"error": "body is not JSON"}, status_code=400)
+        if not isinstance(body, dict):
+            return JSONResponse({"error": "body must be a JSON object"}, status_code=400)
         headers = headers_of(request)
-        p = await client.post(next(next_prefill) + path, json=prefill_body(path, body), headers=headers)
+        key = routing.request_key(request.headers, body)
+        with balancer.holding(balancer.pick("prefill", key)) as url:
+            p = await client.post(url + path, json=prefill_body(path, body), headers=headers)
         if p.status_code != 200:  # the prompt is bad or the prefill server is: say so, skip decode
             return Response(p.content, status_code=p.status_code, media_type=p.headers.get("content-type"))
-        req = client.build_request("POST", next(next_decode) + path, content=raw, headers=headers)
-        resp = await client.send(req, stream=True)
-        if body.get("stream"):
-            async def relay():
+        try:
+            handed = decode_body(body, p.json()) if kv_handoff else None
+        except ValueError:
+            handed = None
+        content = raw if handed is None else json.dumps(handed).encode()
+        if handed is not None:
+            headers = {**headers, "content-type": "application/json"}
+        return await relay_decode(path, key, content, headers, stream=bool(body.get("stream")))
+
+    async def relay_decode(path: str, key: str | None, content: bytes, headers: dict, stream: bool):
+        """Send the decode request and relay its answer (streamed when the client streams)."""
+        url = balancer.acquire(balancer.pick("decode", key))
+        try:
+            resp = await client.send(client.build_request("POST", url + path, content=content, headers=headers),
+                                     stream=True)
+        except BaseException:
+            balancer.release(url)
+            raise
+        if stream:
+            async def chunks():
                 try:
                     async for chunk in resp.aiter_raw():
                         yield chunk
                 finally:
                     await resp.aclose()
+                    balancer.release(url)
 
-            return StreamingResponse(relay(), status_code=resp.status_code,
+            return StreamingResponse(chunks(), status_code=resp.status_code,
                                      media_type=resp.headers.get("content-type"))
-        content = await resp.aread()
-        await resp.aclose()
-        return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+        try:
+            data = await resp.aread()
+        finally:
+            await resp.aclose()
+            balancer.release(url)
+        return Response(data, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
 
     for path in GENERATE_PATHS:
         app.add_api_route(path, route(disaggregated, path), methods=["POST"])
 
     @app.api_route("/{rest:path}", methods=["GET", "POST"])
     async def passthrough(request: Request, rest: str):
-        r = await client.request(request.method, next(next_decode) + "/" + rest, content=await request.body(),
+        url = balancer.pick("decode", None)
+        r = await client.request(request.method, url + "/" + rest, content=await request.body(),
                                  headers=headers_of(request), params=request.query_params)
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
@@ -174,12 +277,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefill", action="append", required=True, help="a prefill server's base URL (repeatable)")
     ap.add_argument("--decode", action="append", required=True, help="a decode server's base URL (repeatable)")
     ap.add_argument("--api-key-env", default=None, help="env var with the key clients must send (and backends get)")
+    ap.add_argument("--policy", choices=POLICIES, default="cache_aware",
+                    help="how servers are picked (default: cache_aware, see prl.inference.routing)")
+    ap.add_argument("--no-kv-handoff", action="store_true",
+                    help="do not pass kv_transfer_params to decode (it recomputes the prompt): for measurements")
     args = ap.parse_args(argv)
     key = os.environ.get(args.api_key_env, "") if args.api_key_env else ""
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="(prl-router) %(levelname)s %(asctime)s %(message)s")
-    app = build_app([u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode], key or None)
+    init_logging("router")
+    app = build_app([u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode], key or None,
+                    policy=args.policy, kv_handoff=not args.no_kv_handoff)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
 
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from prl.errors import PrlError, StepTimeout
+from prl.inference import routing
+from prl.planner.model import Plan
 from prl.run.rundir import RunDir
 
 log = logging.getLogger("prl.orchestrator")
@@ -70,12 +72,21 @@ class ServerPool:
         """Version a generation server answers with: its own, or (a router) the oldest behind it."""
         return server.version if server in self.admin else self.version
 
-    def pick(self, min_version: int, avoid: Server | None = None) -> Server | None:
-        """The generation server with the fewest requests in flight among those new enough."""
+    def pick(self, min_version: int, avoid: Server | None = None, key: str | None = None) -> Server | None:
+        """A generation server new enough, by the router's rule (`prl.inference.routing.choose`).
+
+        Requests with the same `key` (a rollout's session id, or its task: the
+        group's shared prompt) keep to one server, so its prefix cache serves
+        them, unless that server holds more than its share of requests in
+        flight; without a key, the server with the fewest in flight.
+        """
         ok = [s for s in self.generate if self.version_of(s) >= min_version]
         if avoid is not None and len(ok) > 1:
             ok = [s for s in ok if s is not avoid]
-        return min(ok, key=lambda s: s.inflight) if ok else None
+        if not ok:
+            return None
+        by_url = {s.url: s for s in ok}
+        return by_url[routing.choose(key, list(by_url), {s.url: s.inflight for s in ok})]
 
     async def wait_version(self, min_version: int, timeout: float, error: list[BaseException], on_wait=None) -> float:
         """Block until every server serves version >= min_version; return the seconds waited."""
@@ -109,16 +120,9 @@ def read_endpoints(run: RunDir) -> dict[str, list[str]]:
     return {role: found for role, found in urls.items() if found}
 
 
-def expected_endpoints(plan: dict) -> set[tuple[str, int]]:
-    want = {(s["role"], int(s["replica"])) for s in plan.get("servers") or [] if s.get("head", True)}
-    if plan.get("router_port"):
-        want.add(("router", 0))
-    return want
-
-
-def discover(run: RunDir, plan: dict, timeout: float) -> ServerPool:
+def discover(run: RunDir, plan: Plan, timeout: float) -> ServerPool:
     """Wait (up to `timeout` s) for every server the plan has to publish its endpoint, then pool them."""
-    want = expected_endpoints(plan)
+    want = plan.expected_endpoints()
     deadline = time.monotonic() + timeout
     while True:
         found = read_endpoints(run)
@@ -128,7 +132,7 @@ def discover(run: RunDir, plan: dict, timeout: float) -> ServerPool:
         if time.monotonic() > deadline:
             missing = sorted(f"{r}.{i}" for r, i in want - have) or ["any"]
             raise StepTimeout(
-                f"no endpoint for inference server(s) {', '.join(missing)} in {run.state_dir / 'endpoints'} "
+                f"no endpoint for inference server(s) {', '.join(missing)} in {run.endpoints_dir} "
                 f"after {timeout:.0f} s; are the servers up? (`prl status`, `prl logs --role inference`)"
             )
         time.sleep(0.5)
