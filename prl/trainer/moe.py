@@ -111,8 +111,10 @@ class ExpertParallelExperts(nn.Module):
             outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
         out = torch.cat(outs) if outs else rows.new_zeros((0, self.down_proj.shape[1]))
         # Every expert weight must get a gradient (zero if it saw no token): FSDP reduce-scatters
-        # the same parameters on every rank.
-        return out + 0.0 * (self.gate_up_proj.sum() + self.down_proj.sum())
+        # the same parameters on every rank. And the output must depend on the received rows even
+        # when none came: otherwise this rank's autograd never runs the dispatch all-to-all's
+        # backward while the others wait in it (a deadlock seen in the local-moe run at step 3).
+        return out + 0.0 * (self.gate_up_proj.sum() + self.down_proj.sum() + rows.sum())
 
     def extra_repr(self) -> str:
         return f"experts {self.first}..{self.first + self.num_local - 1} of {self.num_experts} (ep {self.ep})"
