@@ -64,6 +64,8 @@ class Server(Frozen, kw_only=True):
     """GPU indices on the node (empty on CPU clusters)."""
     port: Optional[int]
     """HTTP port; None for headless data-parallel followers."""
+    rpc_port: Optional[int]
+    """vLLM's data-parallel RPC port (`--data-parallel-rpc-port`); None when dp is 1."""
     head: bool
     """True for the process that serves HTTP for its replica."""
     address_from_head: bool

@@ -220,8 +220,8 @@ def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: 
                         else tuple(range(gpn)))
                 args = server_args(topo, group, port, dp_local, k * dp_local, nodes_per_replica, rpc_port, kv_role)
                 servers.append(Server(role=role, replica=replica, group=g.index, node=first_node + k, task=task,
-                                      gpus=gpus, port=port, head=head, address_from_head=nodes_per_replica > 1,
-                                      args=args))
+                                      gpus=gpus, port=port, rpc_port=rpc_port, head=head,
+                                      address_from_head=nodes_per_replica > 1, args=args))
                 task += 1
         layout.steps.append(Step(name=role, group=g.index, nodes=group.nodes, ntasks_per_node=per_node,
                                  cpus_per_task=cpus, gpus_per_node=gpn, overlap=False, start_after=(),
@@ -379,11 +379,9 @@ def check_ports(check: Checker, topo: Topology, servers: list[Server], router_po
 
     for s in servers:
         claim((s.group, s.node), s.port, f"{s.role} server {s.replica}", ("port_base",), False)
-        if "--data-parallel-rpc-port" in s.args:
-            rpc = int(s.args[s.args.index("--data-parallel-rpc-port") + 1])
-            if s.head:
-                claim((s.group, s.node), rpc, f"{s.role} server {s.replica}'s data-parallel RPC", ("port_base",),
-                      False)
+        if s.head:
+            claim((s.group, s.node), s.rpc_port, f"{s.role} server {s.replica}'s data-parallel RPC", ("port_base",),
+                  False)
     if router_port is not None:
         # Last: when the user's router port collides, the error points at it.
         claim((0, 0), router_port, "the router", ("inference", "router", "port"), topo.inference.router.port is not None)
