@@ -98,3 +98,8 @@ class RoleState(_Str):
     """Status only: the job ended before the launcher started this role."""
     KILLED = "killed"
     """Status only: still 'running' in a job that ended (killed before it could record its end)."""
+    HUNG = "HUNG"
+    """Launcher record: its main loop reported no progress within the hang bound; the launcher stopped the job.
+    Status also shows it for a live role whose heartbeat is older than the bound."""
+    RESTARTING = "restarting"
+    """Status only: a server of this role failed and is being restarted inside the allocation."""

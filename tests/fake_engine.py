@@ -46,6 +46,7 @@ class FakeEngine:
         latency_s: float = 0.0,
         seed: int = 0,
         reply: Callable[[list[int]], list[int]] | None = None,
+        port: int = 0,
     ):
         self.model = model
         self.token_ids = list(token_ids)
@@ -64,7 +65,8 @@ class FakeEngine:
         self.requests = 0
         self.weight_requests: list[int] = []
         self.generate_bodies: list[dict] = []
-        self.port = 0
+        self.port = port
+        """Port to listen on (0: any free one; a restarted server comes back on its old port)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -132,7 +134,7 @@ class FakeEngine:
         if self.weights_fail:
             return web.json_response({"error": "injected weight-load failure"}, status=500)
         if self.run_dir is not None and not (self.run_dir / "weights" / f"step_{step}" / "STABLE").is_file():
-            return web.json_response({"error": f"weights/step_{step} is not published"}, status=404)
+            return web.json_response({"error": f"weights/step_{step} is not published"}, status=409)
         self.weights_step = step
         return web.json_response({"weights_step": step})
 
@@ -170,7 +172,7 @@ class FakeEngine:
             )
             self._runner = web.AppRunner(app, access_log=None)
             await self._runner.setup()
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            site = web.TCPSite(self._runner, "127.0.0.1", self.port)
             await site.start()
             self.port = site._server.sockets[0].getsockname()[1]
             ready.set()

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -17,16 +19,51 @@ from tests.tiny_model import build_tiny_model
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
+class KeyWatch(threading.Thread):
+    """Scans every process's command line for the run's API key while the run goes on (`ps` shows them)."""
+
+    def __init__(self, key_file: Path):
+        super().__init__(daemon=True)
+        self.key_file, self.scans, self.found, self.done = key_file, 0, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            try:
+                key = self.key_file.read_bytes().strip()
+            except OSError:
+                continue
+            for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+                try:
+                    if key in cmdline.read_bytes():
+                        self.found.append(str(cmdline))
+                except OSError:
+                    pass
+            self.scans += 1
+
+    def __enter__(self) -> "KeyWatch":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.join()
+
+
 def test_local_rl_run_learns_within_the_staleness_bound(tmp_path, env):
     model = build_tiny_model(tmp_path / "model")
     run = tmp_path / "run"
     steps, bound = 20, 1
-    result = subprocess.run(
-        [sys.executable, "-m", "prl.cli", "submit", "configs/local-tiny.yaml", f"model.path={model}",
-         f"run_dir={run}", f"training.max_steps={steps}", f"training.max_off_policy_steps={bound}",
-         "cluster.port_base=18900", "--local"],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    with KeyWatch(run / "api_key") as watch:
+        result = subprocess.run(
+            [sys.executable, "-m", "prl.cli", "submit", "configs/local-tiny.yaml", f"model.path={model}",
+             f"run_dir={run}", f"training.max_steps={steps}", f"training.max_off_policy_steps={bound}",
+             "cluster.port_base=18900", "--local"],
+            capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr + (run / "logs" / "launcher.log").read_text()
+    # Authentication was on all along; the key never showed on a command line or in a run file.
+    key = (run / "api_key").read_bytes().strip()
+    assert watch.scans > 10 and watch.found == [], watch.found
+    assert [p for p in run.rglob("*") if p.is_file() and p.name != "api_key" and key in p.read_bytes()] == []
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in records if r["role"] == "orchestrator" and not r.get("eval")]
     trained = [r for r in records if r["role"] == "trainer"]

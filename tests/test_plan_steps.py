@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,7 @@ def test_inference_layout_refuses(tp, dp, nodes, field):
 
 def test_place_inference_gives_each_server_its_ports_and_gpus():
     c, layout = checker(), P.Layout()
-    roles, servers = P.place_inference(c, topo(), layout, {})
+    roles, servers = P.place_inference(c, topo(), layout, {}, "/shared/runs/t")
     assert [(r.name, r.replicas, r.servers_per_node) for r in roles] == [("inference", 4, 2)]
     assert [(s.node, s.task, s.port, s.gpus) for s in servers] == [
         (0, 0, 8000, (0, 1, 2, 3)), (0, 1, 8001, (4, 5, 6, 7)), (1, 2, 8000, (0, 1, 2, 3)), (1, 3, 8001, (4, 5, 6, 7))]
@@ -114,7 +115,8 @@ def test_place_inference_gives_each_server_its_ports_and_gpus():
 
 def test_multi_node_replica_followers_are_headless():
     layout = P.Layout()
-    _, servers = P.place_inference(checker(), topo(inference={"nodes": 2, "tp": 8, "dp": 2}), layout, {})
+    _, servers = P.place_inference(checker(), topo(inference={"nodes": 2, "tp": 8, "dp": 2}), layout, {},
+                                     "/shared/runs/t")
     head, follower = servers
     assert head.head and head.port == 8000 and "--headless" not in head.args
     assert not follower.head and follower.port is None and "--headless" in follower.args
@@ -126,6 +128,69 @@ def test_disaggregated_roles_get_their_kv_side_and_a_router():
     assert {r.name: r.kv_role for r in p.inference} == {"prefill": "kv_producer", "decode": "kv_consumer"}
     assert p.router_port == 8090 and p.step("router").start_after == ("prefill", "decode")
     assert p.step("orchestrator").start_after == ("prefill", "decode", "router")
+
+
+def kv_config(server) -> dict:
+    return json.loads(server.args[server.args.index("--kv-transfer-config") + 1])
+
+
+def test_nixl_servers_get_side_channel_ports_dp_apart_per_node():
+    """vLLM listens on VLLM_NIXL_SIDE_CHANNEL_PORT + each dp rank: servers sharing a node get ranges dp apart."""
+    t = Topology.model_validate({**TOPO, "inference": {"prefill": {"nodes": 1, "tp": 2, "dp": 2},
+                                                       "decode": {"nodes": 2, "tp": 1, "dp": 8}}})
+    p = plan(t)
+    assert [(s.role, s.node, s.side_channel_port) for s in p.servers] == [
+        ("prefill", 0, 8300), ("prefill", 0, 8302), ("decode", 0, 8300), ("decode", 1, 8300)]
+    assert p.task_ports("prefill", 1) == (8001, 8302, 8303)
+    assert p.task_ports("decode", 1) == (8000, *range(8300, 8308))
+
+
+def test_side_channel_ports_differ_job_wide_on_one_host():
+    t = Topology.model_validate({**TOPO, "inference": {"prefill": {"nodes": 1, "dp": 2}, "decode": {"nodes": 1}}})
+    for cluster in ({"slurm": False}, {"single_host": True}):
+        p = plan(t, gpu_node={"gpus": 0, "cpus": 2, "memory_gb": 8}, **cluster)
+        assert [(s.role, s.port, s.side_channel_port) for s in p.servers] == [
+            ("prefill", 8000, 8300), ("decode", 8001, 8302)], cluster
+
+
+def test_check_ports_refuses_a_router_on_a_side_channel():
+    with pytest.raises(PlanError, match=r"topo.yaml \(inference.router.port\): port 8300 is used twice on one node: "
+                                        r"by prefill server 0's NIXL side channel and by the router"):
+        plan(topo_pd(port=8300))
+
+
+def test_example_connector_stores_kv_in_the_run_directory_and_needs_no_side_channel():
+    t = Topology.model_validate({**TOPO, "inference": {"prefill": {"nodes": 1}, "decode": {"nodes": 1},
+                                                       "kv_connector": {"name": "ExampleConnector"}}})
+    p = plan(t)
+    assert {s.side_channel_port for s in p.servers} == {None}
+    assert {kv_config(s)["kv_connector_extra_config"]["shared_storage_path"] for s in p.servers} == {
+        "/shared/runs/t/kv"}
+    mine = Topology.model_validate({**TOPO, "inference": {
+        "prefill": {"nodes": 1}, "decode": {"nodes": 1},
+        "kv_connector": {"name": "ExampleConnector", "extra_config": {"shared_storage_path": "/fast/kv"}}}})
+    paths = {kv_config(s)["kv_connector_extra_config"]["shared_storage_path"] for s in plan(mine).servers}
+    assert paths == {"/fast/kv"}
+
+
+@pytest.mark.parametrize("backend, offload", [
+    ("native", {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_bytes_to_use": 3 << 29}}),
+    ("lmcache", {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"}),
+])
+def test_offload_with_disaggregation_is_a_multiconnector(backend, offload):
+    """Next to a connector, vLLM's --kv-offloading-* flags would replace it: P/D renders both connectors."""
+    t = Topology.model_validate({**TOPO, "inference": {"prefill": {"nodes": 1}, "decode": {"nodes": 1},
+                                                       "kv_offload": {"backend": backend, "cpu_gb": 1.5}}})
+    for s in plan(t).servers:
+        assert not any(a.startswith("--kv-offloading") for a in s.args), s.args
+        role = {"prefill": "kv_producer", "decode": "kv_consumer"}[s.role]
+        assert kv_config(s) == {"kv_connector": "MultiConnector", "kv_role": role, "kv_connector_extra_config": {
+            "connectors": [{"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": {}},
+                           offload]}, "kv_load_failure_policy": "recompute"}
+    unified = plan(topo(inference={"kv_offload": {"backend": backend, "cpu_gb": 1.5}}))
+    assert all("--kv-transfer-config" not in s.args and s.args[s.args.index("--kv-offloading-size") + 1] == "1.5"
+               for s in unified.servers)
 
 
 # ------------------------------------------------------------------ trainer mesh
@@ -266,3 +331,32 @@ def test_a_model_the_planner_cannot_see_is_not_refused(tmp_path):
     plan = prepare(repo / "configs" / "local-tiny.yaml", ["model.path=org/hub-id", "trainer.ep=2",
                                                          f"run_dir={tmp_path}/run"], cwd=tmp_path).plan
     assert plan.trainer.mesh.ep == 2
+
+
+def test_role_runner_exports_the_planned_side_channel(tmp_path, monkeypatch):
+    """The server's process gets its own VLLM_NIXL_SIDE_CHANNEL_PORT and this node's address as the host."""
+    from types import SimpleNamespace
+
+    from prl.job import runtimes
+    from prl.run.rundir import RunDir
+
+    run = RunDir(tmp_path / "run").create()
+    run.create_api_key()
+    p = msgspec.structs.replace(plan(topo_pd()), run_dir=str(run.root))
+    seen = {}
+    monkeypatch.setattr(runtimes, "node_address", lambda _plan: "10.1.2.3")
+    monkeypatch.setattr(runtimes, "supervise", lambda argv, env, *a, **k: seen.setdefault(argv[-1], env) and 0)
+    monkeypatch.delenv("PRL_RESTART", raising=False)
+    decode = p.server("decode", 0)
+    runtimes.run_server(run, p, "decode", 0, SimpleNamespace(signum=None))
+    assert decode.side_channel_port == 8300
+    assert (seen["10.1.2.3"]["VLLM_NIXL_SIDE_CHANNEL_HOST"], seen["10.1.2.3"]["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == (
+        "10.1.2.3", "8300")
+
+
+def test_steps_sharing_a_node_share_its_memory():
+    """The router overlaps the first prefill node, whose server step holds that node's job memory: without
+    --mem=0 its own DefMemPerCPU request fails ("Memory required by task is not available")."""
+    p = plan(topo_pd())
+    assert p.step("router").srun_args[-2:] == ("--overlap", "--mem=0")
+    assert "--mem=0" not in p.step("prefill").srun_args and "--overlap" not in p.step("prefill").srun_args

@@ -130,6 +130,48 @@ def test_server_pool_uses_the_same_rule():
     assert pool.pick(0, avoid=chosen, key="task:0") is not chosen
 
 
+def test_generator_keeps_a_group_on_its_tasks_server():
+    """The orchestrator's rollouts pick servers with the group's key (its task), as the router would: every
+    episode of a group lands on the server `routing.choose` gives that task, not on the least busy one."""
+    import asyncio
+
+    from prl.orchestrator.rollouts import Generator, routing_key
+    from prl.orchestrator.sync import Server, ServerPool
+
+    class Task:
+        def __init__(self, key: str):
+            self.key = key
+
+    class Env:
+        """Records which server's context ran each task; episodes fail (rollout_from_episode handles them)."""
+
+        def __init__(self):
+            self.ran: list[tuple[str, str]] = []
+
+        async def run_slot(self, slot, ctx):
+            self.ran.append((slot.task.key, ctx))
+            await asyncio.sleep(0.001)
+            return type("Episode", (), {"ok": False, "traces": [], "errors": []})()
+
+    servers = [Server(u) for u in SERVERS[:4]]
+    env = Env()
+    gen = Generator(env, ServerPool(generate=servers, admin=servers), lambda s: s.url, max_concurrent=64,
+                    retries=0, need_tokens=False)
+    tasks = [Task(f"t{i}") for i in range(12)]
+
+    async def groups():
+        return await asyncio.gather(*(gen.group(t, 4, 0) for t in tasks))
+
+    asyncio.run(groups())
+    by_task = collections.defaultdict(set)
+    for key, url in env.ran:
+        by_task[key].add(url)
+    assert len(env.ran) == 48
+    assert {k: urls for k, urls in by_task.items()} == {
+        t.key: {routing.choose(routing_key(t), SERVERS[:4], {})} for t in tasks}
+    assert len(set().union(*by_task.values())) > 1, "every task on one server: the keys do not spread"
+
+
 # ---------------------------------------------------------------- the protocol
 
 
@@ -260,3 +302,59 @@ def test_router_without_handoff_sends_the_clients_body():
     with TestClient(stub_router(seen, ["http://p0"], ["http://d0"], kv_handoff=False)) as client:
         assert client.post("/v1/completions", json={"prompt": "x"}).json()["got_kv"] is None
     assert seen[0]["body"]["kv_transfer_params"] == REMOTE_DECODE and "kv_transfer_params" not in seen[1]["body"]
+
+
+def test_router_refuses_bad_bodies_and_passes_other_paths_to_decode(routed):
+    client, seen = routed
+    assert client.post("/v1/completions", content=b"{not json").json() == {"error": "body is not JSON"}
+    r = client.post("/inference/v1/generate", json=[1, 2])
+    assert (r.status_code, r.json()) == (400, {"error": "body must be a JSON object"})
+    assert seen == []  # neither reached a backend
+    r = client.post("/v1/models?x=1", json={"probe": 1})
+    assert r.status_code == 200 and r.json()["server"].startswith("http://d") and seen[0]["path"] == "/v1/models"
+    health = client.get("/health")
+    assert health.status_code == 200 and set(health.json()["backends"].values()) == {"ok"}
+
+
+def test_an_unreachable_backend_is_a_502_with_its_address():
+    """A dead server behind the router (its port closed) is the gateway's error, never a 500."""
+    import socket
+
+    from starlette.testclient import TestClient
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with TestClient(build_app([dead], [dead]), raise_server_exceptions=False) as client:
+        for r in (client.post("/v1/completions", json={"prompt": "x"}), client.get("/v1/models"),
+                  client.post("/prl/weights", json={"step": 1})):
+            assert r.status_code == 502, (r.status_code, r.text)
+            assert r.json()["error"].startswith(f"backend {dead}") and "unreachable: ConnectError" in r.json()["error"]
+
+
+def test_router_process_exits_0_when_stopped():
+    """The launcher stops the router with SIGTERM at the end of every run: that is a clean end, not a kill (143)."""
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "prl.inference.router", "--port", str(port),
+                             "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/prl/router", timeout=1).read()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
+                time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read().decode()[-2000:]
+    finally:
+        proc.kill()

@@ -184,6 +184,9 @@ class ClusterProfile(Strict):
     requeue: Requeue = Requeue()
     port_base: int = Field(default=8000, ge=1024, le=65000)
     """First port the roles' servers use on a node."""
+    single_host: bool = False
+    """Every node is the same host (several `slurmd -N` on one machine, a test cluster): servers get
+    ports distinct job-wide, as in local runs, instead of the same ports on each node."""
 
     _names = field_validator("env")(check_env_names)
     _time_in = field_validator("default_time", mode="before")(minutes_as_text)

@@ -17,8 +17,10 @@ before it is resolved (expanded size), and the resolved data before pydantic
 
 from __future__ import annotations
 
+import copy
 import difflib
 import math
+import os
 import re
 import stat
 import typing
@@ -46,6 +48,13 @@ MAX_EXPANDED = 1 << 20
 """Most characters and values the document may hold once interpolation is resolved."""
 MAX_REFERENCE_HOPS = 16
 """Longest chain of `${...}` references (a -> b -> c ...)."""
+
+PUBLIC_ENV = frozenset({"USER", "LOGNAME", "HOME", "PWD", "TMPDIR", "SCRATCH", "WORK"})
+"""Variables `${oc.env:...}` may resolve in any field at plan time: who and where you are, not secrets.
+Any other variable may only feed a role's `env:` map, where it stays a reference resolved on the node."""
+ENV_REFERENCE = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)(?:,([\w./:@+-]*))?\}")
+"""`${oc.env:NAME}` or `${oc.env:NAME,default}`: the forms an `env:` value keeps as a reference (see
+`prl.planner.render`, which turns them into shell expansions on the node)."""
 
 # Libyaml when present: a 1 MiB hostile file parses in milliseconds rather than seconds.
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -77,6 +86,9 @@ class Source:
         self.path = path
         self.lines = lines
         self.overrides = overrides
+        self.written: Any = None
+        """The document with overrides merged and interpolation resolved, but `${oc.env:...}` kept as
+        written: what may be saved (set by `load_document`)."""
 
     def locate(self, field: FieldPath) -> str:
         """`file:line (a.b.c)` for a field, or where it was overridden; nearest ancestor wins."""
@@ -401,22 +413,103 @@ def _check_finite(data: Any, source: Source, path: FieldPath = ()) -> None:
             _check_finite(value, source, path + (index,))
 
 
+def _is_env_map(path: FieldPath) -> bool:
+    """A value of a role's (or the profile's) `env:` map, not of the environment's free-form args."""
+    return len(path) >= 2 and path[-2] == "env" and path[0] != "environment"
+
+
+def _strings(data: Any, path: FieldPath = ()):
+    """(path, text) of every string value in plain data."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            yield from _strings(value, path + (key,))
+    elif isinstance(data, list):
+        for index, value in enumerate(data):
+            yield from _strings(value, path + (index,))
+    elif isinstance(data, str):
+        yield path, data
+
+
+def _set(data: Any, path: FieldPath, value: Any) -> None:
+    for part in path[:-1]:
+        data = data[part]
+    data[path[-1]] = value
+
+
+def _keep_env_references(raw: dict[str, Any], source: Source) -> None:
+    """Keep secrets off the disk: in `env:` maps, escape `${oc.env:NAME}` so it stays text (a reference the
+    step script resolves on the node); elsewhere refuse every variable but PUBLIC_ENV, naming the field."""
+    for path, text in list(_strings(raw)):
+        if "${oc.env:" not in text:
+            continue
+        if ENV_REFERENCE.sub("", text).count("${oc.env:"):
+            raise source.error(path, "write environment references as `${oc.env:NAME}` or `${oc.env:NAME,default}` "
+                                     "(a default of letters, digits and ./:@+- only)")
+        if _is_env_map(path):
+            if "${" in ENV_REFERENCE.sub("", text):  # another resolver could expand the kept reference
+                raise source.error(path, "an `env:` value that reads `${oc.env:...}` cannot use other interpolation")
+            for ref in ENV_REFERENCE.finditer(text):
+                if ref.group(2) is None and ref.group(1) not in os.environ:
+                    raise source.error(path, f"environment variable {ref.group(1)} is not set (it is read where "
+                                             f"the role runs; set it before submitting, or give a default)")
+            _set(raw, path, ENV_REFERENCE.sub(lambda m: "\\" + m.group(0), text))
+            continue
+        for name, _default in ENV_REFERENCE.findall(text):
+            if name not in PUBLIC_ENV:
+                raise source.error(path, f"`${{oc.env:{name}}}` would write {name}'s value into plan.json and the "
+                                         f"scripts; read it in a role's `env:` map (resolved on the node), or write "
+                                         f"the value here if it is no secret")
+
+
+def _written(raw: dict[str, Any]) -> dict[str, Any]:
+    """The document (as the user wrote it, checked by `_keep_env_references`) resolved except for every
+    `${oc.env:...}`, which stays as written (RUN/topology.yaml)."""
+    kept = raw
+    for path, text in list(_strings(kept)):
+        if "${oc.env:" in text:
+            _set(kept, path, ENV_REFERENCE.sub(lambda m: "\\" + m.group(0), text))
+    return OmegaConf.to_container(OmegaConf.create(kept), resolve=True)
+
+
+def _leaked_references(data: Any, source: Source) -> None:
+    """A field outside the `env:` maps that copied an `env:` reference (`${trainer.env.KEY}`) cannot use it."""
+    for path, text in _strings(data):
+        if "${oc.env:" in text and not _is_env_map(path):
+            raise source.error(path, "refers to a value read from the environment on the node; only `env:` "
+                                     "maps can hold such a reference")
+
+
 def load_document(path: Path, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], Source]:
-    """Read, merge overrides, resolve interpolation; return plain data and its Source."""
+    """Read, merge overrides, resolve interpolation; return plain data and its Source.
+
+    `source.written` is the same document with every `${oc.env:...}` kept as written (what
+    RUN/topology.yaml records): no value read from the environment is written to disk.
+    """
     text, lines = read_yaml(path)
     source = Source(path, lines, _parse_overrides(overrides))
     try:
         conf = _merge_overrides(OmegaConf.create(text or "{}"), source)
-        oversized = _oversized(OmegaConf.to_container(conf, resolve=False))
+        raw = OmegaConf.to_container(conf, resolve=False)
+        oversized = _oversized(raw)
         if oversized is not None:
             raise source.error(oversized, f"interpolation ('${{...}}') chains more than {MAX_REFERENCE_HOPS} "
                                           f"references or expands to more than {MAX_EXPANDED} characters")
-        data = OmegaConf.to_container(conf, resolve=True)
+        if isinstance(raw, dict) and any("${oc.env:" in text for _, text in _strings(raw)):
+            as_written = copy.deepcopy(raw)
+            _keep_env_references(raw, source)
+            source.written = _written(as_written)
+            data = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
+        else:
+            # No environment reference: what is saved is the resolved document (and two OmegaConf passes,
+            # a tenth of `prl plan`, are saved).
+            data = OmegaConf.to_container(conf, resolve=True)
+            source.written = data
     except (OmegaConfBaseException, yaml.YAMLError) as exc:
         raise _omegaconf_error(exc, source) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{shown_path(path)}: expected a mapping of fields at the top")
     _check_finite(data, source)
+    _leaked_references(data, source)
     return data, source
 
 

@@ -67,6 +67,9 @@ class KVConnector(Strict):
     """vLLM KV connector class (`NixlConnector` on GPU clusters, `ExampleConnector` for the storage-based CPU test)."""
     extra_config: dict[str, Any] = Field(default={}, max_length=MAX_ITEMS)
     """`kv_connector_extra_config` passed to both sides."""
+    load_failure: Literal["recompute", "fail"] = "recompute"
+    """What a decode server does when the prompt's KV does not arrive (vLLM's `kv_load_failure_policy`):
+    `recompute` the prompt (slower, still right), or `fail` the request, which ends with no tokens."""
 
 
 class Router(Strict):
@@ -93,6 +96,23 @@ class KVOffload(Strict):
         if self.disk_path is not None and self.disk_gb <= 0:
             raise ValueError("disk_path needs disk_gb > 0")
         return self
+
+
+class OnFailure(Strict):
+    """What the launcher does when a role's process exits (at all, whatever its code) before the job stops."""
+
+    policy: Literal["restart", "fail"] = "restart"
+    """`restart`: start that server again inside the allocation (same node, latest published weights), the
+    run goes on; `fail`: end the job (it requeues when the cluster profile allows)."""
+    max_restarts: int = Field(default=3, ge=0, le=MAX_ITEMS)
+    """Restarts of this role allowed in one attempt of the job; one more failure ends the job."""
+
+
+class EndsTheJob(Strict):
+    """Failure policy of the trainer and the orchestrator: a failure ends the job (requeue resumes it)."""
+
+    policy: Literal["fail"] = "fail"
+    """Only `fail`: the trainer and orchestrator resume from their checkpoints through a requeue, not a restart."""
 
 
 class Inference(Strict):
@@ -122,6 +142,8 @@ class Inference(Strict):
     """Disaggregated: the router in front."""
     kv_offload: KVOffload = KVOffload()
     """KV-cache offload for every server."""
+    on_failure: OnFailure = OnFailure()
+    """Failure policy of every inference (prefill, decode) server: restarted by default."""
 
     _names = field_validator("env")(check_env_names)
 
@@ -178,6 +200,8 @@ class Trainer(Strict):
     """Parameter/compute dtype of the FSDP mixed-precision policy (reduction in fp32)."""
     env: Env = {}
     """Variables for the trainer."""
+    on_failure: EndsTheJob = EndsTheJob()
+    """Failure policy of the trainer: a failure ends the job."""
 
     _names = field_validator("env")(check_env_names)
 
@@ -196,6 +220,8 @@ class Orchestrator(Strict):
     """CPU cores for the orchestrator (None: a whole node when `own`, 4 when shared)."""
     env: Env = {}
     """Variables for the orchestrator."""
+    on_failure: EndsTheJob = EndsTheJob()
+    """Failure policy of the orchestrator: a failure ends the job."""
 
     _names = field_validator("env")(check_env_names)
 
@@ -282,6 +308,12 @@ class Training(Strict):
     """Longest the orchestrator waits for the inference servers at start."""
     rollout_timeout_s: float = Field(default=3600.0, gt=0, le=MAX_SECONDS)
     """Longest the trainer waits for a step's rollouts."""
+    hang_timeout_s: Optional[float] = Field(default=None, ge=30, le=MAX_SECONDS)
+    """A trainer or orchestrator whose main loop has not reported progress (heartbeat) for this long is
+    hung: the launcher stops the job (and requeues it when the profile allows). None: max(900 s,
+    4 x the slowest step seen so far in this attempt), see docs/jobs.md. At least 30 s: a waiting role
+    beats every 10 s. Servers: their task probes
+    /health; one that does not answer for this long (None: 300 s) is failed and handled by `on_failure`."""
 
 
 class Slurm(Strict):

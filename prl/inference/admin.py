@@ -27,7 +27,6 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -38,11 +37,13 @@ from prl.inference.checks import (
     compare_layouts,
     resolve_weights_dir,
 )
-from prl.run.rundir import RunDir
+from prl.run.rundir import RunDir, step_of
 
 router = APIRouter()
 
 PAUSE_MODES = ("keep", "wait", "abort")
+MAX_BODY_BYTES = 64 * 1024
+"""Largest admin request body (they are a few small fields)."""
 
 KV_RESET_TIMEOUT_S = 90.0
 """How long an update waits at least for KV blocks held for another server (a NIXL prefill server
@@ -85,20 +86,26 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message, "status": status}, status_code=status)
 
 
-async def _body(request: Request) -> Any:
+async def _body(request: Request) -> dict:
+    """The request's JSON object ({} for an empty body); UpdateRefused(413/400) otherwise."""
     raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise UpdateRefused(413, f"body of {len(raw)} bytes; admin requests take at most {MAX_BODY_BYTES}")
     if not raw.strip():
         return {}
     try:
-        return await request.json()
-    except ValueError as e:
-        raise UpdateRefused(400, f"body is not JSON: {e}") from e
+        body = await request.json()
+    except (ValueError, RecursionError) as e:
+        raise UpdateRefused(400, f"body is not JSON: {str(e)[:200]}") from e
+    if not isinstance(body, dict):
+        raise UpdateRefused(400, f"body must be a JSON object, got {type(body).__name__}")
+    return body
 
 
-def _mode(body: Any, default: str) -> str:
-    mode = body.get("mode", default) if isinstance(body, dict) else default
-    if mode not in PAUSE_MODES:
-        raise UpdateRefused(400, f'"mode" must be one of {", ".join(PAUSE_MODES)}, got {mode!r}')
+def _mode(body: dict, default: str) -> str:
+    mode = body.get("mode", default)
+    if not isinstance(mode, str) or mode not in PAUSE_MODES:
+        raise UpdateRefused(400, f'"mode" must be one of {", ".join(PAUSE_MODES)}, got {str(mode)[:40]!r}')
     return mode
 
 
@@ -134,6 +141,10 @@ async def pause(request: Request):
 
 @router.post("/prl/resume")
 async def resume(request: Request):
+    try:
+        await _body(request)
+    except UpdateRefused as e:
+        return _error(e.status, e.message)
     await _engine(request).resume_generation()
     return {"paused": False}
 
@@ -146,8 +157,7 @@ async def update_weights(request: Request):
     try:
         body = await _body(request)
         mode = _mode(body, "keep")
-        if isinstance(body, dict):
-            body = {k: v for k, v in body.items() if k != "mode"}
+        body = {k: v for k, v in body.items() if k != "mode"}
         target = resolve_weights_dir(state.run, body)
         if state.layout is not None:
             compare_layouts(state.layout, checkpoint_layout(target.path), target.path)
@@ -310,5 +320,7 @@ def initial_state(run: RunDir, model: str, model_name: str) -> AdminState:
             layout = checkpoint_layout(path)
         except UpdateRefused:
             layout = None  # e.g. a GGUF or .bin model: updates are then checked for readability only
+    # A restarted server starts on a published step (prl/job/runtimes.py): it reports that step, not the base.
+    step = step_of(path) if path.is_dir() and path.resolve().parent == run.weights_root() else None
     return AdminState(run=run, model_name=model_name, weights_path=str(path.resolve()) if path.is_dir() else model,
-                      layout=layout)
+                      layout=layout, weights_step=step)

@@ -24,6 +24,12 @@ from typing import Any
 from prl.run.rundir import RunDir, is_stable, step_of
 
 
+MAX_STEP = 2**31 - 1
+"""Largest weights step a request may name."""
+MAX_PATH = 4096
+"""Longest weights path a request may name (Linux's PATH_MAX)."""
+
+
 class UpdateRefused(Exception):
     """A weight update request that must not be carried out; `status` is its HTTP code."""
 
@@ -54,13 +60,14 @@ def resolve_weights_dir(run: RunDir, body: Any) -> WeightsTarget:
     root = run.weights_root()
     if "step" in body:
         step = body["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-            raise UpdateRefused(400, f'"step" must be an integer >= 1, got {step!r}')
+        if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= MAX_STEP:
+            raise UpdateRefused(400, f'"step" must be an integer in [1, {MAX_STEP}], got {str(step)[:40]!r}')
         requested = run.weights(step)
     else:
         raw = body["path"]
-        if not isinstance(raw, str) or not raw:
-            raise UpdateRefused(400, f'"path" must be a non-empty string, got {raw!r}')
+        if not isinstance(raw, str) or not raw or len(raw) > MAX_PATH or "\0" in raw:
+            raise UpdateRefused(400, f'"path" must be a non-empty string of at most {MAX_PATH} characters '
+                                     f'without NUL, got {str(raw)[:80]!r}')
         if not os.path.isabs(raw):
             raise UpdateRefused(400, f'"path" must be absolute, got {raw!r}')
         requested = Path(raw)
@@ -68,7 +75,7 @@ def resolve_weights_dir(run: RunDir, body: Any) -> WeightsTarget:
     if not _inside(real, root):
         raise UpdateRefused(403, f"refused: {str(requested)!r} resolves to {str(real)!r}, "
                                  f"which is not a directory under this run's weights dir {str(root)!r}")
-    if not is_stable(real):
+    if not is_stable(real):  # False, not an error, for a name too long for the filesystem
         raise UpdateRefused(409, f"{real} is not published (no STABLE marker yet); "
                                  f"latest published step: {run.latest_stable('weights')}")
     for f in weight_files(real):

@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from vllm.entrypoints.serve.utils.api_utils import with_cancellation
+from vllm.exceptions import VLLMClientError
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.utils import random_uuid
@@ -52,6 +53,22 @@ CLIENT_SAMPLING_KEYS = frozenset({
     "logprobs", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
     "logit_bias", "allowed_token_ids", "bad_words", "extra_args",
 })
+
+
+INT64 = (-(2**63), 2**63 - 1)
+"""Range of every integer a request may carry (the engine's MessagePack transport holds no more)."""
+MAX_N = 256
+"""Most completions one request may ask for (`sampling_params.n`)."""
+MAX_STRINGS = 64
+"""Most `stop` strings or `bad_words` one request may carry."""
+MAX_STRING_CHARS = 1024
+"""Longest `stop` string, `bad_words` entry, `request_id` or `cache_salt`."""
+MAX_LOGIT_BIAS = 100.0
+"""Largest |bias| in `logit_bias` (OpenAI's bound)."""
+
+
+class BadRequest(ValueError):
+    """A request outside what this endpoint serves; the message is the 400's reason."""
 
 
 class GenerateRequest(BaseModel):
@@ -77,6 +94,104 @@ class GenerateRequest(BaseModel):
 def _error(status: HTTPStatus, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": status.phrase, "code": status.value}},
                         status_code=status.value)
+
+
+def _int(value: Any, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{name} must be an integer, got {_shown(value)}")
+    if not low <= value <= high:
+        raise BadRequest(f"{name}={_shown(value)} is out of range [{low}, {high}]")
+    return value
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def _token_ids(values: Any, name: str, vocab: int) -> None:
+    if not isinstance(values, list):
+        raise BadRequest(f"{name} must be a list of token ids, got {_shown(values)}")
+    for i, t in enumerate(values):
+        _int(t, f"{name}[{i}]", 0, vocab - 1)
+
+
+def _strings(values: Any, name: str) -> None:
+    values = [values] if isinstance(values, str) else values
+    if not isinstance(values, list) or len(values) > MAX_STRINGS:
+        raise BadRequest(f"{name} must be a string or a list of at most {MAX_STRINGS} strings")
+    for v in values:
+        if not isinstance(v, str) or len(v) > MAX_STRING_CHARS:
+            raise BadRequest(f"{name} entries must be strings of at most {MAX_STRING_CHARS} characters")
+
+
+def _finite_numbers(value: Any, name: str) -> None:
+    """Every number in `value` (nested) is finite and, if an integer, within int64."""
+    pending = [(value, name)]
+    while pending:
+        v, where = pending.pop()
+        if isinstance(v, bool) or v is None or isinstance(v, str):
+            continue
+        if isinstance(v, int):
+            _int(v, where, *INT64)
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                raise BadRequest(f"{where} must be a finite number, got {v}")
+        elif isinstance(v, dict):
+            pending.extend((x, f"{where}.{k}") for k, x in v.items())
+        elif isinstance(v, list):
+            pending.extend((x, f"{where}[{i}]") for i, x in enumerate(v))
+
+
+def check_request(request: GenerateRequest, vocab: int, max_model_len: int, max_logprobs: int) -> int:
+    """Refuse (BadRequest) what the engine must never see; return the room the prompt leaves.
+
+    vLLM checks some of this itself, some only deep in the engine (a token id outside the
+    vocabulary), some not at all (a seed beyond int64 breaks its transport): every bound is
+    checked here, before the engine sees the request, so a bad request is a 400 with a reason.
+    """
+    _token_ids(request.token_ids, "token_ids", vocab)
+    room = max_model_len - len(request.token_ids)
+    if room < 1:
+        raise BadRequest(f"prompt of {len(request.token_ids)} tokens leaves no room in max_model_len={max_model_len}")
+    for name in ("request_id", "cache_salt"):
+        value = getattr(request, name)
+        if value is not None and len(value) > MAX_STRING_CHARS:
+            raise BadRequest(f"{name} is longer than {MAX_STRING_CHARS} characters")
+    _int(request.priority, "priority", *INT64)
+    sp = request.sampling_params
+    _finite_numbers(sp, "sampling_params")
+    if (v := sp.get("max_tokens")) is not None:
+        _int(v, "sampling_params.max_tokens", 1, room)
+    if (v := sp.get("min_tokens")) is not None:
+        _int(v, "sampling_params.min_tokens", 0, sp.get("max_tokens") or room)
+    if (v := sp.get("n")) is not None:
+        _int(v, "sampling_params.n", 1, MAX_N)
+    if (v := sp.get("logprobs")) is not None:
+        _int(v, "sampling_params.logprobs", 0, max_logprobs if max_logprobs >= 0 else vocab)
+    if (v := sp.get("top_k")) is not None:
+        _int(v, "sampling_params.top_k", -1, vocab)
+    if (v := sp.get("seed")) is not None:
+        _int(v, "sampling_params.seed", *INT64)
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        if (v := sp.get(name)) is not None:
+            _token_ids(v, f"sampling_params.{name}", vocab)
+    for name in ("stop", "bad_words"):
+        if (v := sp.get(name)) is not None:
+            _strings(v, f"sampling_params.{name}")
+    if (bias := sp.get("logit_bias")) is not None:
+        if not isinstance(bias, dict):
+            raise BadRequest("sampling_params.logit_bias must be an object of token id -> bias")
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise BadRequest(f"sampling_params.logit_bias key {_shown(key)} is not a token id") from None
+            _int(token, "sampling_params.logit_bias key", 0, vocab - 1)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or abs(value) > MAX_LOGIT_BIAS:
+                raise BadRequest(f"sampling_params.logit_bias[{key}] must be a number in "
+                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {_shown(value)}")
+    return room
 
 
 def build_sampling_params(raw: dict[str, Any], defaults: dict[str, Any], room: int) -> SamplingParams:
@@ -133,16 +248,15 @@ async def generate(request: GenerateRequest, raw_request: Request):
         return _error(HTTPStatus.BAD_REQUEST, "stream=true is not supported by this endpoint")
     if request.features is not None or request.content_parts:
         return _error(HTTPStatus.BAD_REQUEST, "multimodal inputs are not supported by this endpoint")
-    if any(t < 0 for t in request.token_ids):
-        return _error(HTTPStatus.BAD_REQUEST, "token_ids must not contain negative values")
     model_config = engine.model_config
-    room = model_config.max_model_len - len(request.token_ids)
-    if room < 1:
-        return _error(HTTPStatus.BAD_REQUEST, f"prompt of {len(request.token_ids)} tokens leaves no room in "
-                                              f"max_model_len={model_config.max_model_len}")
+    try:
+        room = check_request(request, model_config.get_vocab_size(), model_config.max_model_len,
+                             model_config.max_logprobs)
+    except BadRequest as e:
+        return _error(HTTPStatus.BAD_REQUEST, str(e))
     try:
         params = build_sampling_params(request.sampling_params, model_config.get_diff_sampling_param(), room)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, VLLMClientError) as e:  # SamplingParams' own checks (VLLMValidationError)
         return _error(HTTPStatus.BAD_REQUEST, f"bad sampling_params: {e}")
     if request.kv_transfer_params:
         params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": request.kv_transfer_params}
@@ -156,7 +270,7 @@ async def generate(request: GenerateRequest, raw_request: Request):
         async for out in engine.generate(prompt, params, request_id, priority=request.priority,
                                          session_id=raw_request.headers.get(SESSION_HEADER)):
             final = out
-    except ValueError as e:  # vLLM's input validation (token ids out of vocab, too long, ...)
+    except (ValueError, VLLMClientError) as e:  # vLLM's input validation (token ids out of vocab, too long, ...)
         await _release_remote_kv(engine, request_id, request.kv_transfer_params)
         return _error(HTTPStatus.BAD_REQUEST, str(e))
     if final is None:

@@ -39,7 +39,7 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
+import signal
 import sys
 
 import httpx
@@ -130,144 +130,191 @@ def build_app(prefill: list[str], decode: list[str], api_key: str | None = None,
     """The router app. `kv_handoff=False` drops the prefill answer's `kv_transfer_params` (decode then
     recomputes the prompt): for measuring what the hand-off saves, never for serving. `transport`:
     httpx's, to reach in-process backends (tests)."""
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), limits=httpx.Limits(max_connections=None),
+                               transport=transport)
+    proxy = Proxy(client, Balancer(prefill, decode, policy), kv_handoff)
+    app = FastAPI(lifespan=closing(client))
+    app.state.balancer = proxy.balancer
+    app.add_exception_handler(httpx.HTTPError, backend_unreachable)
+    from prl.inference.server import BearerAuth, BodyLimit
+
+    app.add_middleware(BodyLimit)
+    if api_key:
+        app.add_middleware(BearerAuth, key=api_key)
+    app.add_api_route("/health", proxy.health, methods=["GET"])
+    app.add_api_route("/prl/live", proxy.live, methods=["GET"])
+    app.add_api_route("/prl/router", proxy.stats, methods=["GET"])
+    for path in FANOUT_PATHS:
+        app.add_api_route(path, on_path(proxy.fanout, path), methods=["POST"])
+    for path in GENERATE_PATHS:
+        app.add_api_route(path, on_path(proxy.disaggregated, path), methods=["POST"])
+    app.add_api_route("/{rest:path}", proxy.passthrough, methods=["GET", "POST"])  # last: it matches every path
+    return app
+
+
+async def backend_unreachable(request: Request, exc: Exception) -> JSONResponse:
+    """A backend that cannot be reached (or dropped the connection) is the gateway's error, not the router's."""
+    where = getattr(getattr(exc, "request", None), "url", None) if isinstance(exc, httpx.RequestError) else None
+    return JSONResponse({"error": f"backend {where or ''} unreachable: {type(exc).__name__}: {exc}".replace("  ", " ")},
+                        status_code=502)
+
+
+def closing(client: httpx.AsyncClient):
+    """A FastAPI lifespan that closes `client` at shutdown."""
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
         await client.aclose()
 
-    app = FastAPI(lifespan=lifespan)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), limits=httpx.Limits(max_connections=None),
-                               transport=transport)
-    balancer = Balancer(prefill, decode, policy)
-    backends = [*prefill, *decode]
-    app.state.balancer = balancer
+    return lifespan
 
-    def headers_of(request: Request) -> dict[str, str]:
-        return {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
 
-    if api_key:
-        from prl.inference.server import BearerAuth
+def on_path(handler, path: str):
+    """An endpoint that calls `handler(request, path)`: one handler serves several fixed paths."""
+    async def endpoint(request: Request):
+        return await handler(request, path)
 
-        app.add_middleware(BearerAuth, key=api_key)
+    return endpoint
 
-    @app.get("/health")
-    async def health():
-        async def one(url: str) -> str:
-            try:
-                r = await client.get(url + "/health", timeout=5)
-                return "ok" if r.status_code == 200 else f"HTTP {r.status_code}"
-            except httpx.HTTPError as e:
-                return f"unreachable: {type(e).__name__}"
 
-        states = dict(zip(backends, await asyncio.gather(*(one(u) for u in backends))))
+def forwarded_headers(request: Request) -> dict[str, str]:
+    """The client's headers a backend gets (key, content type, session and request ids)."""
+    return {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
+
+
+def json_object(raw: bytes) -> tuple[dict | None, str | None]:
+    """(the body as a JSON object, None), or (None, what is wrong with it)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None, "body is not JSON"
+    if not isinstance(body, dict):
+        return None, "body must be a JSON object"
+    return body, None
+
+
+def relayed(r: httpx.Response, content: bytes | None = None) -> Response:
+    """A backend's answer as the router's, with its status code and content type."""
+    return Response(r.content if content is None else content, status_code=r.status_code,
+                    media_type=r.headers.get("content-type"))
+
+
+class Proxy:
+    """The router's endpoints over one HTTP client and one balancer."""
+
+    def __init__(self, client: httpx.AsyncClient, balancer: Balancer, kv_handoff: bool):
+        self.client, self.balancer, self.kv_handoff = client, balancer, kv_handoff
+        self.backends = [*balancer.prefill, *balancer.decode]
+
+    async def health(self) -> JSONResponse:
+        """200 when every backend's /health is, else 503 with each backend's state."""
+        states = dict(zip(self.backends, await asyncio.gather(*(self.backend_health(u) for u in self.backends))))
         healthy = all(s == "ok" for s in states.values())
         return JSONResponse({"ok": healthy, "backends": states}, status_code=200 if healthy else 503)
 
-    @app.get("/prl/live")
-    async def live(request: Request):
-        async def one(url: str):
-            try:
-                r = await client.get(url + "/prl/live", headers=headers_of(request), timeout=10)
-                return r.json()
-            except (httpx.HTTPError, ValueError) as e:
-                return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    async def backend_health(self, url: str) -> str:
+        try:
+            r = await self.client.get(url + "/health", timeout=5)
+            return "ok" if r.status_code == 200 else f"HTTP {r.status_code}"
+        except httpx.HTTPError as e:
+            return f"unreachable: {type(e).__name__}"
 
-        lives = dict(zip(backends, await asyncio.gather(*(one(u) for u in backends))))
+    async def live(self, request: Request) -> JSONResponse:
+        """Every backend's /prl/live; ok when all are and serve one weights step."""
+        headers = forwarded_headers(request)
+        answers = await asyncio.gather(*(self.backend_live(u, headers) for u in self.backends))
+        lives = dict(zip(self.backends, answers))
         steps = {v.get("weights_step") for v in lives.values()}
         ok = all(v.get("ok") for v in lives.values()) and len(steps) == 1
         return JSONResponse({"ok": ok, "weights_step": steps.pop() if len(steps) == 1 else None,
                              "paused": any(v.get("paused") for v in lives.values()), "backends": lives},
                             status_code=200 if ok else 503)
 
-    @app.get("/prl/router")
-    async def router_stats():
-        return balancer.stats()
+    async def backend_live(self, url: str, headers: dict[str, str]) -> dict:
+        try:
+            r = await self.client.get(url + "/prl/live", headers=headers, timeout=10)
+            return r.json()
+        except (httpx.HTTPError, ValueError) as e:
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
-    async def fanout(request: Request, path: str):
-        body = await request.body()
+    async def stats(self) -> dict:
+        return self.balancer.stats()
 
-        async def one(url: str):
-            r = await client.post(url + path, content=body, headers=headers_of(request))
-            try:
-                return r.status_code, r.json()
-            except ValueError:
-                return r.status_code, r.text
-
-        results = await asyncio.gather(*(one(u) for u in backends))
+    async def fanout(self, request: Request, path: str) -> JSONResponse:
+        """POST to every backend; the worst status code (200 when none is an error) and each answer."""
+        body, headers = await request.body(), forwarded_headers(request)
+        results = await asyncio.gather(*(self.post_one(u + path, body, headers) for u in self.backends))
         worst = max(code for code, _ in results)
-        return JSONResponse({"backends": {u: out for u, (_, out) in zip(backends, results)}},
+        return JSONResponse({"backends": {u: out for u, (_, out) in zip(self.backends, results)}},
                             status_code=worst if worst >= 400 else 200)
 
-    def route(handler, path: str):
-        async def endpoint(request: Request):
-            return await handler(request, path)
+    async def post_one(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, object]:
+        r = await self.client.post(url, content=body, headers=headers)
+        try:
+            return r.status_code, r.json()
+        except ValueError:
+            return r.status_code, r.text
 
-        return endpoint
-
-    for path in FANOUT_PATHS:
-        app.add_api_route(path, route(fanout, path), methods=["POST"])
-
-    async def disaggregated(request: Request, path: str):
+    async def disaggregated(self, request: Request, path: str) -> Response:
+        """Prefill with one output token, then decode with the prefill's `kv_transfer_params`."""
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            return JSONResponse({"error": "body is not JSON"}, status_code=400)
-        if not isinstance(body, dict):
-            return JSONResponse({"error": "body must be a JSON object"}, status_code=400)
-        headers = headers_of(request)
+        body, error = json_object(raw)
+        if body is None:
+            return JSONResponse({"error": error}, status_code=400)
+        headers = forwarded_headers(request)
         key = routing.request_key(request.headers, body)
-        with balancer.holding(balancer.pick("prefill", key)) as url:
-            p = await client.post(url + path, json=prefill_body(path, body), headers=headers)
+        with self.balancer.holding(self.balancer.pick("prefill", key)) as url:
+            p = await self.client.post(url + path, json=prefill_body(path, body), headers=headers)
         if p.status_code != 200:  # the prompt is bad or the prefill server is: say so, skip decode
-            return Response(p.content, status_code=p.status_code, media_type=p.headers.get("content-type"))
-        try:
-            handed = decode_body(body, p.json()) if kv_handoff else None
-        except ValueError:
-            handed = None
-        content = raw if handed is None else json.dumps(handed).encode()
+            return relayed(p)
+        handed = self.handed_over(body, p)
         if handed is not None:
-            headers = {**headers, "content-type": "application/json"}
-        return await relay_decode(path, key, content, headers, stream=bool(body.get("stream")))
+            raw, headers = json.dumps(handed).encode(), {**headers, "content-type": "application/json"}
+        return await self.relay_decode(path, key, raw, headers, stream=bool(body.get("stream")))
 
-    async def relay_decode(path: str, key: str | None, content: bytes, headers: dict, stream: bool):
-        """Send the decode request and relay its answer (streamed when the client streams)."""
-        url = balancer.acquire(balancer.pick("decode", key))
+    def handed_over(self, body: dict, prefill: httpx.Response) -> dict | None:
+        """The decode request with the prefill's `kv_transfer_params`; None to send the client's body as is."""
+        if not self.kv_handoff:
+            return None
         try:
-            resp = await client.send(client.build_request("POST", url + path, content=content, headers=headers),
-                                     stream=True)
+            return decode_body(body, prefill.json())
+        except ValueError:
+            return None
+
+    async def relay_decode(self, path: str, key: str | None, content: bytes, headers: dict, stream: bool) -> Response:
+        """Send the decode request and relay its answer (streamed when the client streams)."""
+        url = self.balancer.acquire(self.balancer.pick("decode", key))
+        try:
+            request = self.client.build_request("POST", url + path, content=content, headers=headers)
+            resp = await self.client.send(request, stream=True)
         except BaseException:
-            balancer.release(url)
+            self.balancer.release(url)
             raise
         if stream:
-            async def chunks():
-                try:
-                    async for chunk in resp.aiter_raw():
-                        yield chunk
-                finally:
-                    await resp.aclose()
-                    balancer.release(url)
-
-            return StreamingResponse(chunks(), status_code=resp.status_code,
+            return StreamingResponse(self.chunks(resp, url), status_code=resp.status_code,
                                      media_type=resp.headers.get("content-type"))
         try:
             data = await resp.aread()
         finally:
             await resp.aclose()
-            balancer.release(url)
-        return Response(data, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+            self.balancer.release(url)
+        return relayed(resp, data)
 
-    for path in GENERATE_PATHS:
-        app.add_api_route(path, route(disaggregated, path), methods=["POST"])
+    async def chunks(self, resp: httpx.Response, url: str):
+        """A streamed decode answer, chunk by chunk; `url` counts the request until the stream ends."""
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        finally:
+            await resp.aclose()
+            self.balancer.release(url)
 
-    @app.api_route("/{rest:path}", methods=["GET", "POST"])
-    async def passthrough(request: Request, rest: str):
-        url = balancer.pick("decode", None)
-        r = await client.request(request.method, url + "/" + rest, content=await request.body(),
-                                 headers=headers_of(request), params=request.query_params)
-        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
-
-    return app
+    async def passthrough(self, request: Request, rest: str) -> Response:
+        """Any other path (`/v1/models`, ...): to a decode server."""
+        url = self.balancer.pick("decode", None)
+        r = await self.client.request(request.method, url + "/" + rest, content=await request.body(),
+                                      headers=forwarded_headers(request), params=request.query_params)
+        return relayed(r)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -282,13 +329,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-kv-handoff", action="store_true",
                     help="do not pass kv_transfer_params to decode (it recomputes the prompt): for measurements")
     args = ap.parse_args(argv)
-    key = os.environ.get(args.api_key_env, "") if args.api_key_env else ""
+    from prl.inference.server import api_key
+
+    key = api_key(args.api_key_env, "prl.inference.router")  # fails closed: no key, no router
     import uvicorn
 
     init_logging("router")
     app = build_app([u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode], key or None,
                     policy=args.policy, kv_handoff=not args.no_kv_handoff)
+    # After a graceful shutdown uvicorn re-raises the SIGTERM/SIGINT it stopped on, with the handler it found
+    # installed: a stop is how the router ends, so it exits 0 (as the inference servers do), not 143.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stopped)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
+
+
+def stopped(signum: int, _frame) -> None:
+    raise SystemExit(0)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ loading runs inside every worker. Nothing in vLLM is patched.
 
 Binding: `--host` as given (the launcher passes the node's cluster address);
 without it 127.0.0.1, never all interfaces by default. With `--api-key-env
-VAR` and VAR set, every endpoint but `/health` requires `Authorization:
-Bearer <key>`.
+VAR`, every endpoint but `/health` (the launcher's readiness probe) requires
+`Authorization: Bearer <key>`, `OPTIONS` included; VAR unset or empty stops
+the server before it starts (fail closed). Jobs started by `prl submit` always
+pass it, with the run's key from RUN/api_key.
 """
 
 from __future__ import annotations
@@ -74,8 +76,8 @@ class BearerAuth:
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "").removeprefix(scope.get("root_path", "")) or "/"
-        if (scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS"
-                or path in OPEN_PATHS or self._ok(scope)):
+        # OPTIONS too: a CORS preflight needs no answer from a server that browsers never call.
+        if scope["type"] not in ("http", "websocket") or path in OPEN_PATHS or self._ok(scope):
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
@@ -84,6 +86,50 @@ class BearerAuth:
 
         await JSONResponse({"error": "missing or wrong API key (Authorization: Bearer <key>)"},
                            status_code=401)(scope, receive, send)
+
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+"""Largest request body any endpoint accepts (413 beyond): room for a 128k-token prompt and
+multimodal chat content, not for a client that would exhaust the server's memory."""
+
+
+class BodyLimit:
+    """Pure ASGI middleware: 413 for a body over `max_bytes`, declared (Content-Length) or streamed."""
+
+    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from starlette.exceptions import HTTPException
+        from starlette.responses import JSONResponse
+
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                size = -1
+            if size < 0:
+                return await JSONResponse({"error": "bad Content-Length header"}, status_code=400)(
+                    scope, receive, send)
+            if size > self.max_bytes:
+                return await JSONResponse({"error": f"request body of {size} bytes; at most {self.max_bytes}"},
+                                          status_code=413)(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                # Raised inside the app's body read: FastAPI and Starlette turn it into the 413 response.
+                raise HTTPException(413, f"request body over {self.max_bytes} bytes")
+            return message
+
+        return await self.app(scope, limited, send)
 
 
 def replace_routes(app, router) -> None:
@@ -125,9 +171,7 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
     from prl.inference import admin, generate
 
     run = RunDir(ours.run_dir)
-    key = os.environ.get(ours.api_key_env, "") if ours.api_key_env else ""
-    if ours.api_key_env and not key:
-        log.warning("--api-key-env %s: the variable is not set; serving without an API key", ours.api_key_env)
+    key = api_key(ours.api_key_env)
 
     # SIGTERM before uvicorn installs its handlers (the engine takes a minute to start):
     # unwind through the engine's context manager so its processes go too.
@@ -135,6 +179,7 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
         raise KeyboardInterrupt("terminated")
 
     signal.signal(signal.SIGTERM, _interrupt)
+    args.middleware = [*(args.middleware or []), f"{__name__}.BodyLimit"]
     if key:
         # vLLM's --middleware hook: the app's middleware stack is final once build_app returns.
         global _API_KEY
@@ -174,6 +219,18 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
         sock.close()
 
 
+def api_key(var: str | None, prog: str = "prl.inference") -> str:
+    """The key named by `--api-key-env VAR` ("" without the flag). Fails closed: with the flag and
+    VAR unset or empty, the server exits rather than serve without authentication."""
+    if not var:
+        return ""
+    key = os.environ.get(var, "").strip()
+    if not key:
+        sys.exit(f"{prog}: --api-key-env {var}: the variable is not set or empty; refusing to serve "
+                 f"without the API key (prl submit writes it to RUN/api_key; the role runner passes it on)")
+    return key
+
+
 def main(argv: list[str] | None = None) -> None:
     import uvloop
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
@@ -184,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     ours, rest = split_args(list(sys.argv[1:] if argv is None else argv))
     if not Path(ours.run_dir).is_dir():
         sys.exit(f"prl.inference: --run-dir {ours.run_dir} is not a directory")
+    api_key(ours.api_key_env)  # before the engine's minute of start-up
     cli_env_setup()
     parser = make_arg_parser(FlexibleArgumentParser(prog="python -m prl.inference",
                                                     description="vLLM server with prl's admin endpoints"))

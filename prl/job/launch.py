@@ -8,6 +8,12 @@ is a process. A role starts once every role it comes after has all its tasks rea
 non-zero ends the job: the others get SIGTERM, `grace_seconds` to finish a checkpoint,
 then SIGKILL. The job completes when the last role (the trainer) exits 0.
 
+An inference server that exits at all before the job stops is a failure of that server;
+with `on_failure: restart` (the default) it is started again in the allocation (a new srun
+step on its node, `restart_srun_args`; locally a new process), up to `max_restarts` times.
+The trainer and orchestrator heartbeat from their main loops; one whose heartbeat is older
+than the hang bound (`Plan.hang_bound`) is HUNG: the job stops, and requeues when allowed.
+
 SIGTERM to the launcher (scancel, or the time-limit warning `--signal=B:TERM@N`) is
 forwarded the same way; on a time-limit warning with requeue allowed the launcher
 requeues the job itself so the next attempt resumes from the last checkpoint.
@@ -25,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from prl.errors import SlurmError
 from prl.log import get_logger, init_logging
 from prl.planner.model import Plan, Step
 from prl.run.rundir import RunDir, atomic_write_json, current_attempt, read_json
@@ -42,8 +49,17 @@ class RoleFailed(Exception):
         self.role, self.code, self.reason = role, code, reason
 
 
+class RoleHung(RoleFailed):
+    """A trainer or orchestrator whose main loop reported no progress within the hang bound."""
+
+
 class Stopped(Exception):
     pass
+
+
+SERVER_ROLES = ("inference", "prefill", "decode")
+HANG_ROLES = ("trainer", "orchestrator")
+"""Roles whose main loop heartbeats in state/<role>.json; the launcher watches its age."""
 
 
 @dataclass
@@ -51,6 +67,13 @@ class Running:
     step: Step
     procs: list[subprocess.Popen] = field(default_factory=list)
     exit_code: int | None = None
+    task_proc: dict[int, subprocess.Popen] = field(default_factory=dict)
+    """The process that runs each task now (one srun for all tasks of a step, or a restart's)."""
+    task_started: dict[int, float] = field(default_factory=dict)
+    """When each task's current incarnation started (exit records older than that are its predecessor's)."""
+    down: dict[int, dict] = field(default_factory=dict)
+    """Tasks that ended and are not running again yet: task -> the failure event."""
+    restarts: int = 0
 
     @property
     def name(self) -> str:
@@ -81,6 +104,7 @@ class Launcher:
         self.run, self.plan, self.attempt, self.slurm, self.mode = run, plan, attempt, slurm, mode
         self.running: dict[str, Running] = {}
         self.signum: int | None = None
+        self.slowest_step: dict[str, float] = {}
         self.state: dict[str, Any] = {
             "attempt": attempt, "mode": mode, "job_id": os.environ.get("SLURM_JOB_ID"), "pid": os.getpid(),
             "started": time.time(), "status": LauncherStatus.STARTING, "steps": {}, "first_failure": None,
@@ -97,25 +121,43 @@ class Launcher:
 
     # -- starting roles
     def start(self, step: Step) -> None:
-        script = str(self.run.path(step.script))
-        env = {**os.environ, "PRL_ATTEMPT": str(self.attempt), "PRL_MODE": self.mode}
         running = Running(step)
         self.run.role_logs_dir(self.attempt, step.name).mkdir(parents=True, exist_ok=True)
-        if self.slurm:
-            argv = ["srun", *step.srun_args, f"--output={self.run.task_log_pattern(self.attempt, step.name)}",
-                    "--open-mode=append", "bash", script]
-            running.procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL))
-        else:
-            for task in range(running.tasks):
-                output = open(self.run.role_log(self.attempt, step.name, task), "ab")
-                task_env = {**env, "PRL_TASK": str(task), "PRL_NODE": str(task // step.ntasks_per_node)}
-                running.procs.append(subprocess.Popen(["bash", script], env=task_env, stdout=output,
-                                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                      start_new_session=True))
-                output.close()
+        self.spawn(running, list(range(running.tasks)))
         self.running[step.name] = running
         log.info(f"started {step.name} ({running.tasks} task(s))")
         self.note_step(step.name, started=time.time(), tasks=running.tasks, status=RoleState.RUNNING)
+
+    def spawn(self, running: Running, tasks: list[int], restart: int = 0, nodes: list[str] | None = None) -> None:
+        """Start `tasks` of a step: all of them (one srun, or one process each locally), or, on a restart,
+        the tasks of one failed server (a new srun step on the nodes they ran on)."""
+        step = running.step
+        script = str(self.run.path(step.script))
+        env = {**os.environ, "PRL_ATTEMPT": str(self.attempt), "PRL_MODE": self.mode, "PRL_RESTART": str(restart)}
+        now = time.time()
+        if self.slurm:
+            if restart:
+                env["PRL_TASKS"] = ",".join(map(str, tasks))
+                output = (str(self.run.role_log(self.attempt, step.name, tasks[0])) if len(tasks) == 1
+                          else self.run.task_log_pattern(self.attempt, step.name))
+                argv = ["srun", *restart_srun_args(step.srun_args, nodes or []), f"--output={output}",
+                        "--open-mode=append", "bash", script]
+            else:
+                argv = ["srun", *step.srun_args, f"--output={self.run.task_log_pattern(self.attempt, step.name)}",
+                        "--open-mode=append", "bash", script]
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+            running.procs.append(proc)
+            for t in tasks:
+                running.task_proc[t], running.task_started[t] = proc, now
+            return
+        for task in tasks:
+            output = open(self.run.role_log(self.attempt, step.name, task), "ab")
+            task_env = {**env, "PRL_TASK": str(task), "PRL_NODE": str(task // step.ntasks_per_node)}
+            proc = subprocess.Popen(["bash", script], env=task_env, stdout=output, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            output.close()
+            running.procs.append(proc)
+            running.task_proc[task], running.task_started[task] = proc, now
 
     def ready(self, name: str) -> bool:
         running = self.running[name]
@@ -123,11 +165,15 @@ class Launcher:
 
     # -- watching
     def check(self) -> None:
-        """Raise Stopped on a signal, RoleFailed on the first role that exited non-zero; record clean exits."""
+        """Raise Stopped on a signal, RoleFailed on the first role that failed, RoleHung on one that stopped
+        making progress; restart servers whose policy says so; record clean exits."""
         if self.signum is not None:
             raise Stopped()
         for name, running in self.running.items():
             if running.exit_code is not None:
+                continue
+            if name in SERVER_ROLES and self.mode == "run":
+                self.check_servers(running)
                 continue
             code = running.poll()
             if code is None:
@@ -142,6 +188,110 @@ class Launcher:
                 where = f"task {task} " if task is not None else ""
                 raise RoleFailed(name, code, f"{where}exited with code {code}")
             log.info(f"{name} exited 0")
+        if self.mode == "run":
+            self.check_hangs()
+
+    # -- servers: any exit before the job stops is a failure of that server
+    def ended_tasks(self, running: Running) -> dict[int, dict]:
+        """Tasks of a server step whose current incarnation ended: task -> its exit record (made up from
+        the process's code when the task could not write one)."""
+        ended = {}
+        for t, proc in running.task_proc.items():
+            if t in running.down:
+                continue
+            record = read_json(self.run.task_exit(running.name, t))
+            if record and float(record.get("time", 0)) >= running.task_started[t]:
+                ended[t] = record
+            elif proc.poll() is not None:
+                code = _code(proc.returncode)
+                ended[t] = {"exit_code": code, "time": time.time(), "node": None,
+                            "reason": f"task ended (exit {code}) without recording why"}
+        return ended
+
+    def check_servers(self, running: Running) -> None:
+        name = running.name
+        policy = self.plan.failure_policy(name)
+        for t, record in sorted(self.ended_tasks(running).items()):
+            server = self.plan.server(name, t)
+            code = int(record.get("exit_code") or 0)
+            reason = record.get("reason") or f"server exited with code {code} while the job was running"
+            event = {"time": float(record.get("time") or time.time()), "task": t, "replica": server.replica,
+                     "node": record.get("node"), "exit_code": code, "reason": reason}
+            running.down[t] = event
+            if server.head:  # its task withdraws it too, unless it was killed outright
+                self.run.endpoint(name, server.replica).unlink(missing_ok=True)
+            self.run.task_ready(name, t).unlink(missing_ok=True)
+            log.warning(f"{name} task {t} (replica {server.replica}, node {event['node']}): {reason}")
+            if policy.policy != "restart" or running.restarts >= policy.max_restarts:
+                why = "" if policy.policy != "restart" else f" after {running.restarts} restart(s) (max_restarts)"
+                event["action"] = "failed"
+                self._record_event(running, event)
+                raise RoleFailed(name, code or 1, f"task {t} (replica {server.replica}): {reason}{why}")
+            event["action"] = "restarting"
+            self._record_event(running, event)
+        self.restart_replicas(running)
+        self.note_restarted_ready(running)
+
+    def restart_replicas(self, running: Running) -> None:
+        """Start again every replica whose tasks have all ended (a multi-node replica restarts whole)."""
+        replicas = {self.plan.server(running.name, t).replica for t in running.down}
+        for replica in sorted(replicas):
+            tasks = [s.task for s in self.plan.role_servers(running.name) if s.replica == replica]
+            if not all(t in running.down for t in tasks):
+                continue  # wait for the rest of the replica to go
+            nodes = [running.down[t].get("node") or "" for t in tasks]
+            running.restarts += 1
+            for t in tasks:
+                self.run.task_exit(running.name, t).unlink(missing_ok=True)
+                event = running.down.pop(t)
+                event["restarted"] = time.time()
+            log.warning(f"restarting {running.name} replica {replica} (tasks {tasks}, restart "
+                        f"{running.restarts}/{self.plan.failure_policy(running.name).max_restarts})")
+            self.spawn(running, tasks, restart=running.restarts, nodes=nodes)
+            self.note_step(running.name, restarts=running.restarts)
+
+    def _record_event(self, running: Running, event: dict) -> None:
+        events = self.state["steps"].setdefault(running.name, {}).setdefault("failures", [])
+        events.append(event)
+        self.save()
+
+    def note_restarted_ready(self, running: Running) -> None:
+        """Time each restarted server until it is ready again (the orchestrator may then use it)."""
+        changed = False
+        for event in self.state["steps"].get(running.name, {}).get("failures", []):
+            if event.get("action") == "restarting" and "restarted" in event and "ready_after_s" not in event:
+                marker = read_json(self.run.task_ready(running.name, event["task"]))
+                if marker and float(marker["time"]) >= event["restarted"]:
+                    event["ready_after_s"] = round(float(marker["time"]) - event["time"], 1)
+                    event["action"] = "restarted"
+                    log.info(f"{running.name} task {event['task']} ready again, {event['ready_after_s']} s "
+                             f"after it failed")
+                    changed = True
+        if changed:
+            self.save()
+
+    # -- hangs: the trainer's and orchestrator's main loops heartbeat in state/<role>.json
+    def check_hangs(self) -> None:
+        now = time.time()
+        for name in HANG_ROLES:
+            running = self.running.get(name)
+            if running is None or running.exit_code is not None:
+                continue
+            state = self.run.read_state(name) or {}
+            if int(state.get("attempt") or -1) != self.attempt:
+                continue
+            beat, started = float(state.get("heartbeat") or 0), float(state.get("started") or 0)
+            if beat <= started:
+                continue  # still starting (loading a model): its loop has not reported yet
+            slowest = max(self.slowest_step.get(name, 0.0), float(state.get("step_s") or 0.0))
+            self.slowest_step[name] = slowest
+            bound = self.plan.hang_bound(slowest or None)
+            age = now - beat
+            if age > bound:
+                last = f"step {state.get('step', '-')}, phase {state.get('phase', '-')}"
+                self.note_step(name, status=RoleState.HUNG, hung_at=now, last_heartbeat=beat,
+                               last_step=state.get("step"), last_phase=state.get("phase"), hang_bound_s=bound)
+                raise RoleHung(name, 1, f"hung: no progress for {age:.0f} s (bound {bound:.0f} s); last {last}")
 
     def first_task_failure(self, name: str, tasks: int, fallback: int) -> tuple[int, int | None]:
         """The exit code of the task that failed first: srun reports the step's worst, often a
@@ -209,7 +359,9 @@ class Launcher:
             if running.exit_code is None:
                 code = running.poll()
                 running.exit_code = code
-                self.state["steps"][name].update(exit_code=code, ended=time.time(), status=RoleState.STOPPED)
+                record = self.state["steps"][name]
+                hung = record.get("status") == RoleState.HUNG
+                record.update(exit_code=code, ended=time.time(), status=RoleState.HUNG if hung else RoleState.STOPPED)
         self.save()
 
     def _signal(self, proc: subprocess.Popen, signum: int) -> None:
@@ -224,6 +376,8 @@ class Launcher:
     def finish(self, status: LauncherStatus, code: int) -> int:
         self.state.update(status=status, ended=time.time(), exit_code=code)
         self.save()
+        # Kept beside the attempt's logs: the next attempt's launcher.json replaces this one (restarts, hangs).
+        atomic_write_json(self.run.attempt_launcher_state(self.attempt), self.state)
         (log.info if status == LauncherStatus.COMPLETED else log.warning)(f"job {status} (exit {code})")
         return code
 
@@ -237,6 +391,15 @@ class Launcher:
             self.state["status"] = LauncherStatus.RUNNING
             self.save()
             self.wait_done()
+        except RoleHung as hung:
+            self.state["first_failure"] = {"role": hung.role, "exit_code": None, "reason": hung.reason,
+                                           "time": time.time(), "hung": True}
+            self.state["status"] = LauncherStatus.STOPPING
+            log.error(f"{hung.role} {hung.reason}; stopping the job")
+            self.stop_all()
+            if self.slurm and self.plan.requeue:
+                return self.requeue()
+            return self.finish(LauncherStatus.FAILED, 1)
         except RoleFailed as failure:
             self.state["first_failure"] = {"role": failure.role, "exit_code": failure.code,
                                            "reason": failure.reason, "time": time.time()}
@@ -257,11 +420,33 @@ class Launcher:
         log.warning(f"signal {signum}{' (time-limit warning)' if warning else ''}: stopping every role")
         self.stop_all(signum)
         if warning and self.plan.requeue:
-            from prl.ops import slurm
-
-            slurm.scontrol_requeue(os.environ["SLURM_JOB_ID"])
-            return self.finish(LauncherStatus.REQUEUED, 0)
+            return self.requeue()
         return self.finish(LauncherStatus.STOPPED, 128 + signum)
+
+    def requeue(self) -> int:
+        from prl.ops import slurm
+
+        # Recorded first: requeueing ends this process.
+        code = self.finish(LauncherStatus.REQUEUED, 0)
+        try:
+            slurm.scontrol_requeue(os.environ["SLURM_JOB_ID"])
+        except SlurmError as exc:
+            log.error(f"could not requeue the job: {exc}")
+            return self.finish(LauncherStatus.FAILED, 1)
+        return code
+
+
+def restart_srun_args(args: tuple[str, ...], nodes: list[str]) -> list[str]:
+    """A step's srun options narrowed to one server's node(s): one task per node, overlapping the step that
+    still runs the role's other servers (it holds the nodes' CPUs, GPUs and memory: `--overlap` shares the
+    first two, `--mem=0` the memory). `--ntasks` overrides the component's task count srun inherits."""
+    out = [a for a in args if not a.startswith(("--nodes=", "--ntasks", "--nodelist=", "--overlap", "--mem"))]
+    nodes = [n for n in nodes if n]
+    count = max(1, len(nodes))
+    out += [f"--nodes={count}", f"--ntasks={count}", "--ntasks-per-node=1", "--overlap", "--mem=0"]
+    if nodes:
+        out.append(f"--nodelist={','.join(nodes)}")
+    return out
 
 
 def _time_limit_warning() -> bool:

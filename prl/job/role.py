@@ -30,15 +30,21 @@ from prl.run.rundir import RunDir, atomic_write_json, current_attempt
 log = get_logger(__name__)
 
 HEARTBEAT_SECONDS = 5.0
+SERVER_ROLES = ("inference", "prefill", "decode")
 
 
 class _Stop:
     """Set by SIGTERM/SIGINT, or by the launcher's stop request in the run directory."""
 
     signum: int | None = None
+    stopping: bool = False
+    """True once a stop was asked (kept after `signum` is passed on to the child)."""
+    failure: str | None = None
+    """Why the runtime failed the child itself (a server that stopped answering /health)."""
 
     def __call__(self, signum: int, _frame: Any) -> None:
         self.signum = signum
+        self.stopping = True
 
     def watch(self, run: RunDir) -> None:
         """Poll state/stop.json in the background: srun would kill a step rather than pass SIGTERM on."""
@@ -48,6 +54,7 @@ class _Stop:
             while self.signum is None:
                 if run.stop_request.exists():
                     self.signum = signal.SIGTERM
+                    self.stopping = True
                     return
                 time.sleep(0.2)
 
@@ -55,6 +62,12 @@ class _Stop:
 
 
 def task_index() -> int:
+    """This task's index in its role: SLURM_PROCID (or PRL_TASK locally); in a restart step, which runs only
+    some of the role's tasks, the PRL_TASKS entry at SLURM_PROCID."""
+    restarted = os.environ.get("PRL_TASKS", "")
+    if restarted:
+        procid = os.environ.get("SLURM_PROCID", "0")
+        return int(restarted.split(",")[int(procid) if procid.isdigit() else 0])
     for var in ("SLURM_PROCID", "PRL_TASK"):
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
@@ -85,17 +98,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     init_logging(args.role, task_index())
     run = RunDir(args.run_dir)
-    code = run_task(run, args.role)
-    atomic_write_json(run.task_exit(args.role, task_index()), {"exit_code": code, "time": time.time(),
-                                                                "host": socket.gethostname()})
+    stop = _Stop()
+    code = run_task(run, args.role, stop)
+    record = {"exit_code": code, "time": time.time(), "host": socket.gethostname(),
+              "node": os.environ.get("SLURMD_NODENAME", socket.gethostname())}
+    watched = args.role in SERVER_ROLES and os.environ.get("PRL_MODE", "run") == "run"
+    if watched and not stop.stopping:
+        # A server has no reason to end before the job stops: whatever its code, that is a failure.
+        record.update(failed=True, reason=stop.failure or f"server exited with code {code} while the job was running")
+        log.error(record["reason"])
+    atomic_write_json(run.task_exit(args.role, task_index()), record)
+    if watched and Plan.read(run).failure_policy(args.role).policy == "restart":
+        # The launcher reads the record and restarts this task; a non-zero exit would make srun
+        # (--kill-on-bad-exit) kill the healthy servers of the same step too.
+        return 0
     return code
 
 
-def run_task(run: RunDir, role: str) -> int:
+def run_task(run: RunDir, role: str, stop: _Stop) -> int:
     plan = Plan.read(run)
     task = task_index()
     mode = os.environ.get("PRL_MODE", "run")
-    stop = _Stop()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     stop.watch(run)

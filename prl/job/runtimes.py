@@ -7,6 +7,8 @@ Called by `prl.job.role` after the preflight. Each role's runtime is a child pro
     orchestrator                   python -m prl.orchestrator         ready when it heartbeats
     trainer                        torchrun -m prl.trainer            ready at once (it runs last)
 
+Servers, router and orchestrator get the run's API key (`RUN/api_key`, written by `prl submit`)
+in $PRL_INFERENCE_API_KEY, never on a command line; without the file they do not start.
 Readiness becomes `state/ready/ROLE.TASK.json` (the launcher starts the next role after it)
 and, for servers, `state/endpoints/ROLE.REPLICA.json` with the URL other roles use.
 Signals to the task are passed on to the child; the task exits with the child's code.
@@ -26,7 +28,7 @@ from typing import Any, Callable
 
 from prl.log import get_logger
 from prl.planner.model import Plan
-from prl.run.rundir import RunDir, atomic_write_json
+from prl.run.rundir import API_KEY_VAR, RunDir, atomic_write_json
 from prl.states import RoleState
 
 log = get_logger(__name__)
@@ -68,14 +70,25 @@ def wait_endpoint(run: RunDir, role: str, index: int, stopped: Callable[[], bool
     return json.loads(path.read_text())
 
 
+HEALTH_EVERY_S = 5.0
+"""How often a server's task probes /health once the server is ready."""
+
+
 def supervise(argv: list[str], env: dict[str, str], stop: Any, ready: Callable[[], bool],
-              on_ready: Callable[[], None]) -> int:
-    """Run the child; call on_ready once `ready()` holds; pass signals on; return its exit code."""
+              on_ready: Callable[[], None], *, health: Callable[[], bool] | None = None,
+              hang_s: float | None = None) -> int:
+    """Run the child; call on_ready once `ready()` holds; pass signals on; return its exit code.
+
+    With `health`, a ready child is probed every HEALTH_EVERY_S; one that does not answer for `hang_s`
+    seconds is hung: it is terminated (killed 10 s later) and `stop.failure` says why.
+    """
     log.info(" ".join(argv))
     proc = subprocess.Popen(argv, env=env)
     announced = False
     deadline = time.monotonic() + START_TIMEOUT
+    last_ok = next_probe = killed_at = 0.0
     while proc.poll() is None:
+        now = time.monotonic()
         if stop.signum is not None:
             proc.send_signal(stop.signum)
             stop.signum = None
@@ -83,13 +96,36 @@ def supervise(argv: list[str], env: dict[str, str], stop: Any, ready: Callable[[
             if ready():
                 on_ready()
                 announced = True
+                last_ok = next_probe = time.monotonic()
                 log.info("ready")
-            elif time.monotonic() > deadline:
+            elif now > deadline:
                 log.error(f"not healthy after {START_TIMEOUT:.0f} s; stopping it")
                 proc.terminate()
+        elif health is not None and hang_s is not None and now >= next_probe and not getattr(stop, "stopping", False):
+            next_probe = now + HEALTH_EVERY_S
+            if health():
+                last_ok = now
+            elif now - last_ok > hang_s and not killed_at:
+                stop.failure = f"hung: /health unanswered for {now - last_ok:.0f} s (bound {hang_s:.0f} s)"
+                log.error(f"{stop.failure}; stopping it")
+                proc.terminate()
+                killed_at = now
+        if killed_at and now - killed_at > 10:
+            proc.kill()
         time.sleep(0.5)
     code = proc.returncode
     return 128 - code if code < 0 else code
+
+
+def latest_weights_args(run: RunDir, args: list[str]) -> list[str]:
+    """A restarted server's arguments: `--model` set to the newest published weights step, if any, so it
+    rejoins on the weights the others serve instead of the base model."""
+    step = run.latest_stable("weights")
+    if step is None or "--model" not in args:
+        return args
+    i = args.index("--model")
+    log.info(f"restart: serving weights step {step} ({run.weights(step)}) instead of {args[i + 1]}")
+    return [*args[:i + 1], str(run.weights(step)), *args[i + 2:]]
 
 
 def _ready_marker(run: RunDir, role: str, task: int) -> Callable[[], None]:
@@ -104,24 +140,42 @@ def run_server(run: RunDir, plan: Plan, role: str, task: int, stop: Any) -> int:
     env = dict(os.environ)
     if server.gpus and os.environ.get("PRL_DEVICE") != "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, server.gpus))
+    if server.side_channel_port is not None:
+        # Where decode servers ask this one for its KV layout (vLLM's default, localhost:5600, is shared by
+        # every server of a node and unreachable from others).
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = host
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(server.side_channel_port)
     if server.address_from_head:
         # Multi-node replica: its head publishes its address (no url until healthy) for the followers.
         if server.head:
             atomic_write_json(run.endpoint(role, server.replica), {"host": host})
         head = wait_endpoint(run, role, server.replica, lambda: stop.signum is not None)
         args += ["--data-parallel-address", head["host"]]
-    argv = [sys.executable, "-m", "prl.inference", "--run-dir", str(run.root), *args, "--host", host]
+    restart = int(os.environ.get("PRL_RESTART", "0") or 0)
+    if restart:
+        args = latest_weights_args(run, args)
+    env[API_KEY_VAR] = run.read_api_key()
+    argv = [sys.executable, "-m", "prl.inference", "--run-dir", str(run.root), "--api-key-env", API_KEY_VAR,
+            *args, "--host", host]
     mark = _ready_marker(run, role, task)
     if not server.head:
         return supervise(argv, env, stop, lambda: True, mark)
     url = f"http://{host}:{server.port}"
 
     def on_ready() -> None:
+        # `started` tells the orchestrator a restarted server from the one it knew at the same url.
         atomic_write_json(run.endpoint(role, server.replica), {"url": url, "host": host, "role": role,
-                                                                "replica": server.replica})
+                                                                "replica": server.replica, "started": time.time(),
+                                                                "restart": restart})
         mark()
 
-    return supervise(argv, env, stop, lambda: http_ok(f"{url}/health"), on_ready)
+    try:
+        return supervise(argv, env, stop, lambda: http_ok(f"{url}/health"), on_ready,
+                         health=lambda: http_ok(f"{url}/health", timeout=10.0), hang_s=plan.server_hang_s)
+    finally:
+        # A server that is gone must not be advertised: the orchestrator drops it from rotation at once.
+        run.endpoint(role, server.replica).unlink(missing_ok=True)
+        run.task_ready(role, task).unlink(missing_ok=True)
 
 
 def run_router(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
@@ -131,7 +185,9 @@ def run_router(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
     for role in urls:
         replicas = sorted({s.replica for s in plan.role_servers(role)})
         urls[role] = [wait_endpoint(run, role, r, lambda: stop.signum is not None)["url"] for r in replicas]
-    argv = [sys.executable, "-m", "prl.inference.router", "--host", host, "--port", str(port)]
+    env = {**os.environ, API_KEY_VAR: run.read_api_key()}
+    argv = [sys.executable, "-m", "prl.inference.router", "--host", host, "--port", str(port),
+            "--api-key-env", API_KEY_VAR]
     for role, found in urls.items():
         for url in found:
             argv += [f"--{role}", url]
@@ -141,7 +197,7 @@ def run_router(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
         atomic_write_json(run.endpoint("router", 0), {"url": url, "role": "router", "replica": 0})
         _ready_marker(run, "router", task)()
 
-    return supervise(argv, dict(os.environ), stop, lambda: http_ok(f"{url}/health"), on_ready)
+    return supervise(argv, env, stop, lambda: http_ok(f"{url}/health"), on_ready)
 
 
 def run_orchestrator(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
@@ -152,7 +208,8 @@ def run_orchestrator(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
         return state.get("status") == RoleState.RUNNING and float(state.get("heartbeat") or 0) >= started
 
     argv = [sys.executable, "-m", "prl.orchestrator", "--run-dir", str(run.root)]
-    return supervise(argv, dict(os.environ), stop, heartbeating, _ready_marker(run, "orchestrator", task))
+    env = {**os.environ, API_KEY_VAR: run.read_api_key()}
+    return supervise(argv, env, stop, heartbeating, _ready_marker(run, "orchestrator", task))
 
 
 def run_trainer(run: RunDir, plan: Plan, task: int, stop: Any) -> int:

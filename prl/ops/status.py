@@ -42,6 +42,10 @@ class RoleRow:
     """What the launcher, else the role's own state file, says; '' when neither has a word yet."""
     heartbeat_age: float | None = None
     step: int | None = None
+    restarts: int = 0
+    """Servers of this role restarted in this attempt (launcher.json `restarts`)."""
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    """Each server failure of this attempt: task, replica, node, reason, action, ready_after_s."""
 
 
 @dataclass
@@ -125,6 +129,8 @@ def _role_status(launched: dict[str, Any], role_state: dict[str, Any], submitted
         return RoleState.NOT_STARTED if ended else RoleState.WAITING
     if ended and status == RoleState.RUNNING:
         return RoleState.KILLED
+    if status == RoleState.RUNNING and any(f.get("action") == "restarting" for f in launched.get("failures", [])):
+        return RoleState.RESTARTING
     return RoleState(status) if status in _ROLE_STATES else status
 
 
@@ -201,6 +207,8 @@ def _role_row(run: RunDir, plan: Plan, step: Any, job: dict[str, Any] | None, la
         status=_role_status(launched, role_state, job is not None, state in TERMINAL_STATES),
         heartbeat_age=round(time.time() - heartbeat, 1) if heartbeat else None,
         step=role_state.get("step"),
+        restarts=int(launched.get("restarts") or 0),
+        failures=list(launched.get("failures") or []),
     )
 
 
@@ -253,13 +261,18 @@ def show(status: Status, console: Any = None) -> None:
     console.print(f"run dir {status.run_dir}")
     table = Table(show_edge=False)
     for col in ("role", "component", "slurm", "nodes", "elapsed", "exit", "role state", "heartbeat", "step",
-                "reason"):
+                "restarts", "reason"):
         table.add_column(col, no_wrap=True)
     for r in status.roles:
         table.add_row(r.role, r.component or "-", r.slurm_state or "-", r.nodes or "-", _elapsed(r.elapsed),
                       "-" if r.exit_code is None else str(r.exit_code), r.status or "-", _age(r.heartbeat_age),
-                      "-" if r.step is None else str(r.step), r.reason or "")
+                      "-" if r.step is None else str(r.step), str(r.restarts) if r.restarts else "-", r.reason or "")
     console.print(table)
+    for r in status.roles:
+        for f in r.failures:
+            back = f" (serving again {f['ready_after_s']} s after)" if "ready_after_s" in f else ""
+            console.print(f"[yellow]{r.role} replica {f['replica']} (task {f['task']}, node {f.get('node') or '-'}): "
+                          f"{f['reason']}; {f.get('action', '-')}{back}[/yellow]", highlight=False)
     p = status.progress
     console.print(f"progress: trainer step {p['trainer_step'] if p['trainer_step'] is not None else '-'}, "
                   f"rollouts step {p['rollout_step'] if p['rollout_step'] is not None else '-'}, "
@@ -269,7 +282,10 @@ def show(status: Status, console: Any = None) -> None:
         console.print(f"[yellow]note:[/yellow] {note}")
     if status.failure:
         f = status.failure
-        console.print(f"[red]first failure: {f['role']} exited {f['exit_code']} ({f['reason']})[/red]")
+        if f.get("hung"):
+            console.print(f"[red]first failure: {f['role']} {RoleState.HUNG} ({f['reason']})[/red]")
+        else:
+            console.print(f"[red]first failure: {f['role']} exited {f['exit_code']} ({f['reason']})[/red]")
         if f.get("log"):
             console.print(f"last lines of {f['log']}:")
             for line in f["log_tail"]:

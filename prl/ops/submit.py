@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from prl.errors import ConfigError, SlurmError
+from prl.errors import ConfigError, RunDirError, SlurmError
 from prl.planner.prepare import Prepared, prepare, write_run_files
 from prl.ops.registry import read_job, register
-from prl.run.rundir import RunDir, atomic_write_json
+from prl.run.rundir import RunDir, atomic_write_json, pid_alive
 from prl.states import LAUNCHER_ENDED
 
 # sbatch complaint -> the profile or topology field that fixes it.
@@ -71,22 +71,30 @@ def submit(topology: Path, overrides: Sequence[str], *, local: bool, detach: boo
     if old and not (resume or force):
         raise ConfigError(f"{run.root} already holds job {old['job_id']} ({old['backend']}): use --resume to "
                           f"continue that run from its checkpoints, --force to submit anyway, or another run_dir")
+    if old:
+        ensure_ended(run, old)
     backend = "local" if local or not prepared.plan.slurm else "slurm"
     mode = "preflight" if preflight else "run"
     attempt_base = max(run.attempts(), default=0)
-    write_run_files(prepared, force=True)
     run.create()
+    write_run_files(prepared, force=True)
+    # A fresh key per submission; the role runner hands it to servers, router and orchestrator.
+    run.create_api_key()
     env = {"PRL_MODE": mode, "PRL_HOLD": f"{hold:g}", "PRL_ATTEMPT_BASE": str(attempt_base)}
     if backend == "slurm":
         from prl.ops import slurm
 
         exports = ",".join(["ALL", *(f"{k}={v}" for k, v in env.items())])
+        # sbatch records its umask (SLURM_UMASK); slurmd creates the batch log with it: keep that private too.
+        umask = os.umask(0o077)
         try:
             job_id = slurm.sbatch(run.scripts_dir / "job.sbatch", extra_args=[f"--export={exports}",
                                                                               f"--chdir={run.root}"])
         except SlurmError as exc:
             raise SlurmError(f"sbatch rejected the job: {exc}{_hint(str(exc))} "
                              f"(cluster profile '{prepared.plan.cluster}')") from None
+        finally:
+            os.umask(umask)
         job = _job_record(prepared, backend, str(job_id), mode, hold, attempt_base, topology, overrides)
         atomic_write_json(run.job_json, job)
         register(run, job)
@@ -97,7 +105,7 @@ def submit(topology: Path, overrides: Sequence[str], *, local: bool, detach: boo
     proc = subprocess.Popen([sys.executable, "-m", "prl.job.launch", "--run-dir", str(run.root)],
                             env={**os.environ, **env, "PRL_ATTEMPT": str(attempt_base + 1)}, stdout=log,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                            cwd=run.root)
+                            cwd=run.root, umask=0o077)
     log.close()
     job["pid"] = proc.pid
     atomic_write_json(run.job_json, job)
@@ -105,6 +113,41 @@ def submit(topology: Path, overrides: Sequence[str], *, local: bool, detach: boo
     if not detach:
         job["exit_code"] = wait_local(proc)
     return run, job
+
+
+def job_alive(run: RunDir, job: dict[str, Any]) -> bool:
+    """Whether the run's job may still be running: Slurm's queue for a Slurm job; for a local run,
+    its launcher's process (the launcher's record, else the pid `submit` saved)."""
+    if job["backend"] == "slurm":
+        from prl.ops import slurm
+
+        try:
+            rows = slurm.squeue_jobs([job["job_id"]])
+        except SlurmError as exc:
+            raise SlurmError(f"cannot tell whether job {job['job_id']} still runs ({exc}); "
+                             f"retry when squeue answers") from None
+        return any(not r.terminal for r in rows.values())
+    launcher = run.read_launcher()
+    if launcher.get("status") in LAUNCHER_ENDED:
+        return False
+    return any(_is_launcher(pid) for pid in {launcher.get("pid"), job.get("pid")} if pid)
+
+
+def _is_launcher(pid: Any) -> bool:
+    """pid is a live prl launcher (not a later process that reuses the number)."""
+    if not pid_alive(pid):
+        return False
+    try:
+        return b"prl.job.launch" in Path(f"/proc/{int(pid)}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc (or not ours to read): a live pid counts as alive
+
+
+def ensure_ended(run: RunDir, job: dict[str, Any]) -> None:
+    """Refuse to submit into a run whose previous job still runs (two jobs would write the same steps)."""
+    if job_alive(run, job):
+        raise RunDirError(f"job {job['job_id']} of {run.root} is still running: stop it first "
+                          f"(`prl cancel {run.root}`), then submit again")
 
 
 def wait_local(proc: subprocess.Popen) -> int:

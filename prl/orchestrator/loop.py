@@ -20,8 +20,6 @@ import signal
 import time
 from typing import Any
 
-import httpx
-
 from prl.run.batch import publish_batch
 from prl.errors import PrlError
 from prl.log import get_logger, init_logging
@@ -33,32 +31,40 @@ from prl.orchestrator.env import load_env
 from prl.orchestrator.eval import evaluate
 from prl.orchestrator.harness import close_sessions
 from prl.orchestrator.rollouts import Generator, StepBatch, TaskStream, build_samples
-from prl.orchestrator.sync import ServerPool, WeightWatcher, discover, served_model, standalone
-from prl.run.rundir import RunDir
+from prl.orchestrator.sync import ServerPool, WeightWatcher, discover, served_model, server_client, standalone
+from prl.run.rundir import API_KEY_VAR, RunDir
 
 ROLE = "orchestrator"
-API_KEY_VAR = "PRL_INFERENCE_API_KEY"
-"""Variable with the inference servers' API key, if they need one (unset: none)."""
 
 log = get_logger("prl.orchestrator")
 
 
 class Beat:
-    """The role's heartbeat: immediately on a phase change, and every `every` s from a background task."""
+    """The role's heartbeat, from the main loop only (the launcher's hang detection reads it): at once on a
+    phase change, and `tick()` (at most every `every` s) as rollout groups finish and while waiting for weights.
+    A side task would keep beating for a loop that is stuck."""
 
     def __init__(self, run: RunDir, every: float = 10.0):
         self.run = run
         self.every = every
         self.fields: dict[str, Any] = {}
+        self.last = 0.0
 
     def __call__(self, **fields: Any) -> None:
         self.fields.update(fields)
         self.run.heartbeat(ROLE, **self.fields)
+        self.last = time.monotonic()
 
-    async def run_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.every)
+    def tick(self) -> None:
+        if time.monotonic() - self.last >= self.every:
             self()
+
+
+async def _beating(coro, beat: Beat | None):
+    result = await coro
+    if beat is not None:
+        beat.tick()
+    return result
 
 
 def _contexts(cfg: OrchestratorConfig, pool: ServerPool):
@@ -76,13 +82,13 @@ def _contexts(cfg: OrchestratorConfig, pool: ServerPool):
 
 
 async def generate_step(
-    gen: Generator, stream: TaskStream, cfg: OrchestratorConfig, step: int
+    gen: Generator, stream: TaskStream, cfg: OrchestratorConfig, step: int, beat: Beat | None = None
 ) -> tuple[StepBatch, int, float]:
     """All groups of one step (failed groups replaced once); the batch, rollouts run, seconds taken."""
     t0 = time.monotonic()
     min_v = cfg.min_version(step)
     k, n = cfg.examples_per_step, cfg.rollouts_per_example
-    groups = list(await asyncio.gather(*(gen.group(t, n, min_v) for t in stream.tasks_for(step, k))))
+    groups = list(await asyncio.gather(*(_beating(gen.group(t, n, min_v), beat) for t in stream.tasks_for(step, k))))
     ran = k * n
     failed = sum(1 for g in groups if any(not r.ok for r in g))
     if 0 < failed < len(groups):
@@ -133,7 +139,7 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, pool: ServerPool, be
     if start >= cfg.max_steps:
         log.info("rollouts up to step %d are published; nothing to do (max_steps %d)", start, cfg.max_steps)
         return 0
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with server_client(timeout=30) as client:
         pool.model = pool.model or cfg.served_model_name or await served_model(client, pool.generate[0].url)
     env = load_env(cfg.env_id, cfg.harness, cfg.env_args, split="train")
     eval_env = load_env(cfg.env_id, cfg.harness, cfg.env_args, split="eval") if cfg.eval.every else None
@@ -146,6 +152,7 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, pool: ServerPool, be
     )
     stream = TaskStream(env.taskset, cfg.seed)
     watcher = WeightWatcher(run, pool, retries=cfg.weight_update_retries)
+    pool.on_idle = beat.tick
     display = make_display(cfg.max_steps, start)
     background: list[asyncio.Task] = []
     try:
@@ -153,17 +160,18 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, pool: ServerPool, be
             await stack.enter_async_context(env.serving())
             if eval_env is not None:
                 await stack.enter_async_context(eval_env.serving())
-            async with httpx.AsyncClient() as client:
+            async with server_client() as client:
                 await watcher.sync_live(client)
-            background += [asyncio.create_task(watcher.run_forever()), asyncio.create_task(beat.run_forever())]
+            background += [asyncio.create_task(watcher.run_forever())]
             for step in range(start + 1, cfg.max_steps + 1):
                 beat(step=step, phase="waiting_for_weights")
                 display.phase(step, f"waiting for weights >= {cfg.min_version(step)}")
-                wait_s = await pool.wait_version(cfg.min_version(step), cfg.weights_timeout_s, watcher.error)
+                wait_s = await pool.wait_version(cfg.min_version(step), cfg.weights_timeout_s, watcher.error,
+                                                 on_wait=beat)
 
                 beat(phase="generating")
                 display.phase(step, "generating")
-                batch, ran, gen_s = await generate_step(gen, stream, cfg, step)
+                batch, ran, gen_s = await generate_step(gen, stream, cfg, step, beat)
                 if watcher.error:
                     raise watcher.error[0]
                 if not batch.samples:
@@ -181,7 +189,8 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, pool: ServerPool, be
                 )
                 m = step_metrics(step, batch, ran, gen_s, wait_s, pool)
                 run.append_metrics(m)
-                beat(step=step, phase="published", published=step, weights_version=pool.version)
+                # step_s: this step's longest stretch between heartbeats, at most; the launcher's hang bound grows with it.
+                beat(step=step, phase="published", published=step, weights_version=pool.version, step_s=round(gen_s, 3))
                 display.step(step, m)
 
                 if eval_gen is not None and step % cfg.eval.every == 0:

@@ -2,7 +2,10 @@
 
 One *group* is `rollouts_per_example` episodes of the same task. Each episode
 runs through `env.run_slot` with a ModelContext whose train client points at
-one server (the least busy one new enough for the step), and is stamped with
+one server new enough for the step, chosen by the router's rule
+(`prl.inference.routing`, keyed by the task: a group's episodes share its
+prompt, so they keep to one server's prefix cache while that server holds no
+more than its share of requests in flight), and is stamped with
 that server's weights version when it started (conservative: an update
 landing mid-rollout only makes later tokens newer). A failed episode (HTTP
 error, engine restart) is retried on another server up to `retries` times; a
@@ -84,6 +87,11 @@ def rollout_from_episode(episode: Any, version: int, *, need_tokens: bool = True
     return Rollout(reward, version, branches, completion, any(t.is_truncated for t in traces), metrics)
 
 
+def routing_key(task: Any) -> str:
+    """The routing key of a task's episodes (`prl.inference.routing`): its verifiers identity `task.key`."""
+    return f"task:{task.key}"
+
+
 class Generator:
     """Runs episodes of one env on a server pool, one ModelContext per server."""
 
@@ -114,14 +122,15 @@ class Generator:
     async def rollout(self, task: Any, min_version: int) -> Rollout:
         from verifiers.v1.env import RunSlot
 
+        key = routing_key(task)
         last: Server | None = None
         result: Rollout | None = None
         for attempt in range(1, self.retries + 2):
             async with self.sem:
-                server = self.pool.pick(min_version, avoid=last)
+                server = self.pool.pick(min_version, avoid=last, key=key)
                 while server is None:  # every server behind (a restart): wait for the watcher
                     await asyncio.sleep(0.5)
-                    server = self.pool.pick(min_version)
+                    server = self.pool.pick(min_version, key=key)
                 version = self.pool.version_of(server)
                 server.inflight += 1
                 try:

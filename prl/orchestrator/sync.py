@@ -7,6 +7,7 @@ plan.json `servers`, plus `router.0` under prefill/decode disaggregation
 to every inference server (least requests in flight first). Weight updates go
 to every prefill / decode / inference server, never the router. Standalone
 use passes `--server URL` instead (each URL both generates and loads weights).
+Every request carries the run's API key (`auth_headers`) when the role runner set one.
 
 The weight watcher polls `weights/` for the newest STABLE step K and tells
 every server behind on it to load it (`POST /prl/weights {"step": K}`), with
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -29,11 +32,22 @@ import httpx
 from prl.errors import PrlError, StepTimeout
 from prl.inference import routing
 from prl.planner.model import Plan
-from prl.run.rundir import RunDir
+from prl.run.rundir import API_KEY_VAR, RunDir
 
 log = logging.getLogger("prl.orchestrator")
 
 ADMIN_ROLES = ("inference", "prefill", "decode")
+
+
+def auth_headers() -> dict[str, str]:
+    """The run's API key as a bearer header ($PRL_INFERENCE_API_KEY, set by the role runner); {} without one."""
+    key = os.environ.get(API_KEY_VAR, "").strip()
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def server_client(**kwargs) -> httpx.AsyncClient:
+    """An HTTP client for the servers' admin and model routes, sending the run's API key."""
+    return httpx.AsyncClient(headers=auth_headers(), **kwargs)
 
 
 class WeightUpdateError(PrlError):
@@ -50,6 +64,13 @@ class Server:
     failures: int = 0
     """Consecutive failed weight updates."""
     error: str | None = None
+    alive: bool = True
+    """In rotation: its endpoint is published and it answers. A server that died (or restarted and is not on
+    the newest weights yet) is out of rotation: no rollouts, no weight pushes until it rejoins."""
+    rejoining: bool = False
+    """Its endpoint came back (a restart): it rejoins once it serves the newest published weights."""
+    started: float | None = None
+    """The `started` of the endpoint file it was found by: a new value is a new server process."""
 
 
 @dataclass
@@ -63,10 +84,16 @@ class ServerPool:
     """Newest weights step the watcher has seen published."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
+    follow_endpoints: bool = False
+    """Servers come from the run's endpoint files (`discover`): follow them as servers die and restart."""
+    on_idle: Callable[[], None] | None = None
+    """Called when `pick` finds no server to use (the orchestrator's heartbeat while it waits for one)."""
+
     @property
     def version(self) -> int:
-        """The weights version every server serves (the oldest of them)."""
-        return min(s.version for s in self.admin) if self.admin else 0
+        """The weights version every server in rotation serves (the oldest of them)."""
+        serving = [s for s in self.admin if s.alive] or self.admin
+        return min(s.version for s in serving) if serving else 0
 
     def version_of(self, server: Server) -> int:
         """Version a generation server answers with: its own, or (a router) the oldest behind it."""
@@ -80,10 +107,12 @@ class ServerPool:
         them, unless that server holds more than its share of requests in
         flight; without a key, the server with the fewest in flight.
         """
-        ok = [s for s in self.generate if self.version_of(s) >= min_version]
+        ok = [s for s in self.generate if s.alive and self.version_of(s) >= min_version]
         if avoid is not None and len(ok) > 1:
             ok = [s for s in ok if s is not avoid]
         if not ok:
+            if self.on_idle is not None:
+                self.on_idle()  # waiting for a server (a restart) is waiting on another role, not a hang
             return None
         by_url = {s.url: s for s in ok}
         return by_url[routing.choose(key, list(by_url), {s.url: s.inflight for s in ok})]
@@ -140,7 +169,31 @@ def discover(run: RunDir, plan: Plan, timeout: float) -> ServerPool:
     gen = [Server(u, "router") for u in found.get("router", [])] or [s for s in admin if s.role == "inference"]
     if not gen:
         raise PrlError(f"endpoints {found} have neither a router nor an inference server to generate with")
-    return ServerPool(generate=gen, admin=admin)
+    return ServerPool(generate=gen, admin=admin, follow_endpoints=True)
+
+
+def endpoint_starts(run: RunDir) -> dict[str, float | None]:
+    """url -> `started` of every published server endpoint (what `WeightWatcher.follow` compares)."""
+    return {data["url"].rstrip("/"): data.get("started") for role in ADMIN_ROLES
+            for data in run.endpoints().get(role, {}).values() if data.get("url")}
+
+
+async def healthy(client: httpx.AsyncClient, server: Server) -> bool:
+    """True when the server's /health answers 200 (open without the API key: the launcher probes it too)."""
+    try:
+        r = await client.get(f"{server.url}/health", timeout=5)
+        return r.status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def weights_trusted(run: RunDir) -> bool:
+    """False while a trainer of this attempt has not yet dropped the weights steps a resume replaces
+    (`weights_attempt` in its state): until then a published step may belong to the attempt being replaced."""
+    from prl.run.rundir import current_attempt
+
+    state = run.read_state("trainer")
+    return state is None or int(state.get("weights_attempt") or 0) >= current_attempt()
 
 
 def standalone(urls: list[str]) -> ServerPool:
@@ -185,12 +238,56 @@ class WeightWatcher:
     async def sync_live(self, client: httpx.AsyncClient) -> None:
         """Adopt what each server says it serves (a restarted server is back at 0)."""
         for s in self.pool.admin:
+            if not s.alive:
+                continue  # `follow` asks a returning server itself
             v = await live_version(client, s)
             if v is not None and v != s.version:
                 if v < s.version:
                     log.warning("%s reports weights step %d, expected %d (restarted?)", s.url, v, s.version)
                 s.version = v
         self.pool.changed.set()
+
+    async def follow(self, client: httpx.AsyncClient) -> None:
+        """Track the servers' comings and goings through their endpoint files and /health.
+
+        A server whose endpoint file went away (its task saw it exit) or whose /health fails leaves
+        rotation at once: its rollouts are retried on others. One whose endpoint reappears with a new
+        `started` (the launcher restarted it) rejoins once it serves the newest published weights.
+        """
+        if not self.pool.follow_endpoints:
+            return
+        starts = endpoint_starts(self.run)
+        probed = [s for s in self.pool.admin if s.alive and s.url in starts and starts[s.url] == s.started]
+        answers = dict(zip(probed, await asyncio.gather(*(healthy(client, s) for s in probed))))
+        for s in self.pool.admin:
+            if s.url not in starts:
+                if s.alive or s.rejoining:
+                    log.warning("%s is gone (its endpoint was withdrawn); out of rotation", s.url)
+                s.alive = s.rejoining = False
+                continue
+            started = starts[s.url]
+            if s.started is None and (s.alive or s.rejoining):
+                s.started = started
+            elif started != s.started:
+                log.warning("%s is back (a new server process); it rejoins on weights step %d", s.url,
+                            self.pool.target)
+                s.started, s.alive, s.rejoining, s.failures, s.error = started, False, True, 0, None
+            elif s.alive and not answers.get(s, True):
+                log.warning("%s does not answer /health; out of rotation", s.url)
+                s.alive, s.rejoining = False, True
+            if s.rejoining:
+                v = await live_version(client, s)
+                if v is not None:
+                    s.version = v
+                    if v >= self.pool.target:
+                        s.alive, s.rejoining = True, False
+                        log.info("%s rejoined on weights step %d", s.url, v)
+        self.pool.changed.set()
+
+    def pin(self) -> None:
+        """Keep on disk every weights step a server serves or could roll back to (the run's cleanup reads it)."""
+        if self.pool.admin and self.pool.follow_endpoints:
+            self.run.pin_weights("orchestrator", min(s.version for s in self.pool.admin))
 
     async def push(self, client: httpx.AsyncClient, server: Server, step: int) -> None:
         delay = 1.0
@@ -203,13 +300,26 @@ class WeightWatcher:
                 r = await client.post(f"{server.url}/prl/weights", json={"step": step}, timeout=600)
                 if r.status_code == 200:
                     server.version, server.failures, server.error = step, 0, None
+                    if server.rejoining:
+                        server.alive, server.rejoining = True, False
+                        log.info("%s rejoined on weights step %d", server.url, step)
                     self.updates += 1
                     self.update_s += time.monotonic() - t0
                     log.info("%s loaded weights step %d in %.2f s", server.url, step, time.monotonic() - t0)
                     return
+                if r.status_code == 409:
+                    # Not published (any more): a resume is replacing steps, or cleanup outran us. Wait and
+                    # look again at what is published; not a failure of the server.
+                    log.info("%s: weights step %d is not published (409); waiting", server.url, step)
+                    return
                 why = f"HTTP {r.status_code}: {r.text[:300]}"
             except httpx.HTTPError as e:
                 why = f"{type(e).__name__}: {e}"
+                if self.pool.follow_endpoints and not await healthy(client, server):
+                    # The server died under the update: the launcher restarts it; it rejoins on its own.
+                    log.warning("%s is down (%s); out of rotation until it restarts", server.url, why)
+                    server.alive, server.rejoining = False, True
+                    return
             server.failures += 1
             server.error = f"weights step {step}: {why}"
             log.warning("%s failed to load weights step %d (attempt %d/%d): %s", server.url, step, attempt, self.retries, why)
@@ -223,19 +333,22 @@ class WeightWatcher:
         )
 
     async def run_forever(self) -> None:
-        async with httpx.AsyncClient() as client:
+        async with server_client() as client:
             last_live = 0.0
             try:
                 while True:
+                    await self.follow(client)
                     if time.monotonic() - last_live > self.live_every:
                         await self.sync_live(client)
                         last_live = time.monotonic()
-                    latest = self.run.latest_stable("weights")
+                    self.pin()
+                    latest = self.run.latest_stable("weights") if weights_trusted(self.run) else None
                     if latest is not None and latest > self.pool.target:
                         self.pool.target = latest
-                    behind = [s for s in self.pool.admin if s.version < self.pool.target]
+                    behind = [s for s in self.pool.admin if (s.alive or s.rejoining) and s.version < self.pool.target]
                     if behind:
                         await asyncio.gather(*(self.push(client, s, self.pool.target) for s in behind))
+                        self.pin()
                         self.pool.changed.set()
                     await asyncio.sleep(self.poll)
             except asyncio.CancelledError:

@@ -11,6 +11,7 @@ type-checks the rest in a few milliseconds, and login nodes feel every 100 ms.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Literal, Optional
 
@@ -66,12 +67,26 @@ class Server(Frozen, kw_only=True):
     """HTTP port; None for headless data-parallel followers."""
     rpc_port: Optional[int]
     """vLLM's data-parallel RPC port (`--data-parallel-rpc-port`); None when dp is 1."""
+    side_channel_port: Optional[int]
+    """`VLLM_NIXL_SIDE_CHANNEL_PORT` of a NIXL prefill/decode server (None without NIXL): vLLM listens
+    on it plus each data-parallel rank's index, so servers sharing a node get ranges `dp` apart."""
     head: bool
     """True for the process that serves HTTP for its replica."""
     address_from_head: bool
     """A follower of a multi-node replica: the launcher adds the head's address."""
     args: tuple[str, ...]
     """`vllm serve` arguments; the launcher adds --host (and the head's address for followers)."""
+
+
+def side_channel_ports(servers: Sequence[Server], server: Server, dp: int) -> tuple[int, ...]:
+    """The NIXL side-channel ports `server` listens on: its `side_channel_port` plus the index of each
+    data-parallel rank it runs (of `dp` per replica, split evenly over the replica's nodes)."""
+    if server.side_channel_port is None:
+        return ()
+    peers = [s for s in servers if s.role == server.role and s.replica == server.replica]
+    per_node = dp // len(peers)
+    first = server.side_channel_port + peers.index(server) * per_node
+    return tuple(range(first, first + per_node))
 
 
 class InferenceRole(Frozen, kw_only=True):
@@ -193,6 +208,24 @@ class Step(Frozen, kw_only=True):
         return self.nodes * self.ntasks_per_node
 
 
+class FailurePolicy(Frozen, kw_only=True):
+    """What the launcher does when one of a role's processes exits before the job is stopping."""
+
+    role: RoleName
+    policy: Literal["restart", "fail"]
+    """`restart`: start that server's task(s) again in the allocation; `fail`: end the job."""
+    max_restarts: int
+    """Restarts of this role allowed in one attempt."""
+
+
+HANG_FLOOR_S = 900.0
+"""Default hang bound before any step was seen, and its floor after (`Plan.hang_bound`)."""
+HANG_STEP_FACTOR = 4.0
+"""Default hang bound: this many times the slowest step seen in the attempt (when above the floor)."""
+SERVER_HANG_S = 300.0
+"""Default time a server's /health may go unanswered before its task fails it."""
+
+
 class ContainerPlan(Frozen, kw_only=True):
     image: str
     mounts: tuple[str, ...]
@@ -239,6 +272,10 @@ class Plan(Frozen, kw_only=True):
     """The job may requeue itself at the time-limit warning (and Slurm may requeue it)."""
     totals: Totals
     warnings: tuple[str, ...] = ()
+    on_failure: tuple[FailurePolicy, ...] = ()
+    """Failure policy of each role (a role not listed: `fail`)."""
+    hang_timeout_s: Optional[float] = None
+    """The topology's `training.hang_timeout_s` (None: derived from step times, `hang_bound`)."""
 
     def to_json(self) -> str:
         return msgspec.json.format(msgspec.json.encode(self), indent=2).decode() + "\n"
@@ -284,11 +321,37 @@ class Plan(Frozen, kw_only=True):
     def task_ports(self, role: str, task: int) -> tuple[int, ...]:
         """Ports task `task` of `role` listens on (its preflight checks they are free)."""
         ports = [s.port for s in self.servers if s.role == role and s.task == task and s.port]
+        for s in self.servers:
+            if s.role == role and s.task == task:
+                ports += self.side_channel_ports(s)
         if role == "router" and self.router_port:
             ports.append(self.router_port)
         if role == "trainer" and task == 0:
             ports.append(self.trainer.master_port)
         return tuple(ports)
+
+    def failure_policy(self, role: str) -> FailurePolicy:
+        """The role's failure policy; `fail` for a role the plan lists none for."""
+        for p in self.on_failure:
+            if p.role == role:
+                return p
+        return FailurePolicy(role=role, policy="fail", max_restarts=0)  # type: ignore[arg-type]
+
+    def hang_bound(self, slowest_step_s: float | None) -> float:
+        """Seconds without progress after which the trainer or orchestrator counts as hung: the topology's
+        `hang_timeout_s`, else max(HANG_FLOOR_S, HANG_STEP_FACTOR x the slowest step seen)."""
+        if self.hang_timeout_s is not None:
+            return self.hang_timeout_s
+        return max(HANG_FLOOR_S, HANG_STEP_FACTOR * (slowest_step_s or 0.0))
+
+    @property
+    def server_hang_s(self) -> float:
+        """Seconds a server's /health may go unanswered before its task fails it."""
+        return self.hang_timeout_s if self.hang_timeout_s is not None else SERVER_HANG_S
+
+    def side_channel_ports(self, server: Server) -> tuple[int, ...]:
+        """The NIXL side-channel ports `server` listens on (none without NIXL)."""
+        return side_channel_ports(self.servers, server, next(r.dp for r in self.inference if r.name == server.role))
 
     def expected_endpoints(self) -> set[tuple[str, int]]:
         """(role, replica) of every server head, plus the router: what the orchestrator waits for."""

@@ -36,6 +36,7 @@ from prl.planner.settings import RunSettings
 from prl.run.rundir import RunDir
 from prl.planner.model import (
     ContainerPlan,
+    FailurePolicy,
     Group,
     InferenceRole,
     Mesh,
@@ -47,11 +48,13 @@ from prl.planner.model import (
     Totals,
     TrainerPlan,
     derive_mesh,
+    side_channel_ports,
 )
 
 # Port layout on one node, as offsets from the profile's port_base.
 ROUTER_PORT_OFFSET = 90
 DP_RPC_PORT_OFFSET = 200
+NIXL_SIDE_CHANNEL_PORT_OFFSET = 300
 RDZV_PORT_OFFSET = 500
 MAX_PORT = 65535
 SHARED_ORCHESTRATOR_CPUS = 4
@@ -160,7 +163,8 @@ def inference_layout(check: Checker, role: str, field: tuple[str, ...], group: I
 
 
 def server_args(topo: Topology, group: InferenceGroup, port: Optional[int], dp_local: int, dp_start: int,
-                nodes_per_replica: int, rpc_port: Optional[int], kv_role: Optional[str]) -> tuple[str, ...]:
+                nodes_per_replica: int, rpc_port: Optional[int], kv_role: Optional[str],
+                run_dir: str) -> tuple[str, ...]:
     """`vllm serve` arguments of one server process."""
     m = topo.model
     args = ["--model", m.path, "--served-model-name", topo.name, "--dtype", m.dtype,
@@ -181,17 +185,48 @@ def server_args(topo: Topology, group: InferenceGroup, port: Optional[int], dp_l
     if group.gpu_memory_utilization is not None:
         args += ["--gpu-memory-utilization", str(group.gpu_memory_utilization)]
     off = topo.inference.kv_offload
-    if off.backend != "none":
-        args += ["--kv-offloading-backend", off.backend, "--kv-offloading-size", f"{off.cpu_gb:g}"]
     if kv_role is not None:
-        conn = topo.inference.kv_connector
-        config = {"kv_connector": conn.name, "kv_role": kv_role, "kv_connector_extra_config": conn.extra_config}
+        config = kv_transfer_config(topo, kv_role, run_dir)
         args += ["--kv-transfer-config", json.dumps(config, sort_keys=True, separators=(",", ":"))]
+    elif off.backend != "none":
+        args += ["--kv-offloading-backend", off.backend, "--kv-offloading-size", f"{off.cpu_gb:g}"]
     args += group.extra_args
     return tuple(args)
 
 
-def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: dict[str, str]
+def kv_transfer_config(topo: Topology, kv_role: str, run_dir: str) -> dict[str, Any]:
+    """`--kv-transfer-config` of a prefill/decode server: the topology's connector, with KV offload a
+    `MultiConnector` of it and the offload connector.
+
+    Offload is not rendered as `--kv-offloading-*` here: given next to a connector, vLLM
+    (`VllmConfig._post_init_kv_transfer_config`) replaces that connector by the offload one
+    (kv_both), and prefill/decode would silently lose its KV transfer. A MultiConnector loads from
+    the first connector that has a request's KV (the transfer one, listed first) and saves to all.
+    """
+    conn = topo.inference.kv_connector
+    extra = dict(conn.extra_config)
+    if conn.name == "ExampleConnector":
+        # vLLM's default is /tmp, on each node's own disk; the run directory is shared and per run.
+        extra.setdefault("shared_storage_path", str(RunDir(run_dir).kv_storage))
+    own = {"kv_connector": conn.name, "kv_role": kv_role, "kv_connector_extra_config": extra}
+    off = topo.inference.kv_offload
+    if off.backend == "none":
+        return {**own, "kv_load_failure_policy": conn.load_failure}
+    return {"kv_connector": "MultiConnector", "kv_role": kv_role, "kv_load_failure_policy": conn.load_failure,
+            "kv_connector_extra_config": {"connectors": [own, offload_connector(topo)]}}
+
+
+def offload_connector(topo: Topology) -> dict[str, Any]:
+    """The connector vLLM's `--kv-offloading-backend`/`--kv-offloading-size` select, as a config of its own."""
+    off = topo.inference.kv_offload
+    if off.backend == "native":
+        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_bytes_to_use": int(off.cpu_gb * (1 << 30))}}
+    # lmcache: a client of a separate LMCache server, which owns the capacity (vLLM passes no size).
+    return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"}
+
+
+def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: dict[str, str], run_dir: str
                     ) -> tuple[list[InferenceRole], list[Server]]:
     """One het group per inference role, one server per replica and node, ports per node."""
     cluster = check.cluster
@@ -199,6 +234,8 @@ def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: 
     roles: list[InferenceRole] = []
     servers: list[Server] = []
     disagg = topo.inference.disaggregated
+    nixl = disagg and topo.inference.kv_connector.name == "NixlConnector"
+    side_ranks = 0  # data-parallel ranks given a side channel so far (job-wide ports: every node is one host)
     for role, group in topo.inference.groups().items():
         task = 0
         field = ("inference", role) if disagg else ("inference",)
@@ -210,17 +247,23 @@ def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: 
         replicas = group.nodes // nodes_per_replica * per_node
         for replica in range(replicas):
             first_node, slot = replica // per_node * nodes_per_replica, replica % per_node
+            # vLLM adds each data-parallel rank's index to the side-channel port: replicas are dp ports apart.
+            side = (cluster.port_base + NIXL_SIDE_CHANNEL_PORT_OFFSET
+                    + (side_ranks if shared_host(cluster) else slot * group.dp)) if nixl else None
+            side_ranks += group.dp if nixl else 0
             for k in range(nodes_per_replica):
                 head = k == 0
-                # Slurm: each node has its own ports. Local runs put every "node" on one host: ports differ job-wide.
-                offset = slot if cluster.slurm else len(servers)
+                # Slurm: each node has its own ports. Local runs (and single_host profiles) put every "node" on
+                # one host: ports differ job-wide.
+                offset = len(servers) if shared_host(cluster) else slot
                 port = cluster.port_base + offset if head else None
                 rpc_port = cluster.port_base + DP_RPC_PORT_OFFSET + offset if group.dp > 1 else None
                 gpus = (tuple(range(slot * per_replica, (slot + 1) * per_replica)) if per_replica and nodes_per_replica == 1
                         else tuple(range(gpn)))
-                args = server_args(topo, group, port, dp_local, k * dp_local, nodes_per_replica, rpc_port, kv_role)
+                args = server_args(topo, group, port, dp_local, k * dp_local, nodes_per_replica, rpc_port, kv_role,
+                                   run_dir)
                 servers.append(Server(role=role, replica=replica, group=g.index, node=first_node + k, task=task,
-                                      gpus=gpus, port=port, rpc_port=rpc_port, head=head,
+                                      gpus=gpus, port=port, rpc_port=rpc_port, side_channel_port=side, head=head,
                                       address_from_head=nodes_per_replica > 1, args=args))
                 task += 1
         layout.steps.append(Step(name=role, group=g.index, nodes=group.nodes, ntasks_per_node=per_node,
@@ -372,7 +415,7 @@ def check_ports(check: Checker, topo: Topology, servers: list[Server], router_po
         if port > MAX_PORT:
             raise fail(field, f"{what} would listen on port {port}, above {MAX_PORT}; lower the cluster's "
                               f"port_base({cluster.port_base}) or the port")
-        key = (node if cluster.slurm else "localhost", port)
+        key = ("localhost" if shared_host(cluster) else node, port)
         if key in taken:
             raise fail(field, f"port {port} is used twice on one node: by {taken[key]} and by {what}")
         taken[key] = what
@@ -382,6 +425,8 @@ def check_ports(check: Checker, topo: Topology, servers: list[Server], router_po
         if s.head:
             claim((s.group, s.node), s.rpc_port, f"{s.role} server {s.replica}'s data-parallel RPC", ("port_base",),
                   False)
+        for side in side_channel_ports(servers, s, topo.inference.groups()[s.role].dp):
+            claim((s.group, s.node), side, f"{s.role} server {s.replica}'s NIXL side channel", ("port_base",), False)
     if router_port is not None:
         # Last: when the user's router port collides, the error points at it.
         claim((0, 0), router_port, "the router", ("inference", "router", "port"), topo.inference.router.port is not None)
@@ -473,7 +518,7 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
     check_node_budget(check, topo)
     common_env = role_env(cluster, run_dir)
     layout = Layout()
-    roles, servers = place_inference(check, topo, layout, common_env)
+    roles, servers = place_inference(check, topo, layout, common_env, run_dir)
     router_port = place_router(check, topo, layout, common_env)
     check_kv_offload(check, topo, roles)
     orchestrator = place_orchestrator(check, topo, layout, common_env, tuple(s.name for s in layout.steps))
@@ -495,7 +540,20 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
         settings_json=msgspec.Raw(RunSettings.of(topo).to_json()),
         grace_seconds=cluster.requeue.grace_seconds, requeue=cluster.requeue.enabled,
         totals=totals(groups, servers, roles, trainer), warnings=tuple(check.warnings),
+        on_failure=failure_policies(topo, layout.steps), hang_timeout_s=topo.training.hang_timeout_s,
     )
+
+
+def failure_policies(topo: Topology, steps: list[Step]) -> tuple[FailurePolicy, ...]:
+    """Each role's `on_failure`: the inference one for every server role; the router and the rest fail."""
+    out = []
+    for step in steps:
+        if step.name in ("inference", "prefill", "decode"):
+            p = topo.inference.on_failure
+            out.append(FailurePolicy(role=step.name, policy=p.policy, max_restarts=p.max_restarts))
+        else:
+            out.append(FailurePolicy(role=step.name, policy="fail", max_restarts=0))
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------- small pieces
@@ -507,6 +565,11 @@ def role_env(cluster: ClusterProfile, run_dir: str) -> dict[str, str]:
         env.setdefault("NCCL_SOCKET_IFNAME", cluster.network.interface)
         env.setdefault("GLOO_SOCKET_IFNAME", cluster.network.interface)
     return env
+
+
+def shared_host(cluster: ClusterProfile) -> bool:
+    """Every node of a job is one host (local runs, a test cluster): ports must differ job-wide, not per node."""
+    return not cluster.slurm or cluster.single_host
 
 
 def merged_env(*parts: dict[str, str]) -> tuple[tuple[str, str], ...]:
@@ -577,5 +640,7 @@ def srun_args(step: Step, group: Group, cluster: ClusterProfile, container: tupl
              f"--cpus-per-task={step.cpus_per_task}", f"--job-name={step.name}", "--kill-on-bad-exit=1"]
     args += gpu_directive(cluster, step.gpus_per_node)
     if step.overlap:
-        args.append("--overlap")
+        # --mem=0: the node's whole job memory, shared. Without it the step asks for its CPUs' share
+        # (DefMemPerCPU), which the node's first step already holds: "Memory required by task is not available".
+        args += ["--overlap", "--mem=0"]
     return tuple(args) + container

@@ -22,15 +22,16 @@ class Prepared:
     topology: Topology
     cluster: ClusterProfile
     plan: Plan
-    resolved_yaml: str
-    """The topology as prl read it (interpolation and overrides applied), for RUN/topology.yaml."""
+    topology_yaml: str
+    """The topology as prl read it, for RUN/topology.yaml: overrides and interpolation applied, but
+    `${oc.env:...}` left as written (a value read from the environment is never written to disk)."""
 
     @cached_property
     def files(self) -> dict[str, str]:
         """Relative path in the run directory -> text (rendered on first use: `--no-write` needs none)."""
         from prl.planner.render import render
 
-        return render(self.plan, self.resolved_yaml)
+        return render(self.plan, self.topology_yaml)
 
     @property
     def run_dir(self) -> Path:
@@ -84,9 +85,8 @@ def prepare(topology_path: Path, overrides: Sequence[str] = (), cwd: Path | None
     run_dir = _absolute(topo.run_dir or f"{shared_root.rstrip('/')}/prl-runs/{topo.name}", cwd)
     run_dir = str(Path(run_dir))  # normalise '//' and a trailing '/'
     plan = make_plan(topo, source, cluster, cluster_source, run_dir, model_config(topo, source))
-    header = f"# {topology_path.name} as resolved by prl (interpolation and overrides applied)\n"
-    resolved = header + yaml.safe_dump(data, sort_keys=False)
-    return Prepared(topo, cluster, plan, resolved)
+    header = f"# {topology_path.name} as resolved by prl (overrides applied; ${{oc.env:...}} kept as written)\n"
+    return Prepared(topo, cluster, plan, header + yaml.safe_dump(source.written, sort_keys=False))
 
 
 def write_run_files(prepared: Prepared, *, force: bool = False) -> list[Path]:

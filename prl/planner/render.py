@@ -2,7 +2,7 @@
 
 Templates in `templates/` only lay out what the plan holds (StrictUndefined, no
 logic). Every value that reaches a shell goes through the `q` filter
-(shlex.quote); values in `#SBATCH` lines were checked by the schema to hold no
+(shlex.quote), or `env_value` for `env:` values that read the node's environment; values in `#SBATCH` lines were checked by the schema to hold no
 spaces, quotes or '$'. Output is deterministic: same plan, same bytes.
 """
 
@@ -29,7 +29,26 @@ def _environment() -> jinja2.Environment:
         autoescape=False,
     )
     env.filters["q"] = lambda value: shlex.quote(str(value))
+    env.filters["env_value"] = env_value
     return env
+
+
+def env_value(value: str) -> str:
+    """An `env:` value as shell text: literal parts quoted, each `${oc.env:NAME[,default]}` reference
+    (kept by the loader so no secret is written) expanded by the shell where the role runs."""
+    from prl.config.loader import ENV_REFERENCE
+
+    parts, end = [], 0
+    for ref in ENV_REFERENCE.finditer(value):
+        if ref.start() > end:
+            parts.append(shlex.quote(value[end:ref.start()]))
+        name, default = ref.group(1), ref.group(2)
+        # The default holds only [\w./:@+-] (the loader checks): nothing the shell would expand.
+        parts.append(f'"${{{name}?is not set where this role runs}}"' if default is None else f'"${{{name}-{default}}}"')
+        end = ref.end()
+    if end < len(value) or not parts:
+        parts.append(shlex.quote(value[end:]))
+    return "".join(parts)
 
 
 def render(plan: Plan, topology_yaml: str) -> dict[str, str]:
@@ -49,15 +68,16 @@ def render(plan: Plan, topology_yaml: str) -> dict[str, str]:
 
 
 def write(files: dict[str, str], run_dir: Path) -> list[Path]:
-    """Write rendered files into the run directory, each atomically; scripts executable."""
-    from prl.run.rundir import atomic_write_text
+    """Write rendered files into the run directory, each atomically and private to its owner
+    (scripts 0700, the rest 0600, in a 0700 run directory)."""
+    from prl.run.rundir import DIR_MODE, atomic_write_text
 
+    run_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    run_dir.chmod(DIR_MODE)
     written = []
     for rel, text in sorted(files.items()):
         path = run_dir / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, text)
-        if rel.endswith((".sh", ".sbatch")):
-            path.chmod(0o755)
+        path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        atomic_write_text(path, text, 0o700 if rel.endswith((".sh", ".sbatch")) else 0o600)
         written.append(path)
     return written

@@ -39,6 +39,9 @@ def placement_table(plan: Plan) -> Table:
             r = roles[step.name]
             parallel = f"{r.replicas} x (tp{r.tp} dp{r.dp}{' ep' if r.expert_parallel else ''})"
             ports = _ports([s.port for s in plan.role_servers(step.name) if s.head and s.port is not None])
+            side = [p for s in plan.role_servers(step.name) for p in plan.side_channel_ports(s)]
+            if side:
+                ports += f" (nixl {_ports(side)})"
         elif step.name == "trainer":
             m = plan.trainer.mesh
             parallel = f"rep{m.dp_replicate} shard{m.dp_shard} cp{m.cp} ep{m.ep}"

@@ -7,6 +7,7 @@ joins path pieces under a run. It imports no torch: login nodes import it.
 
     RUN/
       topology.yaml  plan.json  job.json      asked / planned / submitted
+      api_key                                 the run's API key (0600; never in scripts, plans or logs)
       scripts/                                rendered sbatch + step scripts
       logs/attempt_N/<role>/<role>.log        one dir per attempt (requeue = new attempt)
       logs/attempt_N/<role>/rank_K.log        per-rank logs of multi-rank roles
@@ -17,14 +18,19 @@ joins path pieces under a run. It imports no torch: login nodes import it.
       checkpoints/step_N/<role>/ + STABLE     per-role resumable state
       state/<role>.json                       start / heartbeat / exit of each role
       metrics.jsonl                           one JSON object per line
+      plots/progress.png  wandb/              `prl plot` and `prl wandb` output
+      evals/                                  `prl eval --run` sweeps: results, server logs, submitit files
+      kv/                                     KV of a storage-based P/D connector (ExampleConnector)
 
 Hand-off protocol (`publish_dir`): write into a hidden temporary sibling
-(`.step_N.tmp-<tag>`), fsync every file and directory, rename it to its final
-name, fsync the parent, and only then write the `STABLE` marker (itself
-written atomically). A reader accepts a step only when the marker exists, so
-a writer killed at any point leaves either a hidden temp dir or a step dir
-without a marker; both are ignored by readers and removed by the next
-publish of that step or by `cleanup`.
+(`.step_N.tmp-a<attempt>-<tag>`), write the `STABLE` marker (every file and
+its size) into it, fsync every file and directory, rename it to its final
+name, fsync the parent: files and marker appear in one rename. A reader
+accepts a step only when the marker exists and every file it lists is there
+with its size (`is_stable`), so a writer killed (or out of disk) at any point
+leaves only a hidden temp dir, ignored by readers and removed by the next
+publish of that step by a writer of the same or a later job attempt (never an
+earlier one: a stale writer is fenced off), or by `cleanup`.
 
 Steps are numbered from 1: the trainer's step N consumes `rollouts/step_N`
 and publishes `weights/step_N` (policy version N; the base model is version 0).
@@ -52,12 +58,16 @@ ROLES = ("inference", "orchestrator", "trainer", "prefill", "decode", "router")
 KINDS = ("rollouts", "weights", "checkpoints")
 """Per-step directories under a run."""
 
+API_KEY_VAR = "PRL_INFERENCE_API_KEY"
+"""Variable through which the role runner hands the run's API key to the servers, router and orchestrator."""
+
 MARKER = "STABLE"
 """Name of the marker file that makes a published directory visible to readers."""
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _ATTEMPT_RE = re.compile(r"^attempt_(\d+)$")
 _RANK_LOG_RE = re.compile(r"^rank_(\d+)\.log$")
+_TMP_RE = re.compile(r"^\.step_\d+\.tmp-a(\d+)-")
 
 
 # ---------------------------------------------------------------- atomic files
@@ -71,13 +81,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write `data` to `path` so a reader sees the old file or the whole new one."""
+FILE_MODE = 0o600
+"""Mode of every file prl writes under a run (the run directory itself is 0700)."""
+DIR_MODE = 0o700
+"""Mode of the run directory and the directories prl makes in it."""
+
+
+def atomic_write_bytes(path: str | Path, data: bytes, mode: int = FILE_MODE) -> Path:
+    """Write `data` to `path` so a reader sees the old file or the whole new one (created with `mode`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        with open(tmp, "wb") as f:
+        # 0600 from the first byte: run files may name hosts, ports and paths others should not read.
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -89,9 +106,9 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     return path
 
 
-def atomic_write_text(path: str | Path, text: str) -> Path:
+def atomic_write_text(path: str | Path, text: str, mode: int = FILE_MODE) -> Path:
     """`atomic_write_bytes` for UTF-8 text."""
-    return atomic_write_bytes(path, text.encode("utf-8"))
+    return atomic_write_bytes(path, text.encode("utf-8"), mode)
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> Path:
@@ -140,8 +157,20 @@ def read_json(path: str | Path) -> Any:
 
 
 def is_stable(path: str | Path) -> bool:
-    """True when `path` was published completely (its STABLE marker exists)."""
-    return (Path(path) / MARKER).is_file()
+    """True when `path` was published completely: its STABLE marker exists and every file it lists is
+    there with the size it lists (a reader never takes a step whose files went missing or shrank)."""
+    path = Path(path)
+    try:
+        files = json.loads((path / MARKER).read_text())["files"]
+        return all((path / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _fence(tmp_name: str) -> int | None:
+    """The attempt that owns a temporary publish dir (`.step_N.tmp-a<attempt>-<tag>`); None for another name."""
+    m = _TMP_RE.match(tmp_name)
+    return int(m.group(1)) if m else None
 
 
 # ---------------------------------------------------------------- the run dir
@@ -160,9 +189,12 @@ class RunDir:
         return f"RunDir({str(self.root)!r})"
 
     def create(self) -> RunDir:
-        """Make the top-level directories (idempotent)."""
+        """Make the top-level directories (idempotent); the run directory is private to its owner (0700)."""
+        self.root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        if self.root.stat().st_mode & 0o777 != DIR_MODE:
+            self.root.chmod(DIR_MODE)
         for d in (self.scripts_dir, self.logs_dir, self.state_dir, *(self.root / k for k in KINDS)):
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir(mode=DIR_MODE, exist_ok=True)
         return self
 
     # -- what was asked, planned, submitted
@@ -181,6 +213,27 @@ class RunDir:
     @property
     def scripts_dir(self) -> Path:
         return self.root / "scripts"
+
+    # -- the run's API key (every inference server and the router require it)
+    @property
+    def api_key_file(self) -> Path:
+        """The run's API key (mode 0600): written by `prl submit`, read on the nodes by the role runner."""
+        return self.root / "api_key"
+
+    def create_api_key(self) -> Path:
+        """A new random key in `api_key_file`, 0600 from creation, replacing any older one atomically."""
+        return atomic_write_text(self.api_key_file, secrets.token_urlsafe(32) + "\n")
+
+    def read_api_key(self) -> str:
+        """The run's API key; RunDirError when it is missing or empty (callers fail closed)."""
+        try:
+            key = self.api_key_file.read_text().strip()
+        except FileNotFoundError:
+            key = ""
+        if not key:
+            raise RunDirError(f"no API key in {self.api_key_file}: `prl submit` writes one; the servers refuse to "
+                              f"start without it. Submit again (with --resume to continue this run).")
+        return key
 
     @property
     def metrics_jsonl(self) -> Path:
@@ -323,6 +376,11 @@ class RunDir:
             raise RunDirError(f"step must be >= 0, got {step}")
         return self.root / kind / f"step_{step}"
 
+    @property
+    def kv_storage(self) -> Path:
+        """kv/: where a storage-based KV connector (`ExampleConnector`) of prefill/decode servers shares KV."""
+        return self.root / "kv"
+
     def weights_root(self) -> Path:
         """weights/, resolved (the run dir itself may sit behind a symlink): what a server may load from."""
         return Path(os.path.realpath(self.root / "weights"))
@@ -367,8 +425,12 @@ class RunDir:
 
         Several ranks writing one directory (a sharded checkpoint) pass the same
         `tag` so they agree on the temp name; only one of them calls this, then
-        the others wait on a barrier. Raises RunDirError if `dest` is already
-        published: another run or attempt got there first.
+        the others wait on a barrier. The temp name carries this job attempt
+        (`.step_N.tmp-a<attempt>-<tag>`): leftovers of earlier attempts (whose
+        processes are gone) are removed, another writer's dir of this or a later
+        attempt never is. Raises RunDirError if `dest` is already published
+        (another run or attempt got there first) or a later attempt writes it
+        (this writer is stale: fenced off).
         """
         dest = Path(dest)
         if is_stable(dest):
@@ -376,28 +438,39 @@ class RunDir:
                 f"{dest} is already published (has {MARKER}); another run or attempt wrote this step. "
                 f"Resume from a checkpoint (which removes later steps) or use a new run directory."
             )
+        attempt = current_attempt()
         dest.parent.mkdir(parents=True, exist_ok=True)
-        # Leftovers of a writer killed mid-publish: never visible to readers, safe to drop.
+        tmp = dest.parent / f".{dest.name}.tmp-a{attempt}-{tag or f'{socket.gethostname()}-{os.getpid()}'}"
+        for old in dest.parent.glob(f".{dest.name}.tmp-*"):
+            owner = _fence(old.name)
+            if owner is not None and owner > attempt:
+                raise RunDirError(
+                    f"{old} belongs to attempt {owner}, later than this writer's attempt {attempt}: this process "
+                    f"outlived its job attempt and must not publish {dest}."
+                )
+            if owner is None or owner < attempt or old == tmp:
+                shutil.rmtree(old, ignore_errors=True)  # a dead writer's leftovers: never visible to readers
+        # An unmarked step dir is a removal that was cut short (marker first, then files): never anyone's work.
         if dest.exists():
             shutil.rmtree(dest)
-        for old in dest.parent.glob(f".{dest.name}.tmp-*"):
-            shutil.rmtree(old, ignore_errors=True)
-        tmp = dest.parent / f".{dest.name}.tmp-{tag or f'{socket.gethostname()}-{os.getpid()}'}"
         tmp.mkdir()
         return tmp
 
     def finish_publish(self, dest: Path, tmp: Path, **marker_fields: Any) -> Path:
-        """fsync `tmp`, rename it to `dest`, then write the STABLE marker."""
+        """Write the STABLE marker (files and sizes) into `tmp`, fsync it all, then rename it to `dest`:
+        the marker and the files appear together in one rename."""
         dest = Path(dest)
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        marker = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
+                  "attempt": current_attempt(), "files": files}
+        with open(os.open(tmp / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "w") as f:
+            f.write(json.dumps({**marker, **marker_fields}, indent=2, sort_keys=True) + "\n")
         fsync_tree(tmp)
         try:
             os.rename(tmp, dest)
         except OSError as e:
             raise RunDirError(f"cannot publish {dest}: another writer created it meanwhile ({e})") from e
         _fsync_dir(dest.parent)
-        files = {str(p.relative_to(dest)): p.stat().st_size for p in sorted(dest.rglob("*")) if p.is_file()}
-        marker = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(), "files": files}
-        atomic_write_json(dest / MARKER, {**marker, **marker_fields})
         return dest
 
     def publish_dir(self, dest: Path, write: Callable[[Path], Any], **marker_fields: Any) -> Path:
@@ -469,7 +542,9 @@ class RunDir:
 
         After trainer step `step`:
         - weights: keep the newest `max_off_policy_steps + 1` steps (inference
-          servers and in-flight rollouts may still use any of them);
+          servers and in-flight rollouts may still use any of them), and every
+          step from the oldest one a server serves or may roll back to
+          (`weight_pins`, kept by the orchestrator);
         - checkpoints: keep the newest `checkpoint_keep` trainer checkpoints
           (0 keeps all); older step dirs go whole, every role's part;
         - rollouts: keep those after the newest kept checkpoint (a resume
@@ -485,7 +560,8 @@ class RunDir:
                     self.remove_step(kind, s)
                     removed.append(self.step_dir(kind, s))
 
-        drop("weights", step - max_off_policy_steps)
+        pinned = [v for v in self.weight_pins().values() if v > 0]
+        drop("weights", min([step - max_off_policy_steps, *pinned]))
         ckpts = self.stable_steps("checkpoints")
         if checkpoint_keep > 0 and len(ckpts) > checkpoint_keep:
             drop("checkpoints", ckpts[-checkpoint_keep])
@@ -494,11 +570,33 @@ class RunDir:
         drop("rollouts", min(replay_from, step + 1))
         return removed
 
+    # -- what the servers serve (cleanup keeps it)
+    @property
+    def pins_dir(self) -> Path:
+        return self.state_dir / "pins"
+
+    def pin_weights(self, owner: str, step: int) -> None:
+        """Record that weights step `step` (and later) must stay on disk for `owner` (0: none needed)."""
+        path = self.pins_dir / f"{owner}.json"
+        if (read_json(path) or {}).get("step") != step:
+            atomic_write_json(path, {"step": step, "time": time.time()})
+
+    def weight_pins(self) -> dict[str, int]:
+        """owner -> the oldest weights step it still needs."""
+        folder = self.pins_dir
+        pins = {}
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            try:
+                pins[path.stem] = int(json.loads(path.read_text())["step"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # being replaced: the next cleanup sees it
+        return pins
+
     # -- metrics
     def append_metrics(self, record: dict) -> None:
         """Append one JSON line to metrics.jsonl (one write call, O_APPEND)."""
         line = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
-        fd = os.open(self.metrics_jsonl, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.metrics_jsonl, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
         try:
             os.write(fd, line)
         finally:
@@ -517,6 +615,30 @@ class RunDir:
             if role is None or rec.get("role") == role:
                 out.append(rec)
         return out
+
+    @property
+    def evals_dir(self) -> Path:
+        """evals/: `prl eval --run` results (sweep-<time>.json), its servers' logs and submitit's files."""
+        return self.root / "evals"
+
+    def eval_log(self, step: int) -> Path:
+        """The log of the server an evaluation sweep started for weights step `step`."""
+        return self.evals_dir / "logs" / f"server_step_{step}.log"
+
+    @property
+    def progress_png(self) -> Path:
+        """plots/progress.png: `prl plot`'s default output."""
+        return self.root / "plots" / "progress.png"
+
+    @property
+    def wandb_dir(self) -> Path:
+        """W&B's own files for this run (`prl wandb`; offline runs wait here for `wandb sync`)."""
+        return self.root / "wandb"
+
+    @property
+    def wandb_cursor(self) -> Path:
+        """state/wandb.json: the W&B run id and the last step `prl wandb` logged."""
+        return self.state_dir / "wandb.json"
 
     def drop_metrics_after(self, role: str, step: int) -> int:
         """Rewrite metrics.jsonl without `role`'s records for steps > `step` (resume); return how many."""
@@ -542,6 +664,10 @@ class RunDir:
     def launcher_state(self) -> Path:
         """state/launcher.json: attempt, mode, per-step start/exit, first failure, final status."""
         return self.state_dir / "launcher.json"
+
+    def attempt_launcher_state(self, attempt: int) -> Path:
+        """logs/attempt_N/launcher.json: the launcher's final record of attempt N (launcher.json is the latest's)."""
+        return self.attempt_logs(attempt) / "launcher.json"
 
     def read_launcher(self) -> dict:
         """The launcher's record of the current attempt ({} before the job started)."""

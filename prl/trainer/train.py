@@ -20,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,7 +30,8 @@ import torch.distributed as dist
 
 from prl.planner.model import Plan
 from prl.run.batch import BatchError, MicroBatch, read_batch
-from prl.run.rundir import RunDir
+from prl.errors import StepTimeout
+from prl.run.rundir import RunDir, current_attempt
 from prl.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from prl.trainer.config import TrainerConfig
 from prl.trainer.loss import merge_stats, policy_loss, token_logprobs_and_entropy
@@ -226,16 +229,25 @@ def run_trainer(run: RunDir, resume: str = "latest") -> int:
         run.remove_steps_after("weights", start)
         run.remove_steps_after("checkpoints", start)
         run.drop_metrics_after(ROLE, start)
+        # The orchestrator's weight watcher waits for this: until now a published step may be the replaced attempt's.
+        run.write_state(ROLE, weights_attempt=current_attempt())
     dist.barrier()
     log(d, f"world {d.world_size} (dp {d.dp_size}, cp {d.cp}, ep {d.ep}) on {d.device}; "
            f"steps {start + 1}..{cfg.max_steps}")
 
     beat = (lambda **kw: run.heartbeat(ROLE, **kw)) if d.is_main else (lambda **kw: None)
+    stop = StopFlag.install()
+    saved = start if start > 0 else None
     for step in range(start + 1, cfg.max_steps + 1):
         t0 = time.monotonic()
-        step_dir = run.wait_for_step(
-            "rollouts", step, cfg.rollout_timeout_s, heartbeat=lambda: beat(step=step, phase="waiting_for_rollouts")
-        )
+        step_dir = wait_rollouts(run, step, cfg, stop, heartbeat=lambda: beat(step=step, phase="waiting_for_rollouts"))
+        if stop.agreed(step_dir is None, d):
+            # SIGTERM (the job is stopping): keep what the last finished step did, then leave.
+            if step - 1 > start and saved != step - 1:
+                log(d, f"stopping: checkpoint of step {step - 1} before exiting")
+                save_checkpoint(run, step - 1, model, optim, d, cfg.seed)
+            return 128 + signal.SIGTERM
+        t_start = time.monotonic()
         batch = read_batch(step_dir)
         if batch.num_tokens and int(batch.arrays["input_ids"].max()) >= vocab_size:
             raise BatchError(
@@ -253,6 +265,7 @@ def run_trainer(run: RunDir, resume: str = "latest") -> int:
 
         if cfg.checkpoint_interval > 0 and (step % cfg.checkpoint_interval == 0 or step == cfg.max_steps):
             save_checkpoint(run, step, model, optim, d, cfg.seed)
+            saved = step
         if d.is_main:
             run.cleanup(step, max_off_policy_steps=cfg.max_off_policy_steps, checkpoint_keep=cfg.checkpoint_keep)
             versions = batch.arrays["policy_version"]
@@ -271,7 +284,8 @@ def run_trainer(run: RunDir, resume: str = "latest") -> int:
                 "max_policy_lag": int(step - versions.min()) if versions.size else 0,
             }
             run.append_metrics(record)
-            beat(step=step, phase="trained")
+            # step_s: this step's longest stretch without a heartbeat; the launcher's hang bound grows with it.
+            beat(step=step, phase="trained", step_s=round(time.monotonic() - t_start, 3))
             log(
                 d,
                 f"step {step} loss {metrics['loss']:.6f} grad_norm {metrics['grad_norm']:.4f} "
@@ -279,6 +293,48 @@ def run_trainer(run: RunDir, resume: str = "latest") -> int:
             )
     dist.barrier()
     return 0
+
+
+class StopFlag:
+    """SIGTERM to a rank (torchrun passes the job's stop on) sets it; ranks agree on it between steps."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    @classmethod
+    def install(cls) -> StopFlag:
+        flag = cls()
+
+        def on_term(signum: int, _frame) -> None:
+            flag.signum = signum
+
+        signal.signal(signal.SIGTERM, on_term)
+        return flag
+
+    def agreed(self, local: bool, d: Dist) -> bool:
+        """Collective: True on every rank when any rank was asked to stop (or gave up waiting because of it)."""
+        wants = float(local or self.signum is not None)
+        return all_reduce_stats({"stop": wants}, d.device)["stop"] > 0
+
+
+def wait_rollouts(run: RunDir, step: int, cfg: TrainerConfig, stop: StopFlag, heartbeat) -> Path | None:
+    """rollouts/step_N once published (heartbeating every 10 s meanwhile); None when SIGTERM came first."""
+    deadline = time.monotonic() + cfg.rollout_timeout_s
+    next_beat = 0.0
+    while stop.signum is None:
+        now = time.monotonic()
+        if now >= next_beat:
+            heartbeat()
+            next_beat = now + 10.0
+        try:
+            return run.wait_for_step("rollouts", step, min(1.0, max(0.0, deadline - now)))
+        except StepTimeout:
+            if time.monotonic() >= deadline:
+                raise StepTimeout(
+                    f"waited {cfg.rollout_timeout_s:.0f} s for rollouts/step_{step} in {run.root}; latest "
+                    f"published rollouts step is {run.latest_stable('rollouts')}. Is the orchestrator running? "
+                    f"See `prl status`.") from None
+    return None
 
 
 def _broadcast_int(value: int) -> int:

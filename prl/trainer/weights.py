@@ -7,8 +7,9 @@ first (a per-parameter all-gather over the ranks that shard it, so any rank hold
 own share plus one full parameter), the owner keeps it, and each writer saves its tensors as
 `model-0000K-of-0000N.safetensors`. Rank 0 writes `model.safetensors.index.json` (from the
 plan, no communication), config and tokenizer files. All ranks write into one temp dir named
-by rank 0 (`RunDir.begin_publish(dest, tag=...)`); after a barrier, rank 0 renames it and
-writes the one STABLE marker of the step, so a crash anywhere leaves no accepted partial step.
+by rank 0 (`RunDir.begin_publish(dest, tag=...)`); after a barrier, rank 0 writes the one STABLE
+marker of the step (every file and its size) into it and renames it: files and marker appear in one
+rename, so a crash (or a full disk) anywhere leaves no accepted partial step.
 A world of one writes a single `model.safetensors`.
 
 Experts (fused [E, ...] parameters in memory, prl/trainer/moe.py) are written per expert, the
@@ -75,7 +76,7 @@ def write_hf_metadata(out: Path, source_dir: str | Path, dtype: torch.dtype) -> 
     """Copy config/tokenizer/generation files from `source_dir`; config.json gets the published dtype."""
     for f in Path(source_dir).iterdir():
         if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES):
-            shutil.copy2(f, out / f.name)
+            shutil.copyfile(f, out / f.name)  # not copy2: the copy gets the run's private mode, not the source's
     config = json.loads((Path(source_dir) / "config.json").read_text())
     config["dtype"] = str(dtype).removeprefix("torch.")
     config.pop("torch_dtype", None)

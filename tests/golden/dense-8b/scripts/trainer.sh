@@ -1,7 +1,8 @@
 #!/bin/bash
 # Rendered by prl: the 'trainer' step of 'dense-8b'. Do not edit: run `prl plan` again.
-# Started by the launcher (srun --het-group=1 --nodes=1 --ntasks-per-node=1 --cpus-per-task=112 --job-name=trainer --kill-on-bad-exit=1 --gres=gpu:8 --overlap --container-image=nvcr.io#nvidia/pytorch:25.09-py3 --container-mounts=/lustre/fs1:/lustre/fs1,/lustre/fs1/prl/runs/dense-8b:/lustre/fs1/prl/runs/dense-8b --container-workdir=/lustre/fs1/prl).
+# Started by the launcher (srun --het-group=1 --nodes=1 --ntasks-per-node=1 --cpus-per-task=112 --job-name=trainer --kill-on-bad-exit=1 --gres=gpu:8 --overlap --mem=0 --container-image=nvcr.io#nvidia/pytorch:25.09-py3 --container-mounts=/lustre/fs1:/lustre/fs1,/lustre/fs1/prl/runs/dense-8b:/lustre/fs1/prl/runs/dense-8b --container-workdir=/lustre/fs1/prl).
 set -euo pipefail
+umask 077  # the run's files are private to its owner (docs/run-directory.md)
 export GLOO_SOCKET_IFNAME=ib0
 export HF_HUB_OFFLINE=1
 export NCCL_IB_HCA=mlx5_0,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_9,mlx5_10,mlx5_11

@@ -2,6 +2,7 @@
 # Rendered by prl: the 'inference' step of 'local-cp'. Do not edit: run `prl plan` again.
 # Started by the launcher (a local process per task).
 set -euo pipefail
+umask 077  # the run's files are private to its owner (docs/run-directory.md)
 export PRL_ROLE=inference
 export PRL_RUN_DIR=/home/user/prl/runs/prl-runs/local-cp
 export VLLM_CPU_KVCACHE_SPACE=2

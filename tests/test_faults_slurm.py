@@ -1,0 +1,161 @@
+"""Faults in a real RL run on the lab cluster (one hetjob: a vLLM server on n1, the orchestrator,
+a 2-rank FSDP2 trainer on two nodes), one run for the whole story:
+
+1. kill -9 of the vLLM engine mid-run: the launcher restarts that server inside the allocation (a new
+   srun step on its node, on the newest published weights); the orchestrator takes it out of rotation,
+   its rollouts wait for it (one server: nowhere else to go, and no step may be lost) and it rejoins;
+   `prl status` shows the restart. (Rollouts moving to another server: tests/test_resilience.py.)
+2. SIGSTOP of trainer rank 1: the launcher declares the trainer HUNG within `hang_timeout_s`, stops
+   the job and requeues it (the lab profile allows requeue);
+3. attempt 2 resumes from the last checkpoint and completes: every trainer and orchestrator step is in
+   metrics.jsonl exactly once.
+
+The measured numbers are printed (run with -s to see them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import prl_cli as prl, wait_for
+from tests.tiny_model import build_tiny_model
+
+pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.slow]
+
+HANG_TIMEOUT_S = 30
+
+
+def _procs() -> list[tuple[int, int, str]]:
+    """(pid, ppid, command line) of every process."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        out.append((int(entry.name), ppid, cmd))
+    return out
+
+
+def _descendants(pid: int, procs: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
+    kids = [p for p in procs if p[1] == pid]
+    return kids + [d for k in kids for d in _descendants(k[0], procs)]
+
+
+def engine_of(run: Path, port: int) -> int:
+    """The vLLM engine-core process of the server of `run` listening on `port`."""
+    procs = _procs()
+    api = [p for p in procs if "prl.inference" in p[2] and str(run) in p[2] and f"--port {port}" in p[2]]
+    assert len(api) == 1, f"expected one API server on port {port}: {api}"
+    engines = [p for p in _descendants(api[0][0], procs) if "EngineCore" in p[2]]
+    assert engines, f"no EngineCore under the API server {api[0]}: {_descendants(api[0][0], procs)}"
+    return engines[0][0]
+
+
+def trainer_rank(run: Path, rank: int) -> int:
+    for pid, _, cmd in _procs():
+        if "prl.trainer" in cmd and str(run) in cmd and "torch.distributed.run" not in cmd:
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in environ:
+                return pid
+    raise AssertionError(f"no trainer rank {rank} process of {run}")
+
+
+def records(run: Path, role: str) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
+    out = []
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if r.get("role") == role and not r.get("eval") and r.get("event") is None:
+            out.append(r)
+    return out
+
+
+def test_engine_kill_restarts_the_server_and_a_hung_trainer_is_requeued(tmp_path, env, slurm_cluster):
+    model = build_tiny_model(tmp_path / "model")
+    run = tmp_path / "run"
+    max_steps = 8
+    # One GPU per node: one inference server, so the run waits for the restarted one whatever its start-up takes.
+    prl(env, "submit", "configs/lab.yaml", f"run_dir={run}", f"model.path={model}", f"training.max_steps={max_steps}",
+        "training.max_off_policy_steps=1", "training.checkpoint_interval=2",
+        f"training.hang_timeout_s={HANG_TIMEOUT_S}", "cluster.gpu_node.gpus=1")
+
+    def status() -> dict:
+        return json.loads(prl(env, "status", run, "--json", check=False).stdout)
+
+    def trained() -> int:
+        return max((r["step"] for r in records(run, "trainer")), default=0)
+
+    try:
+        # 1. kill -9 one engine once the loop runs.
+        wait_for("trainer step 1", lambda: trained() >= 1, timeout=400, interval=2)
+        engine = engine_of(run, 18000)
+        os.kill(engine, signal.SIGKILL)
+        killed = time.time()
+        step_at_kill = trained()
+        launcher = run / "state" / "launcher.json"
+        event = wait_for("the server restarted and ready", lambda: next(
+            (f for f in json.loads(launcher.read_text())["steps"]["inference"].get("failures", [])
+             if f.get("action") == "restarted"), None), timeout=300, interval=1)
+        ready_again = event["time"] + event["ready_after_s"]
+        shown = status()
+        inference = next(r for r in shown["roles"] if r["role"] == "inference")
+        assert inference["restarts"] == 1 and inference["failures"][0]["replica"] == 0, inference
+        assert "exited" in inference["failures"][0]["reason"], inference["failures"]
+        text = prl(env, "status", run, check=False).stdout
+        assert "inference replica 0" in text and "restarted" in text, text
+        # The restarted server takes rollouts again: its log shows token-level generate calls after the restart.
+        log = run / "logs" / "attempt_1" / "inference" / "rank_0.log"
+        wait_for("the restarted server to serve rollouts", lambda: log.read_text().split("restart: serving weights")[-1]
+                 .count("POST /inference/v1/generate") > 0, timeout=120, interval=1)
+        served_again = time.time()
+
+        # 2. SIGSTOP trainer rank 1 after a few more steps.
+        wait_for("two steps after the restart", lambda: trained() >= step_at_kill + 2, timeout=300, interval=1)
+        os.kill(trainer_rank(run, 1), signal.SIGSTOP)
+        stopped = time.time()
+        hung = wait_for("HUNG in status", lambda: (s := status())["failure"] and s["failure"].get("hung") and s,
+                        timeout=HANG_TIMEOUT_S + 60, interval=1)
+        detected = json.loads(launcher.read_text())["steps"]["trainer"]["hung_at"]
+        trainer = next(r for r in hung["roles"] if r["role"] == "trainer")
+        assert trainer["status"] == "HUNG", trainer
+        assert hung["failure"]["role"] == "trainer" and "no progress" in hung["failure"]["reason"], hung["failure"]
+        wait_for("the job requeued (attempt 2)", lambda: status()["attempt"] == 2, timeout=180, interval=2)
+        requeued = time.time()
+
+        # 3. Attempt 2 finishes the run.
+        final = wait_for("the job to end", lambda: (s := status())["state"] in (
+            "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and s, timeout=600, interval=3)
+    finally:
+        prl(env, "cancel", run, check=False)
+    assert final["state"] == "COMPLETED", (final, prl(env, "logs", run, "-n", "40", check=False).stdout)
+    lost = sorted(set(range(1, max_steps + 1)) - {r["step"] for r in records(run, "trainer")})
+    assert [r["step"] for r in records(run, "trainer")] == list(range(1, max_steps + 1)), lost
+    assert [r["step"] for r in records(run, "orchestrator")] == list(range(1, max_steps + 1))
+    first_resumed = min(r["time"] for r in records(run, "trainer") if r["time"] > requeued)
+    numbers = {
+        "engine death -> restarted server ready (s)": round(ready_again - killed, 1),
+        "engine death -> restarted server serving rollouts (s, polled)": round(served_again - killed, 1),
+        "steps lost": len(lost),
+        "hang -> HUNG detected (s, bound %d)" % HANG_TIMEOUT_S: round(detected - stopped, 1),
+        "HUNG -> attempt 2 running (s)": round(requeued - detected, 1),
+        "requeue seen -> first resumed trainer step (s)": round(first_resumed - requeued, 1),
+    }
+    print("\nfault numbers:", json.dumps(numbers, indent=2))
+    assert detected - stopped < HANG_TIMEOUT_S + 30, numbers
+

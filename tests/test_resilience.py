@@ -1,0 +1,396 @@
+"""Resilience logic without a cluster: failure policies in the plan, the launcher's server restarts
+and hang detection (with real child processes), the hand-off protocol (STABLE inside the rename,
+verified markers, fenced temp dirs, pinned weights, a real full disk), and what `prl status` shows.
+The same behaviour on the real cluster with real vLLM is tests/test_faults_slurm.py."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prl.errors import ConfigError, RunDirError
+from prl.job import launch as launch_module
+from prl.job.launch import Launcher, RoleFailed, RoleHung, Running, restart_srun_args
+from prl.ops.status import collect, show
+from prl.planner.model import HANG_FLOOR_S
+from prl.run.rundir import MARKER, RunDir, atomic_write_json, is_stable
+from prl.states import RoleState
+from tests.plans import local_plan, write_plan
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def test_failure_policies_and_hang_bound_come_from_the_topology(tmp_path):
+    plan = local_plan(tmp_path / "run", tmp_path, ["inference.on_failure.max_restarts=5"])
+    inference = plan.failure_policy("inference")
+    assert (inference.policy, inference.max_restarts) == ("restart", 5)
+    assert plan.failure_policy("trainer").policy == "fail"
+    assert plan.failure_policy("orchestrator").policy == "fail"
+    # Default bound: the floor until steps are seen, then 4x the slowest step once that is above the floor.
+    assert plan.hang_timeout_s is None
+    assert plan.hang_bound(None) == HANG_FLOOR_S
+    assert plan.hang_bound(10.0) == HANG_FLOOR_S
+    assert plan.hang_bound(1000.0) == 4000.0
+    fixed = local_plan(tmp_path / "run", tmp_path, ["training.hang_timeout_s=45", "inference.on_failure.policy=fail"])
+    with pytest.raises(ConfigError, match="hang_timeout_s"):
+        local_plan(tmp_path / "run", tmp_path, ["training.hang_timeout_s=10"])
+    assert fixed.hang_bound(1000.0) == 45 and fixed.server_hang_s == 45
+    assert fixed.failure_policy("inference").policy == "fail"
+
+
+def test_the_trainer_cannot_be_given_a_restart_policy(tmp_path):
+    with pytest.raises(ConfigError, match="trainer.on_failure.policy"):
+        local_plan(tmp_path / "run", tmp_path, ["trainer.on_failure.policy=restart"])
+
+
+def test_restart_srun_args_narrow_the_step_to_the_failed_servers_node():
+    args = ("--het-group=0", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=4", "--job-name=inference",
+            "--kill-on-bad-exit=1", "--gpus-per-node=2")
+    out = restart_srun_args(args, ["n1"])
+    assert out == ["--het-group=0", "--cpus-per-task=4", "--job-name=inference", "--kill-on-bad-exit=1",
+                   "--gpus-per-node=2", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--overlap", "--mem=0",
+                   "--nodelist=n1"]
+    assert "--nodelist=n3,n4" in restart_srun_args(args, ["n3", "n4"])
+
+
+# ---------------------------------------------------------------- the launcher, with real processes
+
+SERVER = """
+import json, os, sys, time
+from pathlib import Path
+run, task = Path(sys.argv[1]), int(os.environ["PRL_TASK"])
+restart = int(os.environ.get("PRL_RESTART", "0"))
+ready = run / "state" / "ready" / f"inference.{task}.json"
+ready.parent.mkdir(parents=True, exist_ok=True)
+ready.write_text(json.dumps({"time": time.time()}))
+if restart == 0 and task == 1:
+    time.sleep(0.5)
+    # Exits 0, as vLLM's API server does after its engine was killed: still a failure.
+    (run / "state" / "exits").mkdir(exist_ok=True)
+    (run / "state" / "exits" / f"inference.{task}.json").write_text(json.dumps(
+        {"exit_code": 0, "time": time.time(), "node": "n1", "failed": True,
+         "reason": "server exited with code 0 while the job was running"}))
+    sys.exit(0)
+time.sleep(60)
+"""
+
+
+def _launcher(tmp_path, overrides=()) -> tuple[Launcher, RunDir]:
+    run = write_plan(RunDir(tmp_path / "run"), local_plan(tmp_path / "run", tmp_path, overrides))
+    return Launcher(run, launch_module.Plan.read(run), attempt=1, slurm=False, mode="run"), run
+
+
+def _fake_servers(run: RunDir, tmp_path: Path) -> None:
+    """The inference step script runs a fake server (task 1 dies once, exiting 0)."""
+    script = tmp_path / "server.py"
+    script.write_text(SERVER)
+    run.path("scripts/inference.sh").write_text(f"exec {sys.executable} {script} {run.root}\n")
+
+
+def test_a_server_that_exits_0_is_restarted_then_a_second_failure_past_the_bound_ends_the_job(tmp_path):
+    launcher, run = _launcher(tmp_path, ["inference.nodes=2", "inference.on_failure.max_restarts=1"])
+    _fake_servers(run, tmp_path)
+    launcher.start(launcher.plan.step("inference"))
+    running = launcher.running["inference"]
+    try:
+        deadline = time.monotonic() + 20
+        while not launcher.state["steps"]["inference"].get("restarts"):
+            launcher.check()
+            assert time.monotonic() < deadline, launcher.state
+            time.sleep(0.1)
+        failure = launcher.state["steps"]["inference"]["failures"][0]
+        assert (failure["task"], failure["replica"], failure["exit_code"]) == (1, 1, 0)
+        assert "exited with code 0" in failure["reason"]
+        deadline = time.monotonic() + 20
+        while failure.get("action") != "restarted":
+            launcher.check()
+            assert time.monotonic() < deadline, failure
+            time.sleep(0.1)
+        assert failure["ready_after_s"] >= 0
+        saved = json.loads(run.launcher_state.read_text())["steps"]["inference"]
+        assert saved["restarts"] == 1 and saved["failures"][0]["action"] == "restarted"
+        # The restarted task dies too (killed): max_restarts=1 is used up, so the job fails, naming it.
+        os.killpg(running.task_proc[1].pid, signal.SIGKILL)
+        with pytest.raises(RoleFailed, match="task 1 .*max_restarts") as info:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                launcher.check()
+                time.sleep(0.1)
+        assert info.value.role == "inference"
+        launcher.finish(launch_module.LauncherStatus.FAILED, 1)
+        kept = json.loads(run.attempt_launcher_state(1).read_text())
+        assert [f["action"] for f in kept["steps"]["inference"]["failures"]] == ["restarted", "failed"]
+    finally:
+        for p in running.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def test_a_trainer_whose_heartbeat_stops_is_hung_after_the_bound(tmp_path):
+    launcher, run = _launcher(tmp_path, ["training.hang_timeout_s=30"])
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        launcher.running["trainer"] = Running(launcher.plan.step("trainer"), procs=[sleeper])
+        launcher.state["steps"]["trainer"] = {"status": RoleState.RUNNING}
+        now = time.time()
+        # Still loading (no heartbeat after its start): never hung, however old.
+        run.write_state("trainer", attempt=1, status="running", started=now - 100, heartbeat=now - 100)
+        launcher.check_hangs()
+        # In its loop, last beat 25 s ago: fine; 31 s ago: hung.
+        run.write_state("trainer", started=now - 100, heartbeat=now - 25, step=3, phase="trained")
+        launcher.check_hangs()
+        run.write_state("trainer", heartbeat=now - 31)
+        with pytest.raises(RoleHung, match=r"no progress for 3\d s \(bound 30 s\); last step 3, phase trained"):
+            launcher.check_hangs()
+        assert launcher.state["steps"]["trainer"]["status"] == RoleState.HUNG
+        # An earlier attempt's state says nothing about this one.
+        run.write_state("trainer", attempt=0)
+        launcher.check_hangs()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_status_shows_hung_and_restarts(tmp_path, monkeypatch):
+    from tests.test_status import _run
+
+    run = _run(tmp_path)
+    now = time.time()
+    atomic_write_json(run.launcher_state, {
+        "attempt": 1, "mode": "run", "status": "stopping", "started": now - 60,
+        "first_failure": {"role": "trainer", "exit_code": None, "hung": True, "time": now,
+                          "reason": "hung: no progress for 31 s (bound 30 s); last step 4, phase trained"},
+        "steps": {"inference": {"status": "running", "restarts": 1, "failures": [
+            {"task": 1, "replica": 1, "node": "n1", "exit_code": 0, "time": now - 50, "action": "restarted",
+             "reason": "server exited with code 0 while the job was running", "ready_after_s": 70.5}]},
+                  "orchestrator": {"status": "stopped"}, "trainer": {"status": "HUNG", "exit_code": None}}})
+    import prl.ops.status as status_module
+
+    monkeypatch.setattr(status_module, "_slurm_rows", lambda job, notes: ({}, 0))
+    status = collect(run)
+    roles = {r.role: r for r in status.roles}
+    assert roles["trainer"].status == RoleState.HUNG
+    assert roles["inference"].restarts == 1
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    show(status, console)
+    text = console.export_text()
+    assert "first failure: trainer HUNG (hung: no progress for 31 s" in text
+    assert "inference replica 1 (task 1, node n1): server exited with code 0 while the job was running; restarted " \
+           "(serving again 70.5 s after)" in text
+
+
+# ---------------------------------------------------------------- the hand-off protocol
+
+
+def _write(files: dict[str, bytes]):
+    def write(tmp: Path) -> None:
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+    return write
+
+
+def test_stable_arrives_with_the_files_in_one_rename_and_readers_check_it(tmp_path):
+    run = RunDir(tmp_path).create()
+    dest = run.publish_dir(run.weights(1), _write({"a.safetensors": b"x" * 10, "config.json": b"{}"}), step=1)
+    marker = json.loads((dest / MARKER).read_text())
+    assert marker["files"] == {"a.safetensors": 10, "config.json": 2} and marker["step"] == 1
+    assert is_stable(dest) and run.latest_stable("weights") == 1
+    # A file that shrank or vanished: the step is not accepted.
+    (dest / "a.safetensors").write_bytes(b"x" * 9)
+    assert not is_stable(dest) and run.latest_stable("weights") is None
+    (dest / "a.safetensors").unlink()
+    assert not is_stable(dest)
+    # A writer that dies before the rename leaves only a hidden temp dir: no step dir at all.
+    tmp = run.begin_publish(run.weights(2), tag="w")
+    (tmp / "a.safetensors").write_bytes(b"y")
+    assert not run.weights(2).exists() and run.steps("weights") == [1]
+
+
+def test_begin_publish_never_deletes_another_live_writers_temp_dir(tmp_path, monkeypatch):
+    run = RunDir(tmp_path).create()
+    monkeypatch.setenv("PRL_ATTEMPT", "2")
+    older = run.begin_publish(run.weights(3), tag="old")  # attempt 2's
+    monkeypatch.setenv("PRL_ATTEMPT", "3")
+    other = run.weights(3).parent / ".step_3.tmp-a3-otherwriter"
+    other.mkdir()
+    mine = run.begin_publish(run.weights(3), tag="mine")
+    assert not older.exists(), "an earlier attempt's leftovers go"
+    assert other.exists(), "another writer of this attempt keeps its temp dir"
+    assert mine.name == ".step_3.tmp-a3-mine"
+    # A writer of an earlier attempt that is still around is fenced off.
+    monkeypatch.setenv("PRL_ATTEMPT", "2")
+    with pytest.raises(RunDirError, match="later than this writer's attempt 2"):
+        run.begin_publish(run.weights(3), tag="stale")
+    assert mine.exists()
+
+
+def test_cleanup_keeps_every_weights_step_a_server_serves(tmp_path):
+    run = RunDir(tmp_path).create()
+    for s in range(1, 7):
+        run.publish_dir(run.weights(s), _write({"w": b"1"}), step=s)
+    run.pin_weights("orchestrator", 2)  # a server still serves step 2 (or rolls back to it)
+    run.cleanup(6, max_off_policy_steps=1, checkpoint_keep=2)
+    assert run.stable_steps("weights") == [2, 3, 4, 5, 6]
+    run.pin_weights("orchestrator", 6)
+    run.cleanup(6, max_off_policy_steps=1, checkpoint_keep=2)
+    assert run.stable_steps("weights") == [5, 6]
+    run.pin_weights("orchestrator", 0)  # base model: nothing under weights/ needed
+    run.cleanup(6, max_off_policy_steps=0, checkpoint_keep=2)
+    assert run.stable_steps("weights") == [6]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs: a real ENOSPC."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs here (needs root): {proc.stderr}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_full_disk_during_a_publish_leaves_no_step_and_the_next_publish_works(small_disk):
+    run = RunDir(small_disk / "run").create()
+    filler = small_disk / "filler"
+    filler.write_bytes(b"0" * 700 * 1024)
+    with pytest.raises(OSError) as info:
+        run.publish_dir(run.weights(1), _write({"model.safetensors": b"w" * 600 * 1024}), step=1)
+    assert info.value.errno == errno.ENOSPC
+    assert run.steps("weights") == [] and not list((run.root / "weights").iterdir()), "no step, no temp dir left"
+    filler.unlink()  # space freed: the same step publishes
+    run.publish_dir(run.weights(1), _write({"model.safetensors": b"w" * 600 * 1024}), step=1)
+    assert run.stable_steps("weights") == [1]
+    shutil.rmtree(run.root)
+
+
+# ---------------------------------------------------------------- the trainer on SIGTERM
+
+
+@pytest.mark.slow  # two torchrun runs on CPU, ~60 s
+def test_sigterm_checkpoints_the_last_finished_step_and_the_resume_continues_there(tmp_path):
+    from tests.tiny_model import build_tiny_model
+    from tests.trainer_helpers import launch, make_samples, setup_run
+    from prl.run.batch import publish_batch
+
+    model_dir = build_tiny_model(tmp_path / "model")
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    # No checkpoint before the end (interval 10): only the SIGTERM path can write step 3's.
+    run = setup_run(tmp_path / "run", model_dir, range(1, 4), vocab, max_steps=5, checkpoint_interval=10)
+    proc = launch(run, 2, resume="none", wait=False)
+    deadline = time.monotonic() + 180
+    while not (is_stable(run.weights(3)) and (run.read_state("trainer") or {}).get("step") == 4):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "trainer did not reach step 4"
+        time.sleep(0.2)
+    assert run.stable_steps("checkpoints") == []
+    proc.send_signal(signal.SIGTERM)  # torchrun passes it to both ranks, as the role runner does to torchrun
+    t0 = time.monotonic()
+    out, _ = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 30, out
+    assert run.stable_steps("checkpoints") == [3], out
+    assert "stopping: checkpoint of step 3" in out
+    for s in (4, 5):
+        publish_batch(run, s, make_samples(s, vocab), dp_size=2, micro_batch_tokens=64)
+    launch(run, 2, resume="latest")
+    assert [m["step"] for m in run.read_metrics("trainer")] == [1, 2, 3, 4, 5]
+
+
+# ---------------------------------------------------------------- the orchestrator's view of the servers
+
+
+def test_the_watcher_drops_a_dead_server_and_takes_it_back_on_the_newest_weights(tmp_path):
+    import asyncio
+
+    import httpx
+
+    from prl.orchestrator.sync import Server, ServerPool, WeightWatcher
+    from tests.fake_engine import FakeEngine
+
+    run = RunDir(tmp_path / "run").create()
+    for s in (1, 2):
+        run.publish_dir(run.weights(s), _write({"w": b"1"}), step=s)
+    a, b = FakeEngine(run_dir=run.root).start(), FakeEngine(run_dir=run.root).start()
+
+    def endpoint(index: int, url: str, started: float) -> None:
+        atomic_write_json(run.endpoint("inference", index), {"url": url, "started": started})
+
+    endpoint(0, a.url, 1.0)
+    endpoint(1, b.url, 1.0)
+    sa, sb = Server(a.url), Server(b.url)
+    pool = ServerPool(generate=[sa, sb], admin=[sa, sb], follow_endpoints=True)
+    watcher = WeightWatcher(run, pool, poll=0.05)
+
+    async def until(what, probe, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while not probe():
+            assert not watcher.error, watcher.error
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    async def scenario():
+        task = asyncio.create_task(watcher.run_forever())
+        try:
+            await until("both on step 2", lambda: sa.version == sb.version == 2)
+            assert run.weight_pins() == {"orchestrator": 2}
+            # b dies: its task withdraws the endpoint. Out of rotation, no pushes, no failure of the orchestrator.
+            b.stop()
+            run.endpoint("inference", 1).unlink()
+            await until("b out of rotation", lambda: not sb.alive)
+            assert {pool.pick(0) for _ in range(20)} == {sa}
+            run.publish_dir(run.weights(3), _write({"w": b"1"}), step=3)
+            await until("a on step 3", lambda: sa.version == 3)
+            assert pool.version == 3 and sb.version == 2
+            assert run.weight_pins() == {"orchestrator": 2}, "b's last step stays pinned until it is back"
+            # b is restarted on its port (base weights here): it rejoins only once on step 3.
+            b2 = FakeEngine(run_dir=run.root, port=b.port).start()
+            try:
+                endpoint(1, b2.url, 2.0)
+                await until("b rejoined", lambda: sb.alive)
+                assert sb.version == 3 and b2.weight_requests == [3]
+                assert run.weight_pins() == {"orchestrator": 3}
+                # A step that is not published (409) is waited for, never a failure of the server.
+                async with httpx.AsyncClient() as client:
+                    await watcher.push(client, sb, 9)
+                assert sb.failures == 0 and sb.version == 3 and not watcher.error
+            finally:
+                b2.stop()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        a.stop()
+
+
+def test_a_restarted_server_starts_on_the_newest_published_weights(tmp_path):
+    from prl.job.runtimes import latest_weights_args
+
+    run = RunDir(tmp_path).create()
+    args = ["--model", "/models/base", "--served-model-name", "x", "--port", "18001"]
+    assert latest_weights_args(run, args) == args, "nothing published yet: the base model"
+    for s in (1, 2):
+        run.publish_dir(run.weights(s), _write({"model.safetensors": b"w"}), step=s)
+    run.publish_dir(run.weights(3), _write({"model.safetensors": b"w"}), step=3)
+    (run.weights(3) / "model.safetensors").write_bytes(b"")  # damaged: not a published step any more
+    assert latest_weights_args(run, args) == ["--model", str(run.weights(2)), "--served-model-name", "x",
+                                               "--port", "18001"]

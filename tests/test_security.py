@@ -1,0 +1,429 @@
+"""Who may call a run's servers, what a run leaves readable on disk, and what its endpoints refuse.
+
+- every route but /health of the inference server and the router needs the run's key (routes are
+  enumerated from the apps, so a new route without authentication fails here);
+- the key lives only in RUN/api_key (0600), never in plan.json, job.json, scripts or logs;
+- the run directory is 0700 and prl's files in it 0600;
+- `${oc.env:...}` values never reach the disk; they stay references resolved on the node;
+- `submit --resume` is refused while the previous job still runs (local and Slurm);
+- out-of-range and oversized requests get a 400/413 with a reason, never a 500, and leave no
+  request behind in the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import stat
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from starlette.requests import Request
+
+from tests.helpers import REPO, prl_cli as prl, wait_for
+from tests.vllm_fixtures import http_json, start_inference
+
+KEY_VAR = "PRL_TEST_API_KEY"
+KEY = "k-" + "x" * 40
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def files_under(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
+
+
+def state(env, run) -> dict:
+    return json.loads(prl(env, "status", run, "--json").stdout)
+
+
+# ---------------------------------------------------------------- run directory and key file
+
+
+def test_run_directory_and_its_files_are_private(tmp_path):
+    from prl.run.rundir import RunDir, atomic_write_json
+
+    run = RunDir(tmp_path / "run").create()
+    assert mode(run.root) == 0o700
+    assert all(mode(d) == 0o700 for d in (run.scripts_dir, run.logs_dir, run.state_dir, run.root / "weights"))
+    atomic_write_json(run.state_dir / "x.json", {"a": 1})
+    run.append_metrics({"role": "trainer", "step": 1})
+    run.heartbeat("trainer", step=1)
+    for path in (run.state_dir / "x.json", run.metrics_jsonl, run.role_state("trainer")):
+        assert mode(path) == 0o600, path
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    RunDir(loose).create()
+    assert mode(loose) == 0o700, "an existing run directory is made private too"
+
+
+def test_atomic_write_is_private_before_the_rename(tmp_path, monkeypatch):
+    """No window where the new file is readable by others: the temp file is 0600 from its creation."""
+    from prl.run import rundir
+
+    seen = []
+    real_replace = os.replace
+
+    def spy(src, dst):
+        seen.append(mode(Path(src)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(rundir.os, "replace", spy)
+    old = os.umask(0)  # even with a permissive umask
+    try:
+        rundir.atomic_write_text(tmp_path / "f", "secret")
+    finally:
+        os.umask(old)
+    assert seen == [0o600] and mode(tmp_path / "f") == 0o600
+
+
+def test_api_key_file(tmp_path):
+    from prl.errors import RunDirError
+    from prl.run.rundir import RunDir
+
+    run = RunDir(tmp_path / "run").create()
+    with pytest.raises(RunDirError, match="no API key in .*api_key"):
+        run.read_api_key()
+    run.create_api_key()
+    first = run.read_api_key()
+    assert mode(run.api_key_file) == 0o600 and len(first) >= 40
+    run.create_api_key()
+    assert run.read_api_key() != first, "each submission gets a new key"
+    run.api_key_file.write_text("\n")
+    with pytest.raises(RunDirError):
+        run.read_api_key()
+
+
+# ---------------------------------------------------------------- ${oc.env:...} stays off the disk
+
+
+def test_environment_values_never_reach_the_run_directory(tmp_path):
+    secret = "hunter2-" + os.urandom(8).hex()
+    run = tmp_path / "run"
+    env = {**os.environ, "PRL_TEST_SECRET": secret, "PRL_HOME": str(tmp_path / "home")}
+    prl(env, "plan", "configs/local-tiny.yaml", f"run_dir={run}", "trainer.env.MY_TOKEN=${oc.env:PRL_TEST_SECRET}",
+        "orchestrator.env.WITH_DEFAULT=x-${oc.env:PRL_TEST_UNSET,fallback}")
+    written = files_under(run)
+    assert {p.name for p in written} >= {"plan.json", "topology.yaml", "trainer.sh"}
+    assert [p for p in written if secret.encode() in p.read_bytes()] == []
+    assert "${oc.env:PRL_TEST_SECRET}" in (run / "topology.yaml").read_text()
+    assert mode(run) == 0o700 and all(mode(p) in (0o600, 0o700) for p in written)
+
+    # On the node, the step script reads the variable from the job's environment.
+    def exported(script: str, name: str, node_env: dict) -> subprocess.CompletedProcess:
+        text = (run / "scripts" / script).read_text()
+        body = re.sub(r"^exec .*$", f'printf %s "${name}"', text, flags=re.M)
+        return subprocess.run(["bash", "-c", body], capture_output=True, text=True, env=node_env)
+
+    assert exported("trainer.sh", "MY_TOKEN", {"PRL_TEST_SECRET": secret}).stdout == secret
+    missing = exported("trainer.sh", "MY_TOKEN", {})
+    assert missing.returncode != 0 and "PRL_TEST_SECRET: is not set where this role runs" in missing.stderr
+    assert exported("orchestrator.sh", "WITH_DEFAULT", {}).stdout == "x-fallback"
+
+
+@pytest.mark.parametrize("override, field, says", [
+    ("name=${oc.env:PRL_TEST_SECRET}", "(name)", "would write PRL_TEST_SECRET's value into plan.json"),
+    ('inference.extra_args=["--token","${oc.env:PRL_TEST_SECRET}"]', "(inference.extra_args[1])", "`env:` map"),
+    ("trainer.env.A=${oc.env:PRL_TEST_UNSET}", "(trainer.env.A)", "PRL_TEST_UNSET is not set"),
+    ("trainer.env.A=${oc.decode:${oc.env:PRL_TEST_SECRET}}", "(trainer.env.A)", "cannot use other interpolation"),
+])
+def test_environment_values_outside_env_maps_are_refused(tmp_path, override, field, says):
+    from prl.errors import ConfigError
+    from prl.planner.prepare import prepare
+
+    os.environ["PRL_TEST_SECRET"] = "s3cret"
+    try:
+        with pytest.raises(ConfigError) as e:
+            prepare(REPO / "configs" / "local-tiny.yaml", [f"run_dir={tmp_path}/run", override], cwd=REPO)
+    finally:
+        del os.environ["PRL_TEST_SECRET"]
+    assert field in str(e.value) and says in str(e.value), str(e.value)
+    assert "s3cret" not in str(e.value)
+
+
+def test_public_variables_resolve_at_plan_time(tmp_path):
+    from prl.planner.prepare import prepare
+
+    prepared = prepare(REPO / "configs" / "local-tiny.yaml", ["run_dir=" + str(tmp_path) + "/${oc.env:USER,nobody}"],
+                       cwd=REPO)
+    assert prepared.plan.run_dir == f"{tmp_path}/{os.environ.get('USER', 'nobody')}"
+    assert "${oc.env:USER,nobody}" in prepared.topology_yaml
+
+
+# ---------------------------------------------------------------- authentication
+
+
+def _calls(routes) -> list[tuple[str, str]]:
+    """(method, concrete path) for every route of an app, OPTIONS included."""
+    out = []
+    for route in routes:
+        path = getattr(route, "path", None)
+        if not path or path == "/health":
+            continue
+        concrete = re.sub(r"\{[^}]*\}", "x", path)
+        for method in sorted({*(getattr(route, "methods", None) or {"GET"}), "OPTIONS"} - {"HEAD"}):
+            out.append((method, concrete))
+    return out
+
+
+def test_every_router_route_needs_the_key():
+    from starlette.testclient import TestClient
+
+    from prl.inference.router import build_app
+
+    app = build_app(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], api_key=KEY)
+    calls = _calls(app.routes)
+    assert ("POST", "/prl/weights") in calls and ("OPTIONS", "/prl/pause") in calls and len(calls) > 8
+    with TestClient(app) as client:
+        for method, path in calls:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+                r = client.request(method, path, headers=headers)
+                assert r.status_code == 401, (method, path, headers, r.status_code)
+
+
+@pytest.mark.parametrize("module", ["prl.inference.router", "prl.inference"])
+def test_a_server_without_its_key_refuses_to_start(tmp_path, module):
+    argv = [sys.executable, "-m", module, "--api-key-env", "PRL_TEST_UNSET_KEY"]
+    argv += (["--port", "9", "--prefill", "http://a", "--decode", "http://b"] if module.endswith("router") else
+             ["--run-dir", str(tmp_path), "--model", str(tmp_path)])
+    env = {k: v for k, v in os.environ.items() if k != "PRL_TEST_UNSET_KEY"}
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert out.returncode != 0
+    assert "PRL_TEST_UNSET_KEY: the variable is not set or empty; refusing to serve" in out.stderr, out.stderr
+
+
+async def _echo(request: Request):
+    return {"n": len(await request.body())}
+
+
+def test_body_limit():
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    from prl.inference.server import BodyLimit
+
+    app = FastAPI()
+    app.add_api_route("/echo", _echo, methods=["POST"])  # the router's way of adding routes
+    app.add_middleware(BodyLimit, max_bytes=1000)
+    client = TestClient(app)
+    assert client.post("/echo", content=b"x" * 1000).json() == {"n": 1000}
+    assert client.post("/echo", content=b"x" * 1001).status_code == 413
+    streamed = client.post("/echo", content=iter([b"x" * 600, b"x" * 600]))  # chunked: no Content-Length
+    assert streamed.status_code == 413
+    assert client.post("/echo", content=b"{}", headers={"content-length": "nope"}).status_code == 400
+
+
+# ---------------------------------------------------------------- resume while running
+
+
+def test_local_submission_is_private_and_resume_waits_for_the_old_job(tmp_path, env, model):
+    run = tmp_path / "run"
+    args = ["submit", "configs/local-tiny.yaml", f"run_dir={run}", f"model.path={model}", "--local", "--detach",
+            "--preflight", "--hold"]
+    prl(env, *args, 120)
+    try:
+        wait_for("running", lambda: all(r["status"] == "running" for r in state(env, run)["roles"]), 60)
+        key = (run / "api_key").read_text().strip()
+        assert mode(run / "api_key") == 0o600 and mode(run) == 0o700 and len(key) >= 40
+        leaks = [p for p in files_under(run) if p.name != "api_key" and key.encode() in p.read_bytes()]
+        assert leaks == []
+        assert mode(run / "job.json") == 0o600 and mode(run / "plan.json") == 0o600
+        again = prl(env, *args, 1, "--resume", check=False)
+        assert again.returncode == 1 and again.stderr.count("\n") == 1, again.stderr
+        assert "is still running: stop it first (`prl cancel" in again.stderr
+        assert (run / "api_key").read_text().strip() == key, "a refused submission changes nothing"
+    finally:
+        prl(env, "cancel", run, check=False)
+    wait_for("CANCELLED", lambda: state(env, run)["state"] == "CANCELLED", 60)
+    prl(env, *args, 1, "--resume")
+    wait_for("COMPLETED", lambda: state(env, run)["state"] == "COMPLETED", 60)
+    assert (run / "api_key").read_text().strip() != key
+
+
+@pytest.mark.slurm
+def test_slurm_resume_is_refused_while_the_job_runs(tmp_path, env, model, slurm_cluster):
+    run = tmp_path / "run"
+    args = ["submit", "configs/lab.yaml", f"run_dir={run}", f"model.path={model}", "--preflight", "--hold"]
+    prl(env, *args, 300)
+    try:
+        job = json.loads((run / "job.json").read_text())
+        again = prl(env, *args, 1, "--resume", check=False)
+        assert again.returncode == 1 and f"job {job['job_id']} of {run} is still running" in again.stderr
+        assert mode(run / "api_key") == 0o600
+        batch_log = wait_for("the batch log", lambda: (p := run / "logs" / f"slurm-{job['job_id']}.out").exists() and p, 60)
+        assert mode(batch_log) == 0o600, "sbatch ran with the private umask, which slurmd applies"
+    finally:
+        prl(env, "cancel", run, check=False)
+    from prl.ops import slurm
+
+    # Until Slurm lists every component as ended (COMPLETING is not), a resume is still refused.
+    wait_for("Slurm to end the job", lambda: all(r.terminal for r in slurm.squeue_jobs([job["job_id"]]).values()), 120)
+    assert "submitted job" in prl(env, *args, 1, "--resume").stdout
+    prl(env, "cancel", run, check=False)
+
+
+# ---------------------------------------------------------------- a real server: auth and bounds
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory, tiny_model_dir):
+    from prl.run.rundir import RunDir
+
+    run = RunDir(tmp_path_factory.mktemp("keyed") / "run").create()
+    with start_inference(run.root, tiny_model_dir, extra_args=("--api-key-env", KEY_VAR), env={KEY_VAR: KEY}) as s:
+        yield s
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def call(server, method: str, path: str, body=None, *, raw: bytes | None = None, headers=AUTH) -> tuple[int, object]:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    request = urllib.request.Request(server.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        text = e.read()
+        try:
+            return e.code, json.loads(text)
+        except ValueError:
+            return e.code, text.decode(errors="replace")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_every_server_route_but_health_needs_the_key(keyed_server):
+    from prl.inference import admin, generate
+
+    spec = http_json("GET", keyed_server.url + "/openapi.json", headers=AUTH)
+    documented = {(m.upper(), p) for p, ops in spec["paths"].items() for m in ops}
+    ours = {(m, r.path) for r in [*admin.router.routes, *generate.router.routes] for m in r.methods}
+    assert ours <= documented, ours - documented
+    calls = {(m, re.sub(r"\{[^}]*\}", "x", p)) for m, p in documented if p != "/health"}
+    calls |= {("OPTIONS", p) for _, p in calls}
+    for method, path in sorted(calls):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            status, _ = call(keyed_server, method, path, {} if method == "POST" else None, headers=headers)
+            assert status == 401, (method, path, headers, status)
+    for method, path in [("GET", "/metrics"), ("GET", "/docs"), ("POST", "/prl/not-a-route"), ("GET", "/")]:
+        assert call(keyed_server, method, path, headers={})[0] == 401, path
+    assert call(keyed_server, "GET", "/health", headers={})[0] == 200
+
+
+def running_requests(server) -> float:
+    text = urllib.request.urlopen(urllib.request.Request(server.url + "/metrics", headers=AUTH), timeout=30).read()
+    total = 0.0
+    for line in text.decode().splitlines():
+        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_generate_refuses_out_of_range_requests(keyed_server):
+    from prl.inference.generate import MAX_N
+
+    vocab = json.loads((keyed_server.model_dir / "config.json").read_text())["vocab_size"]
+    ok = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "temperature": 0.0, "logprobs": 1}}
+
+    def with_params(**params):
+        return {**ok, "sampling_params": {**ok["sampling_params"], **params}}
+
+    cases = {
+        "max_tokens=0": with_params(max_tokens=0),
+        "max_tokens beyond max_model_len": with_params(max_tokens=1024),
+        "max_tokens not an integer": with_params(max_tokens="many"),
+        "seed beyond int64": with_params(seed=2**64),
+        "negative seed beyond int64": with_params(seed=-(2**63) - 1),
+        "n=0": with_params(n=0),
+        "huge n": with_params(n=MAX_N + 1),
+        "negative temperature": with_params(temperature=-1.0),
+        "huge temperature": with_params(temperature=1e30),
+        "top_p=0": with_params(top_p=0.0),
+        "logprobs beyond max_logprobs": with_params(logprobs=10_000),
+        "negative logprobs": with_params(logprobs=-5),
+        "min_tokens > max_tokens": with_params(min_tokens=5),
+        "stop token outside vocab": with_params(stop_token_ids=[vocab]),
+        "logit_bias key outside vocab": with_params(logit_bias={str(vocab + 5): 1.0}),
+        "logit_bias not a number": with_params(logit_bias={"1": "x"}),
+        "integer beyond int64 in extra_args": with_params(extra_args={"a": 2**70}),
+        "token id = vocab": {**ok, "token_ids": [1, vocab]},
+        "token id beyond int64": {**ok, "token_ids": [1, 2**70]},
+        "negative token id": {**ok, "token_ids": [-1]},
+        "empty prompt": {**ok, "token_ids": []},
+        "prompt fills max_model_len": {**ok, "token_ids": [1] * 1024},
+        "priority beyond int64": {**ok, "priority": 2**63},
+        "sampling_params not an object": {**ok, "sampling_params": [1]},
+        "too many stop strings": with_params(stop=["x"] * 100),
+    }
+    for name, body in cases.items():
+        status, answer = call(keyed_server, "POST", "/inference/v1/generate", body)
+        assert status in (400, 422), (name, status, answer)
+        assert isinstance(answer, dict) and answer, (name, answer)
+    status, answer = call(keyed_server, "POST", "/inference/v1/generate", with_params(max_tokens=0))
+    assert "max_tokens=0 is out of range [1, 1021]" in answer["error"]["message"], answer
+    for name, raw in {"not JSON": b"{", "deeply nested": b"[" * 100_000 + b"]" * 100_000}.items():
+        status, answer = call(keyed_server, "POST", "/inference/v1/generate", raw=raw)
+        assert 400 <= status < 500, (name, status, answer)
+    assert declared_body_status(keyed_server, 64 * 1024 * 1024) == 413  # refused before a byte is read
+    status, answer = call(keyed_server, "POST", "/inference/v1/generate", ok)
+    assert status == 200 and len(answer["choices"][0]["token_ids"]) == 2, answer
+    assert wait_for("no request left in the engine", lambda: running_requests(keyed_server) == 0 or None, 30) is not None
+
+
+def declared_body_status(server, size: int) -> int:
+    """The status answered to a generate request that declares a `size`-byte body and sends none."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST /inference/v1/generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Authorization: Bearer {KEY}\r\nContent-Length: {size}\r\n\r\n".encode())
+        return int(sock.recv(4096).split(b" ", 2)[1])
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_dropped_client_leaves_no_request_behind(keyed_server):
+    body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1000, "ignore_eos": True, "logprobs": 1}}
+    host, port = keyed_server.url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST /inference/v1/generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Authorization: Bearer {KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        wait_for("the request to run", lambda: running_requests(keyed_server) > 0, 30, interval=0.05)
+    wait_for("the engine to drop the request", lambda: running_requests(keyed_server) == 0, 30)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_admin_routes_refuse_out_of_range_requests(keyed_server):
+    cases = [
+        ("/prl/weights", {"step": 2**70}, 400, '"step" must be an integer in [1, 2147483647]'),
+        ("/prl/weights", {"step": 0}, 400, '"step" must be an integer'),
+        ("/prl/weights", {"step": "1"}, 400, '"step" must be an integer'),
+        ("/prl/weights", {"path": "/a\u0000b"}, 400, "without NUL"),
+        ("/prl/weights", {"path": "/" + "a" * 5000}, 400, "at most 4096 characters"),
+        ("/prl/weights", {"path": "/" + "b" * 300 + "/c"}, 403, "not a directory under"),  # a name too long
+        ("/prl/weights", {"path": str(keyed_server.run_dir / "weights" / ("b" * 300))}, 409, "is not published"),
+        ("/prl/weights", [1, 2], 400, "must be a JSON object"),
+        ("/prl/weights", {"step": 1, "mode": ["x"]}, 400, '"mode" must be one of'),
+        ("/prl/pause", {"mode": "sideways"}, 400, '"mode" must be one of'),
+        ("/prl/pause", "keep", 400, "must be a JSON object"),
+        ("/prl/resume", [1], 400, "must be a JSON object"),
+        ("/prl/pause", {"pad": "x" * 70_000}, 413, "admin requests take at most"),
+    ]
+    for path, body, want, says in cases:
+        status, answer = call(keyed_server, "POST", path, body)
+        assert status == want and says in answer.get("error", ""), (path, str(body)[:60], status, answer)
+    assert call(keyed_server, "POST", "/prl/weights", raw=b"{nope")[0] == 400
+    live = http_json("GET", keyed_server.url + "/prl/live", headers=AUTH)
+    assert live["ok"] is True and live["paused"] is False and live["updates"] == 0
