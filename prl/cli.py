@@ -125,6 +125,25 @@ def cancel(a: argparse.Namespace) -> None:
         print(f"job {job['job_id']} ({job['name']}) has already ended; nothing to cancel")
 
 
+def plot(a: argparse.Namespace) -> None:
+    """Draw a run's progress (reward, eval, policy lag, tokens/s, step and weight-sync time) as a PNG."""
+    from prl.ops.plot import plot as draw
+    from prl.ops.status import resolve_run
+
+    path = draw(resolve_run(a.run), [resolve_run(r) for r in a.compare or []], a.output)
+    print(f"wrote {path}")
+
+
+def wandb(a: argparse.Namespace) -> None:
+    """Log a run's metrics (trainer, orchestrator, eval, weight sync; joined by step) to one W&B run."""
+    from prl.ops.status import resolve_run
+    from prl.ops.wandb_sync import sync
+
+    run = resolve_run(a.run)
+    logged = sync(run, a.project, a.entity, follow=a.follow)
+    print(f"logged {logged} step(s) of {run.root} to W&B project {a.project}")
+
+
 def doctor(a: argparse.Namespace) -> None:
     """Run a role's preflight checks on this node (what every role does first)."""
     from prl.job import doctor as checks
@@ -160,19 +179,50 @@ def orchestrator(a: argparse.Namespace) -> None:
 
 
 def evaluate(a: argparse.Namespace) -> None:
-    """Evaluate an environment's eval split against any OpenAI-compatible endpoint (the same env code as training)."""
-    from prl.orchestrator.eval import main as run_eval
-
+    """Evaluate environments' eval splits: against an endpoint, or over a run's published weights (a sweep)."""
     args = {}
     for item in a.env_arg or []:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"--arg {item!r}: expected KEY=VALUE")
         args[key] = yaml_value(value)
-    stats = run_eval(a.env_id, a.base_url, a.model, api_key_env=a.api_key_env, examples=a.examples,
-                     rollouts=a.rollouts, args=args, max_tokens=a.max_tokens, temperature=a.temperature)
-    if stats.get("rollouts") and stats.get("failed_rollouts") == stats.get("rollouts"):
-        print(f"error: every rollout failed against {a.base_url}", file=sys.stderr)
+    if a.run:
+        return sweep(a, args)
+    if not (a.base_url and a.model):
+        raise ConfigError("prl eval: give --base-url and --model (an endpoint), or --run RUN (a run's weights)")
+    from prl.orchestrator.eval import main as run_eval
+
+    failed = False
+    for env_id in a.env_ids:
+        stats = run_eval(env_id, a.base_url, a.model, api_key_env=a.api_key_env, examples=a.examples,
+                         rollouts=a.rollouts, args=args, max_tokens=a.max_tokens, temperature=a.temperature)
+        if stats.get("rollouts") and stats.get("failed_rollouts") == stats.get("rollouts"):
+            print(f"error: every rollout of {env_id} failed against {a.base_url}", file=sys.stderr)
+            failed = True
+    if failed:
+        raise Exit(1)
+
+
+def sweep(a: argparse.Namespace, env_args: dict) -> None:
+    from prl.ops import sweep as sweeps
+    from prl.ops.status import resolve_run
+    from prl.orchestrator.sweep import EvalTask
+    from prl.planner.model import Plan
+
+    run = resolve_run(a.run)
+    plan = Plan.read(run)
+    tasks = [EvalTask(str(run.root), step, tuple(a.env_ids), a.examples, a.rollouts, a.max_tokens, a.temperature,
+                      env_args) for step in sweeps.choose_steps(run, a.steps)]
+    print(f"evaluating {len(tasks)} weights step(s) x {len(a.env_ids)} environment(s) "
+          f"{'as a Slurm job array' if a.slurm else 'here, one step after another'}")
+    if a.slurm:
+        outcomes = sweeps.run_slurm(run, plan, tasks, a.parallel, a.timeout_min)
+    else:
+        outcomes = sweeps.run_local(tasks)
+    path = sweeps.save(run, outcomes, {"envs": list(a.env_ids), "examples": a.examples, "rollouts": a.rollouts,
+                                       "backend": "slurm" if a.slurm else "local"})
+    sweeps.show(outcomes, path)
+    if any(o.error for o in outcomes):
         raise Exit(1)
 
 
@@ -228,6 +278,19 @@ def _cancel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", nargs="?", help=RUN_HELP)
 
 
+def _plot_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", nargs="?", help=RUN_HELP)
+    p.add_argument("--compare", "-c", action="append", help="Another run (directory or job id) to overlay; repeatable.")
+    p.add_argument("--output", "-o", type=Path, help="PNG to write (default: RUN/plots/progress.png).")
+
+
+def _wandb_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", nargs="?", help=RUN_HELP)
+    p.add_argument("--project", default="prl", help="W&B project.")
+    p.add_argument("--entity", help="W&B entity (team or user; default: yours).")
+    p.add_argument("--follow", "-f", action="store_true", help="Keep logging new steps until the job ends.")
+
+
 def _doctor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", help="Run directory (after `prl plan` or `prl submit`).")
     p.add_argument("--role", required=True, help="Role whose checks to run here.")
@@ -246,12 +309,17 @@ def _orchestrator_args(p: argparse.ArgumentParser) -> None:
 
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("env_id", help="verifiers taskset id, e.g. prl_reverse_text.")
-    p.add_argument("--base-url", required=True, help="OpenAI-compatible endpoint, e.g. http://host:8000/v1.")
-    p.add_argument("--model", required=True, help="Model name the endpoint serves.")
-    p.add_argument("--api-key-env", help="Variable that holds the API key.")
+    p.add_argument("env_ids", nargs="+", metavar="ENV_ID", help="verifiers taskset id(s), e.g. prl_reverse_text.")
+    p.add_argument("--base-url", help="OpenAI-compatible endpoint, e.g. http://host:8000/v1.")
+    p.add_argument("--model", help="Model name the endpoint serves.")
+    p.add_argument("--api-key-env", help="Variable that holds the endpoint's API key.")
+    p.add_argument("--run", help="Evaluate this run's published weights instead (directory or job id).")
+    p.add_argument("--steps", default="all", help="With --run: all, latest, or steps like 0,10,20 (0: base model).")
+    p.add_argument("--slurm", action="store_true", help="With --run: one submitit job array task per step.")
+    p.add_argument("--parallel", type=int, default=4, help="With --slurm: array tasks running at once.")
+    p.add_argument("--timeout-min", type=int, default=120, help="With --slurm: time limit of each task.")
     p.add_argument("--examples", "-n", type=int, default=64, help="Eval-split examples.")
-    p.add_argument("--rollouts", type=int, default=1, help="Rollouts per example.")
+    p.add_argument("--rollouts", type=int, default=1, help="Rollouts per example (pass@k with more than 1).")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--arg", dest="env_arg", action="append", help="Taskset argument KEY=VALUE (repeatable).")
@@ -262,7 +330,7 @@ COMMANDS: dict[str, Command] = {
     "plan": (plan, _plan_args), "submit": (submit, _submit_args), "status": (status, _status_args),
     "logs": (logs, _logs_args), "cancel": (cancel, _cancel_args), "doctor": (doctor, _doctor_args),
     "trainer": (trainer, _trainer_args), "orchestrator": (orchestrator, _orchestrator_args),
-    "eval": (evaluate, _eval_args),
+    "eval": (evaluate, _eval_args), "plot": (plot, _plot_args), "wandb": (wandb, _wandb_args),
 }
 
 

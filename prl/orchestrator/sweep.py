@@ -1,0 +1,163 @@
+"""One task of an evaluation sweep: serve one published weights step, evaluate environments on it.
+
+    EvalTask(run_dir, step=20, envs=("prl_reverse_text",), examples=64)()   -> [row per environment]
+
+A task is a plain picklable callable: `prl eval --run RUN` runs the tasks in-process
+(`--local`) or as a submitit job array on Slurm (`--slurm`, prl.ops.sweep), one task per
+weights step. Each task starts its own vLLM server (`python -m prl.inference`) on its node,
+bound to 127.0.0.1 with a key made for this task alone, from `weights/step_N` (step 0: the
+run's base model), with the run's own server flags (dtype, max length, tensor parallelism)
+minus what belongs to a training fleet (ports, data parallelism, KV transfer). It then runs
+every environment's eval split through the same code as `prl eval` and stops the server.
+One server per step, not per step and environment: on CPU a start takes minutes, a second
+environment on the same server only its rollouts.
+
+Imports nothing heavy at module level: the control plane pickles tasks without torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+KEY_VAR = "PRL_EVAL_API_KEY"
+START_TIMEOUT = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
+FLEET_FLAGS = ("--model", "--port", "--host", "--data-parallel-size", "--data-parallel-size-local",
+               "--data-parallel-address", "--data-parallel-rpc-port", "--data-parallel-start-rank",
+               "--headless", "--api-server-count", "--kv-transfer-config", "--kv-offloading-size",
+               "--kv-offloading-backend", "--enable-expert-parallel")
+"""Server flags of the training fleet an evaluation server does not take (every one takes a value but
+--headless and --enable-expert-parallel)."""
+_NO_VALUE = ("--headless", "--enable-expert-parallel")
+
+
+@dataclass(frozen=True)
+class EvalTask:
+    run_dir: str
+    step: int
+    """Weights step to evaluate (0: the base model)."""
+    envs: tuple[str, ...]
+    examples: int = 64
+    rollouts: int = 1
+    max_tokens: int | None = 512
+    temperature: float | None = 0.0
+    env_args: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self) -> list[dict[str, Any]]:
+        return evaluate_step(self)
+
+
+def server_flags(args: tuple[str, ...]) -> list[str]:
+    """A fleet server's vLLM flags without those of FLEET_FLAGS (and their values)."""
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in FLEET_FLAGS:
+            skip = "=" not in arg and name not in _NO_VALUE
+            continue
+        out.append(arg)
+    return out
+
+
+def role_env(pairs: tuple[tuple[str, str], ...], environ: dict[str, str]) -> dict[str, str]:
+    """A step's `env:` with its `${oc.env:NAME[,default]}` references read from `environ`, as its
+    step script does on the node (prl.planner.render.env_value)."""
+    from prl.config.loader import ENV_REFERENCE
+
+    def value(ref) -> str:
+        name, default = ref.group(1), ref.group(2)
+        if name in environ:
+            return environ[name]
+        if default is None:
+            raise RuntimeError(f"${{{name}}} is not set where this evaluation runs (the inference role's env)")
+        return default
+
+    return {key: ENV_REFERENCE.sub(value, text) for key, text in pairs}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def evaluate_step(task: EvalTask) -> list[dict[str, Any]]:
+    from prl.orchestrator.eval import main as run_eval
+    from prl.planner.model import Plan
+    from prl.run.rundir import RunDir, is_stable
+
+    run = RunDir(task.run_dir)
+    plan = Plan.read(run)
+    model = plan.settings().model.path if task.step == 0 else str(run.weights(task.step))
+    if task.step and not is_stable(run.weights(task.step)):
+        raise RuntimeError(f"weights step {task.step} of {run.root} is not published (no STABLE marker)")
+    fleet = next(s for s in plan.servers if s.head)
+    port, key = free_port(), secrets.token_urlsafe(24)
+    log_path = run.eval_log(task.step)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "prl.inference", "--run-dir", str(run.root), "--api-key-env", KEY_VAR,
+            "--model", model, *server_flags(fleet.args), "--host", "127.0.0.1", "--port", str(port)]
+    step = next(st for st in plan.steps if st.name == fleet.role)
+    env = {**os.environ, **role_env(step.env, dict(os.environ)), KEY_VAR: key}
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "ab") as log:
+        server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  start_new_session=True)
+    try:
+        wait_healthy(server, url, log_path)
+        os.environ[KEY_VAR] = key  # prl eval's client reads the key from the variable it is named by
+        rows = []
+        for env_id in task.envs:
+            stats = run_eval(env_id, url, plan.served_model_name, api_key_env=KEY_VAR, examples=task.examples,
+                             rollouts=task.rollouts, args=task.env_args, max_tokens=task.max_tokens,
+                             temperature=task.temperature, quiet=True)
+            stats.pop("base_url", None)  # this task's own server, gone when it ends
+            rows.append({"step": task.step, **stats})
+        return rows
+    finally:
+        os.environ.pop(KEY_VAR, None)
+        stop(server)
+
+
+def wait_healthy(server: subprocess.Popen, url: str, log_path: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the evaluation server exited with code {server.returncode} before it was "
+                               f"healthy; its log: {log_path}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"the evaluation server was not healthy after {START_TIMEOUT:.0f} s; its log: {log_path}")
+
+
+def stop(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (its engine processes too), SIGKILL after 30 s."""
+    for signum, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        if server.poll() is not None:
+            return
+        try:
+            os.killpg(server.pid, signum)
+        except ProcessLookupError:
+            return
+        try:
+            server.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue

@@ -1,0 +1,104 @@
+"""`prl eval ENV --run RUN`: a run's published weights evaluated step by step, here or as a submitit job array."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from prl.errors import ConfigError
+from prl.ops.sweep import choose_steps
+from prl.orchestrator.eval import pass_at_k
+from prl.orchestrator.rollouts import Rollout
+from prl.orchestrator.sweep import role_env, server_flags
+from prl.run.rundir import RunDir
+from tests.helpers import prl_cli as prl
+from tests.tiny_model import build_tiny_model
+
+
+def test_an_evaluation_server_keeps_the_runs_flags_but_not_the_fleets():
+    fleet = ("--model", "/m", "--served-model-name", "x", "--dtype", "bfloat16", "--tensor-parallel-size", "8",
+             "--data-parallel-size", "4", "--data-parallel-rpc-port=13345", "--enable-expert-parallel",
+             "--kv-transfer-config", '{"kv_connector": "NixlConnector"}', "--port", "8000", "--enforce-eager")
+    assert server_flags(fleet) == ["--served-model-name", "x", "--dtype", "bfloat16", "--tensor-parallel-size",
+                                   "8", "--enforce-eager"]
+
+
+def test_role_env_reads_references_like_the_step_script():
+    pairs = (("A", "plain"), ("B", "${oc.env:TOKEN}"), ("C", "x-${oc.env:MISSING,fallback}-y"))
+    assert role_env(pairs, {"TOKEN": "s3cret"}) == {"A": "plain", "B": "s3cret", "C": "x-fallback-y"}
+    with pytest.raises(RuntimeError, match=r"\$\{TOKEN\} is not set"):
+        role_env(pairs, {})
+
+
+def rollouts(rewards: list[float], failed: int = 0) -> list[Rollout]:
+    return [Rollout(r, 0, [], 1) for r in rewards] + [Rollout(0.0, 0, [], 0, error="x") for _ in range(failed)]
+
+
+def test_pass_at_k_is_the_unbiased_estimate_over_finished_rollouts():
+    groups = [rollouts([1, 0, 0, 0]), rollouts([0, 0, 0, 0]), rollouts([1, 1, 1, 1]), rollouts([1, 0], failed=2)]
+    out = pass_at_k(groups, 4)
+    # pass@1: mean of c/n = (1/4 + 0 + 1 + 1/2) / 4; pass@4: tasks with >= 4 finished rollouts only
+    assert out["pass@1"] == pytest.approx((0.25 + 0 + 1 + 0.5) / 4)
+    assert out["pass@4"] == pytest.approx((1 + 0 + 1) / 3)
+
+
+def test_steps_are_published_ones_or_the_base_model(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.create()
+    with pytest.raises(ConfigError, match="no published weights .* --steps 0 evaluates the base model"):
+        choose_steps(run, "all")
+    for step in (2, 4):
+        run.publish_dir(run.weights(step), lambda tmp: (tmp / "model.safetensors").write_bytes(b"x"))
+    assert choose_steps(run, "all") == [2, 4] and choose_steps(run, "latest") == [4]
+    assert choose_steps(run, "4,0, 2") == [0, 2, 4]
+    with pytest.raises(ConfigError, match=r"step\(s\) 3 are not published .* \(published: 2, 4\)"):
+        choose_steps(run, "2,3")
+    with pytest.raises(ConfigError, match="expected all, latest or a comma list"):
+        choose_steps(run, "last")
+
+
+def publish_copy(run: RunDir, step: int, model: Path, broken: bool = False) -> None:
+    def write(tmp: Path) -> None:
+        for f in model.iterdir():
+            shutil.copy(f, tmp)
+        if broken:
+            (tmp / "config.json").write_text('{"model_type": "no-such-architecture"}')
+
+    run.publish_dir(run.weights(step), write)
+
+
+@pytest.mark.slurm
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_sweep_runs_as_a_submitit_job_array_and_reports_a_failed_step_with_its_log(tmp_path, env, slurm_cluster):
+    model = build_tiny_model(tmp_path / "model")
+    run_dir = tmp_path / "run"
+    prl(env, "plan", "configs/lab.yaml", f"run_dir={run_dir}", f"model.path={model}")
+    run = RunDir(run_dir)
+    publish_copy(run, 1, model)
+    publish_copy(run, 2, model)
+    publish_copy(run, 3, model, broken=True)
+
+    out = prl(env, "eval", "prl_letters", "--run", run_dir, "--slurm", "--parallel", "3", "--examples", "4",
+              "--rollouts", "2", "--max-tokens", "8", "--timeout-min", "15", check=False, timeout=1200)
+    assert out.returncode == 1, out.stdout + out.stderr  # step 3 failed, and says so
+    assert "as a Slurm job array" in out.stdout and "step 3 failed: job " in out.stdout, out.stdout
+
+    [sweep] = run.evals_dir.glob("sweep-*.json")
+    result = json.loads(sweep.read_text())
+    assert result["backend"] == "slurm"
+    rows = sorted(result["rows"], key=lambda r: r["step"])
+    assert [(r["step"], r["env"], r["rollouts"], r["failed_rollouts"]) for r in rows] == [
+        (1, "prl_letters", 8, 0), (2, "prl_letters", 8, 0)]
+    assert all(0.0 <= r["reward_mean"] <= 1.0 and "pass@2" in r for r in rows)
+    # Same weights, greedy decoding: the two steps score the same.
+    assert rows[0]["reward_mean"] == pytest.approx(rows[1]["reward_mean"])
+    [failed] = result["failed"]
+    assert failed["step"] == 3 and Path(failed["log"]).is_file()
+    assert "evaluation server exited" in Path(failed["log"]).read_text()
+    # Each array task ran as its own Slurm job through submitit's files in the run directory.
+    assert len(list((run.evals_dir / "submitit").glob("*_submission.sh"))) + len(
+        list((run.evals_dir / "submitit").glob("*/*_submission.sh"))) >= 1
