@@ -287,7 +287,7 @@ def test_a_full_disk_during_a_publish_leaves_no_step_and_the_next_publish_works(
 @pytest.mark.slow  # two torchrun runs on CPU, ~60 s
 def test_sigterm_checkpoints_the_last_finished_step_and_the_resume_continues_there(tmp_path):
     from tests.tiny_model import build_tiny_model
-    from tests.trainer_helpers import launch, make_samples, setup_run
+    from tests.trainer_helpers import launch, make_samples, setup_run, wait_trainer_at
     from prl.run.batch import publish_batch
 
     model_dir = build_tiny_model(tmp_path / "model")
@@ -295,11 +295,7 @@ def test_sigterm_checkpoints_the_last_finished_step_and_the_resume_continues_the
     # No checkpoint before the end (interval 10): only the SIGTERM path can write step 3's.
     run = setup_run(tmp_path / "run", model_dir, range(1, 4), vocab, max_steps=5, checkpoint_interval=10)
     proc = launch(run, 2, resume="none", wait=False)
-    deadline = time.monotonic() + 180
-    while not (is_stable(run.weights(3)) and (run.read_state("trainer") or {}).get("step") == 4):
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "trainer did not reach step 4"
-        time.sleep(0.2)
+    wait_trainer_at(proc, run, 4)
     assert run.stable_steps("checkpoints") == []
     proc.send_signal(signal.SIGTERM)  # torchrun passes it to both ranks, as the role runner does to torchrun
     t0 = time.monotonic()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from prl.run.rundir import is_stable
 from prl.trainer.loss import policy_loss, token_logprobs_and_entropy
 from tests.plans import write_plan
 from tests.tiny_model import build_tiny_model
-from tests.trainer_helpers import launch, make_plan, make_samples, setup_run
+from tests.trainer_helpers import launch, make_plan, make_samples, setup_run, wait_trainer_at
 
 STEPS = 4
 
@@ -186,11 +185,7 @@ def test_kill_after_checkpoint_then_resume_on_one_rank_matches_uninterrupted(tin
     # Rollouts only up to step 3: after checkpoint 2 and step 3, the trainer waits for step 4; kill it there.
     run = setup_run(tmp_path / "run_b", model_dir, range(1, 4), vocab, max_steps=STEPS)
     proc = launch(run, 2, resume="none", wait=False)
-    deadline = time.monotonic() + 180
-    while not (is_stable(run.weights(3)) and (run.read_state("trainer") or {}).get("step") == 4):
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "trainer did not reach step 4"
-        time.sleep(0.2)
+    wait_trainer_at(proc, run, 4)
     # SIGKILL torchrun and its workers at once, as a node failure or Slurm's step kill would.
     import psutil
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -13,7 +14,7 @@ import numpy as np
 
 from prl.planner.model import Plan
 from prl.run.batch import Sample, publish_batch
-from prl.run.rundir import RunDir
+from prl.run.rundir import RunDir, is_stable
 from tests.plans import local_plan, write_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -134,3 +135,13 @@ def _free_port() -> int:
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def wait_trainer_at(proc: subprocess.Popen, run: RunDir, step: int, timeout: float = 180) -> None:
+    """Until weights step-1 are published and the trainer's state says it works on `step`; fails with the
+    trainer's output if it exits first."""
+    deadline = time.monotonic() + timeout
+    while not (is_stable(run.weights(step - 1)) and (run.read_state("trainer") or {}).get("step") == step):
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, f"trainer did not reach step {step}"
+        time.sleep(0.2)
