@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -96,19 +97,20 @@ def test_prl_plot_of_a_run_without_metrics_is_one_line_and_exit_2(tmp_path, tiny
     assert not run.progress_png.exists()
 
 
-def wandb_history(run_file: Path) -> list[dict]:
-    """The history rows of an offline W&B run: its .wandb file is a LevelDB-style log of protobuf Records."""
+def wandb_history(run_file: Path) -> list[dict] | None:
+    """The history rows of an offline W&B run: its .wandb file is a LevelDB-style log of protobuf Records.
+    None while the file has no exit record yet: W&B's service process writes it after wandb.finish() returns."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = run_file.read_bytes()
     assert data[:4] == b":W&B"
-    block, pos, pending, rows = 32768, 7, b"", []
+    block, pos, pending, rows, exited = 32768, 7, b"", [], False
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if length == 0 and kind == 0:
+        if (length == 0 and kind == 0) or pos + 7 + length > len(data):  # the end, or a record still being written
             break
         pending += data[pos + 7:pos + 7 + length]
         pos += 7 + length
@@ -118,6 +120,15 @@ def wandb_history(run_file: Path) -> list[dict]:
             pending = b""
             if record.WhichOneof("record_type") == "history":
                 rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item})
+            exited |= record.WhichOneof("record_type") == "exit"
+    return rows if exited else None
+
+
+def finished_history(run_file: Path, timeout: float = 120.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while (rows := wandb_history(run_file)) is None:
+        assert time.monotonic() < deadline, f"{run_file} has no exit record after {timeout:.0f} s"
+        time.sleep(0.2)
     return rows
 
 
@@ -136,7 +147,7 @@ def test_prl_wandb_logs_one_row_per_step_and_continues_the_same_run(tmp_path, ti
 
     files = sorted(run.wandb_dir.glob(f"offline-run-*-{first_id}/run-{first_id}.wandb"))
     assert len(files) == 2  # one W&B run id, synced twice
-    rows = [row for f in files for row in wandb_history(f)]
+    rows = [row for f in files for row in finished_history(f)]
     assert [row["_step"] for row in rows] == [1, 2, 3, 4, 5]
     assert rows[1]["eval/reward_mean"] == 0.5 and "eval/reward_mean" not in rows[0]
     assert rows[4]["trainer/loss"] == pytest.approx(0.2)
