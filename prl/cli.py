@@ -42,13 +42,15 @@ class Parser(argparse.ArgumentParser):
 
 def plan(a: argparse.Namespace) -> None:
     """Validate a topology, show the placement and write the rendered job to its run directory (dry run)."""
+    import msgspec
+
     from prl.planner.prepare import prepare, write_run_files
 
     prepared = prepare(a.topology, a.overrides)
     written = [] if a.no_write else write_run_files(prepared, force=a.force)
     if a.as_json:
         out = json.loads(prepared.plan.to_json())
-        out["settings"] = prepared.plan.settings().model_dump(mode="json")
+        out["settings"] = msgspec.to_builtins(prepared.plan.settings())
         out["written"] = [str(p) for p in written]
         sys.stdout.write(json.dumps(out, indent=2, sort_keys=True) + "\n")
         return

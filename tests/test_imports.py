@@ -120,3 +120,16 @@ def test_plan_command_imports_nothing_heavy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.rstrip().splitlines()[-1] == "HEAVY:", out.stdout[-500:]
+
+
+def test_plan_command_imports_no_pydantic():
+    """`prl plan` checks the schemas with msgspec: importing pydantic and building its models cost a
+    login node about 0.4 s (bench/bench_startup.py). Only the runtime roles use pydantic (through vLLM)."""
+    code = (
+        "import sys\n"
+        "from prl.cli import main\n"
+        "main(['plan', 'configs/moe-1t.yaml', '--no-write'])\n"
+        "print('PYDANTIC:' + ' '.join(sorted(m for m in sys.modules if m.split('.')[0] == 'pydantic')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.rstrip().splitlines()[-1] == "PYDANTIC:", out.stdout[-500:]

@@ -2,9 +2,9 @@
 
 import math
 
+import msgspec
 import pytest
 import torch
-from pydantic import ValidationError
 
 from prl.config.topology import Loss
 from prl.trainer.loss import merge_stats, policy_loss, token_logprobs_and_entropy
@@ -93,7 +93,9 @@ def test_logprobs_and_entropy():
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(ValidationError, match="mode"):
-        Loss(mode="ppo")
-    with pytest.raises(ValidationError, match=r"ratio_low \(2.0\) must be below ratio_high \(1.0\)"):
+    with pytest.raises(msgspec.ValidationError, match="mode"):
+        msgspec.convert({"mode": "ppo"}, Loss)
+    with pytest.raises(msgspec.ValidationError, match=r"ratio_low \(2.0\) must be below ratio_high \(1.0\)"):
+        msgspec.convert({"ratio_low": 2.0, "ratio_high": 1.0}, Loss)
+    with pytest.raises(ValueError, match=r"ratio_low \(2.0\) must be below ratio_high \(1.0\)"):
         Loss(ratio_low=2.0, ratio_high=1.0)

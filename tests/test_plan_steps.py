@@ -29,6 +29,14 @@ CLUSTER: dict[str, Any] = {
 }
 
 
+def as_topology(data: dict) -> Topology:
+    return msgspec.convert(data, Topology, strict=True)
+
+
+def as_profile(data: dict) -> ClusterProfile:
+    return msgspec.convert(data, ClusterProfile, strict=True)
+
+
 def _merge(base: dict, update: dict) -> dict:
     out = dict(base)
     for k, v in update.items():
@@ -37,17 +45,17 @@ def _merge(base: dict, update: dict) -> dict:
 
 
 def topo(**update: Any) -> Topology:
-    return Topology.model_validate(_merge(TOPO, update))
+    return as_topology(_merge(TOPO, update))
 
 
 def topo_pd(**router: Any) -> Topology:
     """Prefill/decode: one node each (the unified fields must go)."""
     data = {**TOPO, "inference": {"prefill": {"nodes": 1}, "decode": {"nodes": 1}, "router": router}}
-    return Topology.model_validate(data)
+    return as_topology(data)
 
 
 def checker(**cluster_update: Any) -> P.Checker:
-    cluster = ClusterProfile.model_validate(_merge(CLUSTER, cluster_update))
+    cluster = as_profile(_merge(CLUSTER, cluster_update))
     return P.Checker(Source(Path("topo.yaml"), {}, {}), cluster, Source(Path("prof.yaml"), {}, {}))
 
 
@@ -136,7 +144,7 @@ def kv_config(server) -> dict:
 
 def test_nixl_servers_get_side_channel_ports_dp_apart_per_node():
     """vLLM listens on VLLM_NIXL_SIDE_CHANNEL_PORT + each dp rank: servers sharing a node get ranges dp apart."""
-    t = Topology.model_validate({**TOPO, "inference": {"prefill": {"nodes": 1, "tp": 2, "dp": 2},
+    t = as_topology({**TOPO, "inference": {"prefill": {"nodes": 1, "tp": 2, "dp": 2},
                                                        "decode": {"nodes": 2, "tp": 1, "dp": 8}}})
     p = plan(t)
     assert [(s.role, s.node, s.side_channel_port) for s in p.servers] == [
@@ -146,7 +154,7 @@ def test_nixl_servers_get_side_channel_ports_dp_apart_per_node():
 
 
 def test_side_channel_ports_differ_job_wide_on_one_host():
-    t = Topology.model_validate({**TOPO, "inference": {"prefill": {"nodes": 1, "dp": 2}, "decode": {"nodes": 1}}})
+    t = as_topology({**TOPO, "inference": {"prefill": {"nodes": 1, "dp": 2}, "decode": {"nodes": 1}}})
     for cluster in ({"slurm": False}, {"single_host": True}):
         p = plan(t, gpu_node={"gpus": 0, "cpus": 2, "memory_gb": 8}, **cluster)
         assert [(s.role, s.port, s.side_channel_port) for s in p.servers] == [
@@ -160,13 +168,13 @@ def test_check_ports_refuses_a_router_on_a_side_channel():
 
 
 def test_example_connector_stores_kv_in_the_run_directory_and_needs_no_side_channel():
-    t = Topology.model_validate({**TOPO, "inference": {"prefill": {"nodes": 1}, "decode": {"nodes": 1},
+    t = as_topology({**TOPO, "inference": {"prefill": {"nodes": 1}, "decode": {"nodes": 1},
                                                        "kv_connector": {"name": "ExampleConnector"}}})
     p = plan(t)
     assert {s.side_channel_port for s in p.servers} == {None}
     assert {kv_config(s)["kv_connector_extra_config"]["shared_storage_path"] for s in p.servers} == {
         "/shared/runs/t/kv"}
-    mine = Topology.model_validate({**TOPO, "inference": {
+    mine = as_topology({**TOPO, "inference": {
         "prefill": {"nodes": 1}, "decode": {"nodes": 1},
         "kv_connector": {"name": "ExampleConnector", "extra_config": {"shared_storage_path": "/fast/kv"}}}})
     paths = {kv_config(s)["kv_connector_extra_config"]["shared_storage_path"] for s in plan(mine).servers}
@@ -180,7 +188,7 @@ def test_example_connector_stores_kv_in_the_run_directory_and_needs_no_side_chan
 ])
 def test_offload_with_disaggregation_is_a_multiconnector(backend, offload):
     """Next to a connector, vLLM's --kv-offloading-* flags would replace it: P/D renders both connectors."""
-    t = Topology.model_validate({**TOPO, "inference": {"prefill": {"nodes": 1}, "decode": {"nodes": 1},
+    t = as_topology({**TOPO, "inference": {"prefill": {"nodes": 1}, "decode": {"nodes": 1},
                                                        "kv_offload": {"backend": backend, "cpu_gb": 1.5}}})
     for s in plan(t).servers:
         assert not any(a.startswith("--kv-offloading") for a in s.args), s.args

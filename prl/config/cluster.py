@@ -9,21 +9,28 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Literal, Optional, Sequence
+from typing import Annotated, Literal, Optional, Sequence, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+import msgspec
+from msgspec import Meta
 
 from prl.errors import ConfigError
-from prl.config.loader import Source, load, shown, shown_path
+from prl.config.loader import FieldValueError, Source, explained, load, shown, shown_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLUSTERS_DIR = REPO_ROOT / "clusters"
 
-_TIME = re.compile(r"^([0-9]{1,3}-)?[0-9]{1,3}(:[0-9]{2}){0,2}$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")
+# Patterns are searched with Python's re: \A and \Z, since `$` also matches before a final newline.
+_TIME = re.compile(r"\A([0-9]{1,3}-)?[0-9]{1,3}(:[0-9]{2}){0,2}\Z")
 # C0/C1 controls, line separators and bidirectional overrides (text that reads other than it runs).
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-_SHELL_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_CONTROLS = r"\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+_SHELL_CONTROLS = r"\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+_CONTROL = re.compile(f"[{_CONTROLS}]")
+_SHELL_CONTROL = re.compile(f"[{_SHELL_CONTROLS}]")
+_TOKEN_CHARS = r"""\s'"`$;\\"""
+_TOKEN = re.compile(rf"\A[^{_TOKEN_CHARS}]+\Z")
+NAME = r"\A[A-Za-z0-9][A-Za-z0-9._-]*\Z"
+"""A name that may appear in paths, job names and messages as is."""
 
 MAX_NODES = 100_000
 """Most nodes any count may name (a typo of 10**12 stops at the schema)."""
@@ -36,69 +43,84 @@ MAX_TEXT = 4096
 """Longest string field."""
 
 
-def check_printable(value: str) -> str:
-    """No control characters (newlines, tabs, terminal escapes, bidi overrides) in a value for scripts or screens."""
+def control_characters(value: str) -> str:
+    """Why a value for scripts or screens was refused: control characters (newlines, tabs, terminal escapes,
+    bidi overrides)."""
     found = _CONTROL.search(value)
-    if found:
-        raise ValueError(f"must not contain control characters such as newlines, tabs or escapes "
-                         f"(U+{ord(found.group()):04X} in {shown(value)})")
-    return value
+    return (f"must not contain control characters such as newlines, tabs or escapes "
+            f"(U+{ord(found.group()):04X} in {shown(value)})") if found else ""
 
 
-def check_shell_text(value: str) -> str:
+def shell_control_characters(value: str) -> str:
     """Admin shell code may span lines and hold tabs, but no other control characters."""
     found = _SHELL_CONTROL.search(value)
-    if found:
-        raise ValueError(f"must not contain control characters other than newlines and tabs "
-                         f"(U+{ord(found.group()):04X} in {shown(value)})")
-    return value
+    return (f"must not contain control characters other than newlines and tabs "
+            f"(U+{ord(found.group()):04X} in {shown(value)})") if found else ""
 
 
-Text = Annotated[str, Field(max_length=MAX_TEXT), AfterValidator(check_printable)]
+def token_characters(value: str) -> str:
+    if not _TOKEN.search(value):
+        return "must not contain spaces, quotes, '$', ';' or backslashes (it lands in a Slurm option)"
+    return control_characters(value)
+
+
+def name_characters(value: str) -> str:
+    return "must use only letters, digits, '.', '_' and '-' (and start with a letter or digit)"
+
+
+def env_name(value: str) -> str:
+    return f"environment variable name {shown(value)} is not a valid shell name"
+
+
+PRINTABLE = explained(rf"\A[^{_CONTROLS}]*\Z", control_characters)
+
+Text = Annotated[str, Meta(max_length=MAX_TEXT), PRINTABLE]
 """A string of at most 4096 printable characters."""
 
-Token = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\s'\"`$;\\]+$"),
-                  AfterValidator(check_printable)]
+NonEmptyText = Annotated[Text, Meta(min_length=1)]
+
+Token = Annotated[str, Meta(min_length=1, max_length=256),
+                  explained(rf"\A[^{_TOKEN_CHARS}{_CONTROLS}]+\Z", token_characters)]
 """A value that lands in an #SBATCH line or an srun option: no spaces, quotes, '$', ';' or backslashes."""
 
-Env = Annotated[dict[str, Text], Field(max_length=MAX_ITEMS)]
+Name = Annotated[str, Meta(max_length=128), explained(NAME, name_characters)]
+"""Letters, digits, '.', '_', '-', starting with a letter or digit."""
+
+EnvName = Annotated[str, explained(r"\A[A-Za-z_][A-Za-z0-9_]{0,255}\Z", env_name)]
+
+Env = Annotated[dict[EnvName, Text], Meta(max_length=MAX_ITEMS)]
 """Environment variables: shell names to printable values."""
 
-
-class Strict(BaseModel):
-    # strict: YAML's `yes` is no number and "3" no int; no inf or nan in any float.
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=False, strict=True,
-                              allow_inf_nan=False)
+SlurmTime = Union[str, int]
+"""A Slurm time limit; `time: 30` in YAML is an int, which Slurm reads as minutes."""
 
 
-def check_env_names(env: dict[str, str]) -> dict[str, str]:
-    for name in env:
-        if not _ENV_NAME.match(name):
-            raise ValueError(f"environment variable name {shown(name)} is not a valid shell name")
-    return env
+class Strict(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of the user's schemas: immutable, unknown fields refused. `prl.config.loader.validate` converts
+    strictly: YAML's `yes` is no number and "3" no int (and the loader refuses inf and nan)."""
 
 
-def minutes_as_text(value: object) -> object:
-    """`time: 30` in YAML is an int: Slurm reads a bare number as minutes, so accept it as such."""
-    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+def checked_time(owner: Strict, field: str) -> None:
+    """Keep a time limit as Slurm's text (a YAML int is minutes) and refuse what Slurm would not read."""
+    value = getattr(owner, field)
+    if value is None:
+        return
+    text = str(value)
+    if not _TIME.search(text):
+        raise FieldValueError(field, f"time must look like MM, HH:MM:SS or D-HH:MM:SS, not {shown(text)}")
+    msgspec.structs.force_setattr(owner, field, text)
 
 
-def check_time(value: Optional[str]) -> Optional[str]:
-    if value is not None and not _TIME.match(value):
-        raise ValueError(f"time must look like MM, HH:MM:SS or D-HH:MM:SS, not {shown(value)}")
-    return value
-
-
-class NodeSpec(Strict):
-    gpus: int = Field(ge=0, le=MAX_GPUS_PER_NODE)
+class NodeSpec(Strict, kw_only=True):
+    gpus: Annotated[int, Meta(ge=0, le=MAX_GPUS_PER_NODE)]
     """GPUs on each node of this kind (0 for CPU-only nodes)."""
-    cpus: int = Field(ge=1, le=MAX_CPUS)
+    cpus: Annotated[int, Meta(ge=1, le=MAX_CPUS)]
     """CPU cores on each node that jobs may use."""
-    memory_gb: float = Field(gt=0, le=MAX_GB)
+    memory_gb: Annotated[float, Meta(gt=0, le=MAX_GB)]
     """Memory per node that jobs may use, in GiB."""
 
 
-class Partitions(Strict):
+class Partitions(Strict, kw_only=True):
     inference: Optional[Token] = None
     """Partition for inference groups (None: the cluster's default partition)."""
     trainer: Optional[Token] = None
@@ -107,35 +129,41 @@ class Partitions(Strict):
     """Partition for the orchestrator when it has nodes of its own (often a CPU partition)."""
 
 
-class Container(Strict):
+class Container(Strict, kw_only=True):
     image: Token
     """Container image for every step (pyxis `--container-image`)."""
-    mounts: list[Token] = Field(default=[], max_length=MAX_ITEMS)
+    mounts: Annotated[list[Token], Meta(max_length=MAX_ITEMS)] = []
     """`SRC:DST[:FLAGS]` mounts (pyxis `--container-mounts`); the run directory's root is added."""
     workdir: Optional[Token] = None
     """Working directory inside the container."""
 
 
-class Network(Strict):
+class Network(Strict, kw_only=True):
     interface: Optional[Token] = None
     """Interface the roles bind to and talk over (None: the node's hostname address)."""
     env: Env = {}
     """Variables for the fabric: NCCL_*, UCX_*, FI_* and so on."""
 
-    _names = field_validator("env")(check_env_names)
 
-
-class Requeue(Strict):
+class Requeue(Strict, kw_only=True):
     enabled: bool = False
     """Let Slurm requeue the job on node failure or preemption (`--requeue`)."""
-    signal_seconds: int = Field(default=120, ge=0, le=65535)
+    signal_seconds: Annotated[int, Meta(ge=0, le=65535)] = 120
     """Seconds before the time limit that the batch shell gets SIGTERM to checkpoint (0: none)."""
-    grace_seconds: int = Field(default=60, ge=0, le=86400)
+    grace_seconds: Annotated[int, Meta(ge=0, le=86400)] = 60
     """Seconds the roles get to finish a checkpoint after a stop, before they are killed."""
 
 
-class ClusterProfile(Strict):
-    name: str = Field(max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+def _gres_name(value: str) -> str:
+    return "must use only letters, digits, '_', ':', '.' and '-'"
+
+
+ShellLine = Annotated[str, Meta(max_length=16 * MAX_TEXT),
+                      explained(rf"\A[^{_SHELL_CONTROLS}]*\Z", shell_control_characters)]
+
+
+class ClusterProfile(Strict, kw_only=True):
+    name: Name
     """Profile name, shown in plans and errors."""
     slurm: bool = True
     """False for the local profile: roles run as local processes, no Slurm."""
@@ -152,45 +180,43 @@ class ClusterProfile(Strict):
     """What a node of the orchestrator partition offers (None: same as gpu_node)."""
     gpu_directive: Literal["gpus-per-node", "gres", "none"] = "gpus-per-node"
     """How GPUs are requested: `--gpus-per-node=N`, `--gres=gpu:N`, or not at all (whole-node clusters)."""
-    gres_name: str = Field(default="gpu", max_length=256, pattern=r"^[A-Za-z0-9_:.-]+$")
+    gres_name: Annotated[str, Meta(max_length=256), explained(r"\A[A-Za-z0-9_:.-]+\Z", _gres_name)] = "gpu"
     """GRES name for the `gres` directive (e.g. `gpu` or `gpu:h100`)."""
     exclusive: bool = True
     """Ask for whole nodes (`--exclusive`)."""
-    segment: Optional[int] = Field(default=None, ge=1, le=MAX_NODES)
+    segment: Optional[Annotated[int, Meta(ge=1, le=MAX_NODES)]] = None
     """`--segment` size for block/topology-aware placement (Slurm 23.11+)."""
     constraint: Optional[Token] = None
     """`--constraint` feature expression."""
     container: Optional[Container] = None
     """Run every step in a pyxis container."""
-    modules: list[Text] = Field(default=[], max_length=MAX_ITEMS)
+    modules: Annotated[list[Text], Meta(max_length=MAX_ITEMS)] = []
     """Environment modules loaded before the roles start (`module load NAME`)."""
     venv: Optional[Text] = None
     """A Python virtual environment activated before the roles start."""
-    setup: list[Annotated[str, Field(max_length=16 * MAX_TEXT), AfterValidator(check_shell_text)]] = Field(
-        default=[], max_length=MAX_ITEMS)
+    setup: Annotated[list[ShellLine], Meta(max_length=MAX_ITEMS)] = []
     """Shell lines run before the roles start. Cluster-admin shell code, rendered verbatim:
     the one field that is shell by contract (topology values never are)."""
-    python: Text = Field(default="python3", min_length=1)
+    python: NonEmptyText = "python3"
     """Interpreter that runs prl on compute nodes."""
     env: Env = {}
     """Variables exported to every role."""
-    shared_root: Text = Field(min_length=1)
+    shared_root: NonEmptyText
     """Root of the shared filesystem every node sees (run directories belong under it)."""
     network: Network = Network()
-    max_nodes: int = Field(ge=1, le=MAX_NODES)
+    max_nodes: Annotated[int, Meta(ge=1, le=MAX_NODES)]
     """Most nodes one job may use."""
-    default_time: Optional[str] = None
-    """Time limit when the topology gives none."""
+    default_time: Optional[SlurmTime] = None
+    """Time limit when the topology gives none (a bare number is minutes)."""
     requeue: Requeue = Requeue()
-    port_base: int = Field(default=8000, ge=1024, le=65000)
+    port_base: Annotated[int, Meta(ge=1024, le=65000)] = 8000
     """First port the roles' servers use on a node."""
     single_host: bool = False
     """Every node is the same host (several `slurmd -N` on one machine, a test cluster): servers get
     ports distinct job-wide, as in local runs, instead of the same ports on each node."""
 
-    _names = field_validator("env")(check_env_names)
-    _time_in = field_validator("default_time", mode="before")(minutes_as_text)
-    _time = field_validator("default_time")(check_time)
+    def __post_init__(self) -> None:
+        checked_time(self, "default_time")
 
     @property
     def orchestrator_node(self) -> NodeSpec:

@@ -2,8 +2,9 @@
 
 OmegaConf does the YAML semantics users expect (interpolation such as
 `${oc.env:USER}` or `${name}`, merging, `key=value` overrides); PyYAML's
-node tree gives every key its line, which OmegaConf forgets; pydantic
-checks the schema. Every failure becomes one ConfigError whose message reads
+node tree gives every key its line, which OmegaConf forgets; msgspec
+checks the schema (strictly: `yes` is no int, "3" no number). Every failure becomes one ConfigError
+whose message reads
 
     configs/topo.yaml:14 (trainer.ep): Input should be greater than or equal to 1 (got 0)
 
@@ -11,30 +12,28 @@ No input may crash or hang the loader: the file is stat'ed before it is read
 (regular, at most 1 MiB, UTF-8), the YAML event stream is checked before any
 tree is built (depth, tags, alias expansion), the tree before OmegaConf sees
 it (duplicate and complex keys, base-60 numbers, merge keys), interpolation
-before it is resolved (expanded size), and the resolved data before pydantic
+before it is resolved (expanded size), and the resolved data before msgspec
 (no non-finite floats anywhere).
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
 import math
 import os
 import re
 import stat
-import typing
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
+import msgspec
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ValidationError
 
 from prl.errors import ConfigError
 
-M = TypeVar("M", bound=BaseModel)
+M = TypeVar("M", bound=msgspec.Struct)
 
 FieldPath = tuple[Any, ...]
 
@@ -111,7 +110,7 @@ class Source:
 
 
 class FieldValueError(ValueError):
-    """Raised by a model validator to blame one of the model's fields rather than the whole model."""
+    """Raised by a schema's `__post_init__` to blame one of its fields rather than the whole mapping."""
 
     def __init__(self, field: str, message: str):
         super().__init__(message)
@@ -513,93 +512,23 @@ def load_document(path: Path, overrides: Sequence[str] = ()) -> tuple[dict[str, 
     return data, source
 
 
+def explained(pattern: str, explain: Callable[[str], str]) -> msgspec.Meta:
+    """A string pattern whose refusal reads as `explain(value)` rather than as the regex."""
+    return msgspec.Meta(pattern=pattern, extra={"explain": explain})
+
+
 def validate(model: type[M], data: dict[str, Any], source: Source) -> M:
-    """pydantic validation whose most telling error becomes a located ConfigError.
+    """Strict msgspec conversion whose refusal becomes a located ConfigError.
 
-    An unknown key is reported before the missing field it was probably meant to be."""
+    An unknown key anywhere is reported before any other error: before the missing field it was
+    probably meant to be."""
     try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        errors = exc.errors(include_url=False)
-        first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
-        field = _data_path(data, first["loc"])
-        blamed = first.get("ctx", {}).get("error")
-        if isinstance(blamed, FieldValueError):
-            field += (blamed.field,)
-        message = _unknown(model, field) if first["type"] == "extra_forbidden" else _describe(first)
+        return msgspec.convert(data, model, strict=True)
+    except msgspec.ValidationError as exc:
+        from prl.config.refusal import explain  # only a refused document pays for the explanation
+
+        field, message = explain(model, data, exc)
         raise source.error(field, message) from None
-
-
-def _is_union_tag(part: Any) -> bool:
-    # pydantic puts the chosen member's name in locations of tagged unions
-    return isinstance(part, str) and (part[:1].isupper() or part.startswith("function-"))
-
-
-def _data_path(data: Any, loc: tuple) -> FieldPath:
-    """pydantic's location as a path in the data: union member names dropped, user keys (`env.FOO`) kept."""
-    out: list[Any] = []
-    node = data
-    for part in loc:
-        if isinstance(node, dict) and part in node or (
-                isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)):
-            out.append(part)
-            node = node[part]
-        elif not _is_union_tag(part):
-            out.append(part)
-            node = None
-    return tuple(out)
-
-
-def _model_of(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic model inside an annotation (`Optional[Model]`, `list[Model]`), if any."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _model_of(arg)
-        if found:
-            return found
-    return None
-
-
-def _unknown(model: type[BaseModel], field: FieldPath) -> str:
-    """`unknown field; did you mean 'trainer'?` with the closest name the schema has at that place."""
-    current: type[BaseModel] | None = model
-    for part in field[:-1]:
-        if isinstance(part, int):
-            continue
-        info = current.model_fields.get(part) if current else None
-        current = _model_of(info.annotation) if info else None
-    names = list(current.model_fields) if current else []
-    close = difflib.get_close_matches(str(field[-1]), names, n=1, cutoff=0.5) if field else []
-    if close:
-        return f"unknown field; did you mean {close[0]!r}?"
-    return "unknown field (check the spelling; docs/reference.md lists every field)"
-
-
-_PATTERN_MEANING = {
-    r"^[^\s'\"`$;\\]+$": "must not contain spaces, quotes, '$', ';' or backslashes (it lands in a Slurm option)",
-    r"^[A-Za-z0-9][A-Za-z0-9._-]*$": "must use only letters, digits, '.', '_' and '-' (and start with a letter or digit)",
-}
-
-
-def _describe(error: dict[str, Any]) -> str:
-    kind = error["type"]
-    if kind == "string_pattern_mismatch":
-        pattern = error.get("ctx", {}).get("pattern", "")
-        meaning = _PATTERN_MEANING.get(pattern, f"must match {pattern}")
-        return f"{meaning} (got {shown(error['input'])})"
-    if kind == "missing":
-        return "required field is missing"
-    message = error["msg"]
-    if message.startswith("Value error, "):
-        message = message[len("Value error, "):]
-    if "input" in error and kind not in ("model_type", "dict_type"):
-        shown_input = error["input"]
-        if not isinstance(shown_input, (dict, list)) and shown(shown_input) not in message:
-            message += f" (got {shown(shown_input)})"
-        if isinstance(shown_input, bool) and kind != "bool_type":
-            message += "; YAML reads yes/no/on/off/true/false as booleans: write the value you mean"
-    return message
 
 
 def load(model: type[M], path: Path, overrides: Sequence[str] = ()) -> tuple[M, Source]:

@@ -14,10 +14,10 @@ import types
 import typing
 from typing import Any
 
-from pydantic import BaseModel
+import msgspec
 
 from prl.config.cluster import ClusterProfile
-from prl.config.loader import _model_of
+from prl.config.refusal import fields_of, struct_of
 from prl.config.topology import Topology
 
 
@@ -27,7 +27,7 @@ def _type_name(annotation: Any) -> str:
     if origin is typing.Annotated:
         return _type_name(args[0])
     if origin in (typing.Union, types.UnionType):
-        names = [_type_name(arg) for arg in args if arg is not type(None)]
+        names = [_type_name(arg) for arg in args if arg not in (type(None), msgspec.UnsetType)]
         return " or ".join(names + (["None"] if type(None) in args else []))
     if origin is typing.Literal:
         return "one of " + ", ".join(f"`{value}`" for value in args)
@@ -42,10 +42,10 @@ def _type_name(annotation: Any) -> str:
     return annotation.__name__ if isinstance(annotation, type) else str(annotation)
 
 
-def _field_docs(model: type[BaseModel]) -> dict[str, str]:
-    """The docstring under each field, read from the source (the models skip this at import, for speed)."""
+def _field_docs(model: type[msgspec.Struct]) -> dict[str, str]:
+    """The docstring under each field, read from the source (Python keeps none at run time)."""
     docs: dict[str, str] = {}
-    for cls in reversed([c for c in model.__mro__ if issubclass(c, BaseModel) and c is not BaseModel]):
+    for cls in reversed([c for c in model.__mro__ if issubclass(c, msgspec.Struct) and c is not msgspec.Struct]):
         body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
         for field, doc in zip(body, body[1:]):
             if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
@@ -55,17 +55,25 @@ def _field_docs(model: type[BaseModel]) -> dict[str, str]:
     return docs
 
 
-def _rows(model: type[BaseModel], prefix: str) -> list[str]:
+def _default(field: msgspec.structs.FieldInfo, sub: type | None) -> str:
+    if field.required:
+        return "required"
+    default = field.default_factory() if field.default is msgspec.NODEFAULT else field.default
+    if default is msgspec.UNSET:
+        return "unset"
+    return "see below" if sub and default is not None else repr(default)
+
+
+def _rows(model: type[msgspec.Struct], prefix: str) -> list[str]:
     rows = []
     nested = []
     docs = _field_docs(model)
-    for name, field in model.model_fields.items():
+    for name, field in fields_of(model).items():
         path = f"{prefix}{name}"
-        sub = _model_of(field.annotation)
-        default = "required" if field.is_required() else ("see below" if sub and field.default is not None
-                                                          else repr(field.default))
-        kind = sub.__name__ if sub else _type_name(field.annotation)
-        described = field.description or docs.get(name)
+        sub = struct_of(field.type)
+        default = _default(field, sub)
+        kind = sub.__name__ if sub else _type_name(field.type)
+        described = docs.get(name)
         doc = (described or (sub.__doc__ or "").strip().splitlines()[0] if sub and sub.__doc__ else
                described or "").replace("\n", " ").replace("|", "\\|")
         doc = " ".join(doc.split())

@@ -55,13 +55,15 @@ def sync(run: RunDir, project: str, entity: str | None = None, follow: bool = Fa
         import wandb
     except ImportError:
         raise ConfigError("prl wandb needs the wandb package: pip install 'prl[wandb]'") from None
+    import msgspec
+
     from prl.planner.model import Plan
 
     plan = Plan.read(run)
     state = cursor(run)
     run.wandb_dir.mkdir(parents=True, exist_ok=True)
     wb = wandb.init(project=project, entity=entity, id=state["id"], resume="allow", name=plan.name,
-                    dir=str(run.root), config=plan.settings().model_dump(mode="json"),
+                    dir=str(run.root), config=msgspec.to_builtins(plan.settings()),
                     settings=wandb.Settings(console="off"))
     logged = 0
     try:

@@ -5,7 +5,7 @@
 a dict. The user's own settings travel inside it as the topology's own schemas (`RunSettings`:
 `Model`, `Environment`, `Training`, KV settings): one definition per concept, no role restates a
 default. They are decoded on first use (`plan.settings()`), so the commands that only need the
-placement (`prl status`, `prl logs`, the launcher) never import pydantic: msgspec decodes and
+placement (`prl status`, `prl logs`, the launcher) never import the schemas: msgspec decodes and
 type-checks the rest in a few milliseconds, and login nodes feel every 100 ms.
 """
 

@@ -8,6 +8,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Sequence
 
+import msgspec
 import yaml
 
 from prl.config.cluster import CLUSTERS_DIR, ClusterProfile, load_profile, profile_path
@@ -51,7 +52,7 @@ def _absolute_model_paths(topo: Topology, cwd: Path) -> Topology:
         value = getattr(topo.model, key)
         if value and not Path(value).is_absolute() and (cwd / value).exists():
             update[key] = str((cwd / value).resolve())
-    return topo.model_copy(update={"model": topo.model.model_copy(update=update)}) if update else topo
+    return msgspec.structs.replace(topo, model=msgspec.structs.replace(topo.model, **update)) if update else topo
 
 
 def model_config(topo: Topology, source: Source) -> dict | None:
@@ -81,7 +82,7 @@ def prepare(topology_path: Path, overrides: Sequence[str] = (), cwd: Path | None
                                          f"shipped profiles: {known}")
     cluster, cluster_source = load_profile(topo.cluster, topology_path.parent, cluster_overrides(overrides))
     shared_root = _absolute(cluster.shared_root, cwd)
-    cluster = cluster.model_copy(update={"shared_root": shared_root})
+    cluster = msgspec.structs.replace(cluster, shared_root=shared_root)
     run_dir = _absolute(topo.run_dir or f"{shared_root.rstrip('/')}/prl-runs/{topo.name}", cwd)
     run_dir = str(Path(run_dir))  # normalise '//' and a trailing '/'
     plan = make_plan(topo, source, cluster, cluster_source, run_dir, model_config(topo, source))

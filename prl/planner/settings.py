@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from pydantic import ValidationError
+import msgspec
 
 from prl.config.cluster import Strict
 from prl.config.topology import Environment, KVConnector, KVOffload, Model, Topology, Training
 from prl.errors import ConfigError
 
 
-class RunSettings(Strict):
+class RunSettings(Strict, kw_only=True):
     model: Model
     environment: Environment
     training: Training
@@ -32,14 +32,14 @@ class RunSettings(Strict):
                    kv_connector=inference.kv_connector if inference.disaggregated else None)
 
     def to_json(self) -> bytes:
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+        return json.dumps(msgspec.to_builtins(self), sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> RunSettings:
         try:
-            return cls.model_validate_json(raw)
-        except ValidationError as exc:
-            first = exc.errors(include_url=False)[0]
-            field = ".".join(str(p) for p in first["loc"])
-            raise ConfigError(f"plan.json settings ({field}): {first['msg']}; the plan was written by another "
+            return msgspec.json.decode(raw, type=cls, strict=True)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            message, at, where = str(exc).rpartition(" - at `")
+            field = f" ({where.rstrip('`').removeprefix('$').removeprefix('.')})" if at else ""
+            raise ConfigError(f"plan.json settings{field}: {message or exc}; the plan was written by another "
                               f"prl version or edited by hand: run `prl plan` again") from None
