@@ -12,11 +12,16 @@ noisy; only the ratio means much):
   within 1.3x). The schemas are msgspec Structs: `prl plan` imports no pydantic.
 
 Then the slowest imports of `prl plan`, from -X importtime.
+
+Every command runs with its bytecode cached, as an installed prl runs for a user: the children
+get a private PYTHONPYCACHEPREFIX and never PYTHONDONTWRITEBYTECODE (with it, each run would
+recompile prl's sources and the ratio would measure the compiler).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -26,11 +31,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 
 
 def wall(cmd: list[str]) -> float:
     start = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, env=ENV)
     return time.perf_counter() - start
 
 
@@ -47,7 +53,7 @@ def ratio(name: str, cmd: list[str], base: list[str], base_name: str, runs: int,
 
 
 def import_profile(argv: list[str], top: int) -> list[tuple[int, str]]:
-    err = subprocess.run([PY, "-X", "importtime", "-m", "prl.cli", *argv], capture_output=True, text=True,
+    err = subprocess.run([PY, "-X", "importtime", "-m", "prl.cli", *argv], capture_output=True, text=True, env=ENV,
                          cwd=REPO).stderr
     rows = []
     for line in err.splitlines():
@@ -63,18 +69,19 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=15)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        ENV["PYTHONPYCACHEPREFIX"] = f"{tmp}/pycache"
         run = f"{tmp}/run"
         subprocess.run([PY, "-m", "prl.cli", "plan", "configs/local-tiny.yaml", f"run_dir={run}"], check=True,
                        cwd=REPO, stdout=subprocess.DEVNULL)
         ratio("prl status --json (planned run)", [PY, "-m", "prl.cli", "status", run, "--json"],
               [PY, "-c", "import typer"], 'python -c "import typer"', args.runs, 2.0)
-    deps = "import msgspec, omegaconf, jinja2, rich.table, yaml, typer"
-    plan = ["plan", "configs/moe-1t.yaml", "--no-write"]
-    ratio("prl plan moe-1t --no-write", [PY, "-m", "prl.cli", *plan], [PY, "-c", deps],
-          "python -c 'import <its dependencies>'", args.runs, 1.3)
-    print("slowest imports of `prl plan` (cumulative us):")
-    for us, name in import_profile(plan, 12):
-        print(f"  {us:>8}  {name}")
+        deps = "import msgspec, omegaconf, jinja2, rich.table, yaml, typer"
+        plan = ["plan", "configs/moe-1t.yaml", "--no-write"]
+        ratio("prl plan moe-1t --no-write", [PY, "-m", "prl.cli", *plan], [PY, "-c", deps],
+              "python -c 'import <its dependencies>'", args.runs, 1.3)
+        print("slowest imports of `prl plan` (cumulative us):")
+        for us, name in import_profile(plan, 12):
+            print(f"  {us:>8}  {name}")
 
 
 if __name__ == "__main__":
