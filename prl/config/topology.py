@@ -271,7 +271,7 @@ class Advantage(Strict):
 
 class Training(Strict):
     batch_size: int = Field(ge=1, le=MAX_COUNT)
-    """Rollouts per training step (all ranks together)."""
+    """Rollouts per training step (all ranks together); SFT: conversations per step."""
     rollouts_per_example: int = Field(default=8, ge=1, le=MAX_COUNT)
     """Rollouts per prompt; advantages are relative within these groups."""
     micro_batch_tokens: int = Field(default=8192, ge=16, le=MAX_COUNT)
@@ -316,6 +316,21 @@ class Training(Strict):
     /health; one that does not answer for this long (None: 300 s) is failed and handled by `on_failure`."""
 
 
+class SFT(Strict):
+    """Supervised fine-tuning: the trainer alone learns from chat conversations (no inference, orchestrator or
+    environment). Optimizer, batch (`training.batch_size` conversations per step), micro-batch, steps and
+    checkpoints are `training:`'s; conversations longer than `model.max_model_len` tokens are cut there."""
+
+    data: Text = Field(min_length=1)
+    """Chat data (`messages` lists): a `.jsonl` or `.parquet` file, or a local Hugging Face datasets directory.
+    A relative path that exists where prl runs is made absolute."""
+    split: str = Field(default="train", max_length=128, pattern=NAME)
+    """Split to read from a datasets directory."""
+    epochs: Optional[int] = Field(default=None, ge=1, le=MAX_COUNT)
+    """Stop after this many passes over the data, or at `training.max_steps`, whichever comes first (None:
+    `max_steps` alone). Every pass is shuffled anew from `training.seed`."""
+
+
 class Slurm(Strict):
     time: Optional[str] = None
     """Time limit (`--time`); None: the cluster's default."""
@@ -349,12 +364,30 @@ class Topology(Strict):
     run_dir: Optional[Text] = None
     """Run directory on the shared filesystem (None: SHARED_ROOT/prl-runs/NAME)."""
     model: Model
-    inference: Inference
+    inference: Optional[Inference] = None
+    """RL only: the vLLM servers."""
     trainer: Trainer
     orchestrator: Orchestrator = Orchestrator()
-    environment: Environment
+    """RL only: where the orchestrator runs."""
+    environment: Optional[Environment] = None
+    """RL only: the verifiers environment trained on."""
+    sft: Optional[SFT] = None
+    """Supervised fine-tuning instead of RL: a trainer-only job (then no inference, orchestrator, environment)."""
     training: Training
     slurm: Slurm = Slurm()
+
+    @model_validator(mode="after")
+    def _rl_or_sft(self) -> "Topology":
+        if self.sft is not None:
+            stray = [name for name in _RL_ONLY if name in self.model_fields_set]
+            if stray:
+                raise FieldValueError(stray[0], f"an SFT topology (sft:) runs the trainer alone: remove {stray[0]}")
+            return self
+        for name in ("inference", "environment"):
+            if getattr(self, name) is None:
+                raise FieldValueError(name, f"missing: an RL topology needs inference: and environment: "
+                                            f"(or give sft: for supervised fine-tuning)")
+        return self
 
     @field_validator("run_dir")
     @classmethod
@@ -367,6 +400,9 @@ class Topology(Strict):
         if all(part in ("", ".") for part in parts):
             raise ValueError(f"run_dir must name a directory of its own, not {shown(value)}")
         return value
+
+
+_RL_ONLY = ("inference", "orchestrator", "environment")
 
 
 def load_topology(path: Path, overrides: Sequence[str] = ()) -> tuple[Topology, Source]:
