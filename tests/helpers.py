@@ -37,3 +37,17 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 60.0, in
             return last
         time.sleep(interval)
     pytest.fail(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
+
+
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+
+
+def run_to_the_end(env: dict, run: Path, timeout: float = 600) -> dict:
+    """`prl status RUN --json` once the job ended (cancelled, whatever happens, when the wait fails)."""
+    import json
+
+    try:
+        return wait_for("the job to end", lambda: (s := json.loads(prl_cli(env, "status", run, "--json").stdout))[
+            "state"] in ENDED and s, timeout=timeout, interval=3)
+    finally:
+        prl_cli(env, "cancel", run, check=False)

@@ -329,6 +329,39 @@ RESOURCE_CASES = [
 ]
 
 
+SFT_BASE = """\
+name: adv
+cluster: ./prof.yaml
+run_dir: {run}
+model:
+  path: /models/m
+trainer:
+  nodes: 1
+sft:
+  data: /data/chat.jsonl
+training:
+  batch_size: 64
+  max_steps: 10
+"""
+
+SFT_CASES = [
+    edit("sft-with-inference", "sft:", "inference:\n  nodes: 1\nsft:", "inference", base=SFT_BASE,
+         says="runs the trainer alone"),
+    edit("sft-with-orchestrator", "sft:", "orchestrator:\n  placement: own\nsft:", "orchestrator", base=SFT_BASE,
+         says="remove orchestrator"),
+    edit("sft-with-environment", "sft:", "environment:\n  id: e\nsft:", "environment", base=SFT_BASE),
+    edit("sft-typo", "  data: /data/chat.jsonl", "  dta: /data/chat.jsonl", "sft.dta", base=SFT_BASE,
+         says="did you mean 'data'?"),
+    edit("sft-no-data", "  data: /data/chat.jsonl", "  split: train", "sft.data", base=SFT_BASE, line=False),
+    edit("sft-zero-epochs", "  data: /data/chat.jsonl", "  data: /data/chat.jsonl\n  epochs: 0", "sft.epochs",
+         at=1, base=SFT_BASE),
+    edit("sft-batch-under-dp", "batch_size: 64", "batch_size: 4", "training.batch_size", base=SFT_BASE,
+         says="use at least 8"),
+    edit("rl-without-environment", "environment:\n  id: prl_reverse_text\n", "", "environment", line=False,
+         says="sft:"),
+]
+
+
 SHELL_CASES = [
     edit("name-subst", "name: adv", 'name: "adv$(touch pwned)"', "name"),
     edit("name-backtick", "name: adv", 'name: "adv`id`"', "name"),
@@ -531,7 +564,7 @@ SIZE_CASES = [
 
 
 ALL = {"yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
-       "markup": MARKUP_CASES, "size": SIZE_CASES}
+       "markup": MARKUP_CASES, "size": SIZE_CASES, "sft": SFT_CASES}
 PARAMS = [pytest.param(case, id=f"{kind}:{case.id}", marks=case.marks) for kind, cases in ALL.items()
           for case in cases]
 

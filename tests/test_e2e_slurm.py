@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.helpers import REPO, prl_cli as prl, wait_for
+from tests.helpers import REPO, prl_cli as prl, run_to_the_end
 from tests.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.slow]
@@ -18,11 +18,7 @@ def test_lab_hetjob_runs_the_rl_loop(tmp_path, env, slurm_cluster):
     run = tmp_path / "run"
     prl(env, "submit", "configs/lab.yaml", f"run_dir={run}", f"model.path={model}", "training.max_steps=3",
         "training.max_off_policy_steps=0")  # synchronous: every step waits for the trained weights
-    try:
-        final = wait_for("the job to end", lambda: (s := json.loads(prl(env, "status", run, "--json").stdout))[
-            "state"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and s, timeout=600, interval=3)
-    finally:
-        prl(env, "cancel", run, check=False)
+    final = run_to_the_end(env, run)
     assert final["state"] == "COMPLETED", (final, prl(env, "logs", run, "-n", "40", check=False).stdout)
     assert [r["exit_code"] for r in final["roles"]] == [0, 0, 0]
     assert final["progress"]["trainer_step"] == 3
@@ -68,11 +64,7 @@ def test_lab_pd_hetjob_runs_the_rl_loop(tmp_path, env, slurm_cluster):
     The letters prompts are shorter than one 128-token KV block: ExampleConnector stores none of them."""
     topo, run = pd_topology(tmp_path, build_tiny_model(tmp_path / "model"), "ExampleConnector")
     prl(env, "submit", topo, "training.max_steps=3", "training.max_off_policy_steps=0")
-    try:
-        final = wait_for("the job to end", lambda: (s := json.loads(prl(env, "status", run, "--json").stdout))[
-            "state"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and s, timeout=900, interval=3)
-    finally:
-        prl(env, "cancel", run, check=False)
+    final = run_to_the_end(env, run, timeout=900)
     assert final["state"] == "COMPLETED", (final, prl(env, "logs", run, "-n", "40", check=False).stdout)
     roles = {r["role"]: r for r in final["roles"]}
     assert set(roles) == {"prefill", "decode", "router", "orchestrator", "trainer"}, roles

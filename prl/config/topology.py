@@ -11,6 +11,7 @@ from pathlib import Path
 import re
 from typing import Annotated, Any, Literal, Optional, Sequence, Union
 
+import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from prl.config.cluster import (MAX_CPUS, MAX_GB, MAX_GPUS_PER_NODE, MAX_ITEMS, MAX_NODES, Env, Name, NonEmptyText,
@@ -214,6 +215,11 @@ class Orchestrator(Strict, kw_only=True):
     """Failure policy of the orchestrator: a failure ends the job."""
 
 
+DEFAULT_ORCHESTRATOR = Orchestrator()
+"""What an unwritten `orchestrator:` becomes; compared by identity, so that `msgspec.structs.replace` of a loaded
+SFT topology (which re-runs `Topology.__post_init__`) does not take it for one the user wrote."""
+
+
 class EvalSettings(Strict, kw_only=True):
     every: Annotated[int, Meta(ge=0, le=MAX_COUNT)] = 0
     """Evaluate every N steps on the eval split (0: never)."""
@@ -257,7 +263,7 @@ class Advantage(Strict, kw_only=True):
 
 class Training(Strict, kw_only=True):
     batch_size: Annotated[int, Meta(ge=1, le=MAX_COUNT)]
-    """Rollouts per training step (all ranks together)."""
+    """Rollouts per training step (all ranks together); SFT: conversations per step."""
     rollouts_per_example: Annotated[int, Meta(ge=1, le=MAX_COUNT)] = 8
     """Rollouts per prompt; advantages are relative within these groups."""
     micro_batch_tokens: Annotated[int, Meta(ge=16, le=MAX_COUNT)] = 8192
@@ -302,6 +308,21 @@ class Training(Strict, kw_only=True):
     /health; one that does not answer for this long (None: 300 s) is failed and handled by `on_failure`."""
 
 
+class SFT(Strict, kw_only=True):
+    """Supervised fine-tuning: the trainer alone learns from chat conversations (no inference, orchestrator or
+    environment). Optimizer, batch (`training.batch_size` conversations per step), micro-batch, steps and
+    checkpoints are `training:`'s; conversations longer than `model.max_model_len` tokens are cut there."""
+
+    data: NonEmptyText
+    """Chat data (`messages` lists): a `.jsonl` or `.parquet` file, or a local Hugging Face datasets directory.
+    A relative path that exists where prl runs is made absolute."""
+    split: Name = "train"
+    """Split to read from a datasets directory."""
+    epochs: Optional[Annotated[int, Meta(ge=1, le=MAX_COUNT)]] = None
+    """Stop after this many passes over the data, or at `training.max_steps`, whichever comes first (None:
+    `max_steps` alone). Every pass is shuffled anew from `training.seed`."""
+
+
 class Slurm(Strict, kw_only=True):
     time: Optional[SlurmTime] = None
     """Time limit (`--time`, a bare number is minutes); None: the cluster's default."""
@@ -331,14 +352,32 @@ class Topology(Strict, kw_only=True):
     run_dir: Optional[Text] = None
     """Run directory on the shared filesystem (None: SHARED_ROOT/prl-runs/NAME)."""
     model: Model
-    inference: Inference
+    inference: Optional[Inference] = None
+    """RL only: the vLLM servers."""
     trainer: Trainer
-    orchestrator: Orchestrator = Orchestrator()
-    environment: Environment
+    orchestrator: Union[Orchestrator, UnsetType] = UNSET
+    """RL only: where the orchestrator runs (unset: the defaults below). Always an Orchestrator once loaded."""
+    environment: Optional[Environment] = None
+    """RL only: the verifiers environment trained on."""
+    sft: Optional[SFT] = None
+    """Supervised fine-tuning instead of RL: a trainer-only job (then no inference, orchestrator, environment)."""
     training: Training
     slurm: Slurm = Slurm()
 
     def __post_init__(self) -> None:
+        if self.sft is not None:
+            given = {"inference": self.inference is not None, "environment": self.environment is not None,
+                     "orchestrator": not (self.orchestrator is UNSET or self.orchestrator is DEFAULT_ORCHESTRATOR)}
+            stray = [name for name in _RL_ONLY if given[name]]
+            if stray:
+                raise FieldValueError(stray[0], f"an SFT topology (sft:) runs the trainer alone: remove {stray[0]}")
+        else:
+            for name in ("inference", "environment"):
+                if getattr(self, name) is None:
+                    raise FieldValueError(name, "missing: an RL topology needs inference: and environment: "
+                                                "(or give sft: for supervised fine-tuning)")
+        if self.orchestrator is UNSET:  # unset only to tell a written one from the default (frozen: force)
+            msgspec.structs.force_setattr(self, "orchestrator", DEFAULT_ORCHESTRATOR)
         if self.run_dir is None:
             return
         parts = self.run_dir.split("/")
@@ -346,6 +385,9 @@ class Topology(Strict, kw_only=True):
             raise FieldValueError("run_dir", f"run_dir must not contain '..' components (got {shown(self.run_dir)})")
         if all(part in ("", ".") for part in parts):
             raise FieldValueError("run_dir", f"run_dir must name a directory of its own, not {shown(self.run_dir)}")
+
+
+_RL_ONLY = ("inference", "orchestrator", "environment")
 
 
 def load_topology(path: Path, overrides: Sequence[str] = ()) -> tuple[Topology, Source]:

@@ -258,7 +258,8 @@ class Plan(Frozen, kw_only=True):
     servers: tuple[Server, ...]
     router_port: Optional[int]
     trainer: TrainerPlan
-    orchestrator: OrchestratorPlan
+    orchestrator: Optional[OrchestratorPlan]
+    """None for an SFT job (the trainer alone)."""
     steps: tuple[Step, ...]
     batch_directives: tuple[str, ...]
     """`#SBATCH` options for the whole job (name, output, time, signal, requeue)."""

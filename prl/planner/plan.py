@@ -12,7 +12,8 @@ Layout of a job (one het group per role kind, in start order):
     trainer                           torchrun, one task per node
 
 Start order: every inference server healthy (router after prefill + decode)
--> orchestrator healthy -> trainer.
+-> orchestrator healthy -> trainer. An SFT topology (`sft:`) plans the trainer alone:
+one group, one step, the same launcher, heartbeats and state files.
 
 `make_plan` is a short sequence of named steps; each is a function of its own,
 unit-tested in tests/test_plan_steps.py.
@@ -114,8 +115,8 @@ def check_run_dir(check: Checker, run_dir: str) -> None:
 def check_node_budget(check: Checker, topo: Topology) -> None:
     """Node totals against max_nodes before anything is expanded per node (a typo of 10**9 fails at once)."""
     cluster = check.cluster
-    counts = {role: g.nodes for role, g in topo.inference.groups().items()}
-    if topo.orchestrator.placement == "own":
+    counts = {role: g.nodes for role, g in topo.inference.groups().items()} if topo.inference else {}
+    if topo.inference and topo.orchestrator.placement == "own":
         counts["orchestrator"] = 1
     counts["trainer"] = topo.trainer.nodes
     total = sum(counts.values())
@@ -350,7 +351,8 @@ def trainer_mesh(check: Checker, topo: Topology) -> tuple[int, int, Mesh]:
 
 
 def place_trainer(check: Checker, topo: Topology, layout: Layout, common_env: dict[str, str],
-                  orchestrator: OrchestratorPlan) -> TrainerPlan:
+                  orchestrator: Optional[OrchestratorPlan]) -> TrainerPlan:
+    """The trainer's group and step: after the orchestrator (RL), or alone (SFT: no orchestrator)."""
     tr = topo.trainer
     cluster = check.cluster
     nodes, procs, mesh = trainer_mesh(check, topo)
@@ -358,7 +360,8 @@ def place_trainer(check: Checker, topo: Topology, layout: Layout, common_env: di
     group = layout.add_group(cluster, "trainer", cluster.partitions.trainer, nodes, 1, cluster.gpu_node.cpus, gpus)
     layout.steps.append(Step(name="trainer", group=group.index, nodes=nodes, ntasks_per_node=1,
                              cpus_per_task=cluster.gpu_node.cpus, gpus_per_node=gpus,
-                             overlap=orchestrator.placement == "trainer", start_after=("orchestrator",),
+                             overlap=orchestrator is not None and orchestrator.placement == "trainer",
+                             start_after=("orchestrator",) if orchestrator else (),
                              health="heartbeat", script="scripts/trainer.sh",
                              env=merged_env(common_env, tr.env, {"PRL_ROLE": "trainer"})))
     return TrainerPlan(group=group.index, nodes=nodes, gpus_per_node=procs, world_size=mesh.world_size,
@@ -388,6 +391,13 @@ def check_single_allocation(check: Checker, layout: Layout) -> None:
 
 def check_training(check: Checker, topo: Topology, mesh: Mesh) -> None:
     t = topo.training
+    if topo.sft is not None:
+        if t.batch_size < mesh.dp:
+            raise check.fail(("training", "batch_size"), (
+                f"batch_size({t.batch_size}) conversations per step give some of the trainer's {mesh.dp} "
+                f"data-parallel ranks (dp_replicate({mesh.dp_replicate}) * dp_shard({mesh.dp_shard})) no sample; "
+                f"use at least {mesh.dp}"))
+        return
     if t.batch_size % t.rollouts_per_example:
         raise check.fail(("training", "batch_size"), (
             f"batch_size({t.batch_size}) must be a multiple of rollouts_per_example({t.rollouts_per_example}); "
@@ -459,28 +469,31 @@ def job_directives(check: Checker, topo: Topology, run_dir: str) -> tuple[list[s
     return batch, common + list(topo.slurm.extra_directives)
 
 
-def finish_groups(check: Checker, layout: Layout, common: list[str], orchestrator: OrchestratorPlan) -> list[Group]:
+def finish_groups(check: Checker, layout: Layout, common: list[str], orchestrator: Optional[OrchestratorPlan],
+                  hetjob: bool) -> list[Group]:
     """Hetjob: every component gets the common options. Otherwise one allocation of whole nodes of one kind."""
     cluster = check.cluster
     groups = layout.groups
-    if cluster.hetjob:
+    if hetjob:
         return [msgspec.structs.replace(g, directives=g.directives + tuple(common)) for g in groups]
     gpus = max(g.gpus_per_node for g in groups)
     ntasks = max(g.ntasks_per_node for g in groups)
     total = sum(g.nodes for g in groups)
     single = group_directives(cluster, groups[0].partition, total, ntasks, max(1, cluster.gpu_node.cpus // ntasks),
                               gpus) + tuple(common)
-    if orchestrator.placement == "own" and gpus:
+    if orchestrator is not None and orchestrator.placement == "own" and gpus:
         check.warnings.append("without hetjobs the orchestrator's node is a GPU node too: its GPUs stay idle")
     return [msgspec.structs.replace(g, directives=single if g.index == 0 else ()) for g in groups]
 
 
-def place_steps(cluster: ClusterProfile, steps: list[Step], groups: list[Group], run_dir: str) -> list[Step]:
+def place_steps(cluster: ClusterProfile, hetjob: bool, steps: list[Step], groups: list[Group], run_dir: str
+                ) -> list[Step]:
     """Each step's srun placement (Slurm clusters only)."""
     if not cluster.slurm:
         return steps
     container = container_args(cluster, run_dir)
-    return [msgspec.structs.replace(s, srun_args=srun_args(s, groups[s.group], cluster, container)) for s in steps]
+    return [msgspec.structs.replace(s, srun_args=srun_args(s, groups[s.group], cluster, hetjob, container))
+            for s in steps]
 
 
 def setup_lines(cluster: ClusterProfile) -> tuple[str, ...]:
@@ -518,10 +531,7 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
     check_node_budget(check, topo)
     common_env = role_env(cluster, run_dir)
     layout = Layout()
-    roles, servers = place_inference(check, topo, layout, common_env, run_dir)
-    router_port = place_router(check, topo, layout, common_env)
-    check_kv_offload(check, topo, roles)
-    orchestrator = place_orchestrator(check, topo, layout, common_env, tuple(s.name for s in layout.steps))
+    roles, servers, router_port, orchestrator = place_rl_roles(check, topo, layout, common_env, run_dir)
     trainer = place_trainer(check, topo, layout, common_env, orchestrator)
     check_trainer_can_run(check, model_config, trainer.mesh)
     check_single_allocation(check, layout)
@@ -529,13 +539,16 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
     check_ports(check, topo, servers, router_port, trainer)
     check_shared_root(check, run_dir)
     batch, common = job_directives(check, topo, run_dir)
-    groups = finish_groups(check, layout, common, orchestrator)
+    # One group (an SFT job) is a plain job: srun refuses --het-group outside a heterogeneous one.
+    hetjob = cluster.hetjob and len(layout.groups) > 1
+    groups = finish_groups(check, layout, common, orchestrator, hetjob)
     return Plan(
         name=topo.name, job_name=topo.slurm.job_name or topo.name, cluster=cluster.name, slurm=cluster.slurm,
-        hetjob=cluster.hetjob, run_dir=run_dir, python=cluster.python,
+        hetjob=hetjob, run_dir=run_dir, python=cluster.python,
         served_model_name=topo.name, network_interface=cluster.network.interface,
         groups=tuple(groups), inference=tuple(roles), servers=tuple(servers), router_port=router_port,
-        trainer=trainer, orchestrator=orchestrator, steps=tuple(place_steps(cluster, layout.steps, groups, run_dir)),
+        trainer=trainer, orchestrator=orchestrator,
+        steps=tuple(place_steps(cluster, hetjob, layout.steps, groups, run_dir)),
         batch_directives=tuple(batch), setup=setup_lines(cluster), container=container_plan(cluster, run_dir),
         settings_json=msgspec.Raw(RunSettings.of(topo).to_json()),
         grace_seconds=cluster.requeue.grace_seconds, requeue=cluster.requeue.enabled,
@@ -544,11 +557,23 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
     )
 
 
+def place_rl_roles(check: Checker, topo: Topology, layout: Layout, common_env: dict[str, str], run_dir: str
+                   ) -> tuple[list[InferenceRole], list[Server], Optional[int], Optional[OrchestratorPlan]]:
+    """Inference servers, the P/D router and the orchestrator of an RL job; an SFT job has none of them."""
+    if topo.inference is None:
+        return [], [], None, None
+    roles, servers = place_inference(check, topo, layout, common_env, run_dir)
+    router_port = place_router(check, topo, layout, common_env)
+    check_kv_offload(check, topo, roles)
+    orchestrator = place_orchestrator(check, topo, layout, common_env, tuple(s.name for s in layout.steps))
+    return roles, servers, router_port, orchestrator
+
+
 def failure_policies(topo: Topology, steps: list[Step]) -> tuple[FailurePolicy, ...]:
     """Each role's `on_failure`: the inference one for every server role; the router and the rest fail."""
     out = []
     for step in steps:
-        if step.name in ("inference", "prefill", "decode"):
+        if step.name in ("inference", "prefill", "decode") and topo.inference is not None:
             p = topo.inference.on_failure
             out.append(FailurePolicy(role=step.name, policy=p.policy, max_restarts=p.max_restarts))
         else:
@@ -633,9 +658,10 @@ def container_args(cluster: ClusterProfile, run_dir: str) -> tuple[str, ...]:
     return tuple(args)
 
 
-def srun_args(step: Step, group: Group, cluster: ClusterProfile, container: tuple[str, ...]) -> tuple[str, ...]:
+def srun_args(step: Step, group: Group, cluster: ClusterProfile, hetjob: bool, container: tuple[str, ...]
+              ) -> tuple[str, ...]:
     """Where one step runs: its het group (or node range) and its tasks. Passed to srun as argv, never a shell."""
-    args = [f"--het-group={step.group}"] if cluster.hetjob else [f"--relative={group.node_offset}"]
+    args = [f"--het-group={step.group}"] if hetjob else [f"--relative={group.node_offset}"]
     args += [f"--nodes={step.nodes}", f"--ntasks-per-node={step.ntasks_per_node}",
              f"--cpus-per-task={step.cpus_per_task}", f"--job-name={step.name}", "--kill-on-bad-exit=1"]
     args += gpu_directive(cluster, step.gpus_per_node)

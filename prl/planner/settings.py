@@ -12,13 +12,16 @@ from typing import Optional
 import msgspec
 
 from prl.config.cluster import Strict
-from prl.config.topology import Environment, KVConnector, KVOffload, Model, Topology, Training
+from prl.config.topology import SFT, Environment, KVConnector, KVOffload, Model, Topology, Training
 from prl.errors import ConfigError
 
 
 class RunSettings(Strict, kw_only=True):
     model: Model
-    environment: Environment
+    environment: Optional[Environment]
+    """RL: the environment (None: an SFT run)."""
+    sft: Optional[SFT] = None
+    """SFT: the data (None: an RL run)."""
     training: Training
     kv_offload: KVOffload
     kv_connector: Optional[KVConnector]
@@ -27,6 +30,9 @@ class RunSettings(Strict, kw_only=True):
     @classmethod
     def of(cls, topo: Topology) -> RunSettings:
         inference = topo.inference
+        if inference is None:
+            return cls(model=topo.model, environment=None, sft=topo.sft, training=topo.training,
+                       kv_offload=KVOffload(), kv_connector=None)
         return cls(model=topo.model, environment=topo.environment, training=topo.training,
                    kv_offload=inference.kv_offload,
                    kv_connector=inference.kv_connector if inference.disaggregated else None)

@@ -68,9 +68,15 @@ def show_plan(plan: Plan, written: list[Path], console: Console | None = None) -
     say(f"totals: {t.nodes} nodes, {t.gpus} GPUs ({t.inference_gpus} inference in {t.inference_servers} servers, "
         f"trainer world {t.trainer_world_size} on {plan.trainer.device}: {mesh.describe()}, "
         f"expert shard {mesh.expert_shard})")
-    say(f"training: batch {tr.batch_size} = {tr.batch_size // tr.rollouts_per_example} prompts x "
-        f"{tr.rollouts_per_example} rollouts, max_off_policy_steps {tr.max_off_policy_steps}, "
-        f"{tr.max_steps} steps, checkpoint every {tr.checkpoint_interval or 'never'}")
+    sft = plan.settings().sft
+    if sft is not None:
+        epochs = f" (or {sft.epochs} epochs, whichever comes first)" if sft.epochs else ""
+        say(f"sft: {tr.batch_size} conversations per step from {sft.data}, {tr.max_steps} steps{epochs}, "
+            f"checkpoint every {tr.checkpoint_interval or 'never'}")
+    else:
+        say(f"training: batch {tr.batch_size} = {tr.batch_size // tr.rollouts_per_example} prompts x "
+            f"{tr.rollouts_per_example} rollouts, max_off_policy_steps {tr.max_off_policy_steps}, "
+            f"{tr.max_steps} steps, checkpoint every {tr.checkpoint_interval or 'never'}")
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
     if written:

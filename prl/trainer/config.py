@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prl.config.topology import Loss, Training
+from typing import Optional
+
+from prl.config.topology import SFT, Loss, Training
 from prl.planner.model import Mesh, Plan
 
 
@@ -26,6 +28,12 @@ class TrainerConfig:
     On CPU, bf16 is run as fp32: CPU bf16 matmuls are slow and FSDP's CPU path is tested in fp32."""
     master_port: int
     training: Training
+    tokenizer_path: str
+    """The model's tokenizer (`model.tokenizer`, else `model.path`): SFT renders and tokenizes with it."""
+    max_model_len: int
+    """Longest sequence; SFT cuts conversations there."""
+    sft: Optional[SFT]
+    """The SFT data settings (None: an RL run)."""
 
     @classmethod
     def from_plan(cls, plan: Plan) -> TrainerConfig:
@@ -34,7 +42,9 @@ class TrainerConfig:
         dtype = "bfloat16" if settings.model.dtype == "auto" else settings.model.dtype
         return cls(model_path=settings.model.path, model_dtype=dtype, mesh=tr.mesh,
                    activation_checkpointing=tr.activation_checkpointing, precision=tr.precision,
-                   master_port=tr.master_port, training=settings.training)
+                   master_port=tr.master_port, training=settings.training,
+                   tokenizer_path=settings.model.tokenizer or settings.model.path,
+                   max_model_len=settings.model.max_model_len, sft=settings.sft)
 
     # The mesh, by name.
     world_size = property(lambda self: self.mesh.world_size)

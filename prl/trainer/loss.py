@@ -105,3 +105,17 @@ def merge_stats(parts: list[dict[str, float]]) -> dict[str, float]:
             else:
                 out[k] += v
     return out
+
+
+def nll_loss(logp: torch.Tensor, loss_mask: torch.Tensor, total_loss_tokens: int | float,
+             entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """SFT: this micro-batch's share of the token-mean negative log-likelihood over the step's N loss tokens
+    (`total_loss_tokens`, all ranks), and its statistics (sums)."""
+    m = loss_mask.to(logp.dtype)
+    nll = -(logp * m).sum()
+    stats = {
+        "loss_sum": float(nll.detach()),
+        "loss_tokens": float(m.sum()),
+        "entropy_sum": float((entropy.detach() * m).sum()) if entropy is not None else 0.0,
+    }
+    return nll / float(max(total_loss_tokens, 1)), stats

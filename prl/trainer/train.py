@@ -7,6 +7,9 @@
         checkpoint every `checkpoint_interval` steps, clean up old steps
         append the step's metrics to metrics.jsonl
 
+An SFT plan (`sft:` topology) runs `prl.trainer.sft.run_sft` instead: the same start, step,
+publishing and checkpoint functions from this module, with its own data and NLL loss.
+
 Started under torchrun (one process per GPU, or per CPU rank with gloo);
 without torchrun it runs as a single rank. Settings come from RUN/plan.json
 (see prl/trainer/config.py), the loss is in prl/trainer/loss.py. The model is built on the
@@ -163,8 +166,14 @@ def micro_batch_loss(model, x: dict[str, torch.Tensor], cfg: TrainerConfig, n_lo
     return loss, stats
 
 
-def train_step(model, optim, micro_batches: list[MicroBatch | None], cfg: TrainerConfig, d: Dist) -> dict:
-    """One optimizer step over this rank's micro-batches; returns globally reduced metrics."""
+def accumulate_step(model, optim, micro_batches: list[MicroBatch | None], cfg: TrainerConfig, d: Dist,
+                    micro_loss) -> tuple[dict[str, float], float]:
+    """One optimizer step over this rank's micro-batches, whatever the loss (RL's or SFT's).
+
+    `micro_loss(model, x, n_loss_tokens, token_weight)` returns one prepared micro-batch's share of the
+    step's token-mean loss and its statistics (sums). Returns the statistics summed over micro-batches
+    and ranks, and the gradient norm before clipping.
+    """
     from prl.trainer.context_parallel import ulysses_context
 
     xs = [prepare(mb, d) for mb in micro_batches]
@@ -177,7 +186,7 @@ def train_step(model, optim, micro_batches: list[MicroBatch | None], cfg: Traine
     for x in xs:
         ctx = ulysses_context(d.cp_group, d.cp, x["full_position_ids"]) if d.cp > 1 else contextlib.nullcontext()
         with ctx:
-            loss, stats = micro_batch_loss(model, x, cfg, n_total, float(x["real"].sum()) / t_total)
+            loss, stats = micro_loss(model, x, n_total, float(x["real"].sum()) / t_total)
             # Gradients are summed over ranks (divide factor 1): each loss is already its share of the mean.
             loss.backward()
         parts.append(stats | {"tokens": float(x["real"].sum())})
@@ -185,7 +194,13 @@ def train_step(model, optim, micro_batches: list[MicroBatch | None], cfg: Traine
     grad_norm = clip_grad_norm(model, max_norm, d)
     optim.step()
     optim.zero_grad(set_to_none=True)
-    s = all_reduce_stats(merge_stats(parts), d.device)
+    return all_reduce_stats(merge_stats(parts), d.device), float(grad_norm)
+
+
+def train_step(model, optim, micro_batches: list[MicroBatch | None], cfg: TrainerConfig, d: Dist) -> dict:
+    """One RL optimizer step over this rank's micro-batches; returns globally reduced metrics."""
+    s, grad_norm = accumulate_step(model, optim, micro_batches, cfg, d,
+                                   lambda model, x, n, w: micro_batch_loss(model, x, cfg, n, w))
     n = max(s.get("loss_tokens", 0.0), 1.0)
     has = bool(s.get("loss_tokens"))
     return {
@@ -207,8 +222,14 @@ def train_step(model, optim, micro_batches: list[MicroBatch | None], cfg: Traine
     }
 
 
-def run_trainer(run: RunDir, resume: str = "latest") -> int:
-    cfg = TrainerConfig.from_plan(Plan.read(run))
+def start_training(run: RunDir, cfg: TrainerConfig, resume: str
+                   ) -> tuple[Dist, torch.nn.Module, torch.optim.Optimizer, int]:
+    """Collective, shared by RL and SFT: ranks, model, optimizer, and the step to resume from.
+
+    Rank 0 claims the role (its state file), loads the checkpoint to resume from (`resume`: latest,
+    none or a step) and drops every weights step, checkpoint and metrics record after it: they were
+    made by an attempt that is being replaced. Returns (dist, model, optimizer, last finished step).
+    """
     d = init_distributed(cfg)
     torch.manual_seed(cfg.seed)
     if d.is_main:
@@ -217,9 +238,6 @@ def run_trainer(run: RunDir, resume: str = "latest") -> int:
     load_rss = all_reduce_stats({"load_rss_growth_mb_max": grown}, d.device)["load_rss_growth_mb_max"]
     log(d, f"model loaded from {cfg.model_path}: loading raised peak RSS by {load_rss:.1f} MiB (max over ranks)")
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    publish_dtype = getattr(torch, cfg.model_dtype)
-    vocab_size = model.get_input_embeddings().num_embeddings
-
     start = resolve_resume(run, resume) if d.is_main else 0
     start = int(_broadcast_int(start))
     if start > 0:
@@ -234,7 +252,13 @@ def run_trainer(run: RunDir, resume: str = "latest") -> int:
     dist.barrier()
     log(d, f"world {d.world_size} (dp {d.dp_size}, cp {d.cp}, ep {d.ep}) on {d.device}; "
            f"steps {start + 1}..{cfg.max_steps}")
+    return d, model, optim, start
 
+
+def run_trainer(run: RunDir, cfg: TrainerConfig, resume: str = "latest") -> int:
+    d, model, optim, start = start_training(run, cfg, resume)
+    publish_dtype = getattr(torch, cfg.model_dtype)
+    vocab_size = model.get_input_embeddings().num_embeddings
     beat = (lambda **kw: run.heartbeat(ROLE, **kw)) if d.is_main else (lambda **kw: None)
     stop = StopFlag.install()
     saved = start if start > 0 else None
@@ -353,7 +377,13 @@ def main(run_dir: str, resume: str = "latest") -> int:
     run = RunDir(run_dir)
     code, error = 1, None
     try:
-        code = run_trainer(run, resume)
+        cfg = TrainerConfig.from_plan(Plan.read(run))
+        if cfg.sft is not None:
+            from prl.trainer.sft import run_sft
+
+            code = run_sft(run, cfg, resume)
+        else:
+            code = run_trainer(run, cfg, resume)
         return code
     except BaseException as e:
         error = f"{type(e).__name__}: {e}"
