@@ -45,6 +45,38 @@ def test_pass_at_k_is_the_unbiased_estimate_over_finished_rollouts():
     assert out["pass@4"] == pytest.approx((1 + 0 + 1) / 3)
 
 
+def test_the_eval_array_asks_slurm_for_what_the_inference_nodes_got(tmp_path):
+    """Account, QoS, exclusive nodes, GPUs by gres, segment and the topology's extra directives come from the
+    inference group; the array's own shape (one node, one task, its time) replaces theirs; the container too."""
+    from prl.ops.sweep import array_parameters
+    from prl.planner.prepare import prepare
+    from tests.plans import REPO
+
+    plan = prepare(REPO / "configs" / "dense-8b.yaml", [f"run_dir={tmp_path}/run", "slurm.qos=high",
+                                                       "slurm.extra_directives=[--mail-type=END]"], cwd=REPO).plan
+    params = array_parameters(plan, parallel=3, timeout_min=30)
+    assert params["additional_parameters"] == {
+        "partition": "batch", "gres": "gpu:8", "exclusive": True, "mem": "0", "segment": "8",
+        "account": "llm-post-training", "qos": "high", "mail_type": "END"}
+    assert (params["nodes"], params["ntasks_per_node"], params["time"], params["array_parallelism"]) == (1, 1, 30, 3)
+    assert params["srun_args"] == ["--container-image=nvcr.io#nvidia/pytorch:25.09-py3",
+                                   f"--container-mounts=/lustre/fs1:/lustre/fs1,{tmp_path}/run:{tmp_path}/run",
+                                   "--container-workdir=/lustre/fs1/prl"]
+
+
+def test_an_sft_run_is_refused_by_prl_eval_in_one_line(tmp_path, tiny_model_dir, env):
+    from tests.plans import local_plan, write_plan
+
+    run = write_plan(RunDir(tmp_path / "run"), local_plan(tmp_path / "run", tiny_model_dir,
+                                                          [f"sft.data={tmp_path}/chat.jsonl"], topology="sft-tiny"))
+    out = prl(env, "eval", "prl_letters", "--run", str(run.root), "--steps", "0", check=False)
+    assert out.returncode == 2 and not out.stdout
+    assert out.stderr.strip() == ("error: sft-tiny is a trainer-only (SFT) run, with no inference servers "
+                                  "whose settings an evaluation server could take: serve its weights/step_N "
+                                  "yourself and use prl eval --base-url URL --model NAME")
+    assert not run.evals_dir.exists()
+
+
 def test_steps_are_published_ones_or_the_base_model(tmp_path):
     run = RunDir(tmp_path / "run")
     run.create()

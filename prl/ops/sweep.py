@@ -6,8 +6,10 @@ The tasks (one per weights step; prl.orchestrator.sweep.EvalTask, plain picklabl
 run one after another in this process with `--local` (the default), or as one submitit job
 array with `--slurm`: submitit is made for jobs that are Python functions (the RL job is a
 heterogeneous job, which submitit cannot submit, hence rendered sbatch). The array's tasks get
-the partition, GPUs and CPUs of the run's inference nodes and the profile's setup lines, at
-most `--parallel` at a time. Results come back through submitit's job handles; a failed task
+the `#SBATCH` options of the run's inference nodes (partition, GPUs, account, QoS, reservation,
+constraint, the topology's extra directives: whatever the RL job asked for them) with the array's
+own shape (one node, one task, the time limit), the container the RL job's steps run in, and the
+profile's setup lines, at most `--parallel` at a time. Results come back through submitit's job handles; a failed task
 is reported with its log, never dropped. Everything lands in RUN/evals/sweep-<time>.json and
 in one table.
 """
@@ -71,20 +73,34 @@ def run_local(tasks: Sequence[Any]) -> list[Outcome]:
     return outcomes
 
 
+ARRAY_SHAPE = frozenset({"nodes", "ntasks-per-node", "cpus-per-task", "time", "job-name", "output", "error",
+                         "open-mode", "signal", "requeue", "no-requeue", "het-group", "relative"})
+"""`#SBATCH` options an array task sets for itself (one node, one task, its own time and logs), not copied
+from the inference group's directives."""
+
+
+def array_parameters(plan: Plan, parallel: int, timeout_min: int) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters of the eval array: the inference group's directives but its shape."""
+    group = plan.groups[plan.fleet_server().group]
+    extra: dict[str, Any] = {}
+    for directive in group.directives:
+        name, eq, value = directive.removeprefix("--").partition("=")
+        if name not in ARRAY_SHAPE:
+            extra[name.replace("-", "_")] = value if eq else True  # submitit writes True as a bare flag
+    params: dict[str, Any] = dict(job_name=f"{plan.job_name}-eval", nodes=1, ntasks_per_node=1,
+                                  cpus_per_task=group.cpus_per_task, time=timeout_min, array_parallelism=parallel,
+                                  setup=list(plan.setup), additional_parameters=extra)
+    if plan.container is not None:
+        params["srun_args"] = list(plan.container.srun_args())
+    return params
+
+
 def run_slurm(run: RunDir, plan: Plan, tasks: Sequence[Any], parallel: int, timeout_min: int) -> list[Outcome]:
     import submitit
 
-    head = next(s for s in plan.servers if s.head)
-    group = plan.groups[head.group]
+    params = array_parameters(plan, parallel, timeout_min)
     executor = submitit.SlurmExecutor(folder=str(run.evals_dir / "submitit" / "%j"), python=plan.python,
                                       max_num_timeout=0)
-    params: dict[str, Any] = dict(job_name=f"{plan.job_name}-eval", nodes=1, ntasks_per_node=1,
-                                  cpus_per_task=group.cpus_per_task, time=timeout_min,
-                                  array_parallelism=parallel, setup=list(plan.setup))
-    if group.partition:
-        params["partition"] = group.partition
-    if group.gpus_per_node:
-        params["gpus_per_node"] = group.gpus_per_node
     executor.update_parameters(**params)
     jobs = executor.map_array(call, list(tasks))
     outcomes = []

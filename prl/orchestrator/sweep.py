@@ -104,7 +104,7 @@ def evaluate_step(task: EvalTask) -> list[dict[str, Any]]:
     model = plan.settings().model.path if task.step == 0 else str(run.weights(task.step))
     if task.step and not is_stable(run.weights(task.step)):
         raise RuntimeError(f"weights step {task.step} of {run.root} is not published (no STABLE marker)")
-    fleet = next(s for s in plan.servers if s.head)
+    fleet = plan.fleet_server()
     port, key = free_port(), secrets.token_urlsafe(24)
     log_path = run.eval_log(task.step)
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -231,6 +231,11 @@ class ContainerPlan(Frozen, kw_only=True):
     mounts: tuple[str, ...]
     workdir: Optional[str]
 
+    def srun_args(self) -> tuple[str, ...]:
+        """pyxis's srun options that run a step in this container (the RL job's steps, eval array tasks)."""
+        args = (f"--container-image={self.image}", f"--container-mounts={','.join(self.mounts)}")
+        return args + ((f"--container-workdir={self.workdir}",) if self.workdir else ())
+
 
 class Totals(Frozen, kw_only=True):
     nodes: int
@@ -288,6 +293,15 @@ class Plan(Frozen, kw_only=True):
         except msgspec.DecodeError as exc:
             raise ConfigError(f"{where}: {exc}; it was written by another prl version or edited by hand: "
                               f"run `prl plan` again") from None
+
+    def fleet_server(self) -> Server:
+        """The first inference server: the flags, env and node shape an evaluation server of this run takes."""
+        head = next((s for s in self.servers if s.head), None)
+        if head is None:
+            raise ConfigError(f"{self.name} is a trainer-only (SFT) run, with no inference servers whose settings "
+                              f"an evaluation server could take: serve its weights/step_N yourself and use "
+                              f"prl eval --base-url URL --model NAME")
+        return head
 
     def settings(self) -> RunSettings:
         """The model, environment, training and KV settings, as the topology's schemas (validated once)."""

@@ -650,12 +650,7 @@ def parse_minutes(value: str) -> float:
 
 def container_args(cluster: ClusterProfile, run_dir: str) -> tuple[str, ...]:
     c = container_plan(cluster, run_dir)
-    if c is None:
-        return ()
-    args = [f"--container-image={c.image}", f"--container-mounts={','.join(c.mounts)}"]
-    if c.workdir:
-        args.append(f"--container-workdir={c.workdir}")
-    return tuple(args)
+    return c.srun_args() if c is not None else ()
 
 
 def srun_args(step: Step, group: Group, cluster: ClusterProfile, hetjob: bool, container: tuple[str, ...]
