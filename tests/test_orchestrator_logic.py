@@ -149,3 +149,24 @@ def test_endpoints_from_the_run_dir(tmp_path):
     pool = discover(run, plan, timeout=1)
     assert [s.url for s in pool.generate] == ["http://r:8090"]
     assert sorted(s.url for s in pool.admin) == sorted([f"http://p{i}:8000" for i in range(4)] + ["http://d0:8000", "http://d1:8000"])
+
+
+def test_eval_reports_progress_as_each_group_finishes():
+    """The orchestrator's heartbeat ticks during eval (an eval longer than the hang bound is not a hang), once per
+    finished group and only after it finished; a group that never finishes ticks nothing."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from prl.orchestrator.eval import evaluate
+
+    finished: list[int] = []
+    ticks: list[list[int]] = []
+
+    async def group(task: int, n: int, _min_version: int) -> list[Rollout]:
+        await asyncio.sleep(0.01 * (3 - task))  # the last task finishes first
+        finished.append(task)
+        return [Rollout(reward=float(task), version=0, branches=[], completion_tokens=1) for _ in range(n)]
+
+    gen = SimpleNamespace(env=SimpleNamespace(taskset=SimpleNamespace(take=lambda k: list(range(k)))), group=group)
+    out = asyncio.run(evaluate(gen, 3, rollouts=2, on_group=lambda: ticks.append(list(finished))))
+    assert ticks == [[2], [2, 1], [2, 1, 0]] and out["rollouts"] == 6

@@ -12,18 +12,28 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlparse
 
 from prl.orchestrator.advantages import reward_stats
 from prl.orchestrator.rollouts import Generator, Rollout
 
 
-async def evaluate(gen: Generator, examples: int, rollouts: int = 1) -> dict[str, Any]:
-    """Run `rollouts` episodes on each of the first `examples` eval tasks; reward and metric stats."""
+async def evaluate(gen: Generator, examples: int, rollouts: int = 1,
+                   on_group: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Run `rollouts` episodes on each of the first `examples` eval tasks; reward and metric stats.
+    `on_group` is called as each task's group finishes (the orchestrator's heartbeat: an eval longer than
+    the hang bound is progress, not a hang, as long as groups keep finishing)."""
     tasks = list(gen.env.taskset.take(examples))
     t0 = time.monotonic()
-    groups: list[list[Rollout]] = await asyncio.gather(*(gen.group(t, rollouts, 0) for t in tasks))
+
+    async def group(task: Any) -> list[Rollout]:
+        done = await gen.group(task, rollouts, 0)
+        if on_group is not None:
+            on_group()
+        return done
+
+    groups: list[list[Rollout]] = await asyncio.gather(*(group(t) for t in tasks))
     out = summarize([r for group in groups for r in group], time.monotonic() - t0)
     if rollouts > 1:
         out.update(pass_at_k(groups, rollouts))

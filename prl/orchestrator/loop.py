@@ -196,7 +196,7 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, pool: ServerPool, be
                 if eval_gen is not None and step % cfg.eval.every == 0:
                     beat(phase="evaluating")
                     display.phase(step, "evaluating")
-                    ev = await evaluate(eval_gen, cfg.eval.examples)
+                    ev = await evaluate(eval_gen, cfg.eval.examples, on_group=beat.tick)
                     run.append_metrics({"role": ROLE, "step": step, "time": time.time(), "eval": True, **ev})
                     display.eval(step, ev)
     finally:
