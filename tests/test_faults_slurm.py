@@ -10,6 +10,9 @@ a 2-rank FSDP2 trainer on two nodes), one run for the whole story:
 3. attempt 2 resumes from the last checkpoint and completes: every trainer and orchestrator step is in
    metrics.jsonl exactly once.
 
+A second run: 4. SIGSTOP of the orchestrator: HUNG names the orchestrator (not the trainer starving behind
+it), the job requeues and attempt 2 completes, every step once.
+
 The measured numbers are printed (run with -s to see them).
 """
 
@@ -159,3 +162,44 @@ def test_engine_kill_restarts_the_server_and_a_hung_trainer_is_requeued(tmp_path
     print("\nfault numbers:", json.dumps(numbers, indent=2))
     assert detected - stopped < HANG_TIMEOUT_S + 30, numbers
 
+
+def process_of(run: Path, module: str) -> int:
+    """The pid of the role process `python -m MODULE --run-dir RUN` (not its role runner)."""
+    found = [pid for pid, _, cmd in _procs() if f"-m {module} " in cmd and str(run) in cmd]
+    assert len(found) == 1, f"expected one {module} process of {run}: {found}"
+    return found[0]
+
+
+def test_a_hung_orchestrator_is_named_and_requeued_and_no_step_is_lost(tmp_path, env, slurm_cluster):
+    """4. SIGSTOP of the orchestrator: HUNG (the orchestrator, not the trainer that starves behind it) within the
+    bound, the job requeued, and attempt 2 completes with every trainer and orchestrator step exactly once."""
+    model = build_tiny_model(tmp_path / "model")
+    run = tmp_path / "run"
+    max_steps = 6
+    prl(env, "submit", "configs/lab.yaml", f"run_dir={run}", f"model.path={model}", f"training.max_steps={max_steps}",
+        "training.max_off_policy_steps=1", "training.checkpoint_interval=2", f"training.hang_timeout_s={HANG_TIMEOUT_S}")
+
+    def status() -> dict:
+        return json.loads(prl(env, "status", run, "--json", check=False).stdout)
+
+    def trained() -> int:
+        return max((r["step"] for r in records(run, "trainer")), default=0)
+
+    try:
+        wait_for("trainer step 2", lambda: trained() >= 2, timeout=400, interval=2)
+        os.kill(process_of(run, "prl.orchestrator"), signal.SIGSTOP)
+        stopped = time.time()
+        hung = wait_for("HUNG in status", lambda: (s := status())["failure"] and s["failure"].get("hung") and s,
+                        timeout=HANG_TIMEOUT_S + 60, interval=1)
+        detected = time.time()
+        assert hung["failure"]["role"] == "orchestrator", hung["failure"]
+        assert next(r for r in hung["roles"] if r["role"] == "orchestrator")["status"] == "HUNG"
+        final = wait_for("the job to end", lambda: (s := status())["state"] in (
+            "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and s["attempt"] == 2 and s, timeout=900, interval=3)
+    finally:
+        prl(env, "cancel", run, check=False)
+    assert final["state"] == "COMPLETED", (final, prl(env, "logs", run, "-n", "40", check=False).stdout)
+    assert [r["step"] for r in records(run, "trainer")] == list(range(1, max_steps + 1))
+    assert [r["step"] for r in records(run, "orchestrator")] == list(range(1, max_steps + 1))
+    print(f"\norchestrator SIGSTOP -> HUNG: {detected - stopped:.1f} s (bound {HANG_TIMEOUT_S} s)")
+    assert detected - stopped < HANG_TIMEOUT_S + 30
