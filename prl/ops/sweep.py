@@ -9,8 +9,8 @@ heterogeneous job, which submitit cannot submit, hence rendered sbatch). The arr
 the `#SBATCH` options of the run's inference nodes (partition, GPUs, account, QoS, reservation,
 constraint, the topology's extra directives: whatever the RL job asked for them) with the array's
 own shape (one node, one task, the time limit), the container the RL job's steps run in, and the
-profile's setup lines, at most `--parallel` at a time. Results come back through submitit's job handles; a failed task
-is reported with its log, never dropped. Everything lands in RUN/evals/sweep-<time>.json and
+profile's setup lines, at most `--parallel` at a time. Results come back through submitit's job
+handles; a failed task is reported with its log, never dropped. Everything lands in RUN/evals/sweep-<time>.json and
 in one table.
 """
 
@@ -74,7 +74,7 @@ def run_local(tasks: Sequence[Any]) -> list[Outcome]:
 
 
 ARRAY_SHAPE = frozenset({"nodes", "ntasks-per-node", "cpus-per-task", "time", "job-name", "output", "error",
-                         "open-mode", "signal", "requeue", "no-requeue", "het-group", "relative"})
+                         "open-mode", "signal", "requeue", "no-requeue"})
 """`#SBATCH` options an array task sets for itself (one node, one task, its own time and logs), not copied
 from the inference group's directives."""
 

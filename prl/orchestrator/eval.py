@@ -16,7 +16,7 @@ from typing import Any, Callable
 from urllib.parse import urlparse
 
 from prl.orchestrator.advantages import reward_stats
-from prl.orchestrator.rollouts import Generator, Rollout
+from prl.orchestrator.rollouts import Generator, Rollout, then
 
 
 async def evaluate(gen: Generator, examples: int, rollouts: int = 1,
@@ -26,14 +26,7 @@ async def evaluate(gen: Generator, examples: int, rollouts: int = 1,
     the hang bound is progress, not a hang, as long as groups keep finishing)."""
     tasks = list(gen.env.taskset.take(examples))
     t0 = time.monotonic()
-
-    async def group(task: Any) -> list[Rollout]:
-        done = await gen.group(task, rollouts, 0)
-        if on_group is not None:
-            on_group()
-        return done
-
-    groups: list[list[Rollout]] = await asyncio.gather(*(group(t) for t in tasks))
+    groups: list[list[Rollout]] = await asyncio.gather(*(then(gen.group(t, rollouts, 0), on_group) for t in tasks))
     out = summarize([r for group in groups for r in group], time.monotonic() - t0)
     if rollouts > 1:
         out.update(pass_at_k(groups, rollouts))

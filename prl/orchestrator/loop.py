@@ -30,7 +30,7 @@ from prl.orchestrator.display import make_display
 from prl.orchestrator.env import load_env
 from prl.orchestrator.eval import evaluate
 from prl.orchestrator.harness import close_sessions
-from prl.orchestrator.rollouts import Generator, StepBatch, TaskStream, build_samples
+from prl.orchestrator.rollouts import Generator, StepBatch, TaskStream, build_samples, then
 from prl.orchestrator.sync import ServerPool, WeightWatcher, discover, served_model, server_client, standalone
 from prl.run.rundir import API_KEY_VAR, RunDir
 
@@ -60,13 +60,6 @@ class Beat:
             self()
 
 
-async def _beating(coro, beat: Beat | None):
-    result = await coro
-    if beat is not None:
-        beat.tick()
-    return result
-
-
 def _contexts(cfg: OrchestratorConfig, pool: ServerPool):
     import verifiers.v1 as vf
 
@@ -88,7 +81,7 @@ async def generate_step(
     t0 = time.monotonic()
     min_v = cfg.min_version(step)
     k, n = cfg.examples_per_step, cfg.rollouts_per_example
-    groups = list(await asyncio.gather(*(_beating(gen.group(t, n, min_v), beat) for t in stream.tasks_for(step, k))))
+    groups = list(await asyncio.gather(*(then(gen.group(t, n, min_v), beat.tick if beat else None) for t in stream.tasks_for(step, k))))
     ran = k * n
     failed = sum(1 for g in groups if any(not r.ok for r in g))
     if 0 < failed < len(groups):

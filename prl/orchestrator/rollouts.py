@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from prl.run.batch import Sample
 from prl.config.topology import Advantage
 from prl.orchestrator.advantages import group_advantages, is_zero_group
 from prl.orchestrator.sync import Server, ServerPool
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -90,6 +92,14 @@ def rollout_from_episode(episode: Any, version: int, *, need_tokens: bool = True
 def routing_key(task: Any) -> str:
     """The routing key of a task's episodes (`prl.inference.routing`): its verifiers identity `task.key`."""
     return f"task:{task.key}"
+
+
+async def then(coro: Awaitable[T], done: Callable[[], None] | None) -> T:
+    """Await `coro`, then call `done` (a heartbeat tick as each rollout group finishes)."""
+    result = await coro
+    if done is not None:
+        done()
+    return result
 
 
 class Generator:
