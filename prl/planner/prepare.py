@@ -47,15 +47,17 @@ def _absolute(path: str, cwd: Path) -> str:
 def _absolute_model_paths(topo: Topology, cwd: Path) -> Topology:
     """A model (or SFT data) path that exists relative to where prl runs becomes absolute: the roles run elsewhere.
     Anything else (a hub id, a path only the compute nodes see) is left as written."""
-    update = {}
-    for key in ("path", "tokenizer"):
-        value = getattr(topo.model, key)
+
+    def found(value: str | None) -> str | None:
         if value and not Path(value).is_absolute() and (cwd / value).exists():
-            update[key] = str((cwd / value).resolve())
+            return str((cwd / value).resolve())
+        return None
+
+    update = {key: new for key in ("path", "tokenizer") if (new := found(getattr(topo.model, key)))}
     if update:
         topo = msgspec.structs.replace(topo, model=msgspec.structs.replace(topo.model, **update))
-    if topo.sft is not None and not Path(topo.sft.data).is_absolute() and (cwd / topo.sft.data).exists():
-        topo = msgspec.structs.replace(topo, sft=msgspec.structs.replace(topo.sft, data=str((cwd / topo.sft.data).resolve())))
+    if topo.sft is not None and (data := found(topo.sft.data)):
+        topo = msgspec.structs.replace(topo, sft=msgspec.structs.replace(topo.sft, data=data))
     return topo
 
 
