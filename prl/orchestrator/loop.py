@@ -81,7 +81,8 @@ async def generate_step(
     t0 = time.monotonic()
     min_v = cfg.min_version(step)
     k, n = cfg.examples_per_step, cfg.rollouts_per_example
-    groups = list(await asyncio.gather(*(then(gen.group(t, n, min_v), beat.tick if beat else None) for t in stream.tasks_for(step, k))))
+    tick = beat.tick if beat else None
+    groups = list(await asyncio.gather(*(then(gen.group(t, n, min_v), tick) for t in stream.tasks_for(step, k))))
     ran = k * n
     failed = sum(1 for g in groups if any(not r.ok for r in g))
     if 0 < failed < len(groups):
