@@ -76,6 +76,23 @@ def trainer_rank(run: Path, rank: int) -> int:
     raise AssertionError(f"no trainer rank {rank} process of {run}")
 
 
+def process_of(run: Path, module: str) -> int:
+    """The pid of the role process `python -m MODULE --run-dir RUN` (not its role runner)."""
+    found = [pid for pid, _, cmd in _procs() if f"-m {module} " in cmd and str(run) in cmd]
+    assert len(found) == 1, f"expected one {module} process of {run}: {found}"
+    return found[0]
+
+
+def status(env: dict, run: Path) -> dict:
+    """`prl status RUN --json`, as a user reads it."""
+    return json.loads(prl(env, "status", run, "--json", check=False).stdout)
+
+
+def trained(run: Path) -> int:
+    """The newest step the trainer recorded in metrics.jsonl (0: none yet)."""
+    return max((r["step"] for r in records(run, "trainer")), default=0)
+
+
 def records(run: Path, role: str) -> list[dict]:
     lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
     out = []
@@ -98,25 +115,19 @@ def test_engine_kill_restarts_the_server_and_a_hung_trainer_is_requeued(tmp_path
         "training.max_off_policy_steps=1", "training.checkpoint_interval=2",
         f"training.hang_timeout_s={HANG_TIMEOUT_S}", "cluster.gpu_node.gpus=1")
 
-    def status() -> dict:
-        return json.loads(prl(env, "status", run, "--json", check=False).stdout)
-
-    def trained() -> int:
-        return max((r["step"] for r in records(run, "trainer")), default=0)
-
     try:
         # 1. kill -9 one engine once the loop runs.
-        wait_for("trainer step 1", lambda: trained() >= 1, timeout=400, interval=2)
+        wait_for("trainer step 1", lambda: trained(run) >= 1, timeout=400, interval=2)
         engine = engine_of(run, 18000)
         os.kill(engine, signal.SIGKILL)
         killed = time.time()
-        step_at_kill = trained()
+        step_at_kill = trained(run)
         launcher = run / "state" / "launcher.json"
         event = wait_for("the server restarted and ready", lambda: next(
             (f for f in json.loads(launcher.read_text())["steps"]["inference"].get("failures", [])
              if f.get("action") == "restarted"), None), timeout=300, interval=1)
         ready_again = event["time"] + event["ready_after_s"]
-        shown = status()
+        shown = status(env, run)
         inference = next(r for r in shown["roles"] if r["role"] == "inference")
         assert inference["restarts"] == 1 and inference["failures"][0]["replica"] == 0, inference
         assert "exited" in inference["failures"][0]["reason"], inference["failures"]
@@ -129,20 +140,20 @@ def test_engine_kill_restarts_the_server_and_a_hung_trainer_is_requeued(tmp_path
         served_again = time.time()
 
         # 2. SIGSTOP trainer rank 1 after a few more steps.
-        wait_for("two steps after the restart", lambda: trained() >= step_at_kill + 2, timeout=300, interval=1)
+        wait_for("two steps after the restart", lambda: trained(run) >= step_at_kill + 2, timeout=300, interval=1)
         os.kill(trainer_rank(run, 1), signal.SIGSTOP)
         stopped = time.time()
-        hung = wait_for("HUNG in status", lambda: (s := status())["failure"] and s["failure"].get("hung") and s,
+        hung = wait_for("HUNG in status", lambda: (s := status(env, run))["failure"] and s["failure"].get("hung") and s,
                         timeout=HANG_TIMEOUT_S + 60, interval=1)
         detected = json.loads(launcher.read_text())["steps"]["trainer"]["hung_at"]
         trainer = next(r for r in hung["roles"] if r["role"] == "trainer")
         assert trainer["status"] == "HUNG", trainer
         assert hung["failure"]["role"] == "trainer" and "no progress" in hung["failure"]["reason"], hung["failure"]
-        wait_for("the job requeued (attempt 2)", lambda: status()["attempt"] == 2, timeout=180, interval=2)
+        wait_for("the job requeued (attempt 2)", lambda: status(env, run)["attempt"] == 2, timeout=180, interval=2)
         requeued = time.time()
 
         # 3. Attempt 2 finishes the run.
-        final = wait_for("the job to end", lambda: (s := status())["state"] in (
+        final = wait_for("the job to end", lambda: (s := status(env, run))["state"] in (
             "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and s, timeout=600, interval=3)
     finally:
         prl(env, "cancel", run, check=False)
@@ -163,13 +174,6 @@ def test_engine_kill_restarts_the_server_and_a_hung_trainer_is_requeued(tmp_path
     assert detected - stopped < HANG_TIMEOUT_S + 30, numbers
 
 
-def process_of(run: Path, module: str) -> int:
-    """The pid of the role process `python -m MODULE --run-dir RUN` (not its role runner)."""
-    found = [pid for pid, _, cmd in _procs() if f"-m {module} " in cmd and str(run) in cmd]
-    assert len(found) == 1, f"expected one {module} process of {run}: {found}"
-    return found[0]
-
-
 def test_a_hung_orchestrator_is_named_and_requeued_and_no_step_is_lost(tmp_path, env, slurm_cluster):
     """4. SIGSTOP of the orchestrator: HUNG (the orchestrator, not the trainer that starves behind it) within the
     bound, the job requeued, and attempt 2 completes with every trainer and orchestrator step exactly once."""
@@ -177,24 +181,19 @@ def test_a_hung_orchestrator_is_named_and_requeued_and_no_step_is_lost(tmp_path,
     run = tmp_path / "run"
     max_steps = 6
     prl(env, "submit", "configs/lab.yaml", f"run_dir={run}", f"model.path={model}", f"training.max_steps={max_steps}",
-        "training.max_off_policy_steps=1", "training.checkpoint_interval=2", f"training.hang_timeout_s={HANG_TIMEOUT_S}")
-
-    def status() -> dict:
-        return json.loads(prl(env, "status", run, "--json", check=False).stdout)
-
-    def trained() -> int:
-        return max((r["step"] for r in records(run, "trainer")), default=0)
+        "training.max_off_policy_steps=1", "training.checkpoint_interval=2",
+        f"training.hang_timeout_s={HANG_TIMEOUT_S}")
 
     try:
-        wait_for("trainer step 2", lambda: trained() >= 2, timeout=400, interval=2)
+        wait_for("trainer step 2", lambda: trained(run) >= 2, timeout=400, interval=2)
         os.kill(process_of(run, "prl.orchestrator"), signal.SIGSTOP)
         stopped = time.time()
-        hung = wait_for("HUNG in status", lambda: (s := status())["failure"] and s["failure"].get("hung") and s,
+        hung = wait_for("HUNG in status", lambda: (s := status(env, run))["failure"] and s["failure"].get("hung") and s,
                         timeout=HANG_TIMEOUT_S + 60, interval=1)
         detected = time.time()
         assert hung["failure"]["role"] == "orchestrator", hung["failure"]
         assert next(r for r in hung["roles"] if r["role"] == "orchestrator")["status"] == "HUNG"
-        final = wait_for("the job to end", lambda: (s := status())["state"] in (
+        final = wait_for("the job to end", lambda: (s := status(env, run))["state"] in (
             "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and s["attempt"] == 2 and s, timeout=900, interval=3)
     finally:
         prl(env, "cancel", run, check=False)
