@@ -154,6 +154,21 @@ def test_a_trainer_whose_heartbeat_stops_is_hung_after_the_bound(tmp_path):
         with pytest.raises(RoleHung, match=r"no progress for 3\d s \(bound 30 s\); last step 3, phase trained"):
             launcher.check_hangs()
         assert launcher.state["steps"]["trainer"]["status"] == RoleState.HUNG
+        # Rank 0 beating while it waits, rank 1 silent for 31 s (stopped): hung, naming rank 1 and its last phase.
+        run.write_state("trainer", heartbeat=now - 1, phase="waiting_for_rollouts")
+        launcher.check_hangs()
+        atomic_write_json(run.rank_beat("trainer", 1), {"attempt": 1, "heartbeat": now - 20, "step": 4,
+                                                         "phase": "waiting_for_rollouts"})
+        launcher.check_hangs()
+        atomic_write_json(run.rank_beat("trainer", 1), {"attempt": 1, "heartbeat": now - 31, "step": 4, "phase": "trained"})
+        with pytest.raises(RoleHung, match=r"no progress on rank 1 for 3\d s \(bound 30 s\); last step 4, phase trained"):
+            launcher.check_hangs()
+        assert launcher.state["steps"]["trainer"]["hung_rank"] == 1
+        # A beat of an earlier attempt, or from before this start (still loading), does not count.
+        atomic_write_json(run.rank_beat("trainer", 1), {"attempt": 0, "heartbeat": now - 31})
+        launcher.check_hangs()
+        atomic_write_json(run.rank_beat("trainer", 1), {"attempt": 1, "heartbeat": now - 101})
+        launcher.check_hangs()
         # An earlier attempt's state says nothing about this one.
         run.write_state("trainer", attempt=0)
         launcher.check_hangs()

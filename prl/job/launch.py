@@ -286,12 +286,19 @@ class Launcher:
             slowest = max(self.slowest_step.get(name, 0.0), float(state.get("step_s") or 0.0))
             self.slowest_step[name] = slowest
             bound = self.plan.hang_bound(slowest or None)
+            # The stalest rank: rank 0 keeps beating while it waits for work, so a stopped rank 1 would
+            # otherwise show only once rank 0 blocks on it, a whole wait later.
+            ranks = [(beat, 0, state)] + sorted(
+                (float(b["heartbeat"]), rank, b) for rank, b in self.run.rank_heartbeats(name).items()
+                if int(b.get("attempt") or -1) == self.attempt and float(b.get("heartbeat") or 0) > started)
+            beat, rank, last = min(ranks, key=lambda r: r[0])
             age = now - beat
             if age > bound:
-                last = f"step {state.get('step', '-')}, phase {state.get('phase', '-')}"
-                self.note_step(name, status=RoleState.HUNG, hung_at=now, last_heartbeat=beat,
-                               last_step=state.get("step"), last_phase=state.get("phase"), hang_bound_s=bound)
-                raise RoleHung(name, 1, f"hung: no progress for {age:.0f} s (bound {bound:.0f} s); last {last}")
+                where = f" on rank {rank}" if rank else ""
+                self.note_step(name, status=RoleState.HUNG, hung_at=now, last_heartbeat=beat, hung_rank=rank,
+                               last_step=last.get("step"), last_phase=last.get("phase"), hang_bound_s=bound)
+                raise RoleHung(name, 1, f"hung: no progress{where} for {age:.0f} s (bound {bound:.0f} s); "
+                                        f"last step {last.get('step', '-')}, phase {last.get('phase', '-')}")
 
     def first_task_failure(self, name: str, tasks: int, fallback: int) -> tuple[int, int | None]:
         """The exit code of the task that failed first: srun reports the step's worst, often a

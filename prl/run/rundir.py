@@ -16,7 +16,8 @@ joins path pieces under a run. It imports no torch: login nodes import it.
       rollouts/step_N/   + STABLE             orchestrator -> trainer
       weights/step_N/    + STABLE             trainer -> inference (HF layout)
       checkpoints/step_N/<role>/ + STABLE     per-role resumable state
-      state/<role>.json                       start / heartbeat / exit of each role
+      state/<role>.json                       start / heartbeat / exit of each role (its rank 0)
+      state/beats/<role>.<rank>.json          heartbeats of a multi-rank role's other ranks
       metrics.jsonl                           one JSON object per line
       plots/progress.png  wandb/              `prl plot` and `prl wandb` output
       evals/                                  `prl eval --run` sweeps: results, server logs, submitit files
@@ -331,6 +332,27 @@ class RunDir:
     def heartbeat(self, role: str, **fields: Any) -> dict:
         """Record that `role` is alive now, with optional progress fields (step=..., waiting_for=...)."""
         return self.write_state(role, heartbeat=time.time(), **fields)
+
+    def rank_beat(self, role: str, rank: int) -> Path:
+        """state/beats/<role>.<rank>.json: the heartbeat of one rank other than 0 (rank 0's is in the role's state)."""
+        _check_role(role)
+        return self.state_dir / "beats" / f"{role}.{rank}.json"
+
+    def rank_heartbeat(self, role: str, rank: int, **fields: Any) -> None:
+        """Record that rank `rank` of `role` is alive now: the launcher then sees a stopped rank that rank 0,
+        still waiting for work of its own, would not show until it blocked on that rank."""
+        atomic_write_json(self.rank_beat(role, rank), {"attempt": current_attempt(), "heartbeat": time.time(), **fields})
+
+    def rank_heartbeats(self, role: str) -> dict[int, dict]:
+        """rank -> its last heartbeat record, for every rank other than 0 that wrote one."""
+        _check_role(role)
+        out = {}
+        for path in (self.state_dir / "beats").glob(f"{role}.*.json"):
+            rank = path.stem.rpartition(".")[2]
+            record = read_json(path) if rank.isdigit() else None
+            if record is not None:
+                out[int(rank)] = record
+        return out
 
     def claim(self, role: str, attempt: int | None = None, *, stale_after: float = 300.0) -> dict:
         """Mark `role` as running here for `attempt`, refusing a live clash.
@@ -726,7 +748,7 @@ class RunDir:
 
     def reset_attempt_state(self) -> None:
         """Forget an earlier attempt's readiness markers and endpoints before a new attempt starts."""
-        for sub in ("ready", "endpoints", "preflight", "exits"):
+        for sub in ("ready", "endpoints", "preflight", "exits", "beats"):
             shutil.rmtree(self.state_dir / sub, ignore_errors=True)
         self.stop_request.unlink(missing_ok=True)
         for kind in KINDS:

@@ -37,7 +37,7 @@ from prl.trainer.loss import nll_loss, token_logprobs_and_entropy
 from prl.trainer.parallel import Dist
 from prl.trainer.sft_data import read_conversations, tokenize_conversation
 from prl.trainer.checkpoint import save_checkpoint
-from prl.trainer.train import ROLE, StopFlag, accumulate_step, log, peak_rss_mb, start_training
+from prl.trainer.train import ROLE, StopFlag, accumulate_step, heartbeat_of, log, peak_rss_mb, start_training
 from prl.trainer.weights import publish_weights
 
 
@@ -124,7 +124,7 @@ def run_sft(run: RunDir, cfg: TrainerConfig, resume: str = "latest") -> int:
     interval = cfg.checkpoint_interval
     log(d, f"sft: {len(data.conversations)} conversations, {cfg.training.batch_size} per step "
            f"({data.steps_per_epoch:.2f} steps per epoch), steps {start + 1}..{last}")
-    beat = (lambda **kw: run.heartbeat(ROLE, **kw)) if d.is_main else (lambda **kw: None)
+    beat = heartbeat_of(run, d)
     stop = StopFlag.install()
     saved = start if start > 0 else None
     for step in range(start + 1, last + 1):
@@ -159,8 +159,8 @@ def run_sft(run: RunDir, cfg: TrainerConfig, resume: str = "latest") -> int:
                 "lr": cfg.lr, "peak_rss_mb": peak_rss_mb(),
             }
             run.append_metrics(record)
-            beat(step=step, phase="trained", step_s=round(time.monotonic() - t0, 3))
             log(d, f"step {step} loss {metrics['loss']:.6f} grad_norm {metrics['grad_norm']:.4f} "
                    f"tok/s {record['tokens_per_s']:.0f}")
+        beat(step=step, phase="trained", step_s=round(time.monotonic() - t0, 3))
     torch.distributed.barrier()
     return 0

@@ -259,7 +259,7 @@ def run_trainer(run: RunDir, cfg: TrainerConfig, resume: str = "latest") -> int:
     d, model, optim, start = start_training(run, cfg, resume)
     publish_dtype = getattr(torch, cfg.model_dtype)
     vocab_size = model.get_input_embeddings().num_embeddings
-    beat = (lambda **kw: run.heartbeat(ROLE, **kw)) if d.is_main else (lambda **kw: None)
+    beat = heartbeat_of(run, d)
     stop = StopFlag.install()
     saved = start if start > 0 else None
     for step in range(start + 1, cfg.max_steps + 1):
@@ -308,15 +308,23 @@ def run_trainer(run: RunDir, cfg: TrainerConfig, resume: str = "latest") -> int:
                 "max_policy_lag": int(step - versions.min()) if versions.size else 0,
             }
             run.append_metrics(record)
-            # step_s: this step's longest stretch without a heartbeat; the launcher's hang bound grows with it.
-            beat(step=step, phase="trained", step_s=round(time.monotonic() - t_start, 3))
             log(
                 d,
                 f"step {step} loss {metrics['loss']:.6f} grad_norm {metrics['grad_norm']:.4f} "
                 f"tok/s {record['tokens_per_s']:.0f} wait {record['wait_s']:.2f}s",
             )
+        # step_s: this step's longest stretch without a heartbeat; the launcher's hang bound grows with it.
+        beat(step=step, phase="trained", step_s=round(time.monotonic() - t_start, 3))
     dist.barrier()
     return 0
+
+
+def heartbeat_of(run: RunDir, d: Dist):
+    """This rank's heartbeat: rank 0 writes the role's state; every other rank its own beat file, so a rank
+    stopped while rank 0 still waits for rollouts is seen within the hang bound, not once rank 0 blocks on it."""
+    if d.is_main:
+        return lambda **fields: run.heartbeat(ROLE, **fields)
+    return lambda **fields: run.rank_heartbeat(ROLE, d.rank, **fields)
 
 
 class StopFlag:
