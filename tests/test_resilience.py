@@ -137,6 +137,69 @@ def test_a_server_that_exits_0_is_restarted_then_a_second_failure_past_the_bound
                 p.wait()
 
 
+REPLICA_TASK = """
+import os, signal, sys, time
+from prl.job.role import _Stop, record_exit, task_index
+from prl.planner.model import Plan
+from prl.run.rundir import RunDir, atomic_write_json
+run, task = RunDir(sys.argv[1]), task_index()
+replica = Plan.read(run).server("inference", task).replica
+stop = _Stop()
+signal.signal(signal.SIGTERM, stop)
+stop.watch(run, run.replica_stop("inference", replica))
+atomic_write_json(run.task_ready("inference", task), {"time": time.time()})
+print(f"task {task} restart {os.environ.get('PRL_RESTART')}", flush=True)
+if os.environ.get("PRL_RESTART") == "0" and task == 0:
+    time.sleep(0.5)
+    sys.exit(record_exit(run, "inference", 1, stop))  # the head of replica 0 dies
+deadline = time.monotonic() + 60
+while stop.signum is None and time.monotonic() < deadline:
+    time.sleep(0.1)
+print(f"task {task} with_replica={stop.with_replica}", flush=True)
+sys.exit(record_exit(run, "inference", 128 + signal.SIGTERM, stop))
+"""
+
+
+def test_a_failed_task_of_a_multi_node_replica_stops_the_rest_and_the_replica_restarts_whole(tmp_path):
+    """Replica 0 = tasks 0 (head) and 1 (follower) on two nodes: the head dies, the launcher stops the
+    follower through the role runner's replica stop, and restarts both; replica 1 is not touched."""
+    launcher, run = _launcher(tmp_path, ["inference.nodes=4", "inference.dp=2", "cluster.gpu_node.gpus=1",
+                                         "trainer.gpus_per_node=1"])
+    assert [(s.task, s.replica, s.head) for s in launcher.plan.role_servers("inference")] == [
+        (0, 0, True), (1, 0, False), (2, 1, True), (3, 1, False)]
+    script = tmp_path / "replica_task.py"
+    script.write_text(REPLICA_TASK)
+    run.path("scripts/inference.sh").write_text(f"cd {Path(__file__).resolve().parents[1]}\n"
+                                                f"exec {sys.executable} {script} {run.root}\n")
+    launcher.start(launcher.plan.step("inference"))
+    running = launcher.running["inference"]
+    first = dict(running.task_proc)
+    try:
+        deadline = time.monotonic() + 30
+        while not launcher.state["steps"]["inference"].get("restarts"):
+            launcher.check()
+            assert time.monotonic() < deadline, launcher.state
+            time.sleep(0.1)
+        events = launcher.state["steps"]["inference"]["failures"]
+        # One failure (the head's); the follower's stop is not a second one, and nothing of replica 1 moved.
+        assert [(e["task"], e["action"]) for e in events] == [(0, "restarting")], events
+        assert first[1].poll() is not None and "task 1 with_replica=True" in run.role_log(1, "inference", 1).read_text()
+        assert first[2].poll() is None and first[3].poll() is None
+        assert running.task_proc[0] is not first[0] and running.task_proc[1] is not first[1]
+        assert not run.replica_stop("inference", 0).exists()
+        deadline = time.monotonic() + 20
+        while events[0].get("action") != "restarted":
+            launcher.check()
+            assert time.monotonic() < deadline, events
+            time.sleep(0.1)
+        assert "task 1 restart 1" in run.role_log(1, "inference", 1).read_text()
+    finally:
+        for p in running.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
 def test_a_trainer_whose_heartbeat_stops_is_hung_after_the_bound(tmp_path):
     launcher, run = _launcher(tmp_path, ["training.hang_timeout_s=30"])
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -405,3 +468,18 @@ def test_a_restarted_server_starts_on_the_newest_published_weights(tmp_path):
     (run.weights(3) / "model.safetensors").write_bytes(b"")  # damaged: not a published step any more
     assert latest_weights_args(run, args) == ["--model", str(run.weights(2)), "--served-model-name", "x",
                                                "--port", "18001"]
+
+
+def test_a_task_of_a_multi_task_restart_step_logs_into_its_own_rank_log(tmp_path):
+    """srun numbers a restart step's tasks from 0 (%t); the role runner moves each task's output to
+    rank_K.log of the task it runs (PRL_TASKS[SLURM_PROCID])."""
+    run = RunDir(tmp_path / "run")
+    run.create()
+    run.role_logs_dir(2, "inference").mkdir(parents=True)
+    env = {**os.environ, "PRL_TASKS": "4,5", "SLURM_PROCID": "1", "PRL_ATTEMPT": "2"}
+    code = "from prl.job.role import into_rank_log; import sys; into_rank_log('inference', sys.argv[1]); " \
+           "print('to stdout'); print('to stderr', file=sys.stderr)"
+    out = subprocess.run([sys.executable, "-c", code, str(run.root)], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout == "" and out.stderr == "", out
+    assert run.role_log(2, "inference", 5).read_text() == "to stdout\nto stderr\n"
+    assert oct(run.role_log(2, "inference", 5).stat().st_mode & 0o777) == "0o600"

@@ -138,8 +138,10 @@ class Launcher:
         if self.slurm:
             if restart:
                 env["PRL_TASKS"] = ",".join(map(str, tasks))
-                output = (str(self.run.role_log(self.attempt, step.name, tasks[0])) if len(tasks) == 1
-                          else self.run.task_log_pattern(self.attempt, step.name))
+                # srun numbers a restart step's tasks from 0: several tasks log to restart_N_%t.log until
+                # the role runner moves its output to its own rank log (`into_rank_log`).
+                output = str(self.run.role_log(self.attempt, step.name, tasks[0]) if len(tasks) == 1
+                             else self.run.role_logs_dir(self.attempt, step.name) / f"restart_{restart}_%t.log")
                 argv = ["srun", *restart_srun_args(step.srun_args, nodes or []), f"--output={output}",
                         "--open-mode=append", "bash", script]
             else:
@@ -221,6 +223,9 @@ class Launcher:
             if server.head:  # its task withdraws it too, unless it was killed outright
                 self.run.endpoint(name, server.replica).unlink(missing_ok=True)
             self.run.task_ready(name, t).unlink(missing_ok=True)
+            if record.get("with_replica"):  # stopped by us (below): the replica's failure is already recorded
+                log.info(f"{name} task {t} (replica {server.replica}) stopped with its replica")
+                continue
             log.warning(f"{name} task {t} (replica {server.replica}, node {event['node']}): {reason}")
             if policy.policy != "restart" or running.restarts >= policy.max_restarts:
                 why = "" if policy.policy != "restart" else f" after {running.restarts} restart(s) (max_restarts)"
@@ -229,8 +234,20 @@ class Launcher:
                 raise RoleFailed(name, code or 1, f"task {t} (replica {server.replica}): {reason}{why}")
             event["action"] = "restarting"
             self._record_event(running, event)
+        self.stop_replica_rest(running)
         self.restart_replicas(running)
         self.note_restarted_ready(running)
+
+    def stop_replica_rest(self, running: Running) -> None:
+        """Ask the live tasks of each multi-node replica with a failed task to stop: a head without its
+        followers (or followers without their head) cannot serve, and the replica restarts only whole."""
+        for replica in sorted({self.plan.server(running.name, t).replica for t in running.down}):
+            tasks = [s.task for s in self.plan.role_servers(running.name) if s.replica == replica]
+            marker = self.run.replica_stop(running.name, replica)
+            if not all(t in running.down for t in tasks) and not marker.exists():
+                log.warning(f"stopping the other tasks of {running.name} replica {replica} "
+                            f"({[t for t in tasks if t not in running.down]}) to restart it whole")
+                atomic_write_json(marker, {"attempt": self.attempt, "time": time.time()})
 
     def restart_replicas(self, running: Running) -> None:
         """Start again every replica whose tasks have all ended (a multi-node replica restarts whole)."""
@@ -241,6 +258,7 @@ class Launcher:
                 continue  # wait for the rest of the replica to go
             nodes = [running.down[t].get("node") or "" for t in tasks]
             running.restarts += 1
+            self.run.replica_stop(running.name, replica).unlink(missing_ok=True)
             for t in tasks:
                 self.run.task_exit(running.name, t).unlink(missing_ok=True)
                 event = running.down.pop(t)

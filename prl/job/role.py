@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from prl.job import doctor
@@ -41,18 +42,23 @@ class _Stop:
     """True once a stop was asked (kept after `signum` is passed on to the child)."""
     failure: str | None = None
     """Why the runtime failed the child itself (a server that stopped answering /health)."""
+    with_replica: bool = False
+    """Stopped because another task of its multi-node replica failed (state/stop/<role>.<replica>.json)."""
 
     def __call__(self, signum: int, _frame: Any) -> None:
         self.signum = signum
         self.stopping = True
 
-    def watch(self, run: RunDir) -> None:
-        """Poll state/stop.json in the background: srun would kill a step rather than pass SIGTERM on."""
+    def watch(self, run: RunDir, replica_stop: Path | None = None) -> None:
+        """Poll state/stop.json (and this task's replica stop, if any) in the background: srun would kill a
+        step rather than pass SIGTERM on, and cannot signal one task of a step."""
         import threading
 
         def poll() -> None:
             while self.signum is None:
-                if run.stop_request.exists():
+                replica = replica_stop is not None and replica_stop.exists()
+                if replica or run.stop_request.exists():
+                    self.with_replica = replica
                     self.signum = signal.SIGTERM
                     self.stopping = True
                     return
@@ -72,6 +78,20 @@ def task_index() -> int:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     return 0
+
+
+def into_rank_log(role: str, run_dir: str) -> None:
+    """In a restart step of several tasks (a multi-node replica), srun's %t numbers them from 0: append this
+    task's output to its own rank_K.log instead, where `prl logs` finds it."""
+    if "," not in os.environ.get("PRL_TASKS", ""):
+        return
+    path = RunDir(run_dir).role_log(current_attempt(), role, task_index())
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def _hold(run: RunDir, role: str, task: int, seconds: float, stop: _Stop) -> int:
@@ -96,19 +116,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("role")
     parser.add_argument("--run-dir", required=True)
     args = parser.parse_args(argv)
+    into_rank_log(args.role, args.run_dir)
     init_logging(args.role, task_index())
     run = RunDir(args.run_dir)
     stop = _Stop()
-    code = run_task(run, args.role, stop)
+    return record_exit(run, args.role, run_task(run, args.role, stop), stop)
+
+
+def record_exit(run: RunDir, role: str, code: int, stop: _Stop) -> int:
+    """Write this task's exit record (state/exits/<role>.<task>.json) and return the task's exit code."""
     record = {"exit_code": code, "time": time.time(), "host": socket.gethostname(),
               "node": os.environ.get("SLURMD_NODENAME", socket.gethostname())}
-    watched = args.role in SERVER_ROLES and os.environ.get("PRL_MODE", "run") == "run"
-    if watched and not stop.stopping:
+    watched = role in SERVER_ROLES and os.environ.get("PRL_MODE", "run") == "run"
+    if watched and stop.with_replica:
+        record.update(with_replica=True, reason="stopped with its replica (another of its tasks failed)")
+    elif watched and not stop.stopping:
         # A server has no reason to end before the job stops: whatever its code, that is a failure.
         record.update(failed=True, reason=stop.failure or f"server exited with code {code} while the job was running")
         log.error(record["reason"])
-    atomic_write_json(run.task_exit(args.role, task_index()), record)
-    if watched and Plan.read(run).failure_policy(args.role).policy == "restart":
+    atomic_write_json(run.task_exit(role, task_index()), record)
+    if watched and Plan.read(run).failure_policy(role).policy == "restart":
         # The launcher reads the record and restarts this task; a non-zero exit would make srun
         # (--kill-on-bad-exit) kill the healthy servers of the same step too.
         return 0
@@ -121,7 +148,8 @@ def run_task(run: RunDir, role: str, stop: _Stop) -> int:
     mode = os.environ.get("PRL_MODE", "run")
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    stop.watch(run)
+    replica = plan.server(role, task).replica if role in SERVER_ROLES and mode == "run" else None
+    stop.watch(run, None if replica is None else run.replica_stop(role, replica))
     node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
     attempt = current_attempt()
     log.info(f"{mode} on {node} (attempt {attempt}, pid {os.getpid()})")

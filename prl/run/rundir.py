@@ -18,6 +18,7 @@ joins path pieces under a run. It imports no torch: login nodes import it.
       checkpoints/step_N/<role>/ + STABLE     per-role resumable state
       state/<role>.json                       start / heartbeat / exit of each role (its rank 0)
       state/beats/<role>.<rank>.json          heartbeats of a multi-rank role's other ranks
+      state/stop.json  state/stop/<role>.<replica>.json   the launcher's stop of the job / of one replica
       metrics.jsonl                           one JSON object per line
       plots/progress.png  wandb/              `prl plot` and `prl wandb` output
       evals/                                  `prl eval --run` sweeps: results, server logs, submitit files
@@ -718,6 +719,13 @@ class RunDir:
         """Written by the launcher to ask every task of this attempt to stop (checkpoint, then exit)."""
         return self.state_dir / "stop.json"
 
+    def replica_stop(self, role: str, replica: int) -> Path:
+        """Written by the launcher to stop the live tasks of one multi-node server replica whose other task
+        failed (a head without its followers, or followers without their head, cannot serve), so the replica
+        restarts whole."""
+        _check_role(role)
+        return self.state_dir / "stop" / f"{role}.{replica}.json"
+
     @property
     def endpoints_dir(self) -> Path:
         return self.state_dir / "endpoints"
@@ -748,7 +756,7 @@ class RunDir:
 
     def reset_attempt_state(self) -> None:
         """Forget an earlier attempt's readiness markers and endpoints before a new attempt starts."""
-        for sub in ("ready", "endpoints", "preflight", "exits", "beats"):
+        for sub in ("ready", "endpoints", "preflight", "exits", "beats", "stop"):
             shutil.rmtree(self.state_dir / sub, ignore_errors=True)
         self.stop_request.unlink(missing_ok=True)
         for kind in KINDS:
