@@ -11,7 +11,8 @@ a 2-rank FSDP2 trainer on two nodes), one run for the whole story:
    metrics.jsonl exactly once.
 
 A second run: 4. SIGSTOP of the orchestrator: HUNG names the orchestrator (not the trainer starving behind
-it), the job requeues and attempt 2 completes, every step once.
+it), the job requeues; 5. in attempt 2 a trainer node is set DOWN: Slurm ends the run (NODE_FAIL) and
+requeues it; attempt 3 completes, every step once, and `prl status` says how attempts 1 and 2 ended.
 
 The measured numbers are printed (run with -s to see them).
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -174,12 +176,14 @@ def test_engine_kill_restarts_the_server_and_a_hung_trainer_is_requeued(tmp_path
     assert detected - stopped < HANG_TIMEOUT_S + 30, numbers
 
 
-def test_a_hung_orchestrator_is_named_and_requeued_and_no_step_is_lost(tmp_path, env, slurm_cluster):
+def test_a_hung_orchestrator_then_a_dead_node_each_requeue_and_no_step_is_lost(tmp_path, env, slurm_cluster):
     """4. SIGSTOP of the orchestrator: HUNG (the orchestrator, not the trainer that starves behind it) within the
-    bound, the job requeued, and attempt 2 completes with every trainer and orchestrator step exactly once."""
+    bound, the job requeued; 5. in attempt 2 a trainer node goes DOWN: Slurm ends the run (NODE_FAIL) and
+    requeues it; attempt 3 completes with every trainer and orchestrator step exactly once, and `prl status`
+    says how each earlier attempt ended."""
     model = build_tiny_model(tmp_path / "model")
     run = tmp_path / "run"
-    max_steps = 6
+    max_steps = 8
     prl(env, "submit", "configs/lab.yaml", f"run_dir={run}", f"model.path={model}", f"training.max_steps={max_steps}",
         "training.max_off_policy_steps=1", "training.checkpoint_interval=2",
         f"training.hang_timeout_s={HANG_TIMEOUT_S}")
@@ -193,12 +197,34 @@ def test_a_hung_orchestrator_is_named_and_requeued_and_no_step_is_lost(tmp_path,
         detected = time.time()
         assert hung["failure"]["role"] == "orchestrator", hung["failure"]
         assert next(r for r in hung["roles"] if r["role"] == "orchestrator")["status"] == "HUNG"
+
+        # 5. A node of the trainer dies in attempt 2, once it has trained a step of its own.
+        wait_for("attempt 2 running", lambda: status(env, run)["attempt"] == 2, timeout=300, interval=2)
+        resumed_at = trained(run)
+        wait_for("a step of attempt 2", lambda: trained(run) > resumed_at, timeout=400, interval=2)
+        node = status(env, run)["roles"][-1]["nodes"]
+        assert node.startswith("n[3-4]") or node == "n3,n4", node
+        subprocess.run(["scontrol", "update", "nodename=n4", "state=DOWN", "reason=prl-fault-test"], check=True)
+        down = time.time()
+        shown = wait_for("attempt 2's end in status", lambda: (s := status(env, run))["earlier"][1:] and s,
+                         timeout=180, interval=2)
+        seen = time.time()
+        # (Slurm may already have returned it to service: ReturnToService=2 and a live slurmd.)
+        subprocess.run(["scontrol", "update", "nodename=n4", "state=RESUME"], check=False, capture_output=True)
+        assert shown["earlier"][0]["failure"]["role"] == "orchestrator", shown["earlier"]
+        assert shown["earlier"][1]["slurm_state"] == "NODE_FAIL", shown["earlier"]
+        text = prl(env, "status", run, check=False).stdout
+        assert "attempt 1 ended" in text and "orchestrator HUNG" in text, text
+        assert "attempt 2 ended" in text and "Slurm: NODE_FAIL" in text, text
         final = wait_for("the job to end", lambda: (s := status(env, run))["state"] in (
-            "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and s["attempt"] == 2 and s, timeout=900, interval=3)
+            "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and s["attempt"] == 3 and s, timeout=900, interval=3)
     finally:
+        subprocess.run(["scontrol", "update", "nodename=n4", "state=RESUME"], check=False, capture_output=True)
         prl(env, "cancel", run, check=False)
     assert final["state"] == "COMPLETED", (final, prl(env, "logs", run, "-n", "40", check=False).stdout)
     assert [r["step"] for r in records(run, "trainer")] == list(range(1, max_steps + 1))
     assert [r["step"] for r in records(run, "orchestrator")] == list(range(1, max_steps + 1))
-    print(f"\norchestrator SIGSTOP -> HUNG: {detected - stopped:.1f} s (bound {HANG_TIMEOUT_S} s)")
+    assert [e["attempt"] for e in final["earlier"]] == [1, 2], final["earlier"]
+    print(f"\norchestrator SIGSTOP -> HUNG: {detected - stopped:.1f} s (bound {HANG_TIMEOUT_S} s); "
+          f"node DOWN -> attempt 2's end in status: {seen - down:.1f} s")
     assert detected - stopped < HANG_TIMEOUT_S + 30

@@ -364,3 +364,25 @@ def test_query_jobs_live_uses_one_command(fake):
     runner = fake(squeue=(0, out, ""))
     rows = slurm.query_jobs([20])
     assert len(rows) == 8 and len(runner.calls) == 1
+
+
+SACCT_RUNS = (
+    "747+0|lab|NODE_FAIL|0:0|0:0|00:01:10|n1|2026-12-01T19:05:32|2026-12-01T19:06:42|None\n"
+    "747+1|lab|NODE_FAIL|0:0|0:0|00:01:10|n2|2026-12-01T19:05:32|2026-12-01T19:06:42|None\n"
+    "747+2|lab|NODE_FAIL|0:0|0:0|00:01:10|n[3-4]|2026-12-01T19:05:32|2026-12-01T19:06:42|None\n"
+    "747+1|lab|RUNNING|0:0|0:0|00:00:40|n2|2026-12-01T19:07:14|Unknown|BeginTime\n"
+    "747+0|lab|RUNNING|0:0|0:0|00:00:40|n1|2026-12-01T19:07:14|Unknown|BeginTime\n"
+    "747+0.batch|batch|COMPLETED|0:0||00:00:03|n1|x|y|\n"
+    "747+2|lab|RUNNING|0:0|0:0|00:00:40|n[3-4]|2026-12-01T19:07:14|Unknown|BeginTime\n"
+).replace("|", S)
+
+
+def test_sacct_runs_groups_a_requeued_job_s_runs_oldest_first(fake):
+    runner = fake(sacct=(0, SACCT_RUNS, ""))
+    runs = slurm.sacct_runs(747)
+    assert "--duplicates" in runner.calls[0] and "--jobs=747" in runner.calls[0]
+    assert [sorted(r) for r in runs] == [["747+0", "747+1", "747+2"]] * 2
+    assert slurm.merge_state(runs[0].values()) == "NODE_FAIL" and runs[0]["747+2"].nodes == "n[3-4]"
+    assert {r.state for r in runs[1].values()} == {"RUNNING"}
+    fake(sacct=(1, "", "sacct: error: Slurm accounting storage is disabled\n"))
+    assert slurm.sacct_runs(747) is None

@@ -18,7 +18,7 @@ from prl.ops import slurm
 from prl.ops import status as status_module
 from prl.planner.prepare import prepare, write_run_files
 from prl.run.rundir import RunDir, atomic_write_json
-from prl.ops.status import Status, _launcher_state, _role_status, collect
+from prl.ops.status import Status, _launcher_state, _role_status, collect, show
 from prl.states import FAILED_STATES, TERMINAL_STATES, JobState, LauncherStatus, RoleState
 
 
@@ -201,3 +201,42 @@ def test_state_vocabularies_are_listed_only_in_prl_states():
             if any(len(words & vocabulary) >= 2 for vocabulary in vocabularies):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno}: {sorted(words)}")
     assert not found, "states listed outside prl/states.py:\n" + "\n".join(found)
+
+
+def test_a_requeued_job_says_how_each_earlier_attempt_ended(tmp_path, monkeypatch):
+    """Attempt 1 HUNG (the launcher's record), attempt 2 killed by a node failure (only Slurm knows: NODE_FAIL),
+    attempt 3 pending: one more Slurm command, `sacct --duplicates`, and a line per earlier attempt."""
+    run = _run(tmp_path)
+    now = time.time()
+    atomic_write_json(run.attempt_launcher_state(1), {
+        "attempt": 1, "status": "requeued", "ended": now - 300, "first_failure": {
+            "role": "orchestrator", "exit_code": None, "hung": True, "time": now - 310,
+            "reason": "hung: no progress for 31 s (bound 30 s); last step 3, phase generating"}})
+    attempt_2 = {"attempt": 2, "status": "stopped", "ended": now - 60, "stop_signal": 15, "first_failure": None,
+                 "steps": {"trainer": {"status": "stopped", "exit_code": 1}}}
+    atomic_write_json(run.attempt_launcher_state(2), attempt_2)
+    atomic_write_json(run.launcher_state, attempt_2)
+    row = "77+{c}\x1flab\x1f{state}\x1f0:0\x1f0:0\x1f00:01:00\x1fn{c}\x1f{start}\x1f{end}\x1fNone\n"
+    sacct = "".join(row.format(c=c, state=state, start=start, end=end) for state, start, end in (
+        ("REQUEUED", "2026-12-01T19:00:00", "2026-12-01T19:04:00"),
+        ("NODE_FAIL", "2026-12-01T19:05:00", "2026-12-01T19:09:00"),
+        ("PENDING", "Unknown", "Unknown")) for c in range(3))
+    # squeue: JobID HetJobID HetJobOffset Name State Reason TimeUsed NodeList exit DerivedEC RestartCnt Start End
+    pending = "".join(f"{77 + c}\x1f77\x1f{c}\x1flab\x1fPENDING\x1fBeginTime\x1f0:00\x1f\x1f0\x1f0:0\x1f2\x1fN/A\x1fN/A\x1f\n"
+                      for c in range(3))
+    fake = Fake({"squeue": (pending, "", 0), "sacct": (sacct, "", 0)})
+    monkeypatch.setattr(slurm, "RUNNER", fake)
+    status = collect(run)
+    assert status.state == "PENDING"
+    assert [(e["attempt"], e["slurm_state"]) for e in status.earlier] == [(1, "REQUEUED"), (2, "NODE_FAIL")]
+    assert any("--duplicates" in c for c in fake.calls[-1]) and status.slurm_commands == len(fake.calls)
+    from rich.console import Console
+
+    console = Console(record=True, width=250)
+    show(status, console)
+    text = console.export_text()
+    assert "orchestrator HUNG (hung: no progress for 31 s" in text
+    assert "attempt 2 ended" in text and "stopped by signal 15; Slurm: NODE_FAIL" in text
+    # A job that has not been requeued asks Slurm nothing more.
+    atomic_write_json(run.launcher_state, {"attempt": 1, "status": "running", "steps": {}})
+    assert collect(run).earlier == []

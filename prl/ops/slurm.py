@@ -405,59 +405,86 @@ def sacct_jobs(
     ids = _id_list(job_ids)
     if not ids:
         return {}
+    out = _sacct([f"--jobs={','.join(ids)}"], timeout)
+    return None if out is None else parse_sacct(out)
+
+
+def sacct_runs(job_id: str | int, *, timeout: float = DEFAULT_TIMEOUT) -> list[dict[str, JobRow]] | None:
+    """Every run of a job, oldest first (a requeued job runs again under the same id): each run's component
+    rows keyed by `JobRow.key`. One `sacct --duplicates` call; None when the cluster keeps no accounting."""
+    out = _sacct(["--duplicates", f"--jobs={job_id}"], timeout)
+    return None if out is None else parse_sacct_runs(out)
+
+
+def _sacct(args: list[str], timeout: float) -> str | None:
+    """sacct's allocation rows (our fields, SEP-delimited) for `args`; None when accounting is disabled."""
     proc = run_slurm(
-        [
-            "sacct", "--noheader", "--parsable2", f"--delimiter={SEP}", "--allocations",
-            f"--jobs={','.join(ids)}", f"--format={','.join(_SACCT_FIELDS)}",
-        ],
+        ["sacct", "--noheader", "--parsable2", f"--delimiter={SEP}", "--allocations", *args,
+         f"--format={','.join(_SACCT_FIELDS)}"],
         timeout,
         check=False,
-    )  # fmt: skip
+    )
     if proc.returncode != 0:
         if "accounting storage is disabled" in (proc.stderr or "").lower():
             return None
         raise SlurmError(f"sacct failed (exit {proc.returncode}): {_message(proc)}")
-    return parse_sacct(proc.stdout)
+    return proc.stdout
+
+
+def parse_sacct_runs(stdout: str) -> list[dict[str, JobRow]]:
+    """`sacct --duplicates` rows grouped into runs: the components of one run started together."""
+    runs: dict[str, dict[str, JobRow]] = {}
+    for line in (stdout or "").splitlines():
+        row = _sacct_row(line)
+        if row is not None:
+            runs.setdefault(row.start or "", {})[row.key] = row
+    return [runs[start] for start in sorted(runs, key=lambda s: (s == "", s))]
 
 
 def parse_sacct(stdout: str) -> dict[str, JobRow]:
     rows: dict[str, JobRow] = {}
-    n = len(_SACCT_FIELDS)
     for line in (stdout or "").splitlines():
-        if not line.strip():
-            continue
-        # -P output with the default "|" delimiter is accepted too (fakes, old callers).
-        parts = line.split(SEP) if SEP in line else line.split("|")
-        if len(parts) < n:
-            raise SlurmError(f"unexpected sacct line (want {n} fields): {line!r}")
-        f = dict(zip(_SACCT_FIELDS, parts))
-        key = f["JobID"].strip()
-        if "." in key:  # a step row (123.batch, 123+0.0): -X should have dropped it
-            continue
-        job_id, het_offset = split_job_key(key)
-        state, cancelled_by = normalize_state(f["State"])
-        terminal = state in TERMINAL_STATES
-        code, sig = parse_exit_code(f["ExitCode"]) if terminal else (None, None)
-        derived, _ = parse_exit_code(f["DerivedExitCode"]) if terminal else (None, None)
-        row = JobRow(
-            job_id=job_id,
-            het_offset=het_offset,
-            state=state,
-            raw_state=f["State"].strip(),
-            reason=_clean(f["Reason"]),
-            exit_code=code,
-            signal=sig,
-            derived_exit_code=derived,
-            elapsed=parse_duration(f["Elapsed"]),
-            nodes=_clean(f["NodeList"]),
-            cancelled_by=cancelled_by,
-            name=f["JobName"],
-            start=_clean(f["Start"]),
-            end=_clean(f["End"]),
-            source="sacct",
-        )
-        rows[row.key] = row
+        row = _sacct_row(line)
+        if row is not None:
+            rows[row.key] = row
     return rows
+
+
+def _sacct_row(line: str) -> JobRow | None:
+    """One allocation row of sacct's output (None for a blank line or a step row)."""
+    n = len(_SACCT_FIELDS)
+    if not line.strip():
+        return None
+    # -P output with the default "|" delimiter is accepted too (fakes, old callers).
+    parts = line.split(SEP) if SEP in line else line.split("|")
+    if len(parts) < n:
+        raise SlurmError(f"unexpected sacct line (want {n} fields): {line!r}")
+    f = dict(zip(_SACCT_FIELDS, parts))
+    key = f["JobID"].strip()
+    if "." in key:  # a step row (123.batch, 123+0.0): -X should have dropped it
+        return None
+    job_id, het_offset = split_job_key(key)
+    state, cancelled_by = normalize_state(f["State"])
+    terminal = state in TERMINAL_STATES
+    code, sig = parse_exit_code(f["ExitCode"]) if terminal else (None, None)
+    derived, _ = parse_exit_code(f["DerivedExitCode"]) if terminal else (None, None)
+    return JobRow(
+        job_id=job_id,
+        het_offset=het_offset,
+        state=state,
+        raw_state=f["State"].strip(),
+        reason=_clean(f["Reason"]),
+        exit_code=code,
+        signal=sig,
+        derived_exit_code=derived,
+        elapsed=parse_duration(f["Elapsed"]),
+        nodes=_clean(f["NodeList"]),
+        cancelled_by=cancelled_by,
+        name=f["JobName"],
+        start=_clean(f["Start"]),
+        end=_clean(f["End"]),
+        source="sacct",
+    )
 
 
 # --------------------------------------------------------------------------- scontrol

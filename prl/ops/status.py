@@ -5,7 +5,8 @@ the run directory says what the roles did (launcher.json: start, exit, first fai
 state/<role>.json: heartbeat, step; weights/rollouts: progress; metrics.jsonl: reward).
 One status call runs at most two Slurm commands (squeue, then sacct for what the
 controller has forgotten; `scontrol show job` once when accounting is off), however
-many roles there are. If Slurm cannot be asked the state is UNKNOWN with a note,
+many roles there are, and one more (`sacct --duplicates`) once the job has been requeued,
+to say how each earlier attempt ended (a node failure, say: the launcher cannot record that). If Slurm cannot be asked the state is UNKNOWN with a note,
 never FAILED; without accounting, once the controller forgets the job, the launcher's
 own record decides.
 """
@@ -62,6 +63,9 @@ class Status:
     failure: dict[str, Any] | None
     notes: list[str] = field(default_factory=list)
     slurm_commands: int = 0
+    earlier: list[dict[str, Any]] = field(default_factory=list)
+    """How each earlier attempt of the run ended: attempt, status, first failure, stop signal, and (Slurm) the
+    job's state for that run, e.g. NODE_FAIL."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -144,9 +148,49 @@ def collect(run: RunDir) -> Status:
     state = _job_state(job, launcher, rows, notes)
     roles = [_role_row(run, plan, step, job, launcher, rows, state) for step in plan.steps]
     attempt = launcher.get("attempt")
+    earlier = _earlier_attempts(run, job, launcher, state)
+    if earlier and backend == "slurm":
+        commands += _slurm_ends(job, earlier, notes)
     return Status(str(run.root), plan.name, job["job_id"] if job else None, backend, state, attempt,
                   launcher.get("mode") or (job or {}).get("mode"), roles, _progress(run),
-                  _failure(run, launcher), notes, commands)
+                  _failure(run, launcher), notes, commands, earlier)
+
+
+def _earlier_attempts(run: RunDir, job: dict[str, Any] | None, launcher: dict[str, Any],
+                      state: JobState) -> list[dict[str, Any]]:
+    """The attempts of this submission before the current one (and the current one, if it ended and the job
+    waits to run again: requeued), from each attempt's own launcher record."""
+    current = int(launcher.get("attempt") or 0)
+    base = int((job or {}).get("attempt_base") or 0)
+    waiting = state in (JobState.PENDING, JobState.REQUEUED) and launcher.get("status") not in _LAUNCHER_LIVE
+    out = []
+    for attempt in run.attempts():
+        if attempt <= base or attempt > current or (attempt == current and not waiting):
+            continue
+        record = read_json(run.attempt_launcher_state(attempt)) or {}
+        first = record.get("first_failure") or {}
+        out.append({"attempt": attempt, "status": record.get("status") or "killed", "ended": record.get("ended"),
+                    "failure": {k: first[k] for k in ("role", "reason", "hung", "exit_code") if k in first} or None,
+                    "stop_signal": record.get("stop_signal"), "slurm_state": None})
+    return out
+
+
+def _slurm_ends(job: dict[str, Any], earlier: list[dict[str, Any]], notes: list[str]) -> int:
+    """Fill in Slurm's end state of each earlier attempt (run k of the job is attempt base + k); one sacct."""
+    from prl.ops import slurm
+
+    before = slurm.commands_run()
+    try:
+        runs = slurm.sacct_runs(job["job_id"])
+    except SlurmError as exc:
+        notes.append(f"Slurm's record of earlier attempts is unavailable ({str(exc).splitlines()[0]})")
+        runs = None
+    base = int(job.get("attempt_base") or 0)
+    for entry in earlier:
+        index = entry["attempt"] - base - 1
+        if runs and 0 <= index < len(runs):
+            entry["slurm_state"] = str(slurm.merge_state(runs[index].values()))
+    return slurm.commands_run() - before
 
 
 def _slurm_rows(job: dict[str, Any], notes: list[str]) -> tuple[dict[str, Any] | None, int]:
@@ -235,6 +279,22 @@ def _failure(run: RunDir, launcher: dict[str, Any]) -> dict[str, Any] | None:
     return {**first, "log": str(log) if log else None, "log_tail": log_tail(log) if log else []}
 
 
+def _attempt_line(entry: dict[str, Any]) -> str:
+    """'attempt 1 ended: <why>', the why from the launcher's record and Slurm's end state of that run."""
+    f, why = entry.get("failure"), []
+    if f:
+        what = RoleState.HUNG if f.get("hung") else f"exited {f.get('exit_code')}"
+        why.append(f"{f['role']} {what} ({f['reason']})")
+    elif entry.get("stop_signal"):
+        why.append(f"stopped by signal {entry['stop_signal']}")
+    else:
+        why.append(str(entry["status"]))
+    if entry.get("slurm_state"):
+        why.append(f"Slurm: {entry['slurm_state']}")
+    when = time.strftime(" at %H:%M:%S", time.localtime(entry["ended"])) if entry.get("ended") else ""
+    return f"attempt {entry['attempt']} ended{when}: " + "; ".join(why)
+
+
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -278,6 +338,8 @@ def show(status: Status, console: Any = None) -> None:
                   f"rollouts step {p['rollout_step'] if p['rollout_step'] is not None else '-'}, "
                   f"lag {p['lag'] if p['lag'] is not None else '-'}, "
                   f"last reward {p['last_reward'] if p['last_reward'] is not None else '-'}")
+    for entry in status.earlier:
+        console.print(f"[yellow]{_attempt_line(entry)}[/yellow]", highlight=False)
     for note in status.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
     if status.failure:
