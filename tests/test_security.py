@@ -148,6 +148,29 @@ def test_environment_values_outside_env_maps_are_refused(tmp_path, override, fie
     assert "s3cret" not in str(e.value)
 
 
+@pytest.mark.parametrize("override, says", [
+    ("orchestrator.env.WANDB_API_KEY=abc123", "WANDB_API_KEY looks like a secret"),
+    ("trainer.env.HF_TOKEN=hf_abc123", "HF_TOKEN looks like a secret"),
+    ("trainer.env.DB_PASSWORD=abc123", "DB_PASSWORD looks like a secret"),
+    ("trainer.env.USE_FAST=true", "write the value in quotes"),
+])
+def test_a_literal_secret_in_an_env_map_is_refused_before_anything_is_written(tmp_path, override, says):
+    env = {**os.environ, "PRL_HOME": str(tmp_path / "home")}
+    out = prl(env, "plan", "configs/local-tiny.yaml", f"run_dir={tmp_path}/run", override, check=False)
+    assert out.returncode != 0 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert f"({override.split('=')[0]})" in out.stderr and "abc123" not in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_env_numbers_are_text_and_ordinary_names_stay_literal(tmp_path):
+    from prl.planner.prepare import prepare
+
+    plan = prepare(REPO / "configs" / "local-tiny.yaml", [f"run_dir={tmp_path}/run", "trainer.env.OMP_NUM_THREADS=4",
+                                                          "trainer.env.MONKEY_PATCH=1"], cwd=REPO).plan
+    env = dict(plan.step("trainer").env)
+    assert env["OMP_NUM_THREADS"] == "4" and env["MONKEY_PATCH"] == "1"
+
+
 def test_public_variables_resolve_at_plan_time(tmp_path):
     from prl.planner.prepare import prepare
 

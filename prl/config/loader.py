@@ -93,20 +93,25 @@ class Source:
         """`file:line (a.b.c)` for a field, or where it was overridden; nearest ancestor wins."""
         dotted = dotted_path(field)
         name = shown_path(self.path)
-        below = [item for path, item in self.overrides.items() if path[:len(field)] == tuple(field)]
+        below = [_told(path, item) for path, item in self.overrides.items() if path[:len(field)] == tuple(field)]
         in_file = any(len(path) > len(field) and path[:len(field)] == tuple(field) for path in self.lines)
         if field and below and not in_file:  # `trainer.nodes.x=3` made a mapping of what the file has as a value
             return f"override {shown(below[-1], 200)} ({dotted})"
         for cut in range(len(field), -1, -1):
             prefix = tuple(field[:cut])
             if prefix in self.overrides:
-                return f"override {shown(self.overrides[prefix], 200)} ({dotted})"
+                return f"override {shown(_told(prefix, self.overrides[prefix]), 200)} ({dotted})"
             if prefix in self.lines:
                 return f"{name}:{self.lines[prefix]} ({dotted})" if dotted else f"{name}:{self.lines[prefix]}"
         return f"{name} ({dotted})" if dotted else name
 
     def error(self, field: FieldPath, message: str) -> ConfigError:
         return ConfigError(f"{self.locate(field)}: {message}")
+
+
+def _told(path: FieldPath, override: str) -> str:
+    """An override as an error quotes it: a secret-named variable's value is never echoed to a terminal or log."""
+    return override.partition("=")[0] + "=..." if path and looks_secret(path[-1]) else override
 
 
 class FieldValueError(ValueError):
@@ -435,9 +440,18 @@ def _set(data: Any, path: FieldPath, value: Any) -> None:
     data[path[-1]] = value
 
 
+SECRET_WORDS = frozenset({"KEY", "APIKEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIALS", "PASS"})
+"""Words of an `env:` name (split at `_`) that say its value is a secret: WANDB_API_KEY, HF_TOKEN, ..."""
+
+
+def looks_secret(name: Any) -> bool:
+    return isinstance(name, str) and bool(SECRET_WORDS & set(name.upper().split("_")))
+
+
 def _keep_env_references(raw: dict[str, Any], source: Source) -> None:
     """Keep secrets off the disk: in `env:` maps, escape `${oc.env:NAME}` so it stays text (a reference the
-    step script resolves on the node); elsewhere refuse every variable but PUBLIC_ENV, naming the field."""
+    step script resolves on the node), and refuse a secret-named variable written as a literal value;
+    elsewhere refuse every variable but PUBLIC_ENV, naming the field."""
     for path, text in list(_strings(raw)):
         if "${oc.env:" not in text:
             continue
@@ -509,7 +523,30 @@ def load_document(path: Path, overrides: Sequence[str] = ()) -> tuple[dict[str, 
         raise ConfigError(f"{shown_path(path)}: expected a mapping of fields at the top")
     _check_finite(data, source)
     _leaked_references(data, source)
+    _check_env_values(data, source)
     return data, source
+
+
+def _check_env_values(data: Any, source: Source, path: FieldPath = ()) -> None:
+    """`env:` values are text: a number becomes its digits (`OMP_NUM_THREADS: 4`), a true/false is refused
+    (which spelling?), and a secret-named variable given a literal value is refused: that value would be
+    saved in plan.json, topology.yaml and the scripts."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            at = path + (key,)
+            if _is_env_map(at) and isinstance(value, bool):
+                raise source.error(at, f"write the value in quotes ('1', 'true', ...): an environment variable is text")
+            if _is_env_map(at) and isinstance(value, (int, float)):
+                data[key] = value = str(value)
+            if _is_env_map(at) and isinstance(value, str) and value and looks_secret(key) \
+                    and not ENV_REFERENCE.search(value):
+                raise source.error(at, f"{key} looks like a secret: a value written here would be saved in plan.json, "
+                                       f"topology.yaml and the scripts; export it and write `${{oc.env:{key}}}` "
+                                       f"(read where the role runs)")
+            _check_env_values(value, source, at)
+    elif isinstance(data, list):
+        for index, value in enumerate(data):
+            _check_env_values(value, source, path + (index,))
 
 
 def explained(pattern: str, explain: Callable[[str], str]) -> msgspec.Meta:
