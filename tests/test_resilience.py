@@ -483,3 +483,32 @@ def test_a_task_of_a_multi_task_restart_step_logs_into_its_own_rank_log(tmp_path
     assert out.returncode == 0 and out.stdout == "" and out.stderr == "", out
     assert run.role_log(2, "inference", 5).read_text() == "to stdout\nto stderr\n"
     assert oct(run.role_log(2, "inference", 5).stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_server_whose_preflight_fails_for_good_is_not_restarted(tmp_path):
+    """The real step script and role runner: the model has no config.json on the node, so the preflight fails;
+    starting the server again on the same node would fail the same way, so the job fails at once, saying why."""
+    from prl.planner.prepare import prepare, write_run_files
+
+    prepared = prepare(Path(__file__).resolve().parents[1] / "configs" / "local-tiny.yaml",
+                       [f"run_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'no-model'}"])
+    write_run_files(prepared)
+    run = RunDir(prepared.run_dir)
+    run.create_api_key()
+    launcher = Launcher(run, launch_module.Plan.read(run), attempt=1, slurm=False, mode="run")
+    launcher.start(launcher.plan.step("inference"))
+    running = launcher.running["inference"]
+    try:
+        with pytest.raises(RoleFailed) as info:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                launcher.check()
+                time.sleep(0.2)
+        assert info.value.role == "inference" and running.restarts == 0
+        assert "preflight failed: model" in info.value.reason and "has no config.json" in info.value.reason
+        assert "not restarted: it would fail the same way on that node" in info.value.reason
+    finally:
+        for p in running.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()

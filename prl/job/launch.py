@@ -227,8 +227,9 @@ class Launcher:
                 log.info(f"{name} task {t} (replica {server.replica}) stopped with its replica")
                 continue
             log.warning(f"{name} task {t} (replica {server.replica}, node {event['node']}): {reason}")
-            if policy.policy != "restart" or running.restarts >= policy.max_restarts:
-                why = "" if policy.policy != "restart" else f" after {running.restarts} restart(s) (max_restarts)"
+            if policy.policy != "restart" or running.restarts >= policy.max_restarts or record.get("lasting"):
+                why = ("" if policy.policy != "restart" else "; not restarted: it would fail the same way on that node"
+                       if record.get("lasting") else f" after {running.restarts} restart(s) (max_restarts)")
                 event["action"] = "failed"
                 self._record_event(running, event)
                 raise RoleFailed(name, code or 1, f"task {t} (replica {server.replica}): {reason}{why}")

@@ -44,6 +44,8 @@ class _Stop:
     """Why the runtime failed the child itself (a server that stopped answering /health)."""
     with_replica: bool = False
     """Stopped because another task of its multi-node replica failed (state/stop/<role>.<replica>.json)."""
+    lasting: bool = False
+    """Its failure will not go away by starting it again on the same node (a preflight check that failed)."""
 
     def __call__(self, signum: int, _frame: Any) -> None:
         self.signum = signum
@@ -132,7 +134,8 @@ def record_exit(run: RunDir, role: str, code: int, stop: _Stop) -> int:
         record.update(with_replica=True, reason="stopped with its replica (another of its tasks failed)")
     elif watched and not stop.stopping:
         # A server has no reason to end before the job stops: whatever its code, that is a failure.
-        record.update(failed=True, reason=stop.failure or f"server exited with code {code} while the job was running")
+        record.update(failed=True, reason=stop.failure or f"server exited with code {code} while the job was running",
+                      lasting=stop.lasting)
         log.error(record["reason"])
     atomic_write_json(run.task_exit(role, task_index()), record)
     if watched and Plan.read(run).failure_policy(role).policy == "restart":
@@ -165,6 +168,9 @@ def run_task(run: RunDir, role: str, stop: _Stop) -> int:
     if bad:
         message = "; ".join(c.detail for c in bad)
         log.error(f"preflight failed: {message}")
+        stop.failure = f"preflight failed: {message}"
+        # A taken port may free itself (the server this one replaces, still exiting); a missing GPU or model will not.
+        stop.lasting = any(c.name != "ports" for c in bad)
         if task == 0:
             run.mark_exit(role, 1, error=f"preflight: {message}")
         return 1
