@@ -6,6 +6,19 @@ Exit codes: 2 for bad input (the user can fix the file or the flag),
 
 from __future__ import annotations
 
+import errno
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+"""errnos of a full disk (or a used-up quota): a role that gets one says so in one line and exits 1."""
+
+
+def disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in DISK_FULL
+
+
+def disk_full_message(exc: OSError) -> str:
+    return f"the run directory's disk is full: {exc.strerror} ({exc.filename or 'a write'})"
+
 
 class PrlError(Exception):
     """Base of every error prl reports without a traceback."""

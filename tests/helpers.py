@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -51,3 +52,17 @@ def run_to_the_end(env: dict, run: Path, timeout: float = 600) -> dict:
             "state"] in ENDED and s, timeout=timeout, interval=3)
     finally:
         prl_cli(env, "cancel", run, check=False)
+
+
+@contextlib.contextmanager
+def tmpfs(mount: Path, size: str):
+    """A tmpfs of `size` (mount's -o size=) at `mount`: a disk that really fills (ENOSPC). Needs root."""
+    mount.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs here (needs root): {proc.stderr}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=False)

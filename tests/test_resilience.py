@@ -24,6 +24,7 @@ from prl.ops.status import collect, show
 from prl.planner.model import HANG_FLOOR_S
 from prl.run.rundir import MARKER, RunDir, atomic_write_json, is_stable
 from prl.states import RoleState
+from tests.helpers import tmpfs
 from tests.plans import local_plan, write_plan
 
 
@@ -333,16 +334,8 @@ def test_cleanup_keeps_every_weights_step_a_server_serves(tmp_path):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 1 MiB tmpfs: a real ENOSPC."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        pytest.fail(f"cannot mount a tmpfs here (needs root): {proc.stderr}")
-    try:
+    with tmpfs(tmp_path / "small", "1m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
 
 
 def test_a_full_disk_during_a_publish_leaves_no_step_and_the_next_publish_works(small_disk):
@@ -357,6 +350,29 @@ def test_a_full_disk_during_a_publish_leaves_no_step_and_the_next_publish_works(
     run.publish_dir(run.weights(1), _write({"model.safetensors": b"w" * 600 * 1024}), step=1)
     assert run.stable_steps("weights") == [1]
     shutil.rmtree(run.root)
+
+
+def test_the_launcher_records_on_a_full_disk_by_giving_back_its_reserve(tmp_path):
+    """A run directory on a 1 MiB tmpfs, filled but for the launcher's reserve: its record still gets written
+    (the reserve is given back once, and noted), and a role failure names the full disk."""
+    with tmpfs(tmp_path / "small", "1m") as disk:
+        run = write_plan(RunDir(disk / "run"), local_plan(disk / "run", tmp_path))
+        launcher = Launcher(run, launch_module.Plan.read(run), attempt=1, slurm=False, mode="run")
+        assert run.make_reserve(256 * 1024)
+        with open(disk / "filler", "wb") as f:
+            with pytest.raises(OSError):
+                f.write(bytes(1 << 20))
+        launcher.state["first_failure"] = {"role": "trainer", "reason": "exited with code 1" + launcher.disk_reason()}
+        launcher.save()
+        saved = json.loads(run.launcher_state.read_text())
+        assert saved["disk_full"]["released_bytes"] == 256 * 1024 and not run.reserve.exists()
+        assert saved["first_failure"]["reason"].startswith("exited with code 1; the run directory's disk is full (")
+        # Nothing left to give back: a write that still fails is logged, and the launcher goes on.
+        with open(disk / "filler", "ab") as f:
+            with pytest.raises(OSError):
+                f.write(bytes(1 << 20))
+        launcher.state["big"] = "x" * (64 * 1024)
+        assert launcher.write(run.launcher_state, launcher.state) is False
 
 
 # ---------------------------------------------------------------- the trainer on SIGTERM

@@ -227,9 +227,13 @@ def test_resume_leftovers_and_metrics(tmp_path):
     with open(run.metrics_jsonl, "a") as f:
         f.write('{"role": "trainer", "st')  # torn last line of a killed writer
     assert [m["step"] for m in run.read_metrics("trainer")] == [1, 2, 3, 4, 5]
+    # The next record (the resumed writer's) starts a line of its own: only the torn line is lost.
+    run.append_metrics({"role": "orchestrator", "step": 10})
+    assert [m["step"] for m in run.read_metrics("orchestrator")] == [9, 10]
+    assert run.metrics_jsonl.read_text().endswith('"st\n{"role": "orchestrator", "step": 10}\n')
     assert run.remove_steps_after("weights", 3) == [4, 5]
     assert run.drop_metrics_after("trainer", 3) == 3
-    assert [m["step"] for m in run.read_metrics()] == [1, 2, 3, 9]
+    assert [m["step"] for m in run.read_metrics()] == [1, 2, 3, 9, 10]
 
 
 # -- crash safety: SIGKILL a writer at random points, readers never accept a partial step

@@ -23,12 +23,14 @@ Everything it sees goes to state/launcher.json, which `prl status` reads.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from prl.errors import SlurmError
@@ -40,6 +42,8 @@ from prl.states import JobState, LauncherStatus, RoleState
 log = get_logger(__name__)
 
 POLL_SECONDS = 0.5
+LOW_DISK_BYTES = 1 << 20
+"""Less free than this under the run directory when a role fails: the disk is named as the likely cause."""
 START_TIMEOUT = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
 
 
@@ -113,7 +117,41 @@ class Launcher:
 
     # -- bookkeeping
     def save(self) -> None:
-        atomic_write_json(self.run.launcher_state, self.state)
+        self.write(self.run.launcher_state, self.state)
+
+    def write(self, path: Path, obj: Any) -> bool:
+        """atomic_write_json that survives a full disk: the first ENOSPC gives back the run's reserve
+        (state/reserve) and tries again; a write that still fails is logged and the job goes on (its
+        state stays in memory). False when `path` could not be written."""
+        for last in (False, True):
+            try:
+                atomic_write_json(path, obj)
+                return True
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not last and self.disk_full():
+                    continue
+                log.error(f"cannot write {path}: {exc.strerror or exc}")
+                return False
+        return False
+
+    def disk_full(self) -> bool:
+        """Note the full disk (once) and give back the reserve; True when that freed something to retry with."""
+        if "disk_full" not in self.state:
+            free = self.run.free_bytes()
+            freed = self.run.release_reserve()
+            self.state["disk_full"] = {"time": time.time(), "free_bytes": free, "released_bytes": freed}
+            log.error(f"the run directory's disk is full ({_mib(free)} free): released the launcher's "
+                      f"{_mib(freed)} reserve to record the failure and stop the roles")
+            return freed > 0
+        return False
+
+    def disk_reason(self) -> str:
+        """'; the run directory's disk is full (...)' when it is (or was, in this attempt), else ''."""
+        free = self.run.free_bytes()
+        if "disk_full" not in self.state and (free is None or free >= LOW_DISK_BYTES):
+            return ""
+        self.disk_full()
+        return f"; the run directory's disk is full ({_mib(self.state['disk_full']['free_bytes'])} free)"
 
     def note_step(self, name: str, **fields: Any) -> None:
         self.state["steps"].setdefault(name, {}).update(fields)
@@ -248,7 +286,7 @@ class Launcher:
             if not all(t in running.down for t in tasks) and not marker.exists():
                 log.warning(f"stopping the other tasks of {running.name} replica {replica} "
                             f"({[t for t in tasks if t not in running.down]}) to restart it whole")
-                atomic_write_json(marker, {"attempt": self.attempt, "time": time.time()})
+                self.write(marker, {"attempt": self.attempt, "time": time.time()})
 
     def restart_replicas(self, running: Running) -> None:
         """Start again every replica whose tasks have all ended (a multi-node replica restarts whole)."""
@@ -363,8 +401,9 @@ class Launcher:
         leave no time for a checkpoint. The tasks watch state/stop.json and pass SIGTERM on.
         """
         alive = [p for r in self.running.values() for p in r.procs if p.poll() is None]
-        atomic_write_json(self.run.stop_request, {"attempt": self.attempt, "signal": signum, "time": time.time()})
-        deadline = time.monotonic() + float(self.plan.grace_seconds)
+        asked = self.write(self.run.stop_request, {"attempt": self.attempt, "signal": signum, "time": time.time()})
+        # Without the request the tasks cannot hear the stop: signal them at once.
+        deadline = time.monotonic() + (float(self.plan.grace_seconds) if asked else 0.0)
         while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
             time.sleep(0.2)
         for p in alive:
@@ -403,7 +442,7 @@ class Launcher:
         self.state.update(status=status, ended=time.time(), exit_code=code)
         self.save()
         # Kept beside the attempt's logs: the next attempt's launcher.json replaces this one (restarts, hangs).
-        atomic_write_json(self.run.attempt_launcher_state(self.attempt), self.state)
+        self.write(self.run.attempt_launcher_state(self.attempt), self.state)
         (log.info if status == LauncherStatus.COMPLETED else log.warning)(f"job {status} (exit {code})")
         return code
 
@@ -418,7 +457,7 @@ class Launcher:
             self.save()
             self.wait_done()
         except RoleHung as hung:
-            self.state["first_failure"] = {"role": hung.role, "exit_code": None, "reason": hung.reason,
+            self.state["first_failure"] = {"role": hung.role, "exit_code": None, "reason": hung.reason + self.disk_reason(),
                                            "time": time.time(), "hung": True}
             self.state["status"] = LauncherStatus.STOPPING
             log.error(f"{hung.role} {hung.reason}; stopping the job")
@@ -428,7 +467,7 @@ class Launcher:
             return self.finish(LauncherStatus.FAILED, 1)
         except RoleFailed as failure:
             self.state["first_failure"] = {"role": failure.role, "exit_code": failure.code,
-                                           "reason": failure.reason, "time": time.time()}
+                                           "reason": failure.reason + self.disk_reason(), "time": time.time()}
             log.error(f"{failure.role} failed ({failure.reason}); stopping the other roles")
             self.stop_all()
             return self.finish(LauncherStatus.FAILED, failure.code or 1)
@@ -460,6 +499,10 @@ class Launcher:
             log.error(f"could not requeue the job: {exc}")
             return self.finish(LauncherStatus.FAILED, 1)
         return code
+
+
+def _mib(size: int | None) -> str:
+    return "? MiB" if size is None else f"{size / (1 << 20):.1f} MiB"
 
 
 def restart_srun_args(args: tuple[str, ...], nodes: list[str]) -> list[str]:
@@ -499,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     run.create()
     run.link_latest_logs(attempt)
     run.reset_attempt_state()
+    if not run.make_reserve():
+        log.warning(f"no room for the launcher's disk reserve in {run.root} ({_mib(run.free_bytes())} free)")
     for step in plan.steps:
         state = run.read_state(step.name)
         if state and state.get("status") == RoleState.RUNNING and int(state.get("attempt", 0)) < attempt:

@@ -137,7 +137,10 @@ def record_exit(run: RunDir, role: str, code: int, stop: _Stop) -> int:
         record.update(failed=True, reason=stop.failure or f"server exited with code {code} while the job was running",
                       lasting=stop.lasting)
         log.error(record["reason"])
-    atomic_write_json(run.task_exit(role, task_index()), record)
+    try:
+        atomic_write_json(run.task_exit(role, task_index()), record)
+    except OSError as exc:  # a full disk: the launcher still sees the exit code
+        log.error(f"cannot record this task's exit: {exc.strerror} ({exc.filename})")
     if watched and Plan.read(run).failure_policy(role).policy == "restart":
         # The launcher reads the record and restarts this task; a non-zero exit would make srun
         # (--kill-on-bad-exit) kill the healthy servers of the same step too.

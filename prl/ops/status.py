@@ -27,6 +27,8 @@ from prl.ops.registry import entries, read_job, registry_path
 from prl.states import TERMINAL_STATES, JobState, LauncherStatus, RoleState
 
 LOG_TAIL_LINES = 15
+LOW_DISK_BYTES = 1 << 20
+"""Less free than this under the run directory is a full disk (the launcher's LOW_DISK_BYTES)."""
 
 
 @dataclass
@@ -148,6 +150,13 @@ def collect(run: RunDir) -> Status:
     state = _job_state(job, launcher, rows, notes)
     roles = [_role_row(run, plan, step, job, launcher, rows, state) for step in plan.steps]
     attempt = launcher.get("attempt")
+    full = launcher.get("disk_full")
+    free = run.free_bytes()
+    if full or (free is not None and free < LOW_DISK_BYTES):
+        when = time.strftime(" at %H:%M:%S", time.localtime(full["time"])) if full else ""
+        now = "?" if free is None else f"{free / (1 << 20):.1f}"
+        notes.append(f"the run directory's disk is full{when} ({now} MiB free now): make room, "
+                     f"then `prl submit --resume` continues from the last checkpoint")
     earlier = _earlier_attempts(run, job, launcher, state)
     if earlier and backend == "slurm":
         commands += _slurm_ends(job, earlier, notes)

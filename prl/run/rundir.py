@@ -19,6 +19,7 @@ joins path pieces under a run. It imports no torch: login nodes import it.
       state/<role>.json                       start / heartbeat / exit of each role (its rank 0)
       state/beats/<role>.<rank>.json          heartbeats of a multi-rank role's other ranks
       state/stop.json  state/stop/<role>.<replica>.json   the launcher's stop of the job / of one replica
+      state/reserve                           4 MiB the launcher frees on a full disk to record the failure
       metrics.jsonl                           one JSON object per line
       plots/progress.png  wandb/              `prl plot` and `prl wandb` output
       evals/                                  `prl eval --run` sweeps: results, server logs, submitit files
@@ -40,6 +41,7 @@ and publishes `weights/step_N` (policy version N; the base model is version 0).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -51,7 +53,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from prl.errors import RunDirError, StepTimeout
+from prl.errors import DISK_FULL, RunDirError, StepTimeout
 from prl.states import RoleState
 
 ROLES = ("inference", "orchestrator", "trainer", "prefill", "decode", "router")
@@ -84,6 +86,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 FILE_MODE = 0o600
+RESERVE_BYTES = 4 << 20
+"""The launcher's disk reserve (state/reserve): room to record a failure and stop the roles on a full disk."""
 """Mode of every file prl writes under a run (the run directory itself is 0700)."""
 DIR_MODE = 0o700
 """Mode of the run directory and the directories prl makes in it."""
@@ -386,10 +390,16 @@ class RunDir:
         now = time.time()
         return self.write_state(role, status=RoleState.RUNNING, started=now, heartbeat=now, exit_code=None, **me)
 
-    def mark_exit(self, role: str, exit_code: int, error: str | None = None) -> dict:
-        """Record the role's end (status 'exited' or 'failed')."""
+    def mark_exit(self, role: str, exit_code: int, error: str | None = None) -> dict | None:
+        """Record the role's end (status 'exited' or 'failed'); None when a full disk leaves no room for it
+        (the launcher still sees the exit code and names the disk)."""
         status = RoleState.EXITED if exit_code == 0 else RoleState.FAILED
-        return self.write_state(role, status=status, exit_code=exit_code, error=error, ended=time.time())
+        try:
+            return self.write_state(role, status=status, exit_code=exit_code, error=error, ended=time.time())
+        except OSError as exc:
+            if exc.errno not in DISK_FULL:
+                raise
+            return None
 
     # -- per-step directories
     def step_dir(self, kind: str, step: int) -> Path:
@@ -617,11 +627,17 @@ class RunDir:
 
     # -- metrics
     def append_metrics(self, record: dict) -> None:
-        """Append one JSON line to metrics.jsonl (one write call, O_APPEND)."""
+        """Append one JSON line to metrics.jsonl (one write call, O_APPEND). A line torn by a full disk stays
+        a line of its own: the next record starts on a new line, so readers skip only the torn one."""
         line = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
-        fd = os.open(self.metrics_jsonl, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+        fd = os.open(self.metrics_jsonl, os.O_RDWR | os.O_APPEND | os.O_CREAT, FILE_MODE)
         try:
-            os.write(fd, line)
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = b"\n" + line
+            if os.write(fd, line) < len(line):
+                raise OSError(errno.ENOSPC, f"short write of a metrics record ({os.strerror(errno.ENOSPC)})",
+                              str(self.metrics_jsonl))
         finally:
             os.close(fd)
 
@@ -713,6 +729,44 @@ class RunDir:
         """A task's own record of how it ended (exit code, time): srun reports only the step's worst."""
         _check_role(role)
         return self.state_dir / "exits" / f"{role}.{task}.json"
+
+    @property
+    def reserve(self) -> Path:
+        """state/reserve: RESERVE_BYTES of real blocks the launcher gives back when the disk fills, so it can
+        still record what failed and ask the roles to stop (`make_reserve`, `release_reserve`)."""
+        return self.state_dir / "reserve"
+
+    def make_reserve(self, size: int | None = None) -> bool:
+        """Write the reserve (zeros, really allocated); False when the disk has no room for it."""
+        size = RESERVE_BYTES if size is None else size
+        try:
+            with open(self.reserve, "wb") as f:
+                for _ in range(size // (1 << 20)):
+                    f.write(bytes(1 << 20))
+                f.write(bytes(size % (1 << 20)))
+                f.flush()
+                os.fsync(f.fileno())
+            return True
+        except OSError:
+            self.reserve.unlink(missing_ok=True)
+            return False
+
+    def release_reserve(self) -> int:
+        """Delete the reserve; the bytes given back (0 when there was none)."""
+        try:
+            size = self.reserve.stat().st_size
+            self.reserve.unlink()
+            return size
+        except FileNotFoundError:
+            return 0
+
+    def free_bytes(self) -> int | None:
+        """Bytes free to this user on the run directory's filesystem (None if it cannot be asked)."""
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
 
     @property
     def stop_request(self) -> Path:

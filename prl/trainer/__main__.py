@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prl.errors import PrlError
+from prl.errors import PrlError, disk_full, disk_full_message
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -20,6 +20,11 @@ def cli(argv: list[str] | None = None) -> int:
     except PrlError as e:
         print(f"prl trainer: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    except OSError as e:
+        if not disk_full(e):
+            raise
+        print(f"prl trainer: error: {disk_full_message(e)}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":
