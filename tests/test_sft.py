@@ -228,8 +228,11 @@ def test_kill_after_a_checkpoint_then_resume_on_one_rank_equals_the_uninterrupte
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow  # the launcher, torchrun, 2 ranks (~40 s)
-def test_submit_local_of_the_shipped_sft_topology_completes(tiny, tmp_path, env):
+@pytest.mark.vllm
+@pytest.mark.slow  # the launcher, torchrun, 2 ranks (~40 s), then a 2-step RL run with vLLM (~60 s)
+def test_submit_local_sft_then_rl_from_its_weights_completes(tiny, tmp_path, env):
+    """SFT -> RL as a user chains them: the shipped SFT topology, then an RL run whose `model.from_run` is the
+    SFT run (its newest published weights): vLLM serves them and the trainer trains from them."""
     run = tmp_path / "run"
     out = prl(env, "submit", "configs/sft-tiny.yaml", f"run_dir={run}", f"model.path={tiny}",
               "training.max_steps=4", "--local", "--detach").stdout
@@ -245,6 +248,16 @@ def test_submit_local_of_the_shipped_sft_topology_completes(tiny, tmp_path, env)
     assert [m["step"] for m in metrics if m["role"] == "trainer"] == [1, 2, 3, 4]
     assert is_stable(RunDir(run).weights(4))
     assert "step 4 loss" in prl(env, "logs", run, "--role", "trainer").stdout
+
+    rl = tmp_path / "rl"
+    prl(env, "submit", "configs/local-tiny.yaml", f"run_dir={rl}", "model.path=null", f"model.from_run={run}", "training.max_steps=2",
+        "cluster.port_base=19400", "--local", timeout=600)
+    done = json.loads(prl(env, "status", rl, "--json").stdout)
+    assert done["state"] == "COMPLETED", prl(env, "logs", rl, "-n", "30", check=False).stdout
+    model = json.loads((rl / "plan.json").read_text())["settings"]["model"]
+    assert model["path"] == str(RunDir(run).weights(4)) and f"from_run: {run}" in (rl / "topology.yaml").read_text()
+    assert f"--model {RunDir(run).weights(4)}" in prl(env, "logs", rl, "--role", "inference", "-n", "400").stdout
+    assert [m["step"] for m in RunDir(rl).read_metrics("trainer")] == [1, 2]
 
 
 @pytest.mark.slurm

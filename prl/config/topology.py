@@ -35,14 +35,28 @@ def _class_name(value: str) -> str:
 
 
 class Model(Strict, kw_only=True):
-    path: NonEmptyText
-    """Local directory of a Hugging Face model, or a hub id the nodes have cached."""
+    path: Optional[NonEmptyText] = None
+    """Local directory of a Hugging Face model, or a hub id the nodes have cached. Or `from_run`."""
+    from_run: Optional[NonEmptyText] = None
+    """Start from another prl run's published weights (an SFT run, or an RL run to continue from): that run's
+    directory. Resolved when planned to `RUN/weights/step_N` (`from_step`, else its newest published step),
+    which becomes `path`."""
+    from_step: Optional[Annotated[int, Meta(ge=1, le=MAX_COUNT)]] = None
+    """With `from_run`: which published weights step (default: the newest when planned)."""
     tokenizer: Optional[Text] = None
     """Tokenizer directory or id when it differs from `path`."""
     dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
     """Weights dtype for inference and published weights."""
     max_model_len: Annotated[int, Meta(ge=16, le=MAX_TOKENS)] = 4096
     """Longest prompt + completion, in tokens."""
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.from_run is None):
+            raise FieldValueError("path" if self.path else "from_run",
+                                  "set one of model.path (a model) and model.from_run (a prl run's weights); to start "
+                                  "a topology that names a model from a run instead, add model.path=null")
+        if self.from_step is not None and self.from_run is None:
+            raise FieldValueError("from_step", "from_step picks a step of model.from_run, which is not set")
 
 
 class InferenceGroup(Strict, kw_only=True):

@@ -61,6 +61,30 @@ def _absolute_model_paths(topo: Topology, cwd: Path) -> Topology:
     return topo
 
 
+def _weights_of_run(topo: Topology, source: Source, cwd: Path) -> Topology:
+    """`model.from_run` (+ `from_step`) -> `model.path` = that run's published weights step (checked STABLE)."""
+    from prl.run.rundir import RunDir
+
+    m = topo.model
+    if m.from_run is None:
+        return topo
+    run = RunDir(_absolute(m.from_run, cwd))
+    if not run.plan_json.is_file():
+        raise source.error(("model", "from_run"), f"{run.root} is not a prl run directory (no plan.json)")
+    published = run.stable_steps("weights")
+    if not published:
+        raise source.error(("model", "from_run"), f"{run.root} has published no weights yet (weights/step_N with "
+                                                  f"its STABLE marker); is its job still running?")
+    step = published[-1] if m.from_step is None else m.from_step
+    if step not in published:
+        shown_steps = ", ".join(map(str, published[-10:]))
+        raise source.error(("model", "from_step"), f"{run.root} has no published weights step {step} "
+                                                   f"(published: {shown_steps})")
+    # The plan names the weights directory itself (RUN/topology.yaml keeps `from_run` as written).
+    return msgspec.structs.replace(topo, model=msgspec.structs.replace(m, path=str(run.weights(step)),
+                                                                       from_run=None, from_step=None))
+
+
 def model_config(topo: Topology, source: Source) -> dict | None:
     """The model's config.json when this machine sees the model directory (None: a hub id or a remote path)."""
     path = Path(topo.model.path) / "config.json"
@@ -81,7 +105,7 @@ def prepare(topology_path: Path, overrides: Sequence[str] = (), cwd: Path | None
     own = [item for item in overrides if not item.startswith("cluster.")]
     data, source = load_document(topology_path, own)
     topo = validate(Topology, data, source)
-    topo = _absolute_model_paths(topo, cwd)
+    topo = _weights_of_run(_absolute_model_paths(topo, cwd), source, cwd)
     if not profile_path(topo.cluster, topology_path.parent).exists():
         known = ", ".join(sorted(p.stem for p in CLUSTERS_DIR.glob("*.yaml")))
         raise source.error(("cluster",), f"no cluster profile {topo.cluster!r} ({profile_path(topo.cluster, topology_path.parent)}); "
