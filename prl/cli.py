@@ -142,7 +142,12 @@ def wandb(a: argparse.Namespace) -> None:
     from prl.ops.wandb_sync import sync
 
     run = resolve_run(a.run)
-    logged = sync(run, a.project, a.entity, follow=a.follow)
+    if a.attempt is not None:  # the launcher's own follower: until its attempt ends
+        from prl.ops.wandb_sync import attempt_ended
+
+        logged = sync(run, a.project, a.entity, follow=True, ended=lambda r: attempt_ended(r, a.attempt))
+    else:
+        logged = sync(run, a.project, a.entity, follow=a.follow)
     print(f"logged {logged} step(s) of {run.root} to W&B project {a.project}")
 
 
@@ -292,6 +297,8 @@ def _wandb_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--project", default="prl", help="W&B project.")
     p.add_argument("--entity", help="W&B entity (team or user; default: yours).")
     p.add_argument("--follow", "-f", action="store_true", help="Keep logging new steps until the job ends.")
+    p.add_argument("--attempt", type=int, help="Follow until attempt N of the job ends (how the launcher runs it "
+                                               "for a topology's `wandb:`).")
 
 
 def _doctor_args(p: argparse.ArgumentParser) -> None:

@@ -20,6 +20,7 @@ from prl.planner.model import Plan
 from prl.run.rundir import RunDir, is_stable
 from tests.helpers import REPO, prl_cli as prl, run_to_the_end, wait_for
 from tests.plans import local_plan, write_plan
+from tests.test_plot_wandb import finished_history
 from tests.tiny_model import build_tiny_model
 from tests.trainer_helpers import launch
 
@@ -234,8 +235,10 @@ def test_submit_local_sft_then_rl_from_its_weights_completes(tiny, tmp_path, env
     """SFT -> RL as a user chains them: the shipped SFT topology, then an RL run whose `model.from_run` is the
     SFT run (its newest published weights): vLLM serves them and the trainer trains from them."""
     run = tmp_path / "run"
+    # With `wandb:` the launcher keeps `prl wandb --follow` going beside the trainer (offline here: no internet).
+    env = {**env, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     out = prl(env, "submit", "configs/sft-tiny.yaml", f"run_dir={run}", f"model.path={tiny}",
-              "training.max_steps=4", "--local", "--detach").stdout
+              "training.max_steps=4", "wandb.project=prl-sft-test", "--local", "--detach").stdout
     assert "submitted local run" in out
 
     def status() -> dict:
@@ -248,6 +251,9 @@ def test_submit_local_sft_then_rl_from_its_weights_completes(tiny, tmp_path, env
     assert [m["step"] for m in metrics if m["role"] == "trainer"] == [1, 2, 3, 4]
     assert is_stable(RunDir(run).weights(4))
     assert "step 4 loss" in prl(env, "logs", run, "--role", "trainer").stdout
+    (wandb_file,) = RunDir(run).wandb_dir.glob("offline-run-*/run-*.wandb")
+    rows = finished_history(wandb_file)
+    assert [r["_step"] for r in rows] == [1, 2, 3, 4] and all("trainer/loss" in r for r in rows), rows
 
     rl = tmp_path / "rl"
     prl(env, "submit", "configs/local-tiny.yaml", f"run_dir={rl}", "model.path=null", f"model.from_run={run}", "training.max_steps=2",

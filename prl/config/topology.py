@@ -358,6 +358,16 @@ class Slurm(Strict, kw_only=True):
                                       f"_.,:/@%+=[]- only, not {shown(item)}")
 
 
+class WandB(Strict, kw_only=True):
+    """Log the run's metrics to Weights & Biases while it runs (`prl wandb RUN --follow`, kept going by the
+    launcher beside the roles: a W&B failure is logged and never stops training)."""
+
+    project: NonEmptyText
+    """W&B project."""
+    entity: Optional[NonEmptyText] = None
+    """W&B entity (team or user; None: your default)."""
+
+
 class Topology(Strict, kw_only=True):
     name: Name
     """Run name: letters, digits, '.', '_', '-'."""
@@ -377,6 +387,9 @@ class Topology(Strict, kw_only=True):
     """Supervised fine-tuning instead of RL: a trainer-only job (then no inference, orchestrator, environment)."""
     training: Training
     slurm: Slurm = Slurm()
+    wandb: Optional[WandB] = None
+    """Log metrics to W&B during the run (None: `prl wandb RUN` when you want). Nodes without internet:
+    export WANDB_MODE=offline before submitting and `wandb sync RUN/wandb/offline-run-*` later."""
 
     def __post_init__(self) -> None:
         if self.sft is not None:

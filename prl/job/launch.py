@@ -42,6 +42,8 @@ from prl.states import JobState, LauncherStatus, RoleState
 log = get_logger(__name__)
 
 POLL_SECONDS = 0.5
+WANDB_FINAL_S = 60.0
+"""How long the launcher waits at the end for its W&B follower to log the last steps."""
 LOW_DISK_BYTES = 1 << 20
 """Less free than this under the run directory when a role fails: the disk is named as the likely cause."""
 START_TIMEOUT = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
@@ -109,6 +111,7 @@ class Launcher:
         self.running: dict[str, Running] = {}
         self.signum: int | None = None
         self.slowest_step: dict[str, float] = {}
+        self.wandb: subprocess.Popen | None = None
         self.state: dict[str, Any] = {
             "attempt": attempt, "mode": mode, "job_id": os.environ.get("SLURM_JOB_ID"), "pid": os.getpid(),
             "started": time.time(), "status": LauncherStatus.STARTING, "steps": {}, "first_failure": None,
@@ -443,12 +446,41 @@ class Launcher:
         self.save()
         # Kept beside the attempt's logs: the next attempt's launcher.json replaces this one (restarts, hangs).
         self.write(self.run.attempt_launcher_state(self.attempt), self.state)
+        self.stop_wandb()
         (log.info if status == LauncherStatus.COMPLETED else log.warning)(f"job {status} (exit {code})")
         return code
+
+    # -- W&B: `prl wandb --follow` for this attempt, beside the roles (its failure never touches them)
+    def start_wandb(self) -> None:
+        wb = self.plan.settings().wandb if self.mode == "run" else None
+        if wb is None:
+            return
+        argv = [sys.executable, "-m", "prl.cli", "wandb", str(self.run.root), "--project", wb.project,
+                "--attempt", str(self.attempt)] + (["--entity", wb.entity] if wb.entity else [])
+        log_path = self.run.attempt_logs(self.attempt) / "wandb.log"
+        with open(log_path, "ab") as out:
+            self.wandb = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True)
+        log.info(f"W&B: following the run into project {wb.project} (log {log_path})")
+
+    def stop_wandb(self) -> None:
+        """Let the follower log the last steps (it sees this attempt's end in launcher.json), then stop it."""
+        if self.wandb is None:
+            return
+        try:
+            self.wandb.wait(timeout=WANDB_FINAL_S)
+        except subprocess.TimeoutExpired:
+            log.warning(f"W&B follower still running {WANDB_FINAL_S:.0f} s after the end; stopping it")
+            self.wandb.terminate()
+            self.wandb.wait()
+        if self.wandb.returncode:
+            log.warning(f"W&B follower exited {self.wandb.returncode}: see its log (training was not affected)")
+        self.wandb = None
 
     # -- the job
     def main(self) -> int:
         self.save()
+        self.start_wandb()
         try:
             for step in self.plan.steps:
                 self.wait_ready(step.start_after)

@@ -21,6 +21,7 @@ from typing import Any, Callable
 from prl.errors import ConfigError
 from prl.ops.metrics import step_rows
 from prl.run.rundir import RunDir, atomic_write_json, read_json
+from prl.states import LauncherStatus
 
 FOLLOW_SECONDS = 10.0
 
@@ -46,6 +47,15 @@ def job_ended(run: RunDir) -> bool:
     from prl.states import TERMINAL_STATES
 
     return collect(run).state in TERMINAL_STATES
+
+
+def attempt_ended(run: RunDir, attempt: int) -> bool:
+    """Attempt `attempt` of the job has ended (its launcher recorded an end, or a later attempt started): the
+    launcher's follower then logs the last steps and exits; the next attempt's follower takes over."""
+    record = run.read_launcher()
+    if int(record.get("attempt") or 0) != attempt:
+        return True
+    return record.get("status") not in (None, LauncherStatus.STARTING, LauncherStatus.RUNNING, LauncherStatus.STOPPING)
 
 
 def sync(run: RunDir, project: str, entity: str | None = None, follow: bool = False,

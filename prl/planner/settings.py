@@ -12,7 +12,7 @@ from typing import Optional
 import msgspec
 
 from prl.config.cluster import Strict
-from prl.config.topology import SFT, Environment, KVConnector, KVOffload, Model, Topology, Training
+from prl.config.topology import SFT, Environment, KVConnector, KVOffload, Model, Topology, Training, WandB
 from prl.errors import ConfigError
 
 
@@ -26,16 +26,18 @@ class RunSettings(Strict, kw_only=True):
     kv_offload: KVOffload
     kv_connector: Optional[KVConnector]
     """The connector both sides use under prefill/decode disaggregation (None: unified)."""
+    wandb: Optional[WandB] = None
+    """W&B logging during the run: the launcher's `prl wandb --follow` (None: off)."""
 
     @classmethod
     def of(cls, topo: Topology) -> RunSettings:
         inference = topo.inference
         if inference is None:
             return cls(model=topo.model, environment=None, sft=topo.sft, training=topo.training,
-                       kv_offload=KVOffload(), kv_connector=None)
+                       kv_offload=KVOffload(), kv_connector=None, wandb=topo.wandb)
         return cls(model=topo.model, environment=topo.environment, training=topo.training,
                    kv_offload=inference.kv_offload,
-                   kv_connector=inference.kv_connector if inference.disaggregated else None)
+                   kv_connector=inference.kv_connector if inference.disaggregated else None, wandb=topo.wandb)
 
     def to_json(self) -> bytes:
         return json.dumps(msgspec.to_builtins(self), sort_keys=True, separators=(",", ":")).encode()
