@@ -357,6 +357,10 @@ SFT_CASES = [
          at=1, base=SFT_BASE),
     edit("sft-batch-under-dp", "batch_size: 64", "batch_size: 4", "training.batch_size", base=SFT_BASE,
          says="use at least 8"),
+    edit("sft-with-rl-temperature", "  max_steps: 10", "  max_steps: 10\n  temperature: 0.7", "training.temperature",
+         at=1, base=SFT_BASE, says="an SFT run would ignore it"),
+    edit("sft-with-rl-loss", "  max_steps: 10", "  max_steps: 10\n  loss: {kl_coef: 0.1}", "training.loss", at=1,
+         base=SFT_BASE, says="RL setting"),
     edit("rl-without-environment", "environment:\n  id: prl_reverse_text\n", "", "environment", line=False,
          says="sft:"),
 ]

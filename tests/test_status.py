@@ -240,3 +240,19 @@ def test_a_requeued_job_says_how_each_earlier_attempt_ended(tmp_path, monkeypatc
     # A job that has not been requeued asks Slurm nothing more.
     atomic_write_json(run.launcher_state, {"attempt": 1, "status": "running", "steps": {}})
     assert collect(run).earlier == []
+
+
+def test_an_sft_run_shows_its_loss_and_epoch_not_rollouts(tmp_path):
+    prepared = prepare(REPO / "configs" / "sft-tiny.yaml", [f"run_dir={tmp_path / 'run'}"])
+    write_run_files(prepared)
+    run = RunDir(prepared.run_dir)
+    for step, loss in ((1, 3.5), (2, 2.25)):
+        run.append_metrics({"role": "trainer", "step": step, "loss": loss, "epoch": step / 4})
+    status = collect(run)
+    assert status.progress == {"trainer_step": 2, "last_loss": 2.25, "epoch": 0.5, "checkpoint": None}
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    show(status, console)
+    text = console.export_text()
+    assert "progress: trainer step 2, loss 2.2500, epoch 0.50, last checkpoint -" in text and "reward" not in text

@@ -161,7 +161,7 @@ def collect(run: RunDir) -> Status:
     if earlier and backend == "slurm":
         commands += _slurm_ends(job, earlier, notes)
     return Status(str(run.root), plan.name, job["job_id"] if job else None, backend, state, attempt,
-                  launcher.get("mode") or (job or {}).get("mode"), roles, _progress(run),
+                  launcher.get("mode") or (job or {}).get("mode"), roles, _progress(run, plan),
                   _failure(run, launcher), notes, commands, earlier)
 
 
@@ -265,7 +265,12 @@ def _role_row(run: RunDir, plan: Plan, step: Any, job: dict[str, Any] | None, la
     )
 
 
-def _progress(run: RunDir) -> dict[str, Any]:
+def _progress(run: RunDir, plan: Plan) -> dict[str, Any]:
+    if not any(step.name == "orchestrator" for step in plan.steps):
+        # SFT: the trainer alone, weights only with checkpoints; its own records say where it is.
+        last = next(iter(reversed(run.read_metrics("trainer"))), {})
+        return {"trainer_step": last.get("step"), "last_loss": last.get("loss"), "epoch": last.get("epoch"),
+                "checkpoint": run.latest_stable("checkpoints")}
     trainer_step = run.latest_stable("weights")
     rollout_step = run.latest_stable("rollouts")
     lag = rollout_step - trainer_step if None not in (rollout_step, trainer_step) else None
@@ -302,6 +307,10 @@ def _attempt_line(entry: dict[str, Any]) -> str:
         why.append(f"Slurm: {entry['slurm_state']}")
     when = time.strftime(" at %H:%M:%S", time.localtime(entry["ended"])) if entry.get("ended") else ""
     return f"attempt {entry['attempt']} ended{when}: " + "; ".join(why)
+
+
+def _or_dash(value: Any, spec: str = "") -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _age(seconds: float | None) -> str:
@@ -343,10 +352,12 @@ def show(status: Status, console: Any = None) -> None:
             console.print(f"[yellow]{r.role} replica {f['replica']} (task {f['task']}, node {f.get('node') or '-'}): "
                           f"{f['reason']}; {f.get('action', '-')}{back}[/yellow]", highlight=False)
     p = status.progress
-    console.print(f"progress: trainer step {p['trainer_step'] if p['trainer_step'] is not None else '-'}, "
-                  f"rollouts step {p['rollout_step'] if p['rollout_step'] is not None else '-'}, "
-                  f"lag {p['lag'] if p['lag'] is not None else '-'}, "
-                  f"last reward {p['last_reward'] if p['last_reward'] is not None else '-'}")
+    if "last_loss" in p:
+        console.print(f"progress: trainer step {_or_dash(p['trainer_step'])}, loss {_or_dash(p['last_loss'], '.4f')}, "
+                      f"epoch {_or_dash(p['epoch'], '.2f')}, last checkpoint {_or_dash(p['checkpoint'])}")
+    else:
+        console.print(f"progress: trainer step {_or_dash(p['trainer_step'])}, rollouts step {_or_dash(p['rollout_step'])}, "
+                      f"lag {_or_dash(p['lag'])}, last reward {_or_dash(p['last_reward'])}")
     for entry in status.earlier:
         console.print(f"[yellow]{_attempt_line(entry)}[/yellow]", highlight=False)
     for note in status.notes:

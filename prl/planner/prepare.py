@@ -39,6 +39,12 @@ class Prepared:
         return Path(self.plan.run_dir)
 
 
+RL_TRAINING = ("rollouts_per_example", "max_off_policy_steps", "max_tokens", "temperature", "loss", "advantage",
+               "max_concurrent_rollouts", "rollout_retries", "weight_update_retries", "weights_timeout_s",
+               "endpoint_timeout_s", "rollout_timeout_s")
+"""`training:` fields only an RL run reads (refused in an SFT topology, which would silently ignore them)."""
+
+
 def _absolute(path: str, cwd: Path) -> str:
     p = Path(path).expanduser()
     return str(p if p.is_absolute() else (cwd / p))
@@ -105,6 +111,11 @@ def prepare(topology_path: Path, overrides: Sequence[str] = (), cwd: Path | None
     own = [item for item in overrides if not item.startswith("cluster.")]
     data, source = load_document(topology_path, own)
     topo = validate(Topology, data, source)
+    if topo.sft is not None:
+        stray = [key for key in RL_TRAINING if key in (data.get("training") or {})]
+        if stray:
+            raise source.error(("training", stray[0]), f"{stray[0]} is an RL setting (rollouts, the policy loss, the "
+                                                       f"weight sync); an SFT run would ignore it: remove it")
     topo = _weights_of_run(_absolute_model_paths(topo, cwd), source, cwd)
     if not profile_path(topo.cluster, topology_path.parent).exists():
         known = ", ".join(sorted(p.stem for p in CLUSTERS_DIR.glob("*.yaml")))
