@@ -260,8 +260,8 @@ def test_submit_local_sft_then_rl_from_its_weights_completes(tiny, tmp_path, env
         "cluster.port_base=19400", "--local", timeout=600)
     done = json.loads(prl(env, "status", rl, "--json").stdout)
     assert done["state"] == "COMPLETED", prl(env, "logs", rl, "-n", "30", check=False).stdout
-    model = json.loads((rl / "plan.json").read_text())["settings"]["model"]
-    assert model["path"] == str(RunDir(run).weights(4)) and f"from_run: {run}" in (rl / "topology.yaml").read_text()
+    assert Plan.read(RunDir(rl)).settings().model.path == str(RunDir(run).weights(4))
+    assert f"from_run: {run}" in (rl / "topology.yaml").read_text()
     assert f"--model {RunDir(run).weights(4)}" in prl(env, "logs", rl, "--role", "inference", "-n", "400").stdout
     assert [m["step"] for m in RunDir(rl).read_metrics("trainer")] == [1, 2]
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from prl.run.rundir import RunDir
+from prl.run.rundir import MARKER, RunDir
 from prl.trainer.moe import ExpertParallelExperts, expert_keys, is_fused_experts, split_experts
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
@@ -75,7 +75,9 @@ def to_hf_layout(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict
 def write_hf_metadata(out: Path, source_dir: str | Path, dtype: torch.dtype) -> None:
     """Copy config/tokenizer/generation files from `source_dir`; config.json gets the published dtype."""
     for f in Path(source_dir).iterdir():
-        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES):
+        # Not the STABLE marker of a run's weights step the model came from (`model.from_run`): the publish
+        # writes its own, listing these files.
+        if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.name != MARKER:
             shutil.copyfile(f, out / f.name)  # not copy2: the copy gets the run's private mode, not the source's
     config = json.loads((Path(source_dir) / "config.json").read_text())
     config["dtype"] = str(dtype).removeprefix("torch.")
