@@ -170,3 +170,62 @@ def test_eval_reports_progress_as_each_group_finishes():
     gen = SimpleNamespace(env=SimpleNamespace(taskset=SimpleNamespace(take=lambda k: list(range(k)))), group=group)
     out = asyncio.run(evaluate(gen, 3, rollouts=2, on_group=lambda: ticks.append(list(finished))))
     assert ticks == [[2], [2, 1], [2, 1, 0]] and out["rollouts"] == 6
+
+
+def fake_trace(reward: float, ids: list[int], *, trainable: bool = True, name: str = "agent"):
+    """What `rollout_from_episode` reads of a verifiers Trace: one trainable branch, a reward, a metric."""
+    from types import SimpleNamespace
+
+    branch = SimpleNamespace(trainable=True, token_ids=ids, sampled_mask=[0] + [1] * (len(ids) - 1),
+                             logprobs=[0.0] + [-1.0] * (len(ids) - 1))
+    return SimpleNamespace(agent=SimpleNamespace(trainable=trainable, name=name), branches=[branch], errors=[],
+                           metrics={f"{name}_turns": 2.0}, rewards={}, reward=reward, is_truncated=False)
+
+
+def test_an_untrainable_agent_is_neither_trained_on_nor_rewarded():
+    """A simulated user's trace (agent.trainable False) is the environment: no samples, no share of the reward."""
+    from types import SimpleNamespace
+
+    from prl.orchestrator.rollouts import rollout_from_episode
+
+    policy, user = fake_trace(1.0, [1, 2, 3]), fake_trace(0.0, [7, 8, 9, 10], trainable=False, name="user")
+    r = rollout_from_episode(SimpleNamespace(ok=True, errors=[], traces=[policy, user]), version=3)
+    assert r.ok and r.reward == 1.0 and r.completion_tokens == 2
+    assert [b.token_ids for b in r.branches] == [[1, 2, 3]]
+    assert r.metrics == {"agent_turns": 2.0}
+    alone = rollout_from_episode(SimpleNamespace(ok=True, errors=[], traces=[user]), version=3, need_tokens=False)
+    assert alone.error == "episode has no trace of a trainable agent"
+
+
+def test_a_rollout_waiting_for_weights_does_not_hold_a_concurrency_slot():
+    """One slot: a rollout that needs weights no server has yet waits outside it (ticking the heartbeat),
+    so a rollout that can run now runs; the waiting one runs once the server catches up."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from prl.orchestrator.rollouts import Generator
+
+    server = Server("http://a", version=0)
+    ticks: list[float] = []
+    pool = ServerPool(generate=[server], admin=[server], on_idle=lambda: ticks.append(1.0))
+    ran: list[int] = []
+
+    async def run_slot(slot, ctx):
+        ran.append(pool.version_of(server))
+        return SimpleNamespace(ok=True, errors=[], traces=[fake_trace(1.0, [1, 2])])
+
+    env = SimpleNamespace(run_slot=run_slot)
+    gen = Generator(env, pool, lambda s: None, max_concurrent=1, retries=0)
+    task = SimpleNamespace(key="t")
+
+    async def main():
+        waiting = asyncio.create_task(gen.rollout(task, min_version=1))
+        await asyncio.sleep(0.05)
+        now = await asyncio.wait_for(gen.rollout(task, min_version=0), 2)  # before the fix: blocked forever
+        assert now.ok and now.version == 0 and not waiting.done() and ticks
+        server.version = 1
+        later = await asyncio.wait_for(waiting, 2)
+        assert later.ok and later.version == 1
+
+    asyncio.run(main())
+    assert ran == [0, 1]

@@ -12,7 +12,7 @@ error, engine restart) is retried on another server up to `retries` times; a
 group with an episode that still fails is dropped whole (its advantages would
 be biased) and counted.
 
-Every trainable branch of every trace becomes one `prl.run.batch.Sample`: token
+Every trainable branch of every trainable agent's trace becomes one `prl.run.batch.Sample`: token
 ids, the sampled mask as loss mask, the engine's logprobs, the episode's
 advantage and its policy version.
 """
@@ -20,8 +20,9 @@ advantage and its policy version.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -63,6 +64,11 @@ def rollout_from_episode(episode: Any, version: int, *, need_tokens: bool = True
         errs = [e for t in traces for e in t.errors] + list(episode.errors)
         msg = f"{errs[-1].type}: {errs[-1].message}" if errs else "episode failed without an error"
         return Rollout(0.0, version, [], 0, error=msg)
+    # Only the policy's traces count: an untrainable agent (a simulated user, a judge) is the
+    # environment, so its tokens are never trained on and its reward is not the policy's.
+    traces = [t for t in traces if t.agent.trainable]
+    if not traces:
+        return Rollout(0.0, version, [], 0, error="episode has no trace of a trainable agent")
     branches: list[Branch] = []
     completion = 0
     metrics: dict[str, float] = {}
@@ -129,6 +135,24 @@ class Generator:
             self.ctx[key] = self.make_ctx(server)
         return self.ctx[key]
 
+    @contextlib.asynccontextmanager
+    async def _slot(self, min_version: int, avoid: Server | None, key: str) -> AsyncIterator[Server]:
+        """A concurrency slot and a server new enough. A rollout waits for a server (every one behind
+        during a restart) without holding a slot, so the slots go to rollouts that can run;
+        `pool.pick` ticks the heartbeat while it finds none."""
+        while True:
+            while self.pool.pick(min_version) is None:  # keyless: the cheap check
+                await asyncio.sleep(0.5)
+            await self.sem.acquire()
+            server = self.pool.pick(min_version, avoid=avoid, key=key)
+            if server is not None:
+                break
+            self.sem.release()  # lost again while queued for a slot: wait without it
+        try:
+            yield server
+        finally:
+            self.sem.release()
+
     async def rollout(self, task: Any, min_version: int) -> Rollout:
         from verifiers.v1.env import RunSlot
 
@@ -136,11 +160,7 @@ class Generator:
         last: Server | None = None
         result: Rollout | None = None
         for attempt in range(1, self.retries + 2):
-            async with self.sem:
-                server = self.pool.pick(min_version, avoid=last, key=key)
-                while server is None:  # every server behind (a restart): wait for the watcher
-                    await asyncio.sleep(0.5)
-                    server = self.pool.pick(min_version, key=key)
+            async with self._slot(min_version, last, key) as server:
                 version = self.pool.version_of(server)
                 server.inflight += 1
                 try:
