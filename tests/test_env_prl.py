@@ -69,6 +69,15 @@ def test_env_args_reach_the_taskset():
         load_env("prl_letters", args={"no_such_field": 1}, split="train")
 
 
+def test_rollout_limits_reach_the_agent():
+    """`environment.max_turns` / `max_total_tokens` become the agent's limits (verifiers stops the rollout)."""
+    raw = env_config("prl_letters", max_turns=3, max_total_tokens=500)
+    assert (raw["agent"]["max_turns"], raw["agent"]["max_total_tokens"]) == (3, 500)
+    assert "max_turns" not in env_config("prl_letters")["agent"]  # None: verifiers' default, no limit
+    agent = load_env("prl_letters", split="train", max_turns=3).config.agent
+    assert (agent.max_turns, agent.max_total_tokens) == (3, None)
+
+
 def test_letters_scores_hand_written_replies():
     task = next(iter(load_env("prl_letters", split="eval").taskset))
     assert task.data.letter == "a"

@@ -34,11 +34,12 @@ def test_config_from_the_golden_plan_json():
 def test_config_reads_the_settings_the_topology_gives(tmp_path):
     plan = local_plan(tmp_path / "run", tmp_path / "model", [
         "training.advantage.drop_zero_groups=true", "training.max_concurrent_rollouts=8",
-        "model.tokenizer=" + str(tmp_path / "tok"), "trainer.dp_replicate=2"])
+        "model.tokenizer=" + str(tmp_path / "tok"), "trainer.dp_replicate=2", "environment.max_turns=3"])
     cfg = OrchestratorConfig.from_plan(plan)
     assert cfg.advantage == Advantage(std_normalize=True, drop_zero_groups=True) and cfg.max_concurrent_rollouts == 8
     assert cfg.model_path == str(tmp_path / "tok"), "the tokenizer wins over the model path"
     assert cfg.dp_size == 2  # dp_replicate 2 * dp_shard 1
+    assert (cfg.environment.max_turns, cfg.environment.max_total_tokens) == (3, None)
     with pytest.raises(PlanError, match=r"batch_size\(10\) must be a multiple of rollouts_per_example\(4\); use 8"):
         local_plan(tmp_path / "run", tmp_path / "model", ["training.batch_size=10"])
     with pytest.raises(ConfigError, match=r"environment\.id"):
@@ -179,7 +180,8 @@ def fake_trace(reward: float, ids: list[int], *, trainable: bool = True, name: s
     branch = SimpleNamespace(trainable=True, token_ids=ids, sampled_mask=[0] + [1] * (len(ids) - 1),
                              logprobs=[0.0] + [-1.0] * (len(ids) - 1))
     return SimpleNamespace(agent=SimpleNamespace(trainable=trainable, name=name), branches=[branch], errors=[],
-                           metrics={f"{name}_turns": 2.0}, rewards={}, reward=reward, is_truncated=False)
+                           metrics={f"{name}_turns": 2.0}, rewards={}, reward=reward, is_truncated=False,
+                           num_turns=2)
 
 
 def test_an_untrainable_agent_is_neither_trained_on_nor_rewarded():
@@ -190,7 +192,7 @@ def test_an_untrainable_agent_is_neither_trained_on_nor_rewarded():
 
     policy, user = fake_trace(1.0, [1, 2, 3]), fake_trace(0.0, [7, 8, 9, 10], trainable=False, name="user")
     r = rollout_from_episode(SimpleNamespace(ok=True, errors=[], traces=[policy, user]), version=3)
-    assert r.ok and r.reward == 1.0 and r.completion_tokens == 2
+    assert r.ok and r.reward == 1.0 and r.completion_tokens == 2 and r.turns == 2
     assert [b.token_ids for b in r.branches] == [[1, 2, 3]]
     assert r.metrics == {"agent_turns": 2.0}
     alone = rollout_from_episode(SimpleNamespace(ok=True, errors=[], traces=[user]), version=3, need_tokens=False)
@@ -229,3 +231,4 @@ def test_a_rollout_waiting_for_weights_does_not_hold_a_concurrency_slot():
 
     asyncio.run(main())
     assert ran == [0, 1]
+

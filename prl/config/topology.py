@@ -234,6 +234,13 @@ class Environment(Strict, kw_only=True):
     """Arguments for the taskset."""
     harness: NonEmptyText = "prl"
     """verifiers harness id."""
+    max_turns: Optional[Annotated[int, Meta(ge=1, le=MAX_COUNT)]] = None
+    """Model turns one rollout may take (None: as many as the environment asks for). A rollout stopped
+    here is kept and counted in `truncated_fraction`."""
+    max_total_tokens: Optional[Annotated[int, Meta(ge=1, le=MAX_TOKENS)]] = None
+    """Prompt and completion tokens of one rollout, summed over its model turns, before it is stopped
+    (None: no limit). Checked between turns: the turn that crosses it still completes. Counted in
+    `truncated_fraction`."""
     eval: EvalSettings = EvalSettings()
 
 

@@ -108,6 +108,7 @@ def step_metrics(step: int, batch: StepBatch, ran: int, gen_s: float, wait_s: fl
         "completion_len_mean": sum(batch.lengths) / max(1, len(batch.lengths)),
         "completion_len_max": max(batch.lengths, default=0),
         "truncated_fraction": batch.truncated / max(1, len(batch.lengths)),
+        "turns_mean": sum(batch.turns) / max(1, len(batch.turns)),
         "policy_lag_max": max(lags, default=0),
         "policy_lag_mean": sum(lags) / max(1, len(lags)),
         "rollouts": ran,
@@ -135,8 +136,9 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, pool: ServerPool, be
         return 0
     async with server_client(timeout=30) as client:
         pool.model = pool.model or cfg.served_model_name or await served_model(client, pool.generate[0].url)
-    env = load_env(cfg.env_id, cfg.harness, cfg.env_args, split="train")
-    eval_env = load_env(cfg.env_id, cfg.harness, cfg.env_args, split="eval") if cfg.eval.every else None
+    limits = {"max_turns": cfg.environment.max_turns, "max_total_tokens": cfg.environment.max_total_tokens}
+    env = load_env(cfg.env_id, cfg.harness, cfg.env_args, split="train", **limits)
+    eval_env = load_env(cfg.env_id, cfg.harness, cfg.env_args, split="eval", **limits) if cfg.eval.every else None
     make_ctx = _contexts(cfg, pool)
     gen = Generator(env, pool, make_ctx, max_concurrent=cfg.max_concurrent_rollouts, retries=cfg.rollout_retries)
     eval_gen = (

@@ -51,6 +51,8 @@ class Rollout:
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     attempts: int = 1
+    turns: int = 0
+    """Model turns of the episode's trainable traces."""
 
     @property
     def ok(self) -> bool:
@@ -92,7 +94,8 @@ def rollout_from_episode(episode: Any, version: int, *, need_tokens: bool = True
     if need_tokens and not branches:
         return Rollout(0.0, version, [], 0, error="episode has no token ids: the train client was not used")
     reward = sum(t.reward for t in traces) / len(traces)
-    return Rollout(reward, version, branches, completion, any(t.is_truncated for t in traces), metrics)
+    return Rollout(reward, version, branches, completion, any(t.is_truncated for t in traces), metrics,
+                   turns=sum(t.num_turns for t in traces))
 
 
 def routing_key(task: Any) -> str:
@@ -232,6 +235,8 @@ class StepBatch:
     metrics: dict[str, list[float]]
     first_error: str | None = None
     groups_used: int = 0
+    turns: list[int] = field(default_factory=list)
+    """Model turns of every scored rollout, like `rewards`."""
 
 
 def build_samples(
@@ -269,6 +274,7 @@ def build_samples(
         for r in group:
             out.rewards.append(r.reward)
             out.lengths.append(r.completion_tokens)
+            out.turns.append(r.turns)
             out.truncated += int(r.truncated)
             for name, value in r.metrics.items():
                 out.metrics.setdefault(name, []).append(value)
