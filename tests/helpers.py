@@ -51,3 +51,20 @@ def run_to_the_end(env: dict, run: Path, timeout: float = 600) -> dict:
             "state"] in ENDED and s, timeout=timeout, interval=3)
     finally:
         prl_cli(env, "cancel", run, check=False)
+
+
+def run_one_episode(env, task, ctx):
+    """One episode of `task` through the in-process `prl` harness, as the orchestrator runs it: inside
+    `env.serving()`, on ModelContext `ctx`; the harness's pooled HTTP session is closed after."""
+    import asyncio
+
+    async def run():
+        from prl.orchestrator.harness import close_sessions
+
+        try:
+            async with env.serving():
+                return await env.run_slot(env.slots(task, 1)[0], ctx)
+        finally:
+            await close_sessions()
+
+    return asyncio.run(run())

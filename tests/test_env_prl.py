@@ -12,6 +12,7 @@ import verifiers.v1 as vf  # the env extra; CI installs it
 
 from prl.orchestrator.env import env_config, load_env
 from tests.fake_engine import FakeEngine
+from tests.helpers import run_one_episode
 
 ENVS = ("prl_letters", "prl_reverse_text")
 
@@ -120,17 +121,7 @@ def test_a_rollout_through_the_prl_harness_is_scored_and_tokenized(tokenizer_dir
             client=vf.TrainClientConfig(base_url=eng.url + "/v1", api_key_var="PRL_TEST_NO_KEY", renderer_model_name=str(tokenizer_dir)),
             sampling=vf.SamplingConfig(temperature=1.0, max_tokens=32),
         )
-
-        async def run():
-            from prl.orchestrator.harness import close_sessions
-
-            try:
-                async with env.serving():
-                    return await env.run_slot(env.slots(task, 1)[0], ctx)
-            finally:
-                await close_sessions()
-
-        episode = asyncio.run(run())
+        episode = run_one_episode(env, task, ctx)
     trace = episode.traces[0]
     assert episode.ok and trace.reward == 1.0 and trace.metrics == {"exact": 1.0}
     (branch,) = trace.branches

@@ -40,6 +40,7 @@ def test_config_reads_the_settings_the_topology_gives(tmp_path):
     assert cfg.model_path == str(tmp_path / "tok"), "the tokenizer wins over the model path"
     assert cfg.dp_size == 2  # dp_replicate 2 * dp_shard 1
     assert (cfg.environment.max_turns, cfg.environment.max_total_tokens) == (3, None)
+    assert cfg.renderer is None  # chosen from the tokenizer's name
     with pytest.raises(PlanError, match=r"batch_size\(10\) must be a multiple of rollouts_per_example\(4\); use 8"):
         local_plan(tmp_path / "run", tmp_path / "model", ["training.batch_size=10"])
     with pytest.raises(ConfigError, match=r"environment\.id"):
@@ -232,3 +233,22 @@ def test_a_rollout_waiting_for_weights_does_not_hold_a_concurrency_slot():
     asyncio.run(main())
     assert ran == [0, 1]
 
+
+def test_the_renderer_setting_reaches_the_train_client(tmp_path):
+    """`model.renderer` goes from the topology through the plan to the train client's typed renderer config;
+    one renderers refuses is a ConfigError that names the field."""
+    from renderers import CustomRendererConfig, Qwen3RendererConfig
+
+    from prl.orchestrator.loop import renderer_config
+
+    chatml = "{name: custom, import_path: prl.orchestrator.chatml.ChatMLRenderer}"
+    cfg = OrchestratorConfig.from_plan(local_plan(tmp_path / "run", tmp_path / "model", [f"model.renderer={chatml}"]))
+    assert cfg.renderer == {"name": "custom", "import_path": "prl.orchestrator.chatml.ChatMLRenderer"}
+    typed = renderer_config(cfg.renderer)
+    assert isinstance(typed, CustomRendererConfig) and typed.import_path == "prl.orchestrator.chatml.ChatMLRenderer"
+    assert renderer_config({"name": "qwen3", "enable_thinking": False}) == Qwen3RendererConfig(enable_thinking=False)
+    assert renderer_config(None) is None
+    with pytest.raises(ConfigError, match=r"model.renderer .*qwen3.no_such_field: Extra inputs are not permitted"):
+        renderer_config({"name": "qwen3", "no_such_field": 1})
+    with pytest.raises(ConfigError, match=r"model.renderer .*ModuleNotFoundError: No module named 'no_such_module'"):
+        renderer_config({"name": "custom", "import_path": "no_such_module.Renderer"})
