@@ -12,7 +12,8 @@ It speaks the parts of the `prl inference` API the orchestrator uses:
 
 Generated tokens are random ids from `token_ids` (for a real tokenizer's
 vocabulary) with made-up logprobs; a stop token ends a reply with
-probability `p_stop` per token (or `reply(prompt_ids)` scripts them). Failure injection for tests: `fail_every`
+probability `p_stop` per token (or `reply(prompt_ids)` scripts them, and
+`logprobs(ids)` their logprobs). Failure injection for tests: `fail_every`
 answers every N-th generate request with 503, `weights_fail` makes weight
 loads answer 500. It runs in a background thread with its own event loop:
 
@@ -46,6 +47,7 @@ class FakeEngine:
         latency_s: float = 0.0,
         seed: int = 0,
         reply: Callable[[list[int]], list[int]] | None = None,
+        logprobs: Callable[[list[int]], list[float]] | None = None,
         port: int = 0,
     ):
         self.model = model
@@ -58,6 +60,8 @@ class FakeEngine:
         self.rng = random.Random(seed)
         self.reply = reply
         """Scripted completions: prompt token ids -> completion token ids (instead of random ones)."""
+        self.logprobs = logprobs
+        """Scripted logprobs: completion token ids -> one logprob each (instead of -log(vocabulary size))."""
         self.weights_step = 0
         self.paused = False
         self.fail_every = 0
@@ -100,7 +104,8 @@ class FakeEngine:
         else:
             ids = self._sample(int(sp.get("max_tokens") or 16), list(sp.get("stop_token_ids") or []))
         finish = "stop" if self.stop_id is not None and ids[-1] == self.stop_id else "length"
-        logprobs = [{"token": f"token_id:{t}", "logprob": -math.log(len(self.token_ids))} for t in ids]
+        values = self.logprobs(ids) if self.logprobs else [-math.log(len(self.token_ids))] * len(ids)
+        logprobs = [{"token": f"token_id:{t}", "logprob": v} for t, v in zip(ids, values)]
         return web.json_response(
             {
                 "request_id": f"fake-{self.requests}",

@@ -66,3 +66,20 @@ def tmpfs(mount: Path, size: str):
         yield mount
     finally:
         subprocess.run(["umount", "--lazy", str(mount)], check=False)
+
+
+def run_one_episode(env, task, ctx):
+    """One episode of `task` through the in-process `prl` harness, as the orchestrator runs it: inside
+    `env.serving()`, on ModelContext `ctx`; the harness's pooled HTTP session is closed after."""
+    import asyncio
+
+    async def run():
+        from prl.orchestrator.harness import close_sessions
+
+        try:
+            async with env.serving():
+                return await env.run_slot(env.slots(task, 1)[0], ctx)
+        finally:
+            await close_sessions()
+
+    return asyncio.run(run())

@@ -12,6 +12,7 @@ import verifiers.v1 as vf  # the env extra; CI installs it
 
 from prl.orchestrator.env import env_config, load_env
 from tests.fake_engine import FakeEngine
+from tests.helpers import run_one_episode
 
 ENVS = ("prl_letters", "prl_reverse_text")
 
@@ -69,6 +70,15 @@ def test_env_args_reach_the_taskset():
         load_env("prl_letters", args={"no_such_field": 1}, split="train")
 
 
+def test_rollout_limits_reach_the_agent():
+    """`environment.max_turns` / `max_total_tokens` become the agent's limits (verifiers stops the rollout)."""
+    raw = env_config("prl_letters", max_turns=3, max_total_tokens=500)
+    assert (raw["agent"]["max_turns"], raw["agent"]["max_total_tokens"]) == (3, 500)
+    assert "max_turns" not in env_config("prl_letters")["agent"]  # None: verifiers' default, no limit
+    agent = load_env("prl_letters", split="train", max_turns=3).config.agent
+    assert (agent.max_turns, agent.max_total_tokens) == (3, None)
+
+
 def test_letters_scores_hand_written_replies():
     task = next(iter(load_env("prl_letters", split="eval").taskset))
     assert task.data.letter == "a"
@@ -111,17 +121,7 @@ def test_a_rollout_through_the_prl_harness_is_scored_and_tokenized(tokenizer_dir
             client=vf.TrainClientConfig(base_url=eng.url + "/v1", api_key_var="PRL_TEST_NO_KEY", renderer_model_name=str(tokenizer_dir)),
             sampling=vf.SamplingConfig(temperature=1.0, max_tokens=32),
         )
-
-        async def run():
-            from prl.orchestrator.harness import close_sessions
-
-            try:
-                async with env.serving():
-                    return await env.run_slot(env.slots(task, 1)[0], ctx)
-            finally:
-                await close_sessions()
-
-        episode = asyncio.run(run())
+        episode = run_one_episode(env, task, ctx)
     trace = episode.traces[0]
     assert episode.ok and trace.reward == 1.0 and trace.metrics == {"exact": 1.0}
     (branch,) = trace.branches

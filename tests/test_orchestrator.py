@@ -103,6 +103,7 @@ def test_steps_respect_the_staleness_bound_and_weights_reach_the_server(tmp_path
                 "rollouts_per_s", "wait_weights_s", "metric/reply_chars"):
         assert key in train[0], key
     assert all(m["policy_lag_max"] <= 2 for m in train)
+    assert all(m["turns_mean"] == 1.0 for m in train)  # a single-turn env: one model turn a rollout
     assert evals[0]["rollouts"] == 4 and 0.0 <= evals[0]["reward_mean"] <= 1.0
     state = run.read_state("orchestrator")
     assert state["status"] == "exited" and state["exit_code"] == 0 and state["published"] == 4

@@ -34,11 +34,13 @@ def test_config_from_the_golden_plan_json():
 def test_config_reads_the_settings_the_topology_gives(tmp_path):
     plan = local_plan(tmp_path / "run", tmp_path / "model", [
         "training.advantage.drop_zero_groups=true", "training.max_concurrent_rollouts=8",
-        "model.tokenizer=" + str(tmp_path / "tok"), "trainer.dp_replicate=2"])
+        "model.tokenizer=" + str(tmp_path / "tok"), "trainer.dp_replicate=2", "environment.max_turns=3"])
     cfg = OrchestratorConfig.from_plan(plan)
     assert cfg.advantage == Advantage(std_normalize=True, drop_zero_groups=True) and cfg.max_concurrent_rollouts == 8
     assert cfg.model_path == str(tmp_path / "tok"), "the tokenizer wins over the model path"
     assert cfg.dp_size == 2  # dp_replicate 2 * dp_shard 1
+    assert (cfg.environment.max_turns, cfg.environment.max_total_tokens) == (3, None)
+    assert cfg.renderer is None  # chosen from the tokenizer's name
     with pytest.raises(PlanError, match=r"batch_size\(10\) must be a multiple of rollouts_per_example\(4\); use 8"):
         local_plan(tmp_path / "run", tmp_path / "model", ["training.batch_size=10"])
     with pytest.raises(ConfigError, match=r"environment\.id"):
@@ -170,3 +172,83 @@ def test_eval_reports_progress_as_each_group_finishes():
     gen = SimpleNamespace(env=SimpleNamespace(taskset=SimpleNamespace(take=lambda k: list(range(k)))), group=group)
     out = asyncio.run(evaluate(gen, 3, rollouts=2, on_group=lambda: ticks.append(list(finished))))
     assert ticks == [[2], [2, 1], [2, 1, 0]] and out["rollouts"] == 6
+
+
+def fake_trace(reward: float, ids: list[int], *, trainable: bool = True, name: str = "agent"):
+    """What `rollout_from_episode` reads of a verifiers Trace: one trainable branch, a reward, a metric."""
+    from types import SimpleNamespace
+
+    branch = SimpleNamespace(trainable=True, token_ids=ids, sampled_mask=[0] + [1] * (len(ids) - 1),
+                             logprobs=[0.0] + [-1.0] * (len(ids) - 1))
+    return SimpleNamespace(agent=SimpleNamespace(trainable=trainable, name=name), branches=[branch], errors=[],
+                           metrics={f"{name}_turns": 2.0}, rewards={}, reward=reward, is_truncated=False,
+                           num_turns=2)
+
+
+def test_an_untrainable_agent_is_neither_trained_on_nor_rewarded():
+    """A simulated user's trace (agent.trainable False) is the environment: no samples, no share of the reward."""
+    from types import SimpleNamespace
+
+    from prl.orchestrator.rollouts import rollout_from_episode
+
+    policy, user = fake_trace(1.0, [1, 2, 3]), fake_trace(0.0, [7, 8, 9, 10], trainable=False, name="user")
+    r = rollout_from_episode(SimpleNamespace(ok=True, errors=[], traces=[policy, user]), version=3)
+    assert r.ok and r.reward == 1.0 and r.completion_tokens == 2 and r.turns == 2
+    assert [b.token_ids for b in r.branches] == [[1, 2, 3]]
+    assert r.metrics == {"agent_turns": 2.0}
+    alone = rollout_from_episode(SimpleNamespace(ok=True, errors=[], traces=[user]), version=3, need_tokens=False)
+    assert alone.error == "episode has no trace of a trainable agent"
+
+
+def test_a_rollout_waiting_for_weights_does_not_hold_a_concurrency_slot():
+    """One slot: a rollout that needs weights no server has yet waits outside it (ticking the heartbeat),
+    so a rollout that can run now runs; the waiting one runs once the server catches up."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from prl.orchestrator.rollouts import Generator
+
+    server = Server("http://a", version=0)
+    ticks: list[float] = []
+    pool = ServerPool(generate=[server], admin=[server], on_idle=lambda: ticks.append(1.0))
+    ran: list[int] = []
+
+    async def run_slot(slot, ctx):
+        ran.append(pool.version_of(server))
+        return SimpleNamespace(ok=True, errors=[], traces=[fake_trace(1.0, [1, 2])])
+
+    env = SimpleNamespace(run_slot=run_slot)
+    gen = Generator(env, pool, lambda s: None, max_concurrent=1, retries=0)
+    task = SimpleNamespace(key="t")
+
+    async def main():
+        waiting = asyncio.create_task(gen.rollout(task, min_version=1))
+        await asyncio.sleep(0.05)
+        now = await asyncio.wait_for(gen.rollout(task, min_version=0), 2)  # before the fix: blocked forever
+        assert now.ok and now.version == 0 and not waiting.done() and ticks
+        server.version = 1
+        later = await asyncio.wait_for(waiting, 2)
+        assert later.ok and later.version == 1
+
+    asyncio.run(main())
+    assert ran == [0, 1]
+
+
+def test_the_renderer_setting_reaches_the_train_client(tmp_path):
+    """`model.renderer` goes from the topology through the plan to the train client's typed renderer config;
+    one renderers refuses is a ConfigError that names the field."""
+    from renderers import CustomRendererConfig, Qwen3RendererConfig
+
+    from prl.orchestrator.loop import renderer_config
+
+    chatml = "{name: custom, import_path: prl.orchestrator.chatml.ChatMLRenderer}"
+    cfg = OrchestratorConfig.from_plan(local_plan(tmp_path / "run", tmp_path / "model", [f"model.renderer={chatml}"]))
+    assert cfg.renderer == {"name": "custom", "import_path": "prl.orchestrator.chatml.ChatMLRenderer"}
+    typed = renderer_config(cfg.renderer)
+    assert isinstance(typed, CustomRendererConfig) and typed.import_path == "prl.orchestrator.chatml.ChatMLRenderer"
+    assert renderer_config({"name": "qwen3", "enable_thinking": False}) == Qwen3RendererConfig(enable_thinking=False)
+    assert renderer_config(None) is None
+    with pytest.raises(ConfigError, match=r"model.renderer .*qwen3.no_such_field: Extra inputs are not permitted"):
+        renderer_config({"name": "qwen3", "no_such_field": 1})
+    with pytest.raises(ConfigError, match=r"model.renderer .*ModuleNotFoundError: No module named 'no_such_module'"):
+        renderer_config({"name": "custom", "import_path": "no_such_module.Renderer"})

@@ -147,6 +147,8 @@ CASES = [
      "topo.yaml:3 (run_dir)", "nope"),
     ("wrong-type", "topo", ("  nodes: 2", "  nodes: two"), [], "topo.yaml:12 (trainer.nodes)", "valid integer"),
     ("not-a-mapping", "topo", (BASE, "- a\n- b\n"), [], "topo.yaml:1", "expected a mapping"),
+    ("renderer-without-name", "topo", ("  max_model_len: 4096", "  max_model_len: 4096\n  renderer: {enable_thinking: false}"),
+     [], "topo.yaml:8 (model.renderer)", "renderer needs a `name`"),
     ("empty-model-path", "topo", ("path: /models/m", 'path: ""'), [], "topo.yaml:5 (model.path)",
      "at least 1 character"),
     ("profile-directive", "profile", ("max_nodes: 16", "max_nodes: 16\ngpu_directive: gpus"), [],

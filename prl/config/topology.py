@@ -49,6 +49,18 @@ class Model(Strict, kw_only=True):
     """Weights dtype for inference and published weights."""
     max_model_len: Annotated[int, Meta(ge=16, le=MAX_TOKENS)] = 4096
     """Longest prompt + completion, in tokens."""
+    renderer: Optional[Annotated[dict[str, Any], Meta(max_length=MAX_ITEMS)]] = None
+    """How the orchestrator turns chats into token ids and replies back into messages: a config of the
+    `renderers` package, e.g. `{name: qwen3, enable_thinking: false}`, or prl's ChatML renderer
+    `{name: custom, import_path: prl.orchestrator.chatml.ChatMLRenderer}` (ChatML models such as
+    SmolLM2; Hermes tool calls). A renderer that bridges turns keeps a multi-turn rollout one exact token
+    sequence. None: chosen from the tokenizer's name; an unknown model gets the template-driven default,
+    which re-renders every turn (a multi-turn rollout then trains as several sequences)."""
+
+    def __post_init__(self) -> None:
+        if self.renderer is not None and not (isinstance(name := self.renderer.get("name"), str) and name):
+            raise FieldValueError("renderer", "renderer needs a `name`: a renderers config name (qwen3, llama-3, ...), "
+                                  "or `custom` with an `import_path`, e.g. prl.orchestrator.chatml.ChatMLRenderer")
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.from_run is None):
@@ -248,6 +260,13 @@ class Environment(Strict, kw_only=True):
     """Arguments for the taskset."""
     harness: NonEmptyText = "prl"
     """verifiers harness id."""
+    max_turns: Optional[Annotated[int, Meta(ge=1, le=MAX_COUNT)]] = None
+    """Model turns one rollout may take (None: as many as the environment asks for). A rollout stopped
+    here is kept and counted in `truncated_fraction`."""
+    max_total_tokens: Optional[Annotated[int, Meta(ge=1, le=MAX_TOKENS)]] = None
+    """Prompt and completion tokens of one rollout, summed over its model turns, before it is stopped
+    (None: no limit). Checked between turns: the turn that crosses it still completes. Counted in
+    `truncated_fraction`."""
     eval: EvalSettings = EvalSettings()
 
 

@@ -24,13 +24,15 @@ class OrchestratorConfig:
     """Trainer data-parallel ranks (dp_replicate * dp_shard): the batch is packed for them."""
     served_model_name: str | None
     """Model name the servers answer to (`--served-model-name`); None: ask GET /v1/models."""
+    renderer: dict[str, Any] | None
+    """`model.renderer`: the `renderers` config of the train client (None: chosen from the tokenizer)."""
 
     @classmethod
     def from_plan(cls, plan: Plan) -> OrchestratorConfig:
         settings = plan.settings()
         return cls(training=settings.training, environment=settings.environment,
                    model_path=settings.model.tokenizer or settings.model.path, dp_size=plan.trainer.mesh.dp,
-                   served_model_name=plan.served_model_name)
+                   served_model_name=plan.served_model_name, renderer=settings.model.renderer)
 
     # The environment, by name.
     env_id = property(lambda self: self.environment.id)

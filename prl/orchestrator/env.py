@@ -53,8 +53,9 @@ def harness_id(name: str) -> str:
     return name
 
 
-def env_config(env_id: str, harness: str = "prl", args: dict | None = None, split: str | None = None) -> dict[str, Any]:
-    """The raw verifiers env config (for `vf.resolve_env_config`)."""
+def env_config(env_id: str, harness: str = "prl", args: dict | None = None, split: str | None = None, *,
+               max_turns: int | None = None, max_total_tokens: int | None = None) -> dict[str, Any]:
+    """The raw verifiers env config (for `vf.resolve_env_config`); the limits are the agent's (None: none)."""
     import verifiers.v1 as vf
 
     tid = taskset_module_id(env_id)
@@ -70,17 +71,18 @@ def env_config(env_id: str, harness: str = "prl", args: dict | None = None, spli
             taskset["split"] = split
         elif split != "train":
             log.warning("taskset %s has no `split` field: evaluating on its (training) tasks", tid)
-    return {
-        "taskset": taskset,
-        "agent": {"harness": {"id": harness_id(harness)}, "runtime": {"type": "subprocess"}},
-    }
+    agent: dict[str, Any] = {"harness": {"id": harness_id(harness)}, "runtime": {"type": "subprocess"}}
+    limits = {"max_turns": max_turns, "max_total_tokens": max_total_tokens}
+    agent.update({name: value for name, value in limits.items() if value is not None})
+    return {"taskset": taskset, "agent": agent}
 
 
-def load_env(env_id: str, harness: str = "prl", args: dict | None = None, split: str | None = None):
+def load_env(env_id: str, harness: str = "prl", args: dict | None = None, split: str | None = None, *,
+             max_turns: int | None = None, max_total_tokens: int | None = None):
     """A loaded verifiers Env for one split; ConfigError (with the fix) when it cannot be."""
     import verifiers.v1 as vf
 
-    raw = env_config(env_id, harness, args, split)
+    raw = env_config(env_id, harness, args, split, max_turns=max_turns, max_total_tokens=max_total_tokens)
     try:
         return vf.load_environment(vf.resolve_env_config(raw))
     except ModuleNotFoundError as e:

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from prl.run.batch import publish_batch
-from prl.errors import PrlError
+from prl.errors import ConfigError, PrlError
 from prl.log import get_logger, init_logging
 from prl.orchestrator.advantages import reward_stats
 from prl.orchestrator.config import OrchestratorConfig
@@ -60,14 +60,35 @@ class Beat:
             self()
 
 
+def renderer_config(renderer: dict[str, Any] | None) -> Any:
+    """`model.renderer` as a `renderers.RendererConfig` (None stays None: chosen from the tokenizer);
+    ConfigError naming the field when renderers refuses it (an unknown name, a field the renderer lacks,
+    an import_path that does not load)."""
+    if renderer is None:
+        return None
+    import pydantic
+    from renderers import RendererConfig
+
+    try:
+        return pydantic.TypeAdapter(RendererConfig).validate_python(renderer)
+    except pydantic.ValidationError as e:
+        where = [".".join(map(str, err["loc"])) for err in e.errors()]
+        problems = "; ".join(f"{w}: {err['msg']}" if w else err["msg"] for w, err in zip(where, e.errors()))
+        raise ConfigError(f"model.renderer {renderer}: {problems}") from None
+    except (ImportError, TypeError) as e:  # a custom import_path that does not load, or names no renderer
+        raise ConfigError(f"model.renderer {renderer}: {type(e).__name__}: {e}") from None
+
+
 def _contexts(cfg: OrchestratorConfig, pool: ServerPool):
     import verifiers.v1 as vf
 
     sampling = vf.SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_tokens)
+    renderer = renderer_config(cfg.renderer)
 
     def make(server) -> Any:
         client = vf.TrainClientConfig(
-            base_url=f"{server.url}/v1", api_key_var=API_KEY_VAR, renderer_model_name=cfg.model_path
+            base_url=f"{server.url}/v1", api_key_var=API_KEY_VAR, renderer_model_name=cfg.model_path,
+            renderer=renderer,
         )
         return vf.ModelContext(model=pool.model, client=client, sampling=sampling)
 
@@ -108,6 +129,7 @@ def step_metrics(step: int, batch: StepBatch, ran: int, gen_s: float, wait_s: fl
         "completion_len_mean": sum(batch.lengths) / max(1, len(batch.lengths)),
         "completion_len_max": max(batch.lengths, default=0),
         "truncated_fraction": batch.truncated / max(1, len(batch.lengths)),
+        "turns_mean": sum(batch.turns) / max(1, len(batch.turns)),
         "policy_lag_max": max(lags, default=0),
         "policy_lag_mean": sum(lags) / max(1, len(lags)),
         "rollouts": ran,
@@ -135,9 +157,10 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, pool: ServerPool, be
         return 0
     async with server_client(timeout=30) as client:
         pool.model = pool.model or cfg.served_model_name or await served_model(client, pool.generate[0].url)
-    env = load_env(cfg.env_id, cfg.harness, cfg.env_args, split="train")
-    eval_env = load_env(cfg.env_id, cfg.harness, cfg.env_args, split="eval") if cfg.eval.every else None
-    make_ctx = _contexts(cfg, pool)
+    make_ctx = _contexts(cfg, pool)  # first: a bad model.renderer stops the run before the env loads
+    limits = {"max_turns": cfg.environment.max_turns, "max_total_tokens": cfg.environment.max_total_tokens}
+    env = load_env(cfg.env_id, cfg.harness, cfg.env_args, split="train", **limits)
+    eval_env = load_env(cfg.env_id, cfg.harness, cfg.env_args, split="eval", **limits) if cfg.eval.every else None
     gen = Generator(env, pool, make_ctx, max_concurrent=cfg.max_concurrent_rollouts, retries=cfg.rollout_retries)
     eval_gen = (
         Generator(eval_env, pool, make_ctx, max_concurrent=cfg.max_concurrent_rollouts, retries=cfg.rollout_retries)

@@ -12,7 +12,7 @@ error, engine restart) is retried on another server up to `retries` times; a
 group with an episode that still fails is dropped whole (its advantages would
 be biased) and counted.
 
-Every trainable branch of every trace becomes one `prl.run.batch.Sample`: token
+Every trainable branch of every trainable agent's trace becomes one `prl.run.batch.Sample`: token
 ids, the sampled mask as loss mask, the engine's logprobs, the episode's
 advantage and its policy version.
 """
@@ -20,8 +20,9 @@ advantage and its policy version.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -50,6 +51,8 @@ class Rollout:
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     attempts: int = 1
+    turns: int = 0
+    """Model turns of the episode's trainable traces."""
 
     @property
     def ok(self) -> bool:
@@ -63,6 +66,11 @@ def rollout_from_episode(episode: Any, version: int, *, need_tokens: bool = True
         errs = [e for t in traces for e in t.errors] + list(episode.errors)
         msg = f"{errs[-1].type}: {errs[-1].message}" if errs else "episode failed without an error"
         return Rollout(0.0, version, [], 0, error=msg)
+    # Only the policy's traces count: an untrainable agent (a simulated user, a judge) is the
+    # environment, so its tokens are never trained on and its reward is not the policy's.
+    traces = [t for t in traces if t.agent.trainable]
+    if not traces:
+        return Rollout(0.0, version, [], 0, error="episode has no trace of a trainable agent")
     branches: list[Branch] = []
     completion = 0
     metrics: dict[str, float] = {}
@@ -86,7 +94,8 @@ def rollout_from_episode(episode: Any, version: int, *, need_tokens: bool = True
     if need_tokens and not branches:
         return Rollout(0.0, version, [], 0, error="episode has no token ids: the train client was not used")
     reward = sum(t.reward for t in traces) / len(traces)
-    return Rollout(reward, version, branches, completion, any(t.is_truncated for t in traces), metrics)
+    return Rollout(reward, version, branches, completion, any(t.is_truncated for t in traces), metrics,
+                   turns=sum(t.num_turns for t in traces))
 
 
 def routing_key(task: Any) -> str:
@@ -129,6 +138,24 @@ class Generator:
             self.ctx[key] = self.make_ctx(server)
         return self.ctx[key]
 
+    @contextlib.asynccontextmanager
+    async def _slot(self, min_version: int, avoid: Server | None, key: str) -> AsyncIterator[Server]:
+        """A concurrency slot and a server new enough. A rollout waits for a server (every one behind
+        during a restart) without holding a slot, so the slots go to rollouts that can run;
+        `pool.pick` ticks the heartbeat while it finds none."""
+        while True:
+            while self.pool.pick(min_version) is None:  # keyless: the cheap check
+                await asyncio.sleep(0.5)
+            await self.sem.acquire()
+            server = self.pool.pick(min_version, avoid=avoid, key=key)
+            if server is not None:
+                break
+            self.sem.release()  # lost again while queued for a slot: wait without it
+        try:
+            yield server
+        finally:
+            self.sem.release()
+
     async def rollout(self, task: Any, min_version: int) -> Rollout:
         from verifiers.v1.env import RunSlot
 
@@ -136,11 +163,7 @@ class Generator:
         last: Server | None = None
         result: Rollout | None = None
         for attempt in range(1, self.retries + 2):
-            async with self.sem:
-                server = self.pool.pick(min_version, avoid=last, key=key)
-                while server is None:  # every server behind (a restart): wait for the watcher
-                    await asyncio.sleep(0.5)
-                    server = self.pool.pick(min_version, key=key)
+            async with self._slot(min_version, last, key) as server:
                 version = self.pool.version_of(server)
                 server.inflight += 1
                 try:
@@ -212,6 +235,8 @@ class StepBatch:
     metrics: dict[str, list[float]]
     first_error: str | None = None
     groups_used: int = 0
+    turns: list[int] = field(default_factory=list)
+    """Model turns of every scored rollout, like `rewards`."""
 
 
 def build_samples(
@@ -249,6 +274,7 @@ def build_samples(
         for r in group:
             out.rewards.append(r.reward)
             out.lengths.append(r.completion_tokens)
+            out.turns.append(r.turns)
             out.truncated += int(r.truncated)
             for name, value in r.metrics.items():
                 out.metrics.setdefault(name, []).append(value)
