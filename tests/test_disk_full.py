@@ -25,7 +25,7 @@ def test_a_full_disk_fails_the_run_clearly_and_resume_loses_no_step(tmp_path, en
     model = build_tiny_model(tmp_path / "model")
     with tmpfs(tmp_path / "disk", "64m") as disk:
         run = disk / "run"
-        args = ["configs/local-tiny.yaml", f"run_dir={run}", f"model.path={model}", "training.max_steps=10",
+        args = ["configs/local-tiny.yaml", f"run_dir={run}", f"model.path={model}", "training.max_steps=6",
                 "training.checkpoint_interval=2", "cluster.port_base=19300"]
         prl(env, "submit", "--local", "--detach", *args)
         try:
@@ -57,8 +57,8 @@ def test_a_full_disk_fails_the_run_clearly_and_resume_loses_no_step(tmp_path, en
         prl(env, "submit", "--local", "--resume", *args, timeout=900)
         done = status(env, run)
         assert done["state"] == "COMPLETED", prl(env, "logs", run, "-n", "30", check=False).stdout
-        assert steps(run, "trainer") == list(range(1, 11)), (before, steps(run, "trainer"))
-        assert steps(run, "orchestrator") == list(range(1, 11))
+        assert steps(run, "trainer") == list(range(1, 7)), (before, steps(run, "trainer"))
+        assert steps(run, "orchestrator") == list(range(1, 7))
 
 
 def status(env: dict, run) -> dict:

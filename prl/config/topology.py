@@ -61,8 +61,6 @@ class Model(Strict, kw_only=True):
         if self.renderer is not None and not (isinstance(name := self.renderer.get("name"), str) and name):
             raise FieldValueError("renderer", "renderer needs a `name`: a renderers config name (qwen3, llama-3, ...), "
                                   "or `custom` with an `import_path`, e.g. prl.orchestrator.chatml.ChatMLRenderer")
-
-    def __post_init__(self) -> None:
         if (self.path is None) == (self.from_run is None):
             raise FieldValueError("path" if self.path else "from_run",
                                   "set one of model.path (a model) and model.from_run (a prl run's weights); to start "
