@@ -23,7 +23,6 @@ Everything it sees goes to state/launcher.json, which `prl status` reads.
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import signal
 import subprocess
@@ -33,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prl.errors import SlurmError
+from prl.errors import SlurmError, disk_full
 from prl.log import get_logger, init_logging
 from prl.planner.model import Plan, Step
 from prl.run.rundir import RunDir, atomic_write_json, current_attempt, read_json
@@ -44,8 +43,6 @@ log = get_logger(__name__)
 POLL_SECONDS = 0.5
 WANDB_FINAL_S = 60.0
 """How long the launcher waits at the end for its W&B follower to log the last steps."""
-LOW_DISK_BYTES = 1 << 20
-"""Less free than this under the run directory when a role fails: the disk is named as the likely cause."""
 START_TIMEOUT = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
 
 
@@ -131,13 +128,13 @@ class Launcher:
                 atomic_write_json(path, obj)
                 return True
             except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT) and not last and self.disk_full():
+                if disk_full(exc) and not last and self.give_back_reserve():
                     continue
                 log.error(f"cannot write {path}: {exc.strerror or exc}")
                 return False
         return False
 
-    def disk_full(self) -> bool:
+    def give_back_reserve(self) -> bool:
         """Note the full disk (once) and give back the reserve; True when that freed something to retry with."""
         if "disk_full" not in self.state:
             free = self.run.free_bytes()
@@ -150,10 +147,9 @@ class Launcher:
 
     def disk_reason(self) -> str:
         """'; the run directory's disk is full (...)' when it is (or was, in this attempt), else ''."""
-        free = self.run.free_bytes()
-        if "disk_full" not in self.state and (free is None or free >= LOW_DISK_BYTES):
+        if "disk_full" not in self.state and not self.run.disk_low():
             return ""
-        self.disk_full()
+        self.give_back_reserve()
         return f"; the run directory's disk is full ({_mib(self.state['disk_full']['free_bytes'])} free)"
 
     def note_step(self, name: str, **fields: Any) -> None:
@@ -348,9 +344,9 @@ class Launcher:
             bound = self.plan.hang_bound(slowest or None)
             # The stalest rank: rank 0 keeps beating while it waits for work, so a stopped rank 1 would
             # otherwise show only once rank 0 blocks on it, a whole wait later.
-            ranks = [(beat, 0, state)] + sorted(
+            ranks = [(beat, 0, state)] + [
                 (float(b["heartbeat"]), rank, b) for rank, b in self.run.rank_heartbeats(name).items()
-                if int(b.get("attempt") or -1) == self.attempt and float(b.get("heartbeat") or 0) > started)
+                if int(b.get("attempt") or -1) == self.attempt and float(b.get("heartbeat") or 0) > started]
             beat, rank, last = min(ranks, key=lambda r: r[0])
             age = now - beat
             if age > bound:

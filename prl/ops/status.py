@@ -27,8 +27,6 @@ from prl.ops.registry import entries, read_job, registry_path
 from prl.states import TERMINAL_STATES, JobState, LauncherStatus, RoleState
 
 LOG_TAIL_LINES = 15
-LOW_DISK_BYTES = 1 << 20
-"""Less free than this under the run directory is a full disk (the launcher's LOW_DISK_BYTES)."""
 
 
 @dataclass
@@ -151,9 +149,9 @@ def collect(run: RunDir) -> Status:
     roles = [_role_row(run, plan, step, job, launcher, rows, state) for step in plan.steps]
     attempt = launcher.get("attempt")
     full = launcher.get("disk_full")
-    free = run.free_bytes()
-    if full or (free is not None and free < LOW_DISK_BYTES):
+    if full or run.disk_low():
         when = time.strftime(" at %H:%M:%S", time.localtime(full["time"])) if full else ""
+        free = run.free_bytes()
         now = "?" if free is None else f"{free / (1 << 20):.1f}"
         notes.append(f"the run directory's disk is full{when} ({now} MiB free now): make room, "
                      f"then `prl submit --resume` continues from the last checkpoint")

@@ -53,7 +53,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from prl.errors import DISK_FULL, RunDirError, StepTimeout
+from prl.errors import RunDirError, StepTimeout, disk_full
 from prl.states import RoleState
 
 ROLES = ("inference", "orchestrator", "trainer", "prefill", "decode", "router")
@@ -88,6 +88,8 @@ def _fsync_dir(path: Path) -> None:
 FILE_MODE = 0o600
 RESERVE_BYTES = 4 << 20
 """The launcher's disk reserve (state/reserve): room to record a failure and stop the roles on a full disk."""
+LOW_DISK_BYTES = 1 << 20
+"""Less free than this under the run directory is a full disk (`RunDir.disk_low`)."""
 """Mode of every file prl writes under a run (the run directory itself is 0700)."""
 DIR_MODE = 0o700
 """Mode of the run directory and the directories prl makes in it."""
@@ -397,7 +399,7 @@ class RunDir:
         try:
             return self.write_state(role, status=status, exit_code=exit_code, error=error, ended=time.time())
         except OSError as exc:
-            if exc.errno not in DISK_FULL:
+            if not disk_full(exc):
                 raise
             return None
 
@@ -759,6 +761,11 @@ class RunDir:
             return size
         except FileNotFoundError:
             return 0
+
+    def disk_low(self) -> bool:
+        """Less than LOW_DISK_BYTES free under the run directory (False when the filesystem cannot be asked)."""
+        free = self.free_bytes()
+        return free is not None and free < LOW_DISK_BYTES
 
     def free_bytes(self) -> int | None:
         """Bytes free to this user on the run directory's filesystem (None if it cannot be asked)."""
