@@ -21,7 +21,7 @@ from prl.run.rundir import RunDir, is_stable
 from tests.helpers import REPO, prl_cli as prl, run_to_the_end, wait_for
 from tests.plans import local_plan, write_plan
 from tests.test_plot_wandb import finished_history
-from tests.tiny_model import build_tiny_model
+from tests.tiny_model import build_tiny_model, build_tiny_moe
 from tests.trainer_helpers import launch
 
 DATA = REPO / "examples" / "sft" / "letters.jsonl"
@@ -156,6 +156,24 @@ def _published(path: Path) -> dict:
     for f in sorted(path.glob("*.safetensors")):
         out.update(load_file(str(f)))
     return out
+
+
+@pytest.mark.slow  # a 2-rank torchrun run on CPU per mesh (~25 s each)
+@pytest.mark.parametrize("mesh", ["cp", "ep"])
+def test_context_and_expert_parallel_sft_match_a_plain_loop(tmp_path, mesh):
+    """SFT shares the RL trainer's mesh: Ulysses cp=2 on a dense model (2 kv heads) and ep=2 on a
+    Qwen3-MoE give the single-process loop's losses."""
+    if mesh == "ep":
+        model = build_tiny_moe(tmp_path / "moe")
+    else:
+        model = build_tiny_model(tmp_path / "dense", num_kv_heads=2)
+    steps = 3
+    run = write_plan(RunDir(tmp_path / "run"),
+                     sft_plan(tmp_path / "run", model, f"trainer.{mesh}=2", max_steps=steps, checkpoint_interval=steps))
+    assert Plan.read(run).trainer.mesh.dp == (1 if mesh == "cp" else 2)
+    launch(run, 2, resume="none")
+    losses = [m["loss"] for m in run.read_metrics("trainer")]
+    assert losses == pytest.approx(_reference(model, steps), rel=1e-4, abs=1e-6)
 
 
 @pytest.mark.slow  # a 2-rank torchrun run on CPU (~35 s)

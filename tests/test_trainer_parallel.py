@@ -238,10 +238,11 @@ ROUTER_AUX = textwrap.dedent("""
     from prl.config.topology import Loss
     from prl.run.batch import RolloutBatch, pack, to_arrays
     from prl.trainer.parallel import build_dist, init_distributed
+    from prl.trainer.sft import sft_step
     from prl.trainer.train import load_model, train_step
     from tests.trainer_helpers import make_samples
 
-    model_dir, vocab, coef = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    model_dir, vocab, coef, mode = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[5]
     cfg = types.SimpleNamespace(model_path=model_dir, dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=1,
                                 precision="fp32", activation_checkpointing=False, master_port=int(sys.argv[4]),
                                 loss=Loss(), max_grad_norm=0.0, router_aux_loss_coef=coef)
@@ -250,14 +251,16 @@ ROUTER_AUX = textwrap.dedent("""
     arrays = to_arrays(make_samples(1, vocab))
     batch = RolloutBatch(1, arrays, {})
     mbs = batch.micro_batches(0, 1, 10_000)  # one micro-batch: its aux loss is the step's
-    out = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), mbs, cfg, d)
+    out = (train_step if mode == "rl" else sft_step)(model, torch.optim.SGD(model.parameters(), lr=0.0), mbs, cfg, d)
     print(json.dumps(out))
 """)
 
 
 @pytest.mark.slow
-def test_router_aux_loss_is_transformers_load_balancing_loss(moe, tmp_path):
-    """router_aux_loss_coef > 0 adds transformers' aux loss (reported as router_aux_loss) and changes gradients."""
+@pytest.mark.parametrize("mode", ["rl", "sft"])
+def test_router_aux_loss_is_transformers_load_balancing_loss(moe, tmp_path, mode):
+    """router_aux_loss_coef > 0 adds transformers' aux loss (reported as router_aux_loss) and changes gradients,
+    on the RL loss and on the SFT loss alike."""
     from transformers import AutoModelForCausalLM
 
     from prl.run.batch import to_arrays
@@ -269,7 +272,7 @@ def test_router_aux_loss_is_transformers_load_balancing_loss(moe, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
     def step(coef: float) -> dict:
-        cmd = [sys.executable, str(script), str(model), str(vocab), str(coef), str(_free_port())]
+        cmd = [sys.executable, str(script), str(model), str(vocab), str(coef), str(_free_port()), mode]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-4000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -283,5 +286,5 @@ def test_router_aux_loss_is_transformers_load_balancing_loss(moe, tmp_path):
     # The aux loss counts top-k picks: fp32 noise between the two forwards can flip a near-tie pick
     # (one token of ~200 in one layer moves it by ~5e-4 relative), so not bit-equal.
     assert on["router_aux_loss"] == pytest.approx(float(out.aux_loss.detach()), rel=2e-3)
-    assert on["loss"] == pytest.approx(off["loss"], rel=1e-6), "the policy loss itself is unchanged"
+    assert on["loss"] == pytest.approx(off["loss"], rel=1e-6), "the policy (or NLL) loss itself is unchanged"
     assert on["grad_norm"] != pytest.approx(off["grad_norm"], rel=1e-3), "the aux loss reaches the gradients"

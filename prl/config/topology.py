@@ -318,7 +318,7 @@ class Training(Strict, kw_only=True):
     advantage: Advantage = Advantage()
     router_aux_loss_coef: Annotated[float, Meta(ge=0)] = 0.0
     """MoE only: weight of the router's load-balancing loss (transformers' `load_balancing_loss_func`; 0: off,
-    the RL loss alone trains the router)."""
+    the RL or SFT loss alone trains the router)."""
     max_concurrent_rollouts: Annotated[int, Meta(ge=1, le=MAX_COUNT)] = 256
     """Rollouts in flight at once, over all inference servers."""
     rollout_retries: Annotated[int, Meta(ge=0, le=MAX_ITEMS)] = 3

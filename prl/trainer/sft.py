@@ -37,7 +37,8 @@ from prl.trainer.loss import nll_loss, token_logprobs_and_entropy
 from prl.trainer.parallel import Dist
 from prl.trainer.sft_data import read_conversations, tokenize_conversation
 from prl.trainer.checkpoint import save_checkpoint
-from prl.trainer.train import ROLE, StopFlag, accumulate_step, heartbeat_of, log, peak_rss_mb, start_training
+from prl.trainer.train import (ROLE, StopFlag, accumulate_step, add_router_aux, forward, heartbeat_of, log,
+                               peak_rss_mb, start_training)
 from prl.trainer.weights import publish_weights
 
 
@@ -95,20 +96,23 @@ def micro_batches(samples: list[Sample], cfg: TrainerConfig, d: Dist) -> list[Mi
     return batch.micro_batches(d.dp_rank, d.dp_size, cfg.micro_batch_tokens)
 
 
-def sft_micro_loss(model, x: dict[str, torch.Tensor], n_loss_tokens: int, _weight: float):
-    """`accumulate_step`'s loss for SFT: this micro-batch's share of the step's token-mean NLL.
-    (`training.router_aux_loss_coef` is not applied here: MoE load balancing is trained by RL only.)"""
-    out = model(input_ids=x["input_ids"][None], position_ids=x["position_ids"][None], use_cache=False)
+def sft_micro_loss(model, x: dict[str, torch.Tensor], cfg: TrainerConfig, n_loss_tokens: int, aux_weight: float):
+    """`accumulate_step`'s loss for SFT: this micro-batch's share of the step's token-mean NLL (plus the
+    MoE router's load-balancing loss when `training.router_aux_loss_coef` > 0, as in RL)."""
+    out = forward(model, x, cfg.router_aux_loss_coef)
     logp, entropy = token_logprobs_and_entropy(out.logits[0], x["targets"])
-    return nll_loss(logp, x["loss_mask"], n_loss_tokens, entropy=entropy)
+    loss, stats = nll_loss(logp, x["loss_mask"], n_loss_tokens, entropy=entropy)
+    return add_router_aux(loss, stats, out, cfg.router_aux_loss_coef, aux_weight), stats
 
 
 def sft_step(model, optim, mbs: list[MicroBatch | None], cfg: TrainerConfig, d: Dist) -> dict:
-    s, grad_norm = accumulate_step(model, optim, mbs, cfg, d, sft_micro_loss)
+    s, grad_norm = accumulate_step(model, optim, mbs, cfg, d,
+                                   lambda model, x, n, w: sft_micro_loss(model, x, cfg, n, w))
     n = max(s.get("loss_tokens", 0.0), 1.0)
     return {
         "loss": s.get("loss_sum", 0.0) / n,
         "entropy": s.get("entropy_sum", 0.0) / n,
+        **({"router_aux_loss": s["router_aux_loss_sum"]} if "router_aux_loss_sum" in s else {}),
         "grad_norm": grad_norm,
         "tokens": int(s.get("tokens", 0)),
         "loss_tokens": int(s.get("loss_tokens", 0)),

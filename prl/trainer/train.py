@@ -145,25 +145,35 @@ def mismatch_stats(logp: torch.Tensor, inference_logprobs: torch.Tensor, mask: t
     }
 
 
-def micro_batch_loss(model, x: dict[str, torch.Tensor], cfg: TrainerConfig, n_loss_tokens: int, aux_weight: float):
-    """Loss share and stats of this rank's positions of one micro-batch (see `prepare`)."""
-    aux_coef = cfg.router_aux_loss_coef
-    out = model(
+def forward(model, x: dict[str, torch.Tensor], aux_coef: float):
+    """The model on one prepared micro-batch; with the router's logits when its aux loss is on."""
+    return model(
         input_ids=x["input_ids"][None],
         position_ids=x["position_ids"][None],
         use_cache=False,
         **({"output_router_logits": True} if aux_coef > 0 else {}),
     )
+
+
+def add_router_aux(loss: torch.Tensor, stats: dict[str, float], out, aux_coef: float, aux_weight: float
+                   ) -> torch.Tensor:
+    """`loss` plus the MoE load-balancing loss of this micro-batch's routing (`training.router_aux_loss_coef`),
+    weighted by the micro-batch's share of the step's tokens; a dense model has none (unchanged)."""
+    if aux_coef > 0 and getattr(out, "aux_loss", None) is not None:
+        loss = loss + aux_coef * aux_weight * out.aux_loss
+        stats["router_aux_loss_sum"] = float(out.aux_loss.detach()) * aux_weight
+    return loss
+
+
+def micro_batch_loss(model, x: dict[str, torch.Tensor], cfg: TrainerConfig, n_loss_tokens: int, aux_weight: float):
+    """Loss share and stats of this rank's positions of one micro-batch (see `prepare`)."""
+    out = forward(model, x, cfg.router_aux_loss_coef)
     logp, entropy = token_logprobs_and_entropy(out.logits[0], x["targets"])
     loss, stats = policy_loss(
         logp, x["inference_logprobs"], x["advantages"], x["loss_mask"], cfg.loss, n_loss_tokens, entropy=entropy
     )
     stats |= mismatch_stats(logp, x["inference_logprobs"], x["loss_mask"])
-    if aux_coef > 0 and getattr(out, "aux_loss", None) is not None:
-        # Load-balancing loss of this micro-batch's routing, weighted by its share of the step's tokens.
-        loss = loss + aux_coef * aux_weight * out.aux_loss
-        stats["router_aux_loss_sum"] = float(out.aux_loss.detach()) * aux_weight
-    return loss, stats
+    return add_router_aux(loss, stats, out, cfg.router_aux_loss_coef, aux_weight), stats
 
 
 def accumulate_step(model, optim, micro_batches: list[MicroBatch | None], cfg: TrainerConfig, d: Dist,
