@@ -9,6 +9,14 @@ and publishing. Baseline in the same run: the same number of bare token-level ge
 from one asyncio client (what an orchestrator with no environment at all would reach).
 Prints steady-state rollouts/s (step 1, with the tokenizer warm-up, is excluded), the
 orchestrator process's CPU seconds per wall second, and CPU milliseconds per rollout.
+
+    python bench/bench_orchestrator.py --profile      # needs py-spy (pip install py-spy)
+
+runs the same under py-spy (200 samples/s) and splits the orchestrator's CPU while it runs
+rollouts by whose code it is: each sample goes to the innermost frame of prl, verifiers,
+renderers or the environment package (a library frame such as aiohttp or pydantic counts for
+its caller); imports and environment loading are left out. `cpu_ms_per_rollout_by_owner` is that
+split of `cpu_ms_per_rollout` (py-spy's sampling is run-to-run noisy by a few points).
 """
 
 from __future__ import annotations
@@ -16,7 +24,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import re
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -62,6 +73,64 @@ async def baseline(url: str, n: int, max_tokens: int, concurrency: int = 256) ->
         return n / (time.perf_counter() - t0)
 
 
+OWNERS = (("prl", re.compile(r"^prl/")), ("verifiers", re.compile(r"^verifiers/")),
+          ("renderers", re.compile(r"^renderers/")), ("environment", re.compile(r"^prl_(letters|reverse_text)/")))
+"""Whose code a py-spy frame's file is (py-spy names files relative to their sys.path entry)."""
+SETUP = ("_find_and_load", "load_env (", "serving (", "build_tokenizer (")
+"""Frames of one-time work (imports, loading the environment), not of running rollouts."""
+ENTRIES = ("Handle._run (", "_WorkItem.run (")
+"""Where code of its own starts in a stack: an event-loop callback (a task's step) or a worker thread's item."""
+LOOP = "python (event loop, stdlib)"
+
+
+def owner_of(stack: str) -> str:
+    """The owner of one sample: the innermost prl/verifiers/renderers/environment frame after the last
+    entry point (a library frame, e.g. aiohttp or pydantic, counts for its caller); the event loop's own
+    work (selecting, scheduling) is LOOP."""
+    frames = stack.split(";")
+    entry = max((i for i, f in enumerate(frames) if f.startswith(ENTRIES)), default=None)
+    if entry is None:
+        return LOOP
+    for frame in reversed(frames[entry + 1:]):
+        path = frame[frame.rfind("(") + 1:].rsplit(":", 1)[0]
+        for name, pattern in OWNERS:
+            if pattern.search(path):
+                return name
+    return LOOP
+
+
+def owner_shares(raw: Path) -> dict[str, float]:
+    """Share of the orchestrator's rollout-time samples of a py-spy raw profile that each owner holds."""
+    counts: dict[str, int] = {}
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        running = "prl/orchestrator/loop.py" in stack or "_WorkItem.run (" in stack
+        if not running or any(mark in stack for mark in SETUP):
+            continue
+        who = owner_of(stack)
+        counts[who] = counts.get(who, 0) + int(n)
+    total = sum(counts.values()) or 1
+    return {who: round(n / total, 3) for who, n in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
+def profiled(argv: list[str]) -> None:
+    """Run this benchmark under py-spy, then print its numbers with the CPU split by owner."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        sys.exit("--profile needs py-spy: pip install py-spy")
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(os.environ.get("PRL_PROFILE_RAW", Path(tmp) / "profile.txt"))
+        out = subprocess.run([spy, "record", "--rate", "200", "--format", "raw", "--output", str(raw), "--",
+                              sys.executable, __file__, *argv], capture_output=True, text=True, cwd=REPO)
+        if out.returncode != 0:
+            sys.exit(f"py-spy failed ({out.returncode}): {out.stderr[-2000:]}")
+        numbers, _ = json.JSONDecoder().raw_decode(out.stdout[out.stdout.index("{"):])  # py-spy's lines follow
+        shares = owner_shares(raw)
+    numbers["cpu_share_by_owner"] = shares
+    numbers["cpu_ms_per_rollout_by_owner"] = {w: round(f * numbers["cpu_ms_per_rollout"], 2) for w, f in shares.items()}
+    print(json.dumps(numbers, indent=2))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=4)
@@ -69,7 +138,10 @@ def main() -> None:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--env", default="prl_letters")
+    p.add_argument("--profile", action="store_true", help="Split the CPU per rollout by owner (needs py-spy).")
     a = p.parse_args()
+    if a.profile:
+        return profiled([arg for arg in sys.argv[1:] if arg != "--profile"])
 
     from prl.orchestrator import main as orchestrate
     from prl.run.rundir import RunDir
