@@ -19,17 +19,6 @@ from tests.fake_engine import FakeEngine
 from tests.helpers import REPO, run_one_episode
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from renderers.base import load_tokenizer
-
-    from tests.tiny_model import build_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer().save_pretrained(path)
-    return load_tokenizer(str(path))
-
-
 def call(name: str, arguments) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
