@@ -106,3 +106,34 @@ def test_the_turn_limit_ends_a_tool_loop(tok, monkeypatch):
     assert rollout.truncated and len(rollout.branches) == 1
     # The second call's tools never ran: nothing could read their result.
     assert [m.content for m in trace.branches[0].messages if m.role == "tool"] == ["2"]
+
+
+# Each family's tool-call format, with the special tokens its tokenizer has (the tiny one gets them added).
+FAMILY_CALLS = {
+    "qwen3": ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>', ["<tool_call>", "</tool_call>"]),
+    "qwen3.5": ("<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>\n"
+                "</function>\n</tool_call>", ["<tool_call>", "</tool_call>"]),
+    "glm": ("<tool_call>add<arg_key>a</arg_key><arg_value>1</arg_value><arg_key>b</arg_key><arg_value>2</arg_value>"
+            "</tool_call>", ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"]),
+    "deepseek-v3": ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n{"a": 1, "b": 2}\n```'
+                    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+                    ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                     "<｜tool▁sep｜>"]),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CALLS))
+def test_the_tool_parsers_docs_list_as_covered(family):
+    """docs/orchestrator.md names these `renderers` tool parsers (`model.renderer: {name: default,
+    tool_parser: ...}`) as covered: each turns its family's format into the call."""
+    from renderers.parsers import get_tool_parser
+
+    from tests.tiny_model import build_tokenizer
+
+    text, specials = FAMILY_CALLS[family]
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    content, (parsed,) = get_tool_parser(family, tokenizer).extract(
+        tokenizer.encode("Sure. " + text, add_special_tokens=False))
+    assert tokenizer.decode(content).strip() == "Sure."
+    assert (parsed.name, parsed.arguments, parsed.status.value) == ("add", {"a": 1, "b": 2}, "ok")
