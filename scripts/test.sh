@@ -19,7 +19,8 @@ fi
 pip=(python3 -m pip install -q --disable-pip-version-check)
 "${pip[@]}" -e ".[dev,train,env,inference-cpu,sft,plot,wandb]"
 python3 -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-"${pip[@]}" --no-deps -e environments/prl_letters -e environments/prl_reverse_text
+"${pip[@]}" --no-deps -e environments/prl_letters -e environments/prl_reverse_text \
+    -e environments/prl_guess -e environments/prl_calc
 
 ./scripts/slurm-cluster.sh start
 

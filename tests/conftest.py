@@ -34,3 +34,21 @@ def model(tmp_path) -> Path:
     path.mkdir()
     (path / "config.json").write_text("{}")
     return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """The tiny test tokenizer (ChatML, byte-level BPE; tests/tiny_model.py) saved to a directory."""
+    from tests.tiny_model import build_tokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tok(tokenizer_dir):
+    """The tiny test tokenizer, loaded as the renderers load it."""
+    from renderers.base import load_tokenizer
+
+    return load_tokenizer(str(tokenizer_dir))

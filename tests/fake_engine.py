@@ -13,9 +13,10 @@ It speaks the parts of the `prl inference` API the orchestrator uses:
 Generated tokens are random ids from `token_ids` (for a real tokenizer's
 vocabulary) with made-up logprobs; a stop token ends a reply with
 probability `p_stop` per token (or `reply(prompt_ids)` scripts them, and
-`logprobs(ids)` their logprobs). Failure injection for tests: `fail_every`
-answers every N-th generate request with 503, `weights_fail` makes weight
-loads answer 500. It runs in a background thread with its own event loop:
+`logprobs(ids)` their logprobs; `chat(body)` scripts the chat route's
+messages). Failure injection for tests: `fail_every` answers every N-th
+generate request with 503, `weights_fail` makes weight loads answer 500. It runs in a
+background thread with its own event loop:
 
     with FakeEngine(model="m", token_ids=range(3, 300), stop_id=2) as eng:
         eng.url  # http://127.0.0.1:PORT
@@ -48,6 +49,7 @@ class FakeEngine:
         seed: int = 0,
         reply: Callable[[list[int]], list[int]] | None = None,
         logprobs: Callable[[list[int]], list[float]] | None = None,
+        chat: Callable[[dict], dict] | None = None,
         port: int = 0,
     ):
         self.model = model
@@ -62,6 +64,9 @@ class FakeEngine:
         """Scripted completions: prompt token ids -> completion token ids (instead of random ones)."""
         self.logprobs = logprobs
         """Scripted logprobs: completion token ids -> one logprob each (instead of -log(vocabulary size))."""
+        self.chat = chat
+        """Scripted chat replies: the /v1/chat/completions request body -> the assistant message (instead of
+        random text)."""
         self.weights_step = 0
         self.paused = False
         self.fail_every = 0
@@ -117,14 +122,17 @@ class FakeEngine:
         self.requests += 1
         body = await request.json()
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 8)
-        text = "".join(self.rng.choice("ab ") for _ in range(n))
+        if self.chat is not None:
+            message = {"role": "assistant", **self.chat(body)}
+        else:
+            message = {"role": "assistant", "content": "".join(self.rng.choice("ab ") for _ in range(n))}
         return web.json_response(
             {
                 "id": f"fake-{self.requests}",
                 "object": "chat.completion",
                 "created": 0,
                 "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}],
                 "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
             }
         )

@@ -1,6 +1,8 @@
 """The project's verifiers environments (environments/): load offline, score hand-written replies.
 
 Needs the env packages installed: pip install -e environments/prl_letters -e environments/prl_reverse_text
+(and, for the loading test, -e environments/prl_guess -e environments/prl_calc; tests/test_env_agentic.py
+plays those two).
 """
 
 from __future__ import annotations
@@ -14,16 +16,7 @@ from prl.orchestrator.env import env_config, load_env
 from tests.fake_engine import FakeEngine
 from tests.helpers import run_one_episode
 
-ENVS = ("prl_letters", "prl_reverse_text")
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from tests.tiny_model import build_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer().save_pretrained(path)
-    return path
+ENVS = ("prl_letters", "prl_reverse_text", "prl_guess", "prl_calc")
 
 
 def reply_trace(task, reply: str):

@@ -1,6 +1,6 @@
 """Multi-turn rollouts train token-exactly: with prl's ChatML renderer every turn extends the tokens the
 model saw and sampled before, so a rollout with environment feedback is one sequence whose loss mask
-covers exactly the sampled tokens. The env is tests/guess_env.py (env-driven "higher"/"lower" turns),
+covers exactly the sampled tokens. The env is environments/prl_guess (env-driven "higher"/"lower" turns),
 the engine a FakeEngine, the tokenizer the tiny ChatML one."""
 
 from __future__ import annotations
@@ -18,22 +18,6 @@ from tests.fake_engine import FakeEngine
 from tests.helpers import run_one_episode
 
 CHATML = {"name": "custom", "import_path": IMPORT_PATH}
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from tests.tiny_model import build_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer().save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tok(tokenizer_dir):
-    from renderers.base import load_tokenizer
-
-    return load_tokenizer(str(tokenizer_dir))
 
 
 class Script:
@@ -59,9 +43,18 @@ class Script:
         return [-0.01 * (t % 97) - 0.001 for t in ids]
 
 
+def guess_env(**limits):
+    """prl_guess with one game (secret in 1..8, four guesses)."""
+    return load_env("prl_guess", args={"num_examples": 1}, split="eval", **limits)
+
+
+def secret() -> int:
+    return next(iter(guess_env().taskset)).data.secret
+
+
 def run_episode(tokenizer_dir, script: Script, renderer: dict | None, **limits):
-    env = load_env("tests.guess_env", split=None, **limits)
-    task = next(iter(env.taskset))  # the secret is 1: a guess of 1 wins, any other number hears "Lower."
+    env = guess_env(**limits)
+    task = next(iter(env.taskset))
     with FakeEngine(model="m", stop_id=script.end, reply=script.reply, logprobs=script.logprobs) as eng:
         client = vf.TrainClientConfig(base_url=eng.url + "/v1", api_key_var="PRL_TEST_NO_KEY",
                                       renderer_model_name=str(tokenizer_dir), renderer=renderer_config(renderer))
@@ -80,6 +73,7 @@ def test_a_multi_turn_rollout_is_one_exact_token_sequence(tokenizer_dir, tok, se
     episode = run_episode(tokenizer_dir, script, CHATML)
     (trace,) = episode.traces
     assert trace.num_turns == len(script.calls) == 4  # no reply is right: the env answers three times
+    assert trace.metrics["found"] == 0.0
     rollout = rollout_from_episode(episode, version=0)
     (branch,) = rollout.branches
     ids, mask, lp = branch.token_ids, branch.mask, branch.logprobs
@@ -107,20 +101,22 @@ def test_without_a_bridging_renderer_the_same_rollout_splits(tokenizer_dir, tok)
 def test_re_rendering_the_conversation_gives_the_trained_ids(tokenizer_dir, tok):
     """With replies that re-tokenize to themselves, the chat template renders the finished conversation
     to the very ids trained on; the env's feedback led the model to the secret."""
-    script = Script(tok, replies=["5", "3", "1"])
+    s = secret()
+    script = Script(tok, replies=[str(s + 2), str(s + 1), str(s)])
     episode = run_episode(tokenizer_dir, script, CHATML)
     (trace,) = episode.traces
-    assert trace.reward == 1.0 and trace.num_turns == 3
+    assert trace.reward == pytest.approx(1 / 3) and trace.num_turns == 3
     (branch,) = trace.branches
     messages = [{"role": m.role, "content": m.content} for m in branch.messages]
-    assert [m["content"] for m in messages] == [messages[0]["content"], "5", "Lower.", "3", "Lower.", "1"]
+    assert [m["content"] for m in messages] == [messages[0]["content"], *script.replies[:1], "Lower.",
+                                                script.replies[1], "Lower.", script.replies[2]]
     template = tok.apply_chat_template(messages, tokenize=True)
     template = list(template["input_ids"] if not isinstance(template, list) else template)
     assert template == list(branch.token_ids) + tok.encode("\n", add_special_tokens=False)  # the template's last "\n"
 
 
 def test_max_turns_stops_a_rollout_and_marks_it_truncated(tokenizer_dir, tok):
-    script = Script(tok, replies=["8", "7", "6", "5"])
+    script = Script(tok, replies=[str(secret() + d) for d in (4, 3, 2, 1)])
     episode = run_episode(tokenizer_dir, script, CHATML, max_turns=2)
     (trace,) = episode.traces
     assert trace.num_turns == len(script.calls) == 2 and trace.stop_condition == "max_turns"
