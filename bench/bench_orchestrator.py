@@ -10,6 +10,12 @@ from one asyncio client (what an orchestrator with no environment at all would r
 Prints steady-state rollouts/s (step 1, with the tokenizer warm-up, is excluded), the
 orchestrator process's CPU seconds per wall second, and CPU milliseconds per rollout.
 
+    python bench/bench_orchestrator.py --env-workers 0,1,2,4
+
+runs once per `orchestrator.env_workers` setting (0: rollouts in the orchestrator's process) and
+adds the ratio to the in-process rate and the workers' CPU per rollout. Scaling needs the cores:
+run it where the workers and the engine each have their own.
+
     python bench/bench_orchestrator.py --profile      # needs py-spy (pip install py-spy)
 
 runs the same under py-spy (200 samples/s) and splits the orchestrator's CPU while it runs
@@ -50,8 +56,9 @@ while True:
 """
 
 
-def cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
+def cpu(who: int = resource.RUSAGE_SELF) -> float:
+    """CPU seconds of this process, or (RUSAGE_CHILDREN) of its children that have ended: the env worker pool."""
+    r = resource.getrusage(who)
     return r.ru_utime + r.ru_stime
 
 
@@ -124,7 +131,7 @@ def profiled(argv: list[str]) -> None:
                               sys.executable, __file__, *argv], capture_output=True, text=True, cwd=REPO)
         if out.returncode != 0:
             sys.exit(f"py-spy failed ({out.returncode}): {out.stderr[-2000:]}")
-        numbers, _ = json.JSONDecoder().raw_decode(out.stdout[out.stdout.index("{"):])  # py-spy's lines follow
+        numbers, _ = json.JSONDecoder().raw_decode(out.stdout[out.stdout.index("{"):])  # the first setting's
         shares = owner_shares(raw)
     numbers["cpu_share_by_owner"] = shares
     numbers["cpu_ms_per_rollout_by_owner"] = {w: round(f * numbers["cpu_ms_per_rollout"], 2) for w, f in shares.items()}
@@ -138,6 +145,7 @@ def main() -> None:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--env", default="prl_letters")
+    p.add_argument("--env-workers", default="0", help="Comma list of orchestrator.env_workers settings to run, e.g. 0,1,2,4.")
     p.add_argument("--profile", action="store_true", help="Split the CPU per rollout by owner (needs py-spy).")
     a = p.parse_args()
     if a.profile:
@@ -154,30 +162,36 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             tok = Path(tmp) / "tok"
             build_tokenizer().save_pretrained(tok)
-            plan = local_plan(Path(tmp) / "run", tok, [
-                f"environment.id={a.env}", "trainer.gpus_per_node=1", f"training.batch_size={a.batch}",
-                f"training.rollouts_per_example={a.group}", f"training.max_steps={a.steps}",
-                f"training.max_off_policy_steps={a.steps}", f"training.max_tokens={a.max_tokens}",
-                "training.micro_batch_tokens=8192"])
-            assert plan.served_model_name == MODEL, plan.served_model_name
-            run = write_plan(RunDir(plan.run_dir), plan)
             base = asyncio.run(baseline(url, a.batch * 2, a.max_tokens))
-            c0, w0 = cpu(), time.perf_counter()
-            orchestrate(str(run.root), [url])
-            c1, w1 = cpu(), time.perf_counter()
-            steps = [m for m in run.read_metrics("orchestrator") if not m.get("eval")]
-            steady = steps[1:] or steps
-            rate = sum(m["rollouts"] for m in steady) / sum(m["generate_s"] for m in steady)
-            rollouts = sum(m["rollouts"] for m in steps)
-            print(json.dumps({
-                "rollouts_per_s": round(rate, 1),
-                "baseline_generate_per_s": round(base, 1),
-                "ratio_to_baseline": round(rate / base, 3),
-                "orchestrator_cpu_per_wall": round((c1 - c0) / (w1 - w0), 2),
-                "cpu_ms_per_rollout": round(1000 * (c1 - c0) / rollouts, 2),
-                "rollouts": rollouts,
-                "wall_s": round(w1 - w0, 1),
-            }, indent=2))
+            in_process = None
+            for workers in [int(w) for w in a.env_workers.split(",")]:
+                plan = local_plan(Path(tmp) / f"run-{workers}", tok, [
+                    f"environment.id={a.env}", "trainer.gpus_per_node=1", f"training.batch_size={a.batch}",
+                    f"training.rollouts_per_example={a.group}", f"training.max_steps={a.steps}",
+                    f"training.max_off_policy_steps={a.steps}", f"training.max_tokens={a.max_tokens}",
+                    "training.micro_batch_tokens=8192", f"orchestrator.env_workers={workers}"])
+                assert plan.served_model_name == MODEL, plan.served_model_name
+                run = write_plan(RunDir(plan.run_dir), plan)
+                c0, k0, w0 = cpu(), cpu(resource.RUSAGE_CHILDREN), time.perf_counter()
+                orchestrate(str(run.root), [url])
+                c1, k1, w1 = cpu(), cpu(resource.RUSAGE_CHILDREN), time.perf_counter()
+                steps = [m for m in run.read_metrics("orchestrator") if not m.get("eval")]
+                steady = steps[1:] or steps
+                rate = sum(m["rollouts"] for m in steady) / sum(m["generate_s"] for m in steady)
+                rollouts = sum(m["rollouts"] for m in steps)
+                in_process = in_process or (rate if workers == 0 else None)
+                print(json.dumps({
+                    "env_workers": workers,
+                    "rollouts_per_s": round(rate, 1),
+                    "baseline_generate_per_s": round(base, 1),
+                    "ratio_to_baseline": round(rate / base, 3),
+                    **({"ratio_to_in_process": round(rate / in_process, 2)} if in_process and workers else {}),
+                    "orchestrator_cpu_per_wall": round((c1 - c0) / (w1 - w0), 2),
+                    "cpu_ms_per_rollout": round(1000 * (c1 - c0) / rollouts, 2),
+                    "worker_cpu_ms_per_rollout": round(1000 * (k1 - k0) / rollouts, 2),
+                    "rollouts": rollouts,
+                    "wall_s": round(w1 - w0, 1),
+                }, indent=2), flush=True)
     finally:
         eng.terminate()
         eng.wait(10)

@@ -16,6 +16,19 @@ if str(REPO) not in sys.path:
 pytest_plugins = ["tests.slurm_fixtures", "tests.vllm_fixtures"]
 
 
+@pytest.fixture(autouse=True)
+def _unbound_renderers_lock():
+    """renderers.client serializes its first context-length lookup per engine with one module-level asyncio.Lock,
+    which binds to the first event loop that waits on it. A job's process runs one loop; this test process runs
+    one per orchestrator run, and a later run waiting on the lock would fail its model calls ("bound to a
+    different event loop"). Each test starts with a fresh lock."""
+    import asyncio
+
+    client = sys.modules.get("renderers.client")
+    if client is not None:
+        client._max_prompt_len_lock = asyncio.Lock()
+
+
 @pytest.fixture
 def repo() -> Path:
     return REPO

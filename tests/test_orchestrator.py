@@ -72,15 +72,42 @@ class FakeTrainer:
         self.thread.join(5)
 
 
-def test_steps_respect_the_staleness_bound_and_weights_reach_the_server(tmp_path, tokenizer_dir):
-    run = make_run(tmp_path, tokenizer_dir, "environment.eval.every=2", "environment.eval.examples=4", max_steps=4,
-                   max_off_policy_steps=1)
+@pytest.mark.parametrize("env_workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # 3 spawned processes
+def test_steps_respect_the_staleness_bound_and_weights_reach_the_server(tmp_path, tokenizer_dir, env_workers,
+                                                                        monkeypatch):
+    """In-process rollouts, and the same through 2 env worker processes (verifiers' env server pool)."""
+    import psutil
+    from verifiers.v1.env import Env
+
+    run = make_run(tmp_path, tokenizer_dir, "environment.eval.every=2", "environment.eval.examples=4",
+                   f"orchestrator.env_workers={env_workers}", max_steps=4, max_off_policy_steps=1)
+    here = []  # episodes run in this process (evaluation always is)
+    run_slot = Env.run_slot
+    monkeypatch.setattr(Env, "run_slot", lambda self, *a, **kw: here.append(1) or run_slot(self, *a, **kw))
+    children: set[int] = set()
+    watching = threading.Event()
+
+    def spawned(p: psutil.Process) -> bool:
+        try:
+            return "spawn" in " ".join(p.cmdline())
+        except psutil.Error:  # gone (or a zombie) between the listing and the look
+            return False
+
+    def watch():  # the env worker pool: a broker and its workers, children of this process
+        while not watching.wait(0.2):
+            children.update(p.pid for p in psutil.Process().children(recursive=True) if spawned(p))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     eng = engine(run)
     try:
         with FakeTrainer(run):
             assert main(str(run.root)) == 0
     finally:
+        watching.set()
         eng.stop()
+    assert len(here) == 8 + (0 if env_workers else 32), "2 evaluations of 4 here; the 4 steps' 32 rollouts in workers"
+    assert len(children) >= (env_workers + 1 if env_workers else 0), children
     assert run.stable_steps("rollouts") == [1, 2, 3, 4]
     for step in (1, 2, 3, 4):
         b = read_batch(run.rollouts(step))
@@ -107,6 +134,22 @@ def test_steps_respect_the_staleness_bound_and_weights_reach_the_server(tmp_path
     assert evals[0]["rollouts"] == 4 and 0.0 <= evals[0]["reward_mean"] <= 1.0
     state = run.read_state("orchestrator")
     assert state["status"] == "exited" and state["exit_code"] == 0 and state["published"] == 4
+
+
+def test_env_workers_need_an_installed_environment_and_warn_without_the_cores(tmp_path, tokenizer_dir):
+    from prl.errors import ConfigError
+    from prl.orchestrator.workers import check_env_id
+
+    check_env_id("prl_letters")
+    with pytest.raises(ConfigError, match=r"environment.id 'prl_letters.tasks': orchestrator.env_workers needs an "
+                                          r"installed environment package .* \(e.g. 'tasks'\)"):
+        check_env_id("prl_letters.tasks")
+    plan = make_plan(RunDir(tmp_path / "run"), tokenizer_dir, "orchestrator.env_workers=4", "orchestrator.cpus=2")
+    assert plan.orchestrator.env_workers == 4
+    assert any("orchestrator.env_workers (4) and the orchestrator itself want 5 cores but orchestrator.cpus is 2" in w
+               for w in plan.warnings), plan.warnings
+    enough = make_plan(RunDir(tmp_path / "run"), tokenizer_dir, "orchestrator.env_workers=3", "orchestrator.cpus=4")
+    assert not [w for w in enough.warnings if "orchestrator.env_workers" in w], enough.warnings
 
 
 def test_synchronous_mode_generates_step_n_with_weights_n_minus_1(tmp_path, tokenizer_dir):

@@ -233,6 +233,10 @@ class Orchestrator(Strict, kw_only=True):
     """`own`: a CPU node group of its own; `trainer`/`inference`: share the first node of that group."""
     cpus: Optional[Annotated[int, Meta(ge=1, le=MAX_CPUS)]] = None
     """CPU cores for the orchestrator (None: a whole node when `own`, 4 when shared)."""
+    env_workers: Annotated[int, Meta(ge=0, le=MAX_CPUS)] = 0
+    """Processes that run the environment's rollouts (verifiers' env server pool; the orchestrator routes,
+    scores and batches): 0 runs them in the orchestrator's own process, on one core. Give the orchestrator
+    `env_workers + 1` cpus. The environment must be an installed package (a top-level module id)."""
     env: Env = {}
     """Variables for the orchestrator."""
     on_failure: EndsTheJob = EndsTheJob()

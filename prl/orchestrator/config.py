@@ -26,13 +26,16 @@ class OrchestratorConfig:
     """Model name the servers answer to (`--served-model-name`); None: ask GET /v1/models."""
     renderer: dict[str, Any] | None
     """`model.renderer`: the `renderers` config of the train client (None: chosen from the tokenizer)."""
+    env_workers: int = 0
+    """`orchestrator.env_workers`: processes that run the environment's rollouts (0: this process)."""
 
     @classmethod
     def from_plan(cls, plan: Plan) -> OrchestratorConfig:
         settings = plan.settings()
         return cls(training=settings.training, environment=settings.environment,
                    model_path=settings.model.tokenizer or settings.model.path, dp_size=plan.trainer.mesh.dp,
-                   served_model_name=plan.served_model_name, renderer=settings.model.renderer)
+                   served_model_name=plan.served_model_name, renderer=settings.model.renderer,
+                   env_workers=plan.orchestrator.env_workers if plan.orchestrator else 0)
 
     # The environment, by name.
     env_id = property(lambda self: self.environment.id)

@@ -5,7 +5,8 @@ sandbox and the default harness runs model-issued shell commands on the host.
 Here both are explicit: the subprocess runtime (nothing leaves the machine)
 and the `prl` in-process harness (see prl/orchestrator/harness.py) unless the
 plan names another verifiers harness. Nothing is pushed anywhere: we call
-`env.run_slot` directly, not the eval CLI that uploads results.
+`env.run_slot` directly (or, with `orchestrator.env_workers`, verifiers' env server pool:
+prl/orchestrator/workers.py), not the eval CLI that uploads results.
 
 A taskset id must be an importable top-level module (verifiers fails on a
 dotted path); a dotted id is imported and aliased under its last component.
@@ -45,12 +46,9 @@ def taskset_module_id(env_id: str) -> str:
 
 
 def harness_id(name: str) -> str:
-    """'prl' is the in-process harness (registered on first use); other names are verifiers harness ids."""
-    if name == "prl":
-        from prl.orchestrator.harness import register
-
-        return register()
-    return name
+    """'prl' is prl's in-process harness (the top-level package `prl_harness`, importable in any process);
+    other names are verifiers harness ids."""
+    return "prl_harness" if name == "prl" else name
 
 
 def env_config(env_id: str, harness: str = "prl", args: dict | None = None, split: str | None = None, *,

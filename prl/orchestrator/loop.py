@@ -32,6 +32,7 @@ from prl.orchestrator.eval import evaluate
 from prl.orchestrator.harness import close_sessions
 from prl.orchestrator.rollouts import Generator, StepBatch, TaskStream, build_samples, then
 from prl.orchestrator.sync import ServerPool, WeightWatcher, discover, served_model, server_client, standalone
+from prl.orchestrator.workers import EnvWorkers, check_env_id
 from prl.run.rundir import API_KEY_VAR, RunDir
 
 ROLE = "orchestrator"
@@ -161,6 +162,9 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, pool: ServerPool, be
     limits = {"max_turns": cfg.environment.max_turns, "max_total_tokens": cfg.environment.max_total_tokens}
     env = load_env(cfg.env_id, cfg.harness, cfg.env_args, split="train", **limits)
     eval_env = load_env(cfg.env_id, cfg.harness, cfg.env_args, split="eval", **limits) if cfg.eval.every else None
+    if cfg.env_workers:
+        check_env_id(cfg.env_id)
+        env = EnvWorkers(env, cfg.env_workers)
     gen = Generator(env, pool, make_ctx, max_concurrent=cfg.max_concurrent_rollouts, retries=cfg.rollout_retries)
     eval_gen = (
         Generator(eval_env, pool, make_ctx, max_concurrent=cfg.max_concurrent_rollouts, retries=cfg.rollout_retries)

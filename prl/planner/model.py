@@ -181,6 +181,8 @@ class OrchestratorPlan(Frozen, kw_only=True):
     group: int
     """Het group (or node range) it runs in."""
     cpus: int
+    env_workers: int = 0
+    """Environment worker processes (`orchestrator.env_workers`; 0: rollouts run in the orchestrator's process)."""
 
 
 class Step(Frozen, kw_only=True):

@@ -330,7 +330,11 @@ def place_orchestrator(check: Checker, topo: Topology, layout: Layout, common_en
     layout.steps.append(Step(name="orchestrator", group=group, nodes=1, ntasks_per_node=1, cpus_per_task=cpus,
                              gpus_per_node=0, overlap=orch.placement != "own", start_after=after,
                              health="heartbeat", script="scripts/orchestrator.sh", env=env))
-    return OrchestratorPlan(placement=orch.placement, group=group, cpus=cpus)
+    if orch.env_workers + 1 > cpus:
+        check.warnings.append(
+            f"orchestrator.env_workers ({orch.env_workers}) and the orchestrator itself want {orch.env_workers + 1} "
+            f"cores but orchestrator.cpus is {cpus}: the workers will share them")
+    return OrchestratorPlan(placement=orch.placement, group=group, cpus=cpus, env_workers=orch.env_workers)
 
 
 def trainer_mesh(check: Checker, topo: Topology) -> tuple[int, int, Mesh]:
