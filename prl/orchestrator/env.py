@@ -48,7 +48,11 @@ def taskset_module_id(env_id: str) -> str:
 def harness_id(name: str) -> str:
     """'prl' is prl's in-process harness (the top-level package `prl_harness`, importable in any process);
     other names are verifiers harness ids."""
-    return "prl_harness" if name == "prl" else name
+    if name == "prl":
+        from prl.orchestrator.harness import HARNESS_ID
+
+        return HARNESS_ID
+    return name
 
 
 def env_config(env_id: str, harness: str = "prl", args: dict | None = None, split: str | None = None, *,

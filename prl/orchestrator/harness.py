@@ -19,8 +19,8 @@ the rollout. An env that adds user turns gets them through the default
 `resume()`, which relaunches on the accumulated conversation.
 
 verifiers resolves a harness id by importing a top-level module that exports
-one `Harness` subclass in `__all__`; `register()` installs this module under
-`HARNESS_ID` in `sys.modules`, which is enough for an in-process env.
+one `Harness` subclass in `__all__`: this one's is `prl_harness` (the package
+`prl_harness/`, importable in env worker processes too).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import sys
 from typing import Any
 
 import aiohttp
@@ -40,7 +39,7 @@ from verifiers.v1.runtimes import ProgramResult
 __all__ = ["PrlHarness", "PrlHarnessConfig"]
 
 HARNESS_ID = "prl_harness"
-"""The id under which `register()` makes this harness loadable by verifiers."""
+"""The id verifiers loads this harness by (the top-level package `prl_harness` re-exports it)."""
 
 
 class PrlHarnessConfig(vf.HarnessConfig):
@@ -52,19 +51,34 @@ class PrlHarnessConfig(vf.HarnessConfig):
 MCP_CONNECT_TIMEOUT = 60.0
 """Seconds to connect to a rollout's tool servers and list their tools."""
 
-_sessions: dict[int, aiohttp.ClientSession] = {}
+_sessions: dict[int, tuple[aiohttp.ClientSession, Any]] = {}
+"""Per event loop: its pooled session and the async generator that closes it when the loop ends."""
 
 
-def _session() -> aiohttp.ClientSession:
+async def _session() -> aiohttp.ClientSession:
     """One pooled session per event loop (a session is bound to its loop). aiohttp, not httpx:
     httpcore's pool rescans every connection on each request event, which at a few hundred
-    concurrent rollouts cost more CPU than the rest of the orchestrator."""
+    concurrent rollouts cost more CPU than the rest of the orchestrator.
+
+    The session closes with its loop even where nothing calls `close_sessions` (an env worker
+    process of `orchestrator.env_workers` runs verifiers' server loop, not ours): `asyncio.run`
+    finalizes the loop's async generators before it closes, and one of them owns the session."""
     loop = asyncio.get_running_loop()
-    session = _sessions.get(id(loop))
+    session, _ = _sessions.get(id(loop), (None, None))
     if session is None or session.closed:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
-        session = _sessions[id(loop)] = aiohttp.ClientSession(connector=connector)
+        session = aiohttp.ClientSession(connector=connector)
+        owner = _closes_at_loop_end(session)
+        await owner.__anext__()  # now suspended; the loop's shutdown_asyncgens resumes it into `finally`
+        _sessions[id(loop)] = (session, owner)
     return session
+
+
+async def _closes_at_loop_end(session: aiohttp.ClientSession):
+    try:
+        yield
+    finally:
+        await session.close()
 
 
 class PrlHarness(vf.Harness[PrlHarnessConfig]):
@@ -124,7 +138,7 @@ class PrlHarness(vf.Harness[PrlHarnessConfig]):
         body: dict = {"model": ctx.model, "messages": messages}
         if tools:
             body["tools"] = tools
-        async with _session().post(
+        async with (await _session()).post(
             f"{endpoint.rstrip('/')}/chat/completions",
             headers={"Authorization": f"Bearer {secret}"},
             json=body,
@@ -166,13 +180,7 @@ class PrlHarness(vf.Harness[PrlHarnessConfig]):
 
 
 async def close_sessions() -> None:
-    """Close this event loop's pooled session (call before the loop ends)."""
-    session = _sessions.pop(id(asyncio.get_running_loop()), None)
-    if session is not None:
-        await session.close()
-
-
-def register() -> str:
-    """Make this harness loadable as `HARNESS_ID` (in this process) and return the id."""
-    sys.modules.setdefault(HARNESS_ID, sys.modules[__name__])
-    return HARNESS_ID
+    """Close this event loop's pooled session now (else it closes when the loop ends)."""
+    _, owner = _sessions.pop(id(asyncio.get_running_loop()), (None, None))
+    if owner is not None:
+        await owner.aclose()
