@@ -63,6 +63,7 @@ def test_round_trip_and_micro_batches(tmp_path):
     assert b.num_loss_tokens == 36 - 5
     assert b.arrays["input_ids"].dtype == np.int32 and b.arrays["advantages"].dtype == np.float32
     assert b.arrays["policy_version"].tolist() == [0, 1, 2, 0, 1]
+    assert b.arrays["policy_version_end"].tolist() == [0, 1, 2, 0, 1]  # unset: the start version
     per_rank = [b.micro_batches(r, 2, 16) for r in range(2)]
     assert len(per_rank[0]) == len(per_rank[1])
     got = {}
@@ -99,6 +100,7 @@ def test_file_is_plain_safetensors_not_pickle(tmp_path):
         "position_ids",
         "sample_offsets",
         "policy_version",
+        "policy_version_end",
     }
 
 

@@ -72,9 +72,13 @@ class FakeTrainer:
         self.thread.join(5)
 
 
-def test_steps_respect_the_staleness_bound_and_weights_reach_the_server(tmp_path, tokenizer_dir):
+MODES = pytest.mark.parametrize("mode", ["continuous", "step"])
+
+
+@MODES
+def test_steps_respect_the_staleness_bound_and_weights_reach_the_server(tmp_path, tokenizer_dir, mode):
     run = make_run(tmp_path, tokenizer_dir, "environment.eval.every=2", "environment.eval.examples=4", max_steps=4,
-                   max_off_policy_steps=1)
+                   max_off_policy_steps=1, rollout_mode=mode)
     eng = engine(run)
     try:
         with FakeTrainer(run):
@@ -109,8 +113,9 @@ def test_steps_respect_the_staleness_bound_and_weights_reach_the_server(tmp_path
     assert state["status"] == "exited" and state["exit_code"] == 0 and state["published"] == 4
 
 
-def test_synchronous_mode_generates_step_n_with_weights_n_minus_1(tmp_path, tokenizer_dir):
-    run = make_run(tmp_path, tokenizer_dir, max_steps=3, max_off_policy_steps=0)
+@MODES
+def test_synchronous_mode_generates_step_n_with_weights_n_minus_1(tmp_path, tokenizer_dir, mode):
+    run = make_run(tmp_path, tokenizer_dir, max_steps=3, max_off_policy_steps=0, rollout_mode=mode)
     eng = engine(run)
     try:
         with FakeTrainer(run):
@@ -122,13 +127,14 @@ def test_synchronous_mode_generates_step_n_with_weights_n_minus_1(tmp_path, toke
     assert [m["policy_lag_max"] for m in run.read_metrics("orchestrator")] == [1, 1, 1]
 
 
-def test_resume_continues_after_the_newest_published_step(tmp_path, tokenizer_dir):
-    run = make_run(tmp_path, tokenizer_dir, max_steps=2, max_off_policy_steps=5)
+@MODES
+def test_resume_continues_after_the_newest_published_step(tmp_path, tokenizer_dir, mode):
+    run = make_run(tmp_path, tokenizer_dir, max_steps=2, max_off_policy_steps=5, rollout_mode=mode)
     eng = engine(run)
     try:
         assert main(str(run.root)) == 0
         first = read_batch(run.rollouts(2)).arrays["input_ids"].tolist()
-        write_plan(run, make_plan(run, tokenizer_dir, max_steps=4, max_off_policy_steps=5))
+        write_plan(run, make_plan(run, tokenizer_dir, max_steps=4, max_off_policy_steps=5, rollout_mode=mode))
         run.append_metrics({"role": "orchestrator", "step": 3, "stale": True})  # from a killed attempt
         assert main(str(run.root)) == 0
     finally:
@@ -150,8 +156,10 @@ def test_transient_http_errors_are_retried(tmp_path, tokenizer_dir):
     assert eng.requests >= 11  # 8 rollouts + the failed attempts
 
 
-def test_a_server_that_cannot_load_weights_fails_the_orchestrator(tmp_path, tokenizer_dir):
-    run = make_run(tmp_path, tokenizer_dir, max_steps=3, max_off_policy_steps=0, weight_update_retries=2)
+@MODES
+def test_a_server_that_cannot_load_weights_fails_the_orchestrator(tmp_path, tokenizer_dir, mode):
+    run = make_run(tmp_path, tokenizer_dir, max_steps=3, max_off_policy_steps=0, weight_update_retries=2,
+                   rollout_mode=mode)
     eng = engine(run)
     eng.weights_fail = True
     try:
