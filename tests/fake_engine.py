@@ -26,12 +26,13 @@ request with 503, `weights_fail` makes weight loads answer 500. It runs in a bac
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import math
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 from aiohttp import web
@@ -51,7 +52,7 @@ class FakeEngine:
         seed: int = 0,
         reply: Callable[[list[int]], list[int]] | None = None,
         logprobs: Callable[[list[int]], list[float]] | None = None,
-        delay: Callable[[list[int]], float] | None = None,
+        delay: Callable[[list[int]], float | Awaitable[None]] | None = None,
         port: int = 0,
     ):
         self.model = model
@@ -67,7 +68,8 @@ class FakeEngine:
         self.logprobs = logprobs
         """Scripted logprobs: completion token ids -> one logprob each (instead of -log(vocabulary size))."""
         self.delay = delay
-        """Seconds a generate request takes, from its prompt token ids (added to `latency_s`)."""
+        """Seconds a generate request takes, from its prompt token ids (added to `latency_s`); or an awaitable
+        the request waits for (e.g. until the engine loads new weights)."""
         self.log: list[dict] = []
         self.weights_step = 0
         self.paused = False
@@ -105,9 +107,12 @@ class FakeEngine:
         self.generate_bodies.append(body)
         prompt = list(body["token_ids"])
         start, weights = time.time(), self.weights_step
-        wait = self.latency_s + (self.delay(prompt) if self.delay else 0.0)
-        if wait:
-            await asyncio.sleep(wait)
+        extra = self.delay(prompt) if self.delay else 0.0
+        if inspect.isawaitable(extra):
+            await extra
+            extra = 0.0
+        if self.latency_s + extra:
+            await asyncio.sleep(self.latency_s + extra)
         sp = body.get("sampling_params") or {}
         if self.reply is not None:
             ids = list(self.reply(prompt))

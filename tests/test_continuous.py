@@ -77,19 +77,23 @@ def scheduler(tmp_path, k: int, max_off_policy: int, order: DataOrder | None = N
 
 
 def test_a_long_group_does_not_hold_up_the_step_and_is_dropped_once_stale(tmp_path):
-    """k=1 group a step, max_off_policy_steps=1: group 0 runs long; steps 1 and 2 take the groups after it;
-    by step 3 (weights >= 1) it is stale: dropped, counted, and the next task takes its place."""
+    """k=1 group a step, max_off_policy_steps=1: group 0 runs long; steps 1 and 2 take the groups after it
+    (a group takes its place once step 1 is published without it); by step 3 (weights >= 1) it is stale:
+    dropped and counted, and step 3 takes the next group."""
     sched, env, server = scheduler(tmp_path, k=1, max_off_policy=1)
 
     async def run():
-        env.hold(0)
+        env.hold(0, 2, 3)
         one = await asyncio.wait_for(sched.make(1), 60)
         assert one.order.used == [1] and env.started == [0, 1]  # launched for steps 1 and 2 together
         sched.published_step(1, one.order)
-        server.version = 1  # the trainer's weights 1: group 2 (for step 3, weights >= 1) may start
+        server.version = 1  # the trainer's weights 1: group 3 (for step 3, weights >= 1) may start
+        env.held[2].set()
         two = await asyncio.wait_for(sched.make(2), 60)
         sched.published_step(2, two.order)
         env.held[0].set()
+        await asyncio.sleep(0.2)  # group 0 finishes first
+        env.held[3].set()
         three = await asyncio.wait_for(sched.make(3), 60)
         await sched.close()
         return one, two, three
@@ -99,6 +103,7 @@ def test_a_long_group_does_not_hold_up_the_step_and_is_dropped_once_stale(tmp_pa
     assert three.batch.stale_groups == 1 and three.order.dropped == [0] and three.order.used == [3]
     assert [s.policy_version for s in three.batch.samples] == [1] and three.ran == 2
     assert (three.order.below, three.order.done) == (4, set())  # tasks 0..3 each used or dropped once
+    assert env.started == [0, 1, 2, 3]
 
 
 def test_the_scheduler_ticks_while_waiting_for_weights_and_replaces_a_failed_group(tmp_path):
@@ -145,10 +150,19 @@ def test_a_resumed_scheduler_relaunches_the_unused_tasks_first(tmp_path):
 # -- the whole loop against the stand-in engine
 
 
-def heavy_tail(seed: int = 0, base: float = 0.05):
-    """Per-request latency: 10% of requests take 10x longer."""
+def heavy_tail(engines: list, seed: int = 0, base: float = 0.05):
+    """Per-request latency: 10% of requests take 10x longer, and at least until the engine (`engines[0]`) has
+    loaded newer weights than at their start (at most 10 s): an update lands in the middle of each."""
     rng = random.Random(seed)
-    return lambda prompt: base * (10 if rng.random() < 0.1 else 1)
+
+    async def long() -> None:
+        eng = engines[0]
+        start, t0 = eng.weights_step, time.monotonic()
+        while eng.weights_step == start and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(base * 10)  # the orchestrator hears of the new weights meanwhile
+
+    return lambda prompt: long() if rng.random() < 0.1 else base
 
 
 def published_at(run: RunDir, step: int) -> float:
@@ -173,7 +187,9 @@ def test_rollouts_stay_in_flight_across_steps_within_the_staleness_bound(tmp_pat
     rollouts already running when a step is published."""
     steps = 6
     run = make_run(tmp_path, tokenizer_dir, max_steps=steps, max_off_policy_steps=1)
-    eng = engine(run, delay=heavy_tail())
+    engines: list = []
+    eng = engine(run, delay=heavy_tail(engines))
+    engines.append(eng)
     try:
         with FakeTrainer(run, delay=0.1):
             assert main(str(run.root)) == 0

@@ -131,22 +131,30 @@ class Scheduler:
         self.errors = errors if errors is not None else []
         """Failures from outside (the weight watcher's), raised by `take`."""
         self.tick = tick or (lambda: None)
-        self.running: set[asyncio.Task] = set()
+        self.running: dict[asyncio.Task, int] = {}
+        """Groups in flight -> the step each was launched for."""
         self.fifo: deque[Group] = deque()
         self.taken: list[Group] = []
         self.finished = asyncio.Event()
+
+    def _queued(self) -> int:
+        """Groups that hold a place in the coming steps: finished and unused, or running for a step not yet
+        published. A straggler, still running when its step was published, holds none: a group is launched in
+        its place, and it joins the step forming when it finishes, if still fresh enough."""
+        ahead = sum(1 for target in self.running.values() if target > self.published)
+        return ahead + len(self.fifo) + len(self.taken)
 
     def _launch(self) -> None:
         """Start groups until the steps that weights can reach soon (published + 1 + max_off_policy_steps) have
         enough: a group for a later step could only wait."""
         k = self.cfg.examples_per_step
         last = min(self.cfg.max_steps, self.published + 1 + self.cfg.max_off_policy_steps)
-        while (target := self.published + 1 + (len(self.running) + len(self.fifo) + len(self.taken)) // k) <= last:
+        while (target := self.published + 1 + self._queued() // k) <= last:
             if self.relaunch:
                 index = self.relaunch.popleft()
             else:
                 index, self.cursor = self.cursor, self.cursor + 1
-            self.running.add(asyncio.create_task(self._run(index, target)))
+            self.running[asyncio.create_task(self._run(index, target))] = target
 
     async def _run(self, index: int, target: int) -> None:
         try:
@@ -156,7 +164,7 @@ class Scheduler:
         except Exception as e:  # a bug in the env or in prl: stop the run with it, as step mode would
             self.errors.append(e)
         finally:
-            self.running.discard(asyncio.current_task())
+            self.running.pop(asyncio.current_task(), None)
             self.finished.set()
         self.tick()
 

@@ -155,7 +155,7 @@ class Generator:
         `pool.pick` ticks the heartbeat while it finds none."""
         while True:
             while self.pool.pick(min_version) is None:  # keyless: the cheap check
-                await asyncio.sleep(0.5)
+                await self.pool.moved(0.5)  # woken as new weights load: a step waits on no poll interval
             await self.sem.acquire()
             server = self.pool.pick(min_version, avoid=avoid, key=key)
             if server is not None:
