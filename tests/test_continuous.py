@@ -62,7 +62,8 @@ class Tasks:
         return SimpleNamespace(ok=True, errors=[], traces=[fake_trace(float(i % 2), [1, 2, 3])])
 
 
-def scheduler(tmp_path, k: int, max_off_policy: int, order: DataOrder | None = None, ticks: list | None = None):
+def scheduler(tmp_path, k: int, max_off_policy: int, order: DataOrder | None = None, ticks: list | None = None,
+              phases: list | None = None):
     cfg = OrchestratorConfig.from_plan(local_plan(tmp_path / "run", tmp_path / "model", [
         f"training.batch_size={k}", "training.rollouts_per_example=1", "training.max_steps=3",
         f"training.max_off_policy_steps={max_off_policy}", "trainer.gpus_per_node=1", "trainer.dp_shard=1"]))
@@ -73,7 +74,8 @@ def scheduler(tmp_path, k: int, max_off_policy: int, order: DataOrder | None = N
     stream = TaskStream([SimpleNamespace(key=i) for i in range(100)], seed=0)
     stream.at = lambda g: stream.tasks[g]  # task g is index g: the test reads indices off the episodes
     tick = (lambda: ticks.append(gen.running)) if ticks is not None else None
-    return Scheduler(gen, stream, cfg, order or DataOrder(), 0, tick=tick), env, server
+    show = (lambda step, phase, text: phases.append((step, phase))) if phases is not None else None
+    return Scheduler(gen, stream, cfg, order or DataOrder(), 0, tick=tick, show=show), env, server
 
 
 def test_a_long_group_does_not_hold_up_the_step_and_is_dropped_once_stale(tmp_path):
@@ -110,7 +112,8 @@ def test_the_scheduler_ticks_while_waiting_for_weights_and_replaces_a_failed_gro
     """Synchronous (max_off_policy_steps=0): step 2 waits for weights 1 with nothing running, ticking the
     heartbeat; a failed group is dropped and counted, and the next task replaces it."""
     ticks: list[int] = []
-    sched, env, server = scheduler(tmp_path, k=1, max_off_policy=0, ticks=ticks)
+    phases: list[tuple[int, str]] = []
+    sched, env, server = scheduler(tmp_path, k=1, max_off_policy=0, ticks=ticks, phases=phases)
     env.fail.add(1)
 
     async def run():
@@ -120,6 +123,7 @@ def test_the_scheduler_ticks_while_waiting_for_weights_and_replaces_a_failed_gro
         waiting = asyncio.create_task(sched.make(2))
         await asyncio.sleep(2.5)
         assert not waiting.done() and env.started == [0] and ticks and set(ticks) == {0}
+        assert phases[-1] == (2, "waiting_for_weights")  # the heartbeat's phase says what it waits for
         server.version = 1
         two = await asyncio.wait_for(waiting, 60)
         await sched.close()

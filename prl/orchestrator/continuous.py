@@ -122,7 +122,7 @@ class Scheduler:
 
     def __init__(self, gen: Generator, stream: TaskStream, cfg: OrchestratorConfig, order: DataOrder,
                  published: int, *, errors: list[BaseException] | None = None,
-                 tick: Callable[[], None] | None = None):
+                 tick: Callable[[], None] | None = None, show: Callable[[int, str, str], None] | None = None):
         self.gen, self.stream, self.cfg = gen, stream, cfg
         self.order = order
         self.relaunch = deque(order.pending())
@@ -131,6 +131,8 @@ class Scheduler:
         self.errors = errors if errors is not None else []
         """Failures from outside (the weight watcher's), raised by `take`."""
         self.tick = tick or (lambda: None)
+        self.show = show or (lambda step, phase, text: None)
+        """The loop's phase report (heartbeat and display): generating, or waiting for weights."""
         self.running: dict[asyncio.Task, int] = {}
         """Groups in flight -> the step each was launched for."""
         self.fifo: deque[Group] = deque()
@@ -175,6 +177,8 @@ class Scheduler:
         failed: list[Group] = []
         stale: list[Group] = []
         idle = 0.0
+        phase = "generating"
+        self.show(step, phase, phase)
         while True:
             if self.errors:
                 raise self.errors[0]
@@ -196,6 +200,10 @@ class Scheduler:
                 await asyncio.wait_for(self.finished.wait(), 1.0)
             except TimeoutError:
                 pass
+            now = "generating" if self.gen.running else "waiting_for_weights"
+            if now != phase:
+                phase = now
+                self.show(step, phase, "generating" if self.gen.running else f"waiting for weights >= {min_v}")
             if self.gen.running == 0:
                 # Nothing runs: every launched group waits for weights (the trainer's turn), not a hang.
                 idle += time.monotonic() - t0

@@ -212,7 +212,8 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, pool: ServerPool, be
 
     k = cfg.examples_per_step
     source: StepMode | Scheduler = (
-        Scheduler(gen, stream, cfg, DataOrder.read(run, start, k), start, errors=watcher.error, tick=beat.tick)
+        Scheduler(gen, stream, cfg, DataOrder.read(run, start, k), start, errors=watcher.error, tick=beat.tick,
+                  show=show)
         if cfg.rollout_mode == "continuous" else StepMode(gen, stream, cfg, pool, watcher.error, beat, show))
     background: list[asyncio.Task] = []
     try:
@@ -224,8 +225,6 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, pool: ServerPool, be
                 await watcher.sync_live(client)
             background += [asyncio.create_task(watcher.run_forever())]
             for step in range(start + 1, cfg.max_steps + 1):
-                if isinstance(source, Scheduler):
-                    show(step, "generating", "generating")
                 made = await source.make(step)
                 batch = made.batch
                 if watcher.error:
