@@ -14,9 +14,11 @@ Generated tokens are random ids from `token_ids` (for a real tokenizer's
 vocabulary) with made-up logprobs; a stop token ends a reply with
 probability `p_stop` per token (or `reply(prompt_ids)` scripts them, and
 `logprobs(ids)` their logprobs; `chat(body)` scripts the chat route's
-messages). Failure injection for tests: `fail_every` answers every N-th
-generate request with 503, `weights_fail` makes weight loads answer 500. It runs in a
-background thread with its own event loop:
+messages; `delay(prompt_ids)` the seconds a request takes, e.g. a heavy tail).
+`log` records every generate request: when it came and went (time.time()), the
+weights step at both moments, its prompt and reply. Failure injection for tests:
+`fail_every` answers every N-th generate request with 503, `weights_fail` makes
+weight loads answer 500. It runs in a background thread with its own event loop:
 
     with FakeEngine(model="m", token_ids=range(3, 300), stop_id=2) as eng:
         eng.url  # http://127.0.0.1:PORT
@@ -25,11 +27,13 @@ background thread with its own event loop:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import math
 import random
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 from aiohttp import web
@@ -50,6 +54,7 @@ class FakeEngine:
         reply: Callable[[list[int]], list[int]] | None = None,
         logprobs: Callable[[list[int]], list[float]] | None = None,
         chat: Callable[[dict], dict] | None = None,
+        delay: Callable[[list[int]], float | Awaitable[None]] | None = None,
         port: int = 0,
     ):
         self.model = model
@@ -67,6 +72,10 @@ class FakeEngine:
         self.chat = chat
         """Scripted chat replies: the /v1/chat/completions request body -> the assistant message (instead of
         random text)."""
+        self.delay = delay
+        """Seconds a generate request takes, from its prompt token ids (added to `latency_s`); or an awaitable
+        the request waits for (e.g. until the engine loads new weights)."""
+        self.log: list[dict] = []
         self.weights_step = 0
         self.paused = False
         self.fail_every = 0
@@ -101,13 +110,21 @@ class FakeEngine:
             return web.json_response({"error": "injected failure"}, status=503)
         body = await request.json()
         self.generate_bodies.append(body)
-        if self.latency_s:
-            await asyncio.sleep(self.latency_s)
+        prompt = list(body["token_ids"])
+        start, weights = time.time(), self.weights_step
+        extra = self.delay(prompt) if self.delay else 0.0
+        if inspect.isawaitable(extra):
+            await extra
+            extra = 0.0
+        if self.latency_s + extra:
+            await asyncio.sleep(self.latency_s + extra)
         sp = body.get("sampling_params") or {}
         if self.reply is not None:
-            ids = list(self.reply(list(body["token_ids"])))
+            ids = list(self.reply(prompt))
         else:
             ids = self._sample(int(sp.get("max_tokens") or 16), list(sp.get("stop_token_ids") or []))
+        self.log.append({"start": start, "end": time.time(), "weights": weights, "weights_end": self.weights_step,
+                         "prompt": prompt, "reply": ids})
         finish = "stop" if self.stop_id is not None and ids[-1] == self.stop_id else "length"
         values = self.logprobs(ids) if self.logprobs else [-math.log(len(self.token_ids))] * len(ids)
         logprobs = [{"token": f"token_id:{t}", "logprob": v} for t, v in zip(ids, values)]

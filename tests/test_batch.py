@@ -63,6 +63,7 @@ def test_round_trip_and_micro_batches(tmp_path):
     assert b.num_loss_tokens == 36 - 5
     assert b.arrays["input_ids"].dtype == np.int32 and b.arrays["advantages"].dtype == np.float32
     assert b.arrays["policy_version"].tolist() == [0, 1, 2, 0, 1]
+    assert b.arrays["policy_version_end"].tolist() == [0, 1, 2, 0, 1]  # unset: the start version
     per_rank = [b.micro_batches(r, 2, 16) for r in range(2)]
     assert len(per_rank[0]) == len(per_rank[1])
     got = {}
@@ -99,6 +100,7 @@ def test_file_is_plain_safetensors_not_pickle(tmp_path):
         "position_ids",
         "sample_offsets",
         "policy_version",
+        "policy_version_end",
     }
 
 
@@ -133,3 +135,19 @@ def test_control_plane_imports_stay_light():
         "bad = {'torch', 'numpy', 'safetensors', 'transformers'} & set(sys.modules); assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_end_versions_and_metadata_round_trip(tmp_path):
+    """`policy_version_end` (the version a rollout finished on) and extra string metadata survive the file;
+    an end version older than the start is refused."""
+    from prl.run.batch import read_meta
+
+    samples = _samples([4, 5])
+    samples[0].policy_version_end = 3
+    write_batch(tmp_path, samples, step=2, dp_size=1, micro_batch_tokens=16, meta={"data_order": '{"below": 2}'})
+    b = read_batch(tmp_path)
+    assert b.arrays["policy_version_end"].tolist() == [3, 1] and b.meta == {"data_order": '{"below": 2}'}
+    assert read_meta(tmp_path)["data_order"] == '{"below": 2}' and read_meta(tmp_path / "nothing") == {}
+    samples[1].policy_version_end = 0  # sample 1 started on version 1
+    with pytest.raises(BatchError, match="policy_version_end"):
+        write_batch(tmp_path / "bad", samples, step=2, dp_size=1, micro_batch_tokens=16)

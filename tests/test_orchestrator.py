@@ -72,15 +72,19 @@ class FakeTrainer:
         self.thread.join(5)
 
 
-@pytest.mark.parametrize("env_workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # 3 spawned processes
-def test_steps_respect_the_staleness_bound_and_weights_reach_the_server(tmp_path, tokenizer_dir, env_workers,
+MODES = pytest.mark.parametrize("mode", ["continuous", "step"])
+
+
+@pytest.mark.parametrize(("mode", "env_workers"), [
+    ("continuous", 0), ("step", 0), pytest.param("continuous", 2, marks=pytest.mark.slow)])  # 3 spawned processes
+def test_steps_respect_the_staleness_bound_and_weights_reach_the_server(tmp_path, tokenizer_dir, mode, env_workers,
                                                                         monkeypatch):
-    """In-process rollouts, and the same through 2 env worker processes (verifiers' env server pool)."""
+    """Both rollout modes in-process, and continuous through 2 env worker processes (verifiers' env server pool)."""
     import psutil
     from verifiers.v1.env import Env
 
     run = make_run(tmp_path, tokenizer_dir, "environment.eval.every=2", "environment.eval.examples=4",
-                   f"orchestrator.env_workers={env_workers}", max_steps=4, max_off_policy_steps=1)
+                   f"orchestrator.env_workers={env_workers}", max_steps=4, max_off_policy_steps=1, rollout_mode=mode)
     here = []  # episodes run in this process (evaluation always is)
     run_slot = Env.run_slot
     monkeypatch.setattr(Env, "run_slot", lambda self, *a, **kw: here.append(1) or run_slot(self, *a, **kw))
@@ -106,7 +110,8 @@ def test_steps_respect_the_staleness_bound_and_weights_reach_the_server(tmp_path
     finally:
         watching.set()
         eng.stop()
-    assert len(here) == 8 + (0 if env_workers else 32), "2 evaluations of 4 here; the 4 steps' 32 rollouts in workers"
+    # 2 evaluations of 4 run here; the 4 steps' 32 rollouts (and any replacing stale groups) here or in workers.
+    assert len(here) == 8 if env_workers else len(here) >= 8 + 32, len(here)
     assert len(children) >= (env_workers + 1 if env_workers else 0), children
     assert run.stable_steps("rollouts") == [1, 2, 3, 4]
     for step in (1, 2, 3, 4):
@@ -152,8 +157,9 @@ def test_env_workers_need_an_installed_environment_and_warn_without_the_cores(tm
     assert not [w for w in enough.warnings if "orchestrator.env_workers" in w], enough.warnings
 
 
-def test_synchronous_mode_generates_step_n_with_weights_n_minus_1(tmp_path, tokenizer_dir):
-    run = make_run(tmp_path, tokenizer_dir, max_steps=3, max_off_policy_steps=0)
+@MODES
+def test_synchronous_mode_generates_step_n_with_weights_n_minus_1(tmp_path, tokenizer_dir, mode):
+    run = make_run(tmp_path, tokenizer_dir, max_steps=3, max_off_policy_steps=0, rollout_mode=mode)
     eng = engine(run)
     try:
         with FakeTrainer(run):
@@ -165,13 +171,14 @@ def test_synchronous_mode_generates_step_n_with_weights_n_minus_1(tmp_path, toke
     assert [m["policy_lag_max"] for m in run.read_metrics("orchestrator")] == [1, 1, 1]
 
 
-def test_resume_continues_after_the_newest_published_step(tmp_path, tokenizer_dir):
-    run = make_run(tmp_path, tokenizer_dir, max_steps=2, max_off_policy_steps=5)
+@MODES
+def test_resume_continues_after_the_newest_published_step(tmp_path, tokenizer_dir, mode):
+    run = make_run(tmp_path, tokenizer_dir, max_steps=2, max_off_policy_steps=5, rollout_mode=mode)
     eng = engine(run)
     try:
         assert main(str(run.root)) == 0
         first = read_batch(run.rollouts(2)).arrays["input_ids"].tolist()
-        write_plan(run, make_plan(run, tokenizer_dir, max_steps=4, max_off_policy_steps=5))
+        write_plan(run, make_plan(run, tokenizer_dir, max_steps=4, max_off_policy_steps=5, rollout_mode=mode))
         run.append_metrics({"role": "orchestrator", "step": 3, "stale": True})  # from a killed attempt
         assert main(str(run.root)) == 0
     finally:
@@ -193,8 +200,10 @@ def test_transient_http_errors_are_retried(tmp_path, tokenizer_dir):
     assert eng.requests >= 11  # 8 rollouts + the failed attempts
 
 
-def test_a_server_that_cannot_load_weights_fails_the_orchestrator(tmp_path, tokenizer_dir):
-    run = make_run(tmp_path, tokenizer_dir, max_steps=3, max_off_policy_steps=0, weight_update_retries=2)
+@MODES
+def test_a_server_that_cannot_load_weights_fails_the_orchestrator(tmp_path, tokenizer_dir, mode):
+    run = make_run(tmp_path, tokenizer_dir, max_steps=3, max_off_policy_steps=0, weight_update_retries=2,
+                   rollout_mode=mode)
     eng = engine(run)
     eng.weights_fail = True
     try:

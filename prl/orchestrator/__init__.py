@@ -5,6 +5,7 @@
     env.py          loading a verifiers v1 environment offline (subprocess runtime, prl harness)
     harness.py      the in-process `prl` harness (tokens + logprobs via the train client)
     rollouts.py     groups of rollouts on the server pool -> samples
+    continuous.py   continuous rollouts: groups in flight across steps; the data order a batch records
     advantages.py   group-relative advantages (pure)
     sync.py         server endpoints, load balancing, the weight watcher
     eval.py         eval split: periodic and `prl eval` (`eval.main`)

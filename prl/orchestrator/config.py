@@ -59,6 +59,7 @@ class OrchestratorConfig:
     micro_batch_tokens = property(lambda self: self.training.micro_batch_tokens)
     seed = property(lambda self: self.training.seed)
     max_concurrent_rollouts = property(lambda self: self.training.max_concurrent_rollouts)
+    rollout_mode = property(lambda self: self.training.rollout_mode)
     rollout_retries = property(lambda self: self.training.rollout_retries)
     weight_update_retries = property(lambda self: self.training.weight_update_retries)
     weights_timeout_s = property(lambda self: self.training.weights_timeout_s)

@@ -1,15 +1,21 @@
 """`prl orchestrator`: environment rollouts in, training batches out, weights pushed to the servers.
 
     for step in start+1 .. max_steps:
-        wait until every server serves weights >= step - 1 - max_off_policy_steps
-        run batch_size / rollouts_per_example groups of rollouts_per_example rollouts
-        group-relative advantages, pack, publish rollouts/step_N (STABLE)
+        the step's batch_size / rollouts_per_example groups of rollouts_per_example rollouts, all started on
+            weights >= step - 1 - max_off_policy_steps (`training.rollout_mode`):
+            continuous (default): the first groups to finish of those kept in flight across steps
+                (prl/orchestrator/continuous.py); stale and failed groups dropped and counted
+            step: wait until every server serves those weights, then run the step's groups alone
+        group-relative advantages, pack, publish rollouts/step_N (STABLE) with its data order
         metrics to metrics.jsonl, heartbeat; eval on the eval split every `eval.every` steps
-    meanwhile, the weight watcher loads every newly published weights/step_K on every server
+    meanwhile, the weight watcher loads every newly published weights/step_K on every server,
+    while rollouts run
 
 Resume: the run continues after the newest STABLE rollouts step (never
-repeating or skipping one); the data order is a function of the step, so a
-resumed run draws the same tasks it would have. Settings: prl/orchestrator/config.py.
+repeating or skipping one). In step mode the data order is a function of the
+step; in continuous mode it depends on which groups finish first, and the
+newest batch's data order says which tasks are done, so a resumed run uses
+every task once. Settings: prl/orchestrator/config.py.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import asyncio
 import contextlib
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prl.run.batch import publish_batch
@@ -25,6 +32,7 @@ from prl.errors import ConfigError, PrlError
 from prl.log import get_logger, init_logging
 from prl.orchestrator.advantages import reward_stats
 from prl.orchestrator.config import OrchestratorConfig
+from prl.orchestrator.continuous import DataOrder, Scheduler, StepRollouts
 from prl.planner.model import Plan
 from prl.orchestrator.display import make_display
 from prl.orchestrator.env import load_env
@@ -116,7 +124,31 @@ async def generate_step(
     return batch, ran, time.monotonic() - t0
 
 
-def step_metrics(step: int, batch: StepBatch, ran: int, gen_s: float, wait_s: float, pool: ServerPool) -> dict:
+class StepMode:
+    """`rollout_mode: step`: each step waits until every server serves its weights, then runs its groups alone."""
+
+    def __init__(self, gen: Generator, stream: TaskStream, cfg: OrchestratorConfig, pool: ServerPool,
+                 errors: list[BaseException], beat: Beat, show: Callable[[int, str, str], None]):
+        self.gen, self.stream, self.cfg, self.pool, self.errors, self.beat, self.show = (
+            gen, stream, cfg, pool, errors, beat, show)
+
+    async def make(self, step: int) -> StepRollouts:
+        min_v = self.cfg.min_version(step)
+        self.show(step, "waiting_for_weights", f"waiting for weights >= {min_v}")
+        wait_s = await self.pool.wait_version(min_v, self.cfg.weights_timeout_s, self.errors, on_wait=self.beat)
+        self.show(step, "generating", "generating")
+        batch, ran, gen_s = await generate_step(self.gen, self.stream, self.cfg, step, self.beat)
+        return StepRollouts(batch, ran, gen_s, wait_s, DataOrder.of_step(step, self.cfg.examples_per_step))
+
+    def published_step(self, step: int, order: DataOrder) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+def step_metrics(step: int, made: StepRollouts, pool: ServerPool) -> dict:
+    batch, ran, gen_s = made.batch, made.ran, made.generate_s
     rewards = reward_stats(batch.rewards)
     lags = [step - v for v in batch.versions]
     m: dict[str, Any] = {
@@ -139,9 +171,11 @@ def step_metrics(step: int, batch: StepBatch, ran: int, gen_s: float, wait_s: fl
         "zero_adv_groups": batch.zero_groups,
         "dropped_groups": batch.dropped_zero_groups,
         "failed_rollouts": batch.failed_rollouts,
+        "stale_groups": batch.stale_groups,
+        "mid_rollout_updates": batch.mid_rollout_updates,
         "rollouts_per_s": ran / max(gen_s, 1e-9),
         "generate_s": gen_s,
-        "wait_weights_s": wait_s,
+        "wait_weights_s": made.wait_s,
         "weights_version": pool.version,
         "servers_failing": sum(1 for s in pool.admin if s.error),
     }
@@ -175,6 +209,16 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, pool: ServerPool, be
     watcher = WeightWatcher(run, pool, retries=cfg.weight_update_retries)
     pool.on_idle = beat.tick
     display = make_display(cfg.max_steps, start)
+
+    def show(step: int, phase: str, text: str) -> None:
+        beat(step=step, phase=phase)
+        display.phase(step, text)
+
+    k = cfg.examples_per_step
+    source: StepMode | Scheduler = (
+        Scheduler(gen, stream, cfg, DataOrder.read(run, start, k), start, errors=watcher.error, tick=beat.tick,
+                  show=show)
+        if cfg.rollout_mode == "continuous" else StepMode(gen, stream, cfg, pool, watcher.error, beat, show))
     background: list[asyncio.Task] = []
     try:
         async with contextlib.AsyncExitStack() as stack:
@@ -185,14 +229,8 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, pool: ServerPool, be
                 await watcher.sync_live(client)
             background += [asyncio.create_task(watcher.run_forever())]
             for step in range(start + 1, cfg.max_steps + 1):
-                beat(step=step, phase="waiting_for_weights")
-                display.phase(step, f"waiting for weights >= {cfg.min_version(step)}")
-                wait_s = await pool.wait_version(cfg.min_version(step), cfg.weights_timeout_s, watcher.error,
-                                                 on_wait=beat)
-
-                beat(phase="generating")
-                display.phase(step, "generating")
-                batch, ran, gen_s = await generate_step(gen, stream, cfg, step, beat)
+                made = await source.make(step)
+                batch = made.batch
                 if watcher.error:
                     raise watcher.error[0]
                 if not batch.samples:
@@ -207,11 +245,14 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, pool: ServerPool, be
                     batch.samples,
                     dp_size=cfg.dp_size,
                     micro_batch_tokens=cfg.micro_batch_tokens,
+                    meta={"data_order": made.order.to_json()},
                 )
-                m = step_metrics(step, batch, ran, gen_s, wait_s, pool)
+                source.published_step(step, made.order)
+                m = step_metrics(step, made, pool)
                 run.append_metrics(m)
                 # step_s: this step's longest stretch between heartbeats, at most; the launcher's hang bound grows with it.
-                beat(step=step, phase="published", published=step, weights_version=pool.version, step_s=round(gen_s, 3))
+                beat(step=step, phase="published", published=step, weights_version=pool.version,
+                     step_s=round(made.generate_s, 3))
                 display.step(step, m)
 
                 if eval_gen is not None and step % cfg.eval.every == 0:
@@ -221,6 +262,7 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, pool: ServerPool, be
                     run.append_metrics({"role": ROLE, "step": step, "time": time.time(), "eval": True, **ev})
                     display.eval(step, ev)
     finally:
+        await source.close()
         for t in background:
             t.cancel()
         await asyncio.gather(*background, return_exceptions=True)

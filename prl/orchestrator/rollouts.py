@@ -7,14 +7,15 @@ one server new enough for the step, chosen by the router's rule
 prompt, so they keep to one server's prefix cache while that server holds no
 more than its share of requests in flight), and is stamped with
 that server's weights version when it started (conservative: an update
-landing mid-rollout only makes later tokens newer). A failed episode (HTTP
+landing mid-rollout only makes later tokens newer) and when it finished
+(`version_end`: the versions the episode spans). A failed episode (HTTP
 error, engine restart) is retried on another server up to `retries` times; a
 group with an episode that still fails is dropped whole (its advantages would
 be biased) and counted.
 
 Every trainable branch of every trainable agent's trace becomes one `prl.run.batch.Sample`: token
 ids, the sampled mask as loss mask, the engine's logprobs, the episode's
-advantage and its policy version.
+advantage and its policy versions (start and end).
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ class Rollout:
     attempts: int = 1
     turns: int = 0
     """Model turns of the episode's trainable traces."""
+    version_end: int | None = None
+    """The server's weights version when the episode finished (None: `version`); newer than `version` when a
+    weight update landed mid-rollout (servers load weights without pausing generation)."""
+
+    def __post_init__(self) -> None:
+        if self.version_end is None:
+            self.version_end = self.version
 
     @property
     def ok(self) -> bool:
@@ -131,6 +139,8 @@ class Generator:
         self.sem = asyncio.Semaphore(max_concurrent)
         self.retries = retries
         self.need_tokens = need_tokens
+        self.running = 0
+        """Rollouts holding a concurrency slot now (the rest wait for a server new enough, or for a slot)."""
 
     def _ctx(self, server: Server) -> Any:
         key = id(server)
@@ -145,15 +155,17 @@ class Generator:
         `pool.pick` ticks the heartbeat while it finds none."""
         while True:
             while self.pool.pick(min_version) is None:  # keyless: the cheap check
-                await asyncio.sleep(0.5)
+                await self.pool.moved(0.5)  # woken as new weights load: a step waits on no poll interval
             await self.sem.acquire()
             server = self.pool.pick(min_version, avoid=avoid, key=key)
             if server is not None:
                 break
             self.sem.release()  # lost again while queued for a slot: wait without it
+        self.running += 1
         try:
             yield server
         finally:
+            self.running -= 1
             self.sem.release()
 
     async def rollout(self, task: Any, min_version: int) -> Rollout:
@@ -170,8 +182,9 @@ class Generator:
                     episode = await self.env.run_slot(RunSlot(task), self._ctx(server))
                 finally:
                     server.inflight -= 1
+                version_end = self.pool.version_of(server)
             result = rollout_from_episode(episode, version, need_tokens=self.need_tokens)
-            result.attempts = attempt
+            result.attempts, result.version_end = attempt, max(version, version_end)
             if result.ok:
                 return result
             last = server
@@ -187,8 +200,8 @@ class Generator:
 class TaskStream:
     """The train split as an endless, seeded, resumable sequence: epoch e is a shuffle of all tasks.
 
-    `tasks(step, k)` returns the same k tasks for a step whatever happened before,
-    so a resumed run continues the data order exactly.
+    Task `g` (`at(g)`) is a function of g and the seed alone; `tasks_for(step, k)` (step mode) returns the
+    same k tasks for a step whatever happened before, so a resumed run continues the data order exactly.
     """
 
     def __init__(self, taskset: Any, seed: int):
@@ -199,7 +212,7 @@ class TaskStream:
         if self.tasks is not None and not self.tasks:
             raise ValueError("the environment's train split has no tasks")
 
-    def _at(self, g: int) -> Any:
+    def at(self, g: int) -> Any:
         if self.tasks is None:
             return next(iter(self.taskset.skip(g)))
         n = len(self.tasks)
@@ -211,13 +224,13 @@ class TaskStream:
         return self.tasks[self._perms[epoch][i]]
 
     def tasks_for(self, step: int, k: int) -> list[Any]:
-        return [self._at((step - 1) * k + j) for j in range(k)]
+        return [self.at((step - 1) * k + j) for j in range(k)]
 
     def extra(self, step: int, attempt: int, k: int) -> Iterator[Any]:
         """Replacement tasks for dropped groups (seeded by step and attempt)."""
         rng = random.Random(f"{self.seed}-extra-{step}-{attempt}")
         for _ in range(k):
-            yield self._at(rng.randrange(1 << 40))
+            yield self.at(rng.randrange(1 << 40))
 
 
 @dataclass
@@ -237,6 +250,10 @@ class StepBatch:
     groups_used: int = 0
     turns: list[int] = field(default_factory=list)
     """Model turns of every scored rollout, like `rewards`."""
+    mid_rollout_updates: int = 0
+    """Kept rollouts during which their server loaded newer weights."""
+    stale_groups: int = 0
+    """Finished groups left out because they became older than the staleness bound (continuous mode)."""
 
 
 def build_samples(
@@ -282,6 +299,8 @@ def build_samples(
         out.groups_used += 1
         for r, a in zip(group, adv):
             out.versions.append(r.version)
+            out.mid_rollout_updates += int(r.version_end > r.version)
             for b in r.branches:
-                out.samples.append(Sample(b.token_ids, b.mask, b.logprobs, a, policy_version=r.version))
+                out.samples.append(Sample(b.token_ids, b.mask, b.logprobs, a, policy_version=r.version,
+                                          policy_version_end=r.version_end))
     return out

@@ -83,11 +83,26 @@ class ServerPool:
     target: int = 0
     """Newest weights step the watcher has seen published."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by `notify` (the weight watcher: a version or the rotation changed); `wait_version` clears it."""
+    _moved: asyncio.Event = field(default_factory=asyncio.Event)
 
     follow_endpoints: bool = False
     """Servers come from the run's endpoint files (`discover`): follow them as servers die and restart."""
     on_idle: Callable[[], None] | None = None
     """Called when `pick` finds no server to use (the orchestrator's heartbeat while it waits for one)."""
+
+    def notify(self) -> None:
+        """A server's version or rotation changed: wake `wait_version` and every `moved` waiter."""
+        self.changed.set()
+        self._moved.set()
+        self._moved = asyncio.Event()
+
+    async def moved(self, timeout: float) -> None:
+        """Until the next `notify`, or `timeout` s."""
+        try:
+            await asyncio.wait_for(self._moved.wait(), timeout)
+        except TimeoutError:
+            pass
 
     @property
     def version(self) -> int:
@@ -245,7 +260,7 @@ class WeightWatcher:
                 if v < s.version:
                     log.warning("%s reports weights step %d, expected %d (restarted?)", s.url, v, s.version)
                 s.version = v
-        self.pool.changed.set()
+        self.pool.notify()
 
     async def follow(self, client: httpx.AsyncClient) -> None:
         """Track the servers' comings and goings through their endpoint files and /health.
@@ -282,7 +297,7 @@ class WeightWatcher:
                     if v >= self.pool.target:
                         s.alive, s.rejoining = True, False
                         log.info("%s rejoined on weights step %d", s.url, v)
-        self.pool.changed.set()
+        self.pool.notify()
 
     def pin(self) -> None:
         """Keep on disk every weights step a server serves or could roll back to (the run's cleanup reads it)."""
@@ -349,10 +364,10 @@ class WeightWatcher:
                     if behind:
                         await asyncio.gather(*(self.push(client, s, self.pool.target) for s in behind))
                         self.pin()
-                        self.pool.changed.set()
+                        self.pool.notify()
                     await asyncio.sleep(self.poll)
             except asyncio.CancelledError:
                 raise
             except BaseException as e:  # surfaced by the loop (wait_version / the step loop)
                 self.error.append(e)
-                self.pool.changed.set()
+                self.pool.notify()

@@ -40,8 +40,8 @@ class Prepared:
 
 
 RL_TRAINING = ("rollouts_per_example", "max_off_policy_steps", "max_tokens", "temperature", "loss", "advantage",
-               "max_concurrent_rollouts", "rollout_retries", "weight_update_retries", "weights_timeout_s",
-               "endpoint_timeout_s", "rollout_timeout_s")
+               "max_concurrent_rollouts", "rollout_mode", "rollout_retries", "weight_update_retries",
+               "weights_timeout_s", "endpoint_timeout_s", "rollout_timeout_s")
 """`training:` fields only an RL run reads (refused in an SFT topology, which would silently ignore them)."""
 
 

@@ -14,11 +14,16 @@ tokens of all samples together, S the number of samples:
                                        policy; 0 where loss_mask is 0
     position_ids        int32   [T]    positions inside each sample, from 0
     sample_offsets      int64   [S+1]  sample i is tokens [off[i], off[i+1])
-    policy_version      int32   [S]    weights step that generated sample i
+    policy_version      int32   [S]    weights step that generated sample i (when its rollout started)
+    policy_version_end  int32   [S]    weights step the server served when the rollout finished: newer
+                                       than policy_version when a weight update landed mid-rollout
+                                       (absent in batches written before it existed)
 
-and string metadata: `format` ("prl.rollouts/1"), `step`, and `packing`, the
+and string metadata: `format` ("prl.rollouts/1"), `step`, `packing`, the
 JSON of the split into per-rank micro-batches (below) for the `dp_size` and
-`micro_batch_tokens` it was made for. The first token of a sample never has
+`micro_batch_tokens` it was made for, and `data_order`, the JSON of which
+tasks of the orchestrator's task stream this step consumed (its resume point,
+prl/orchestrator/continuous.py). The first token of a sample never has
 loss (nothing predicts it), which also keeps packed samples independent.
 
 Packing: samples go to data-parallel ranks longest first, each to the rank
@@ -38,7 +43,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,7 +84,9 @@ class Sample:
     advantage: float | Sequence[float]
     """The sample's advantage, or one per token."""
     policy_version: int = 0
-    """Weights step that generated it (0 = base model)."""
+    """Weights step that generated it (0 = base model), when its rollout started."""
+    policy_version_end: int | None = None
+    """Weights step the server served when the rollout finished (None: `policy_version`)."""
     position_ids: Sequence[int] | None = None
     """Defaults to 0..len-1."""
 
@@ -136,6 +143,8 @@ class RolloutBatch:
     step: int
     arrays: dict[str, np.ndarray]
     packing: dict
+    meta: dict[str, str] = field(default_factory=dict)
+    """The file's other string metadata (`data_order`)."""
 
     @property
     def offsets(self) -> np.ndarray:
@@ -181,7 +190,7 @@ def to_arrays(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
     import numpy as np
 
     cols: dict[str, list] = {k: [] for k in TOKEN_FIELDS}
-    offsets, versions = [0], []
+    offsets, versions, ends = [0], [], []
     for i, s in enumerate(samples):
         n = len(s.token_ids)
         adv = [float(s.advantage)] * n if isinstance(s.advantage, (int, float)) else list(s.advantage)
@@ -200,9 +209,11 @@ def to_arrays(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
             cols[k].extend(v)
         offsets.append(offsets[-1] + n)
         versions.append(int(s.policy_version))
+        ends.append(int(s.policy_version if s.policy_version_end is None else s.policy_version_end))
     arrays = {k: np.asarray(v, dtype=_DTYPES[k]) for k, v in cols.items()}
     arrays["sample_offsets"] = np.asarray(offsets, dtype="int64")
     arrays["policy_version"] = np.asarray(versions, dtype="int32")
+    arrays["policy_version_end"] = np.asarray(ends, dtype="int32")
     validate(arrays)
     return arrays
 
@@ -220,6 +231,9 @@ def validate(arrays: dict[str, np.ndarray]) -> None:
         raise BatchError("sample_offsets must start at 0 and strictly increase")
     if arrays["policy_version"].shape != (off.size - 1,):
         raise BatchError(f"policy_version has {arrays['policy_version'].shape} entries for {off.size - 1} samples")
+    end = arrays.get("policy_version_end")
+    if end is not None and (end.shape != arrays["policy_version"].shape or np.any(end < arrays["policy_version"])):
+        raise BatchError("policy_version_end needs one entry per sample, none older than its policy_version")
     for k in TOKEN_FIELDS:
         if arrays[k].shape != (total,):
             raise BatchError(f"{k} has shape {arrays[k].shape}, expected ({total},) tokens")
@@ -234,7 +248,8 @@ def validate(arrays: dict[str, np.ndarray]) -> None:
 
 
 def write_batch(
-    out_dir: str | Path, samples: Sequence[Sample], *, step: int, dp_size: int, micro_batch_tokens: int
+    out_dir: str | Path, samples: Sequence[Sample], *, step: int, dp_size: int, micro_batch_tokens: int,
+    meta: dict[str, str] | None = None,
 ) -> Path:
     """Write `out_dir/batch.safetensors` (use inside `RunDir.publish_dir`, or see `publish_batch`)."""
     from safetensors.numpy import save_file
@@ -247,15 +262,18 @@ def write_batch(
         "ranks": pack(lengths, dp_size, micro_batch_tokens),
     }
     path = Path(out_dir) / BATCH_FILE
-    save_file(arrays, str(path), metadata={"format": FORMAT, "step": str(step), "packing": json.dumps(packing)})
+    header = {**(meta or {}), "format": FORMAT, "step": str(step), "packing": json.dumps(packing)}
+    save_file(arrays, str(path), metadata=header)
     return path
 
 
-def publish_batch(run: RunDir, step: int, samples: Sequence[Sample], *, dp_size: int, micro_batch_tokens: int) -> Path:
-    """Atomically publish `rollouts/step_N` for the trainer."""
+def publish_batch(run: RunDir, step: int, samples: Sequence[Sample], *, dp_size: int, micro_batch_tokens: int,
+                  meta: dict[str, str] | None = None) -> Path:
+    """Atomically publish `rollouts/step_N` for the trainer (`meta`: more string metadata)."""
     return run.publish_dir(
         run.rollouts(step),
-        lambda d: write_batch(d, samples, step=step, dp_size=dp_size, micro_batch_tokens=micro_batch_tokens),
+        lambda d: write_batch(d, samples, step=step, dp_size=dp_size, micro_batch_tokens=micro_batch_tokens,
+                              meta=meta),
         step=step,
         samples=len(samples),
     )
@@ -274,4 +292,17 @@ def read_batch(step_dir: str | Path) -> RolloutBatch:
             raise BatchError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
         arrays = {k: f.get_tensor(k) for k in f.keys()}
     validate(arrays)
-    return RolloutBatch(step=int(meta.get("step", -1)), arrays=arrays, packing=json.loads(meta.get("packing", "{}")))
+    extra = {k: v for k, v in meta.items() if k not in ("format", "step", "packing")}
+    return RolloutBatch(step=int(meta.get("step", -1)), arrays=arrays, packing=json.loads(meta.get("packing", "{}")),
+                        meta=extra)
+
+
+def read_meta(step_dir: str | Path) -> dict[str, str]:
+    """A published step's string metadata, without reading its arrays ({} when it has no batch file)."""
+    from safetensors import safe_open
+
+    path = Path(step_dir) / BATCH_FILE
+    if not path.is_file():
+        return {}
+    with safe_open(str(path), framework="np") as f:
+        return dict(f.metadata() or {})
