@@ -18,6 +18,28 @@ REPO = Path(__file__).resolve().parent.parent
 SHIPPED = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
 """Names of the shipped topologies (configs/*.yaml)."""
 
+STAND_IN_STEP = 1
+"""The weights step a stand-in source run publishes (`stand_in_source_run`)."""
+
+
+def stand_in_source_run(name: str, cwd: Path) -> Path | None:
+    """For a shipped topology that starts from another run's weights (`model.from_run`, relative to where prl
+    runs): a stand-in of that run under `cwd`, a plan.json and one published (empty) weights step, so the
+    topology plans without the earlier run having been trained. None for a topology without `from_run`."""
+    import yaml
+
+    from prl.run.rundir import RunDir
+
+    model = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text()).get("model") or {}
+    if model.get("from_run") is None:
+        return None
+    assert not Path(model["from_run"]).is_absolute(), f"configs/{name}.yaml: a shipped from_run must be relative"
+    run = RunDir(cwd / model["from_run"])
+    run.root.mkdir(parents=True)
+    run.plan_json.write_text("{}")  # planning checks that it is a run directory, not what it planned
+    run.publish_dir(run.weights(STAND_IN_STEP), lambda tmp: None, step=STAND_IN_STEP)
+    return run.root
+
 
 def prl_cli(env: dict, *args, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
     """`prl ARGS` as a user runs it, from the repository root; with `check`, it must exit 0."""

@@ -11,7 +11,7 @@ import pytest
 
 from prl.planner.model import Plan
 from prl.run.rundir import RunDir
-from tests.helpers import REPO, SHIPPED
+from tests.helpers import REPO, SHIPPED, stand_in_source_run
 
 
 def prl(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -22,7 +22,8 @@ def prl(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("name", SHIPPED)
 def test_plan_writes_the_run_directory(name, tmp_path):
     run = tmp_path / "run"
-    result = prl("plan", f"configs/{name}.yaml", f"run_dir={run}")
+    source = stand_in_source_run(name, tmp_path / "cwd")
+    result = prl("plan", f"configs/{name}.yaml", f"run_dir={run}", *([f"model.from_run={source}"] if source else []))
     assert result.returncode == 0, result.stderr
     assert "wrote" in result.stdout and str(run) in result.stdout
     plan = Plan.read(RunDir(run))  # as every role reads it

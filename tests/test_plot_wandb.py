@@ -88,6 +88,18 @@ def test_prl_plot_writes_a_png_that_follows_the_data(tmp_path, tiny_model_dir):
     assert both.read_bytes() not in (first, other)
 
 
+def test_prl_plot_draws_an_sft_runs_loss(tmp_path, tiny_model_dir):
+    """An SFT run records trainer metrics only: its loss curve is what the picture must show."""
+    from prl.ops.plot import plot
+
+    def sft(name: str, slope: float) -> bytes:
+        recs = [{"role": "trainer", "step": s, "loss": 5.0 - slope * s, "entropy": 2.0, "tokens_per_s": 100.0,
+                 "step_s": 0.5} for s in range(1, 7)]
+        return plot(make_run(tmp_path, tiny_model_dir, name, recs), [], tmp_path / f"{name}.png").read_bytes()
+
+    assert sft("learns", 0.5) != sft("stalls", 0.0)
+
+
 def test_prl_plot_of_a_run_without_metrics_is_one_line_and_exit_2(tmp_path, tiny_model_dir):
     run = make_run(tmp_path, tiny_model_dir, "empty", [])
     out = subprocess.run([sys.executable, "-m", "prl.cli", "plot", str(run.root)], capture_output=True, text=True,

@@ -11,12 +11,13 @@ import difflib
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from prl.planner.prepare import prepare
-from tests.helpers import REPO, SHIPPED
+from tests.helpers import REPO, SHIPPED, stand_in_source_run
 
 GOLDEN = REPO / "tests" / "golden"
 # Shipped topologies with relative paths resolve against this fixed directory in the goldens.
@@ -25,7 +26,12 @@ REGEN = "PRL_REGEN_GOLDEN=1 python -m pytest tests/test_render.py"
 
 
 def _rendered(name: str) -> dict[str, str]:
-    return prepare(REPO / "configs" / f"{name}.yaml", cwd=CWD).files
+    with tempfile.TemporaryDirectory() as tmp:
+        if stand_in_source_run(name, Path(tmp)) is None:
+            return prepare(REPO / "configs" / f"{name}.yaml", cwd=CWD).files
+        # The earlier run it starts from exists only in a temporary directory: rendered as if under CWD.
+        files = prepare(REPO / "configs" / f"{name}.yaml", cwd=Path(tmp)).files
+        return {rel: text.replace(tmp, str(CWD)) for rel, text in files.items()}
 
 
 @pytest.mark.parametrize("name", SHIPPED)

@@ -1,7 +1,8 @@
 """`prl plot RUN [--compare RUN2 ...] [-o FILE]`: one PNG of a run's progress, step by step.
 
 Panels: reward (with min-max band), eval reward, policy lag, trainer tokens/s, trainer step
-time, weight-sync time per step (mean over inference servers). With `--compare` every run
+time, weight-sync time per step (mean over inference servers), trainer loss and entropy (an
+SFT run's curve: it has no rewards). With `--compare` every run
 is drawn on the same axes in its own colour. A panel whose metric no run has says so.
 
 matplotlib (the `plot` extra) is imported here only, with the Agg backend: no display needed
@@ -35,6 +36,8 @@ PANELS = (
     Panel("trainer tokens/s", "trainer/tokens_per_s"),
     Panel("trainer step time", "trainer/step_s", ylabel="s"),
     Panel("weight sync per step", "inference/weight_update_s", ylabel="s"),
+    Panel("trainer loss", "trainer/loss"),
+    Panel("trainer entropy", "trainer/entropy"),
 )
 
 
