@@ -239,4 +239,5 @@ def test_prl_eval_against_an_openai_endpoint(capsys):
     assert stats["rollouts"] == 12 and stats["failed_rollouts"] == 0
     assert 0.2 < stats["reward_mean"] < 0.8
     assert "metric/reply_chars" in stats
+    assert stats["completion_len_mean"] == 512  # the usage the endpoint reports: replies of max_tokens (512 by default)
     assert "prl_letters (eval split) on m: reward" in capsys.readouterr().out

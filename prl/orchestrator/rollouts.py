@@ -101,6 +101,8 @@ def rollout_from_episode(episode: Any, version: int, *, need_tokens: bool = True
                 metrics[f"reward/{name}"] = float(r.score)
     if need_tokens and not branches:
         return Rollout(0.0, version, [], 0, error="episode has no token ids: the train client was not used")
+    if not branches:  # an OpenAI endpoint (`prl eval`): no token ids, but the provider counted the reply
+        completion = sum(t.num_output_tokens for t in traces)
     reward = sum(t.reward for t in traces) / len(traces)
     return Rollout(reward, version, branches, completion, any(t.is_truncated for t in traces), metrics,
                    turns=sum(t.num_turns for t in traces))
