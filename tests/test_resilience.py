@@ -138,6 +138,18 @@ def test_a_server_that_exits_0_is_restarted_then_a_second_failure_past_the_bound
                 p.wait()
 
 
+def test_an_orchestrator_with_nothing_left_to_do_does_not_fail_the_attempt(tmp_path):
+    """A requeued attempt whose orchestrator finds every rollouts step published exits 0 at once, before it ever
+    heartbeats: the trainer, which waits on it, has what it needs, so that is not a failure (it was, and the
+    attempt ended FAILED). A server that exits 0 before it is healthy still is one."""
+    launcher, run = _launcher(tmp_path)
+    run.path("scripts/orchestrator.sh").write_text("exit 0\n")
+    launcher.start(launcher.plan.step("orchestrator"))
+    launcher.wait_ready(["orchestrator"])
+    assert launcher.running["orchestrator"].exit_code == 0
+    assert launcher.state["steps"]["orchestrator"]["status"] == "exited"
+
+
 REPLICA_TASK = """
 import os, signal, sys, time
 from prl.job.role import _Stop, record_exit, task_index

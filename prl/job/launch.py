@@ -375,9 +375,13 @@ class Launcher:
         while True:
             self.check()
             pending = [n for n in waiting if not self.ready(n)]
-            for n in pending:
-                if self.running[n].exit_code == 0:
+            for n in [n for n in pending if self.running[n].exit_code == 0]:
+                if n not in HANG_ROLES:
                     raise RoleFailed(n, 1, "exited 0 before it was ready")
+                # Its work was already done (a requeued orchestrator finds every rollouts step published):
+                # what waits on it (the trainer) has what it needs.
+                log.info(f"{n} finished before it was ready: nothing was left for it to do")
+                pending.remove(n)
             if not pending:
                 return
             if time.monotonic() > deadline:
