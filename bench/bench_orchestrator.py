@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import resource
 import shutil
@@ -126,7 +125,7 @@ def profiled(argv: list[str]) -> None:
     if spy is None:
         sys.exit("--profile needs py-spy: pip install py-spy")
     with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(os.environ.get("PRL_PROFILE_RAW", Path(tmp) / "profile.txt"))
+        raw = Path(tmp) / "profile.txt"
         out = subprocess.run([spy, "record", "--rate", "200", "--format", "raw", "--output", str(raw), "--",
                               sys.executable, __file__, *argv], capture_output=True, text=True, cwd=REPO)
         if out.returncode != 0:

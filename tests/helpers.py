@@ -92,16 +92,11 @@ def tmpfs(mount: Path, size: str):
 
 def run_one_episode(env, task, ctx):
     """One episode of `task` through the in-process `prl` harness, as the orchestrator runs it: inside
-    `env.serving()`, on ModelContext `ctx`; the harness's pooled HTTP session is closed after."""
+    `env.serving()`, on ModelContext `ctx` (the harness's pooled HTTP session closes with the loop)."""
     import asyncio
 
     async def run():
-        from prl.orchestrator.harness import close_sessions
-
-        try:
-            async with env.serving():
-                return await env.run_slot(env.slots(task, 1)[0], ctx)
-        finally:
-            await close_sessions()
+        async with env.serving():
+            return await env.run_slot(env.slots(task, 1)[0], ctx)
 
     return asyncio.run(run())

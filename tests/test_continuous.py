@@ -23,7 +23,7 @@ from prl.run.batch import read_batch
 from prl.run.rundir import RunDir
 from tests.helpers import REPO
 from tests.plans import local_plan
-from tests.test_orchestrator import FakeTrainer, engine, make_run, tokenizer_dir  # noqa: F401 (a fixture)
+from tests.test_orchestrator import FakeTrainer, engine, make_run
 
 # -- the scheduler without a server
 

@@ -31,8 +31,6 @@ def run_episodes(env, tok, tokenizer_dir, plays) -> list:
     """One episode per (task, player) in `plays`, one after the other in one `env.serving()` (tool servers
     start once), on a FakeEngine whose generate route answers `player(prompt_text)`; the ChatML renderer
     renders and parses."""
-    from prl.orchestrator.harness import close_sessions
-
     end = tok.convert_tokens_to_ids("<|im_end|>")
     playing = []
 
@@ -41,13 +39,10 @@ def run_episodes(env, tok, tokenizer_dir, plays) -> list:
 
     async def run(ctx):
         episodes = []
-        try:
-            async with env.serving():
-                for task, player in plays:
-                    playing.append(player)
-                    episodes.append(await env.run_slot(env.slots(task, 1)[0], ctx))
-        finally:
-            await close_sessions()
+        async with env.serving():
+            for task, player in plays:
+                playing.append(player)
+                episodes.append(await env.run_slot(env.slots(task, 1)[0], ctx))
         return episodes
 
     with FakeEngine(model="m", stop_id=end, reply=reply) as eng:

@@ -20,15 +20,6 @@ from tests.helpers import REPO
 from tests.plans import local_plan, write_plan
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from tests.tiny_model import build_tokenizer
-
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer().save_pretrained(path)
-    return path
-
-
 def make_plan(run: RunDir, tokenizer_dir, *overrides: str, **training) -> Plan:
     """local-tiny, smaller: 2 prompts x 4 rollouts a step, 12 tokens each; `training` overrides by name."""
     training = {"batch_size": 8, "rollouts_per_example": 4, "max_steps": 3, "max_off_policy_steps": 1, "max_tokens": 12,

@@ -100,7 +100,6 @@ def main(
     import verifiers.v1 as vf
 
     from prl.orchestrator.env import load_env
-    from prl.orchestrator.harness import close_sessions
     from prl.orchestrator.sync import Server, ServerPool
 
     env = load_env(env_id, harness, args, split="eval")
@@ -121,11 +120,8 @@ def main(
             retries=2,
             need_tokens=False,
         )
-        try:
-            async with env.serving():
-                return await evaluate(gen, examples, rollouts)
-        finally:
-            await close_sessions()
+        async with env.serving():
+            return await evaluate(gen, examples, rollouts)
 
     stats = asyncio.run(run())
     stats.update(env=env_id, model=model, base_url=base_url)

@@ -60,24 +60,25 @@ async def _session() -> aiohttp.ClientSession:
     httpcore's pool rescans every connection on each request event, which at a few hundred
     concurrent rollouts cost more CPU than the rest of the orchestrator.
 
-    The session closes with its loop even where nothing calls `close_sessions` (an env worker
-    process of `orchestrator.env_workers` runs verifiers' server loop, not ours): `asyncio.run`
-    finalizes the loop's async generators before it closes, and one of them owns the session."""
-    loop = asyncio.get_running_loop()
-    session, _ = _sessions.get(id(loop), (None, None))
+    The session closes when its loop ends, wherever the loop is ours or not (an env worker process of
+    `orchestrator.env_workers` runs verifiers' server loop): `asyncio.run` finalizes the loop's async
+    generators before it closes, and one of them owns the session."""
+    key = id(asyncio.get_running_loop())
+    session, _ = _sessions.get(key, (None, None))
     if session is None or session.closed:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
         session = aiohttp.ClientSession(connector=connector)
-        owner = _closes_at_loop_end(session)
+        owner = _closes_at_loop_end(key, session)
         await owner.__anext__()  # now suspended; the loop's shutdown_asyncgens resumes it into `finally`
-        _sessions[id(loop)] = (session, owner)
+        _sessions[key] = (session, owner)  # held here: a collected generator would close the session at once
     return session
 
 
-async def _closes_at_loop_end(session: aiohttp.ClientSession):
+async def _closes_at_loop_end(key: int, session: aiohttp.ClientSession):
     try:
         yield
     finally:
+        _sessions.pop(key, None)
         await session.close()
 
 
@@ -177,10 +178,3 @@ class PrlHarness(vf.Harness[PrlHarnessConfig]):
         content = mcp_content_to_chat_content(result.content)
         # An exception inside the tool comes back as an error result, not as an exception.
         return f"error: {content}" if result.is_error and isinstance(content, str) else content
-
-
-async def close_sessions() -> None:
-    """Close this event loop's pooled session now (else it closes when the loop ends)."""
-    _, owner = _sessions.pop(id(asyncio.get_running_loop()), (None, None))
-    if owner is not None:
-        await owner.aclose()

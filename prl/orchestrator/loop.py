@@ -37,7 +37,6 @@ from prl.planner.model import Plan
 from prl.orchestrator.display import make_display
 from prl.orchestrator.env import load_env
 from prl.orchestrator.eval import evaluate
-from prl.orchestrator.harness import close_sessions
 from prl.orchestrator.rollouts import Generator, StepBatch, TaskStream, build_samples, then
 from prl.orchestrator.sync import ServerPool, WeightWatcher, discover, served_model, server_client, standalone
 from prl.orchestrator.workers import EnvWorkers, check_env_id
@@ -266,7 +265,6 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, pool: ServerPool, be
         for t in background:
             t.cancel()
         await asyncio.gather(*background, return_exceptions=True)
-        await close_sessions()
         display.close()
     return 0
 

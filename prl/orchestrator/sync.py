@@ -82,9 +82,8 @@ class ServerPool:
     model: str = ""
     target: int = 0
     """Newest weights step the watcher has seen published."""
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set by `notify` (the weight watcher: a version or the rotation changed); `wait_version` clears it."""
     _moved: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by `notify` (the weight watcher: a version or the rotation changed), then replaced: wakes `moved`."""
 
     follow_endpoints: bool = False
     """Servers come from the run's endpoint files (`discover`): follow them as servers die and restart."""
@@ -92,8 +91,7 @@ class ServerPool:
     """Called when `pick` finds no server to use (the orchestrator's heartbeat while it waits for one)."""
 
     def notify(self) -> None:
-        """A server's version or rotation changed: wake `wait_version` and every `moved` waiter."""
-        self.changed.set()
+        """A server's version or rotation changed: wake every `moved` waiter (`wait_version` is one)."""
         self._moved.set()
         self._moved = asyncio.Event()
 
@@ -149,11 +147,7 @@ class ServerPool:
             if on_wait is not None and now - last_beat > 10:
                 on_wait()
                 last_beat = now
-            self.changed.clear()
-            try:
-                await asyncio.wait_for(self.changed.wait(), 1.0)
-            except TimeoutError:
-                pass
+            await self.moved(1.0)
         return time.monotonic() - t0
 
 

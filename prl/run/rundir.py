@@ -86,11 +86,11 @@ def _fsync_dir(path: Path) -> None:
 
 
 FILE_MODE = 0o600
+"""Mode of every file prl writes under a run (the run directory itself is 0700)."""
 RESERVE_BYTES = 4 << 20
 """The launcher's disk reserve (state/reserve): room to record a failure and stop the roles on a full disk."""
 LOW_DISK_BYTES = 1 << 20
 """Less free than this under the run directory is a full disk (`RunDir.disk_low`)."""
-"""Mode of every file prl writes under a run (the run directory itself is 0700)."""
 DIR_MODE = 0o700
 """Mode of the run directory and the directories prl makes in it."""
 
