@@ -200,7 +200,9 @@ class FakeEngine:
                     web.get("/health", self._health),
                 ]
             )
-            self._runner = web.AppRunner(app, access_log=None)
+            # A request still held at stop (a client that went away mid-rollout, a delay waiting for weights
+            # that never come) is cancelled after 1 s rather than aiohttp's 60 s grace.
+            self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
             await self._runner.setup()
             site = web.TCPSite(self._runner, "127.0.0.1", self.port)
             await site.start()
