@@ -195,6 +195,32 @@ def test_calc_through_prl_eval():
     assert bodies[0]["messages"][0]["role"] == "system" and "<tool_call>" in bodies[0]["messages"][0]["content"]
 
 
+def test_calc_through_prl_eval_rendered_as_the_run_renders(tok, tokenizer_dir):
+    """`prl eval --run` (render_with: the run's tokenizer and model.renderer) renders here and calls the
+    token-in/token-out route, so a tool env needs no tool-call parser on the server: the engine sees the
+    tool list in the prompt, its Hermes text becomes the tool call, the tool's result comes back."""
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    prompts: list[str] = []
+
+    def reply(prompt_ids):
+        text = tok.decode(prompt_ids)
+        prompts.append(text)
+        if "<tool_response>" in text.rsplit("<|im_start|>user", 1)[-1]:
+            result = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text)[-1]
+            out = f"Answer: {result}"
+        else:
+            expression = re.findall(r"What is ([^?]+)\?", text)[-1]
+            out = '<tool_call>\n{"name": "calc", "arguments": {"expression": "%s"}}\n</tool_call>' % expression
+        return tok.encode(out, add_special_tokens=False) + [end]
+
+    with FakeEngine(model="m", stop_id=end, reply=reply) as eng:
+        stats = eval_main("prl_calc", eng.url, "m", examples=4, args={"num_examples": 4}, quiet=True,
+                          render_with=str(tokenizer_dir), renderer=CHATML)
+    assert stats["failed_rollouts"] == 0 and stats["rollouts"] == 4
+    assert stats["reward_mean"] == pytest.approx(1.1)
+    assert len(prompts) == 8 and all('"name": "calc"' in p.split("<|im_start|>user")[0] for p in prompts)
+
+
 # -- one step of the orchestrator loop
 
 

@@ -92,10 +92,15 @@ def main(
     temperature: float | None = 0.0,
     max_concurrent: int = 32,
     quiet: bool = False,
+    render_with: str | None = None,
+    renderer: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Evaluate `env_id`'s eval split against an OpenAI-compatible endpoint; print and return reward stats.
 
     `api_key_env` names the variable holding the API key (unset: no key, "EMPTY").
+    `render_with`: a tokenizer directory; the conversation is then rendered here with it and `renderer`
+    (`model.renderer`) and sent to the server's token-in/token-out generate route, as the orchestrator's
+    in-run eval does (a prl server only; tool calls are parsed by the renderer, not the server).
     """
     import verifiers.v1 as vf
 
@@ -106,7 +111,13 @@ def main(
     key_var = api_key_env or "PRL_EVAL_NO_API_KEY"
     if api_key_env and not os.environ.get(api_key_env):
         print(f"warning: ${api_key_env} is not set; sending no API key")
-    client = vf.EvalClientConfig(base_url=_openai_base(base_url), api_key_var=key_var)
+    if render_with:
+        from prl.orchestrator.loop import renderer_config
+
+        client = vf.TrainClientConfig(base_url=_openai_base(base_url), api_key_var=key_var,
+                                      renderer_model_name=render_with, renderer=renderer_config(renderer))
+    else:
+        client = vf.EvalClientConfig(base_url=_openai_base(base_url), api_key_var=key_var)
     sampling = vf.SamplingConfig(temperature=temperature, max_tokens=max_tokens)
     server = Server(base_url)
     pool = ServerPool(generate=[server], admin=[])

@@ -10,7 +10,9 @@ run's base model), with the run's own server flags (dtype, max length, tensor pa
 minus what belongs to a training fleet (ports, data parallelism, KV transfer). It then runs
 every environment's eval split through the same code as `prl eval` and stops the server.
 One server per step, not per step and environment: on CPU a start takes minutes, a second
-environment on the same server only its rollouts.
+environment on the same server only its rollouts. Conversations are rendered with the run's
+`model.renderer` and sent token-in/token-out, as the orchestrator's in-run eval sends them, so a sweep
+scores a step as training did (tool calls included: the server needs no tool-call parser).
 
 Imports nothing heavy at module level: the control plane pickles tasks without torch or vLLM.
 """
@@ -101,7 +103,11 @@ def evaluate_step(task: EvalTask) -> list[dict[str, Any]]:
 
     run = RunDir(task.run_dir)
     plan = Plan.read(run)
-    model = plan.settings().model.path if task.step == 0 else str(run.weights(task.step))
+    settings = plan.settings()
+    model = settings.model.path if task.step == 0 else str(run.weights(task.step))
+    # Rendered as the run's in-run eval renders (model.renderer, the run's tokenizer): the same prompts and
+    # tool-call parsing as training, whatever chat and tool flags the server has.
+    tokenizer = settings.model.tokenizer or settings.model.path
     if task.step and not is_stable(run.weights(task.step)):
         raise RuntimeError(f"weights step {task.step} of {run.root} is not published (no STABLE marker)")
     fleet = plan.fleet_server()
@@ -123,7 +129,8 @@ def evaluate_step(task: EvalTask) -> list[dict[str, Any]]:
         for env_id in task.envs:
             stats = run_eval(env_id, url, plan.served_model_name, api_key_env=KEY_VAR, examples=task.examples,
                              rollouts=task.rollouts, args=task.env_args, max_tokens=task.max_tokens,
-                             temperature=task.temperature, quiet=True)
+                             temperature=task.temperature, quiet=True, render_with=tokenizer,
+                             renderer=settings.model.renderer)
             stats.pop("base_url", None)  # this task's own server, gone when it ends
             rows.append({"step": task.step, **stats})
         return rows
