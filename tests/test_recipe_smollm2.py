@@ -1,5 +1,5 @@
-"""The SmolLM2 recipes' helpers (docs/recipes/): SFT demonstrations from the real reverse-text env,
-the curve tables, and the SFT -> RL topology being the RL-only one started from other weights."""
+"""The SmolLM2 recipes' helpers (docs/recipes/): SFT demonstrations from the real reverse-text and
+calculator envs, the curve tables, and the SFT -> RL topologies being RL ones started from other weights."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_sft_data_is_the_train_splits_prompts_with_correct_answers_and_no_eval_t
     from prl_reverse_text import lcs_ratio
 
     out = tmp_path / "data" / "reverse.jsonl"
-    _script("reverse_sft_data.py", out, "--examples", 50)
+    _script("sft_data.py", "prl_reverse_text", out, "--examples", 50)
     rows = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
     train = [task.data for task in load_env("prl_reverse_text", split="train").taskset.take(50)]
     eval_texts = {task.data.text for task in load_env("prl_reverse_text", split="eval").taskset}
@@ -36,6 +36,42 @@ def test_sft_data_is_the_train_splits_prompts_with_correct_answers_and_no_eval_t
         assert [m["role"] for m in messages] == ["user", "assistant"]  # the env gives no system prompt
         assert messages[0]["content"] == data.prompt and data.text not in eval_texts
         assert lcs_ratio(messages[1]["content"], data.text[::-1]) == 1.0
+
+
+def test_calc_demonstrations_tokenize_as_the_rl_renderer_renders_the_rollout(tmp_path, tok):
+    """SFT renders a demonstration with the tokenizer's chat template; RL renders the rollout with prl's
+    ChatML renderer and the tool list the MCP server gives. Both must give the same token ids, and the
+    call must parse back to the task's expression, whose value the answer turn holds."""
+    from prl.orchestrator.chatml import ChatMLRenderer
+    from prl.orchestrator.env import load_env
+    from prl_calc import SYSTEM_PROMPT, evaluate
+
+    full, call_only = tmp_path / "calc.jsonl", tmp_path / "calc-calls.jsonl"
+    _script("sft_data.py", "prl_calc", full, "--examples", 20)
+    _script("sft_data.py", "prl_calc", call_only, "--examples", 20, "--call-only")
+    rows = [json.loads(line)["messages"] for line in full.read_text().splitlines()]
+    calls = [json.loads(line)["messages"] for line in call_only.read_text().splitlines()]
+    tasks = [task.data for task in load_env("prl_calc", split="train").taskset.take(20)]
+    renderer = ChatMLRenderer(tok)
+    system = rows[0][0]["content"]
+    listed = system[system.index("<tools>\n") + 8:system.index("\n</tools>")]
+    tools = [json.loads(line) for line in listed.splitlines()]
+    assert [t["function"]["name"] for t in tools] == ["calc"] and system.startswith(SYSTEM_PROMPT)
+    for messages, short, data in zip(rows, calls, tasks):
+        assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
+        assert short == messages[:3] and messages[1]["content"] == data.prompt
+        rl = renderer.render_ids([{"role": "system", "content": SYSTEM_PROMPT}, *messages[1:3],
+                                  {"role": "tool", "content": str(data.answer)}, messages[4]], tools=tools)
+        assert tok.apply_chat_template(messages, tokenize=False) == tok.decode(rl)
+        assert list(tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]) == rl
+        parsed = renderer.parse_response(tok.encode(messages[2]["content"], add_special_tokens=False))
+        (call,) = parsed.tool_calls
+        assert call.name == "calc" and evaluate(call.arguments["expression"]) == data.answer
+        assert messages[4]["content"] == f"Answer: {data.answer}"
+    result = subprocess.run([sys.executable, str(SMOLLM2 / "sft_data.py"), "prl_reverse_text", tmp_path / "x.jsonl",
+                             "--call-only"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 2 and "--call-only is for prl_calc" in result.stderr
+    assert not (tmp_path / "x.jsonl").exists()
 
 
 def _metrics(run: Path, records: list[dict]) -> Path:

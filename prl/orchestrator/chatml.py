@@ -58,6 +58,7 @@ _TOOLS_CLOSING = (
     "<tool_call></tool_call> tags:\n"
     '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
 )
+_RESPONSE_OPEN, _RESPONSE_CLOSE = "<tool_response>\n", "\n</tool_response>"
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|\Z)", re.DOTALL)
 
 
@@ -129,6 +130,34 @@ def _tool_call_text(call: dict[str, Any]) -> str:
         arguments = json.dumps(arguments, ensure_ascii=False)
     name = json.dumps(function.get("name", ""), ensure_ascii=False)
     return '<tool_call>\n{"name": ' + name + ', "arguments": ' + arguments + "}\n</tool_call>"
+
+
+def _system_segments(system: str | None, tools: list[ToolSpec] | None) -> list[tuple[str, bool]]:
+    """The system message's body: its own text (content), then the tool list (scaffold)."""
+    segments: list[tuple[str, bool]] = [(system, True)] if system else []
+    if tools:
+        if system:
+            segments.append(("\n\n", False))
+        segments.append((_TOOLS_PREAMBLE, False))
+        segments += [("\n" + json.dumps(tool, ensure_ascii=False), False) for tool in tools]
+        segments.append((_TOOLS_CLOSING, False))
+    return segments
+
+
+def system_with_tools(system: str | None, tools: list[ToolSpec] | None) -> str:
+    """The system message's text as this renderer writes it for `tools`: what an SFT demonstration's system
+    turn holds so that SFT trains on the prompt a tool-using RL rollout shows the model."""
+    return "".join(text for text, _ in _system_segments(system, tools))
+
+
+def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """A Hermes tool call as this renderer writes (and parses) it."""
+    return _tool_call_text({"name": name, "arguments": arguments})
+
+
+def tool_response_text(result: str) -> str:
+    """A tool result's body inside its `tool` turn, as this renderer writes it."""
+    return _RESPONSE_OPEN + result + _RESPONSE_CLOSE
 
 
 class ChatMLRenderer:
@@ -211,16 +240,7 @@ class ChatMLRenderer:
         return out.result(new_messages, prior)
 
     def _system(self, out: _Tokens, system: str | None, tools: list[ToolSpec] | None, index: int) -> None:
-        segments: list[tuple[str, bool]] = [("system\n", False)]
-        if system:
-            segments.append((system, True))
-        if tools:
-            if system:
-                segments.append(("\n\n", False))
-            segments.append((_TOOLS_PREAMBLE, False))
-            segments += [("\n" + json.dumps(tool, ensure_ascii=False), False) for tool in tools]
-            segments.append((_TOOLS_CLOSING, False))
-        self._block(out, segments, index)
+        self._block(out, [("system\n", False), *_system_segments(system, tools)], index)
 
     def _message(self, out: _Tokens, message: Message, index: int) -> None:
         role = message.get("role") or ""
@@ -228,7 +248,7 @@ class ChatMLRenderer:
             raise ValueError(f"ChatML renders user, system, tool and assistant messages, not {role!r}")
         body = _text(message.get("content"))
         if role == "tool":
-            segments = [("tool\n<tool_response>\n", False), (body, True), ("\n</tool_response>", False)]
+            segments = [("tool\n" + _RESPONSE_OPEN, False), (body, True), (_RESPONSE_CLOSE, False)]
         else:
             segments = [(role + "\n", False), (body, True)]
         self._block(out, segments, index)
