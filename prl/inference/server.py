@@ -88,6 +88,11 @@ class BearerAuth:
                            status_code=401)(scope, receive, send)
 
 
+SHUTDOWN_GRACE_S = 5.0
+"""Seconds requests still running get once the server stops (its engine died, SIGTERM) before they are
+cancelled. Without a bound uvicorn waits for every connection: a weight update whose engine was killed
+mid-load never answers, and the server hung instead of exiting (the launcher then saw a hang, not the
+engine's death)."""
 MAX_BODY_BYTES = 32 * 1024 * 1024
 """Largest request body any endpoint accepts (413 beyond): room for a 128k-token prompt and
 multimodal chat content, not for a client that would exhaust the server's memory."""
@@ -211,6 +216,7 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
             ssl_ciphers=args.ssl_ciphers,
             h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
             h11_max_header_count=args.h11_max_header_count,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
             **uvicorn_kwargs,
         )
     try:
