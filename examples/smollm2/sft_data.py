@@ -9,7 +9,7 @@ the assistant turns being a correct solution.
   `Answer: N`. The system turn holds the task's system prompt and the tool list exactly as prl's
   ChatML renderer writes them in an RL rollout (the schema is the one the `calc` MCP server lists).
   With `--call-only` a demonstration ends at the tool call: SFT teaches the call's format, and what to
-  do with the result is left for RL to learn (docs/recipes/smollm2-sft-rl.md).
+  do with the result is left for RL to learn (docs/recipes/smollm2-calc.md).
 
 The prompt is built the way the RL run builds it (the env loaded through prl; the `prl` harness
 emits a task's system prompt, if any, as a system message and its prompt as the user turn), so SFT
@@ -29,7 +29,10 @@ from pathlib import Path
 
 
 def reverse_text(task) -> list[dict]:
-    return [{"role": "user", "content": task.data.prompt}, {"role": "assistant", "content": task.data.text[::-1]}]
+    # As PrlHarness.launch sends it (APPENDS_SYSTEM_PROMPT: a system prompt stays its own turn).
+    system = [{"role": "system", "content": task.data.system_prompt}] if task.data.system_prompt else []
+    return system + [{"role": "user", "content": task.data.prompt},
+                     {"role": "assistant", "content": task.data.text[::-1]}]
 
 
 def _calc_tools() -> list[dict]:
@@ -93,12 +96,7 @@ def demonstrations(env_id: str, examples: int, call_only: bool = False) -> list[
     if env_id == "prl_calc":
         tools = _calc_tools()
         return [{"messages": calc(task, tools, call_only)} for task in env.taskset.take(examples)]
-    out = []
-    for task in env.taskset.take(examples):
-        # As PrlHarness.launch sends it (APPENDS_SYSTEM_PROMPT: a system prompt stays its own turn).
-        system = [{"role": "system", "content": task.data.system_prompt}] if task.data.system_prompt else []
-        out.append({"messages": system + reverse_text(task)})
-    return out
+    return [{"messages": reverse_text(task)} for task in env.taskset.take(examples)]
 
 
 def main() -> int:

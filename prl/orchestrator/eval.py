@@ -112,10 +112,9 @@ def main(
     if api_key_env and not os.environ.get(api_key_env):
         print(f"warning: ${api_key_env} is not set; sending no API key")
     if render_with:
-        from prl.orchestrator.loop import renderer_config
+        from prl.orchestrator.loop import renderer_config, train_client
 
-        client = vf.TrainClientConfig(base_url=_openai_base(base_url), api_key_var=key_var,
-                                      renderer_model_name=render_with, renderer=renderer_config(renderer))
+        client = train_client(_openai_base(base_url), key_var, render_with, renderer_config(renderer))
     else:
         client = vf.EvalClientConfig(base_url=_openai_base(base_url), api_key_var=key_var)
     sampling = vf.SamplingConfig(temperature=temperature, max_tokens=max_tokens)

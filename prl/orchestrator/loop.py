@@ -87,6 +87,15 @@ def renderer_config(renderer: dict[str, Any] | None) -> Any:
         raise ConfigError(f"model.renderer {renderer}: {type(e).__name__}: {e}") from None
 
 
+def train_client(base_url: str, api_key_var: str, tokenizer: str, renderer: Any) -> Any:
+    """verifiers' train client for a prl server at `base_url` (`.../v1`): conversations rendered here with
+    `tokenizer` and `renderer` (from `renderer_config`), sent token-in/token-out to its generate route."""
+    import verifiers.v1 as vf
+
+    return vf.TrainClientConfig(base_url=base_url, api_key_var=api_key_var, renderer_model_name=tokenizer,
+                                renderer=renderer)
+
+
 def _contexts(cfg: OrchestratorConfig, pool: ServerPool):
     import verifiers.v1 as vf
 
@@ -94,10 +103,7 @@ def _contexts(cfg: OrchestratorConfig, pool: ServerPool):
     renderer = renderer_config(cfg.renderer)
 
     def make(server) -> Any:
-        client = vf.TrainClientConfig(
-            base_url=f"{server.url}/v1", api_key_var=API_KEY_VAR, renderer_model_name=cfg.model_path,
-            renderer=renderer,
-        )
+        client = train_client(f"{server.url}/v1", API_KEY_VAR, cfg.model_path, renderer)
         return vf.ModelContext(model=pool.model, client=client, sampling=sampling)
 
     return make
