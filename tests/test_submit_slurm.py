@@ -112,15 +112,18 @@ def test_requeue_starts_attempt_2_and_keeps_attempt_1_logs(lab, env):
     wait_for("every role running", lambda: _all_running(env, run), 60)
     first_log = run / "logs" / "attempt_1" / "trainer" / "rank_0.log"
     wait_for("the trainer to log", lambda: "holding" in first_log.read_text(), 30)
+    first_inference = run / "logs" / "attempt_1" / "inference" / "rank_0.log"
+    wait_for("the inference server to log", lambda: "attempt 1" in first_inference.read_text(), 30)
     subprocess.run(["scontrol", "requeue", job["job_id"]], check=True)
     wait_for("attempt 2 running", lambda: (s := status(env, run))["attempt"] == 2 and s["state"] == "RUNNING"
              and all(r["status"] == "running" for r in s["roles"]) and s, timeout=120, interval=1)
     assert os.readlink(run / "logs" / "latest") == "attempt_2"
     text = first_log.read_text()
     assert "preflight on" in text and "attempt 1" in text, "attempt 1's log was overwritten"
-    second = (run / "logs" / "attempt_2" / "trainer" / "rank_0.log").read_text()
-    assert "attempt 2" in second
-    assert "attempt 1" in (run / "logs" / "attempt_1" / "inference" / "rank_0.log").read_text()
+    # "running" means the launcher started the role's process; its first log line follows moments later
+    second = run / "logs" / "attempt_2" / "trainer" / "rank_0.log"
+    wait_for("attempt 2's trainer to log", lambda: "attempt 2" in second.read_text(), 30)
+    assert "attempt 1" in first_inference.read_text(), "attempt 1's inference log was overwritten"
 
 
 def test_logs_follow_streams_a_growing_log(lab, env):
