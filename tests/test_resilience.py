@@ -160,8 +160,8 @@ replica = Plan.read(run).server("inference", task).replica
 stop = _Stop()
 signal.signal(signal.SIGTERM, stop)
 stop.watch(run, run.replica_stop("inference", replica))
+print(f"task {task} restart {os.environ.get('PRL_RESTART')}", flush=True)  # logged before it counts as ready
 atomic_write_json(run.task_ready("inference", task), {"time": time.time()})
-print(f"task {task} restart {os.environ.get('PRL_RESTART')}", flush=True)
 if os.environ.get("PRL_RESTART") == "0" and task == 0:
     time.sleep(0.5)
     sys.exit(record_exit(run, "inference", 1, stop))  # the head of replica 0 dies

@@ -52,17 +52,27 @@ def test_local_cancel(tmp_path, env, model):
     run = tmp_path / "run"
     submit(env, run, model, hold=120)
     wait_for("running", lambda: all(r["status"] == "running" for r in state(env, run)["roles"]), 60)
+    log = run / "logs" / "attempt_1" / "trainer" / "rank_0.log"
+    # "running" means started; the role has its SIGTERM handler once it holds
+    wait_for("the trainer to hold", lambda: log.exists() and "holding" in log.read_text(), 30)
     prl(env, "cancel", run)
     final = wait_for("CANCELLED", lambda: (s := state(env, run))["state"] == "CANCELLED" and s, 60)
     assert all(r["status"] == "stopped" for r in final["roles"]), final["roles"]
-    assert "stopped by signal 15" in (run / "logs" / "attempt_1" / "trainer" / "rank_0.log").read_text()
+    assert "stopped by signal 15" in log.read_text()
+
+
+def _ctrl_c_reaches_python() -> None:
+    """As in a terminal: a suite started in the background (`cmd &` without job control) ignores SIGINT,
+    and Python keeps an ignored SIGINT ignored, so the CLI under test would never see its Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_ctrl_c_stops_every_role(tmp_path, env, model):
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "prl.cli", "submit", "configs/local-tiny.yaml", f"run_dir={run}",
                              f"model.path={model}", "--local", "--preflight", "--hold", "120"],
-                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_ctrl_c_reaches_python)
     # `prl status` says running once the launcher started a role; its pid is in its state file a moment later.
     wait_for("running", lambda: (run / "state" / "launcher.json").exists()
              and all(r["status"] == "running" for r in state(env, run)["roles"])
