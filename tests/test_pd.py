@@ -49,6 +49,7 @@ NIXL_XFERS = "vllm:nixl_xfer_time_seconds_count"
 NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
 PROMPT_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 WARM_UP_TIMEOUT_S = 1800.0
+WARM_UP_TRIES = 5
 REQUEST_TIMEOUT_S = 900.0
 """A request through NIXL on two shared cores: usually seconds, unpinned (see UNPINNED); the answer is checked,
 not the time, and this bound only turns a wedged server into a failure."""
@@ -146,14 +147,21 @@ def pd(tmp_path_factory, tiny_model_dir):
             start_router([prefill.url], [decode.url], log_path=root / "router.log") as router, \
             start_router([prefill.url], [decode.url], extra_args=("--no-kv-handoff",),
                          log_path=root / "router-no-handoff.log") as no_handoff:
+        counters = DecodeCounters(decode.url)
         # The first request between two fresh servers also makes the NIXL handshake; pay for it here, with a
-        # timeout that fits a loaded machine, so the tests' own requests see the steady state.
-        http_json("POST", router + "/inference/v1/generate", {
-            "token_ids": long_prompt(tiny_model_dir, "warm-up"), "sampling_params": {"max_tokens": 1}},
-                  timeout=WARM_UP_TIMEOUT_S)
+        # timeout that fits a loaded machine, so the tests' own requests see the steady state. vLLM gives the
+        # prefill side 5 s to answer a handshake (not configurable); on two busy cores it can miss that, and
+        # the request is served by recomputing (the next one handshakes again): warm up until KV moved.
+        for attempt in range(WARM_UP_TRIES):
+            http_json("POST", router + "/inference/v1/generate", {
+                "token_ids": long_prompt(tiny_model_dir, f"warm-up-{attempt}"), "sampling_params": {"max_tokens": 1}},
+                      timeout=WARM_UP_TIMEOUT_S)
+            if counters.delta()["xfers"] >= 1:
+                break
+        else:
+            pytest.fail(f"no NIXL transfer in {WARM_UP_TRIES} warm-up requests (handshakes: {root / 'decode.log'})")
         yield SimpleNamespace(run=run, model=tiny_model_dir, store=store, prefill=prefill, decode=decode,
-                              unified=unified, router=router, no_handoff=no_handoff,
-                              counters=DecodeCounters(decode.url))
+                              unified=unified, router=router, no_handoff=no_handoff, counters=counters)
 
 
 # ---------------------------------------------------------------- real servers
