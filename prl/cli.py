@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Callable, NoReturn, Optional
 
-from prl.errors import ConfigError, PrlError
+from prl.errors import ConfigError, run_entry
 
 OVERRIDES_HELP = "key.path=value overrides, e.g. trainer.nodes=8 (cluster.KEY=... overrides the profile)"
 RUN_HELP = "Run directory or job id (default: the most recent run)."
@@ -378,20 +378,20 @@ def parse(args: list[str]) -> Optional[argparse.Namespace]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    """The `prl` command: errors become one line and an exit code (prl.errors.run_entry)."""
+    code = run_entry(None, lambda: _dispatch(sys.argv[1:] if argv is None else list(argv)))
+    if code:
+        raise SystemExit(code)
+
+
+def _dispatch(argv: list[str]) -> int:
     try:
-        ns = parse(sys.argv[1:] if argv is None else list(argv))
+        ns = parse(argv)
         if ns is not None:
             ns.func(ns)
-    except PrlError as exc:
-        # One line, whatever user text the message quotes: newlines and terminal escapes are shown escaped.
-        message = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(exc))
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(exc.exit_code) from None
     except Exit as done:
-        raise SystemExit(done.code) from None
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
+        return done.code
+    return 0
 
 
 if __name__ == "__main__":

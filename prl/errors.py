@@ -7,6 +7,8 @@ Exit codes: 2 for bad input (the user can fix the file or the flag),
 from __future__ import annotations
 
 import errno
+import sys
+from collections.abc import Callable
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 """errnos of a full disk (or a used-up quota): a role that gets one says so in one line and exits 1."""
@@ -50,3 +52,34 @@ class RunDirError(PrlError):
 
 class StepTimeout(RunDirError):
     """A role waited longer than its limit for another role's step."""
+
+
+def one_line(text: str) -> str:
+    """`text` on one line, whatever user text it quotes: newlines and terminal escapes are shown escaped."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def run_entry(prog: str | None, body: Callable[[], int | None]) -> int:
+    """The one place an entry point's errors become messages; returns the process's exit code.
+
+    `body()`'s own code (None is 0). A PrlError is one line on stderr (`PROG: error: message`, or
+    `error: message` for the `prl` command itself) and its exit code (2 bad input, 1 failure); a full
+    disk is one line and 1; Ctrl-C is `interrupted` and 130. Anything else is a bug: its traceback goes on.
+    """
+    def say(message: str) -> None:
+        print(f"{prog}: error: {one_line(message)}" if prog else f"error: {one_line(message)}",
+              file=sys.stderr, flush=True)
+
+    try:
+        return body() or 0
+    except PrlError as e:
+        say(str(e))
+        return e.exit_code
+    except OSError as e:
+        if not disk_full(e):
+            raise
+        say(disk_full_message(e))
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted" if prog else "interrupted", file=sys.stderr, flush=True)
+        return 130

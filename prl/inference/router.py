@@ -47,6 +47,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prl.inference import routing
+from prl.errors import run_entry
 from prl.log import get_logger, init_logging
 
 log = get_logger("prl.inference.router")
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     from prl.inference.server import api_key
 
-    key = api_key(args.api_key_env, "prl.inference.router")  # fails closed: no key, no router
+    key = api_key(args.api_key_env)  # fails closed: no key, no router
     import uvicorn
 
     init_logging("router")
@@ -349,4 +350,4 @@ def stopped(signum: int, _frame) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_entry("prl router", lambda: main(sys.argv[1:])))

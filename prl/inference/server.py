@@ -26,6 +26,7 @@ import signal
 import sys
 from pathlib import Path
 
+from prl.errors import ConfigError
 from prl.log import get_logger, init_logging
 from prl.run.rundir import RunDir
 
@@ -225,15 +226,15 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
         sock.close()
 
 
-def api_key(var: str | None, prog: str = "prl.inference") -> str:
+def api_key(var: str | None) -> str:
     """The key named by `--api-key-env VAR` ("" without the flag). Fails closed: with the flag and
     VAR unset or empty, the server exits rather than serve without authentication."""
     if not var:
         return ""
     key = os.environ.get(var, "").strip()
     if not key:
-        sys.exit(f"{prog}: --api-key-env {var}: the variable is not set or empty; refusing to serve "
-                 f"without the API key (prl submit writes it to RUN/api_key; the role runner passes it on)")
+        raise ConfigError(f"--api-key-env {var}: the variable is not set or empty; refusing to serve "
+                          f"without the API key (prl submit writes it to RUN/api_key; the role runner passes it on)")
     return key
 
 
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ours, rest = split_args(list(sys.argv[1:] if argv is None else argv))
     if not Path(ours.run_dir).is_dir():
-        sys.exit(f"prl.inference: --run-dir {ours.run_dir} is not a directory")
+        raise ConfigError(f"--run-dir {ours.run_dir} is not a directory")
     api_key(ours.api_key_env)  # before the engine's minute of start-up
     cli_env_setup()
     parser = make_arg_parser(FlexibleArgumentParser(prog="python -m prl.inference",

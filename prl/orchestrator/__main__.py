@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prl.errors import PrlError, disk_full, disk_full_message
+from prl.errors import run_entry
 from prl.orchestrator.loop import main
 
 
@@ -17,19 +17,7 @@ def cli(argv: list[str] | None = None) -> int:
         help="inference server URL (repeatable); default: RUN/state/endpoints",
     )
     a = p.parse_args(argv)
-    try:
-        return main(a.run_dir, a.server or None)
-    except PrlError as e:
-        print(f"prl orchestrator: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except OSError as e:
-        if not disk_full(e):
-            raise
-        print(f"prl orchestrator: error: {disk_full_message(e)}", file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        print("prl orchestrator: interrupted", file=sys.stderr)
-        return 130
+    return run_entry("prl orchestrator", lambda: main(a.run_dir, a.server or None))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from prl.orchestrator.eval import evaluate
 from prl.orchestrator.rollouts import Generator, StepBatch, TaskStream, build_samples, then
 from prl.orchestrator.sync import ServerPool, WeightWatcher, discover, served_model, server_client, standalone
 from prl.orchestrator.workers import EnvWorkers, check_env_id
+from prl.run.lifecycle import role_lifecycle
 from prl.run.rundir import API_KEY_VAR, RunDir
 
 ROLE = "orchestrator"
@@ -286,21 +287,16 @@ def main(run_dir: str, servers: list[str] | None = None) -> int:
     cfg = OrchestratorConfig.from_plan(plan)
     init_logging(ROLE)
     run.create()
-    run.claim(ROLE)
     beat = Beat(run)
-    code, error = 1, None
 
-    def on_term(signum, frame):  # the role runner passes SIGTERM on: exit through the finally below
+    def on_term(signum, frame):  # the role runner passes SIGTERM on: unwind through the lifecycle below
         raise KeyboardInterrupt(f"signal {signum}")
 
     old = signal.signal(signal.SIGTERM, on_term)
     try:
-        pool = standalone(servers) if servers else discover(run, plan, cfg.endpoint_timeout_s)
-        code = asyncio.run(orchestrate(run, cfg, pool, beat))
-        return code
-    except BaseException as e:
-        error = f"{type(e).__name__}: {e}"
-        raise
+        with role_lifecycle(run, ROLE) as outcome:
+            pool = standalone(servers) if servers else discover(run, plan, cfg.endpoint_timeout_s)
+            outcome.code = asyncio.run(orchestrate(run, cfg, pool, beat))
+        return outcome.code
     finally:
         signal.signal(signal.SIGTERM, old)
-        run.mark_exit(ROLE, code if error is None else 1, error)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prl.errors import PrlError, disk_full, disk_full_message
+from prl.errors import run_entry
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -15,16 +15,7 @@ def cli(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from prl.trainer import main
 
-    try:
-        return main(args.run_dir, args.resume)
-    except PrlError as e:
-        print(f"prl trainer: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return e.exit_code
-    except OSError as e:
-        if not disk_full(e):
-            raise
-        print(f"prl trainer: error: {disk_full_message(e)}", file=sys.stderr, flush=True)
-        return 1
+    return run_entry("prl trainer", lambda: main(args.run_dir, args.resume))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from prl.planner.model import Plan
 from prl.run.batch import BatchError, MicroBatch, read_batch
 from prl.errors import StepTimeout
+from prl.run.lifecycle import role_lifecycle
 from prl.run.rundir import RunDir, current_attempt
 from prl.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from prl.trainer.config import TrainerConfig
@@ -390,25 +391,20 @@ def _broadcast_int(value: int) -> int:
 def main(run_dir: str, resume: str = "latest") -> int:
     """Run the trainer on RUN (one rank of it, under torchrun). Returns 0; raises PrlError on a clear failure.
 
-    Records the role's start, heartbeats and exit in RUN/state/trainer.json (rank 0).
+    Records the role's start, heartbeats and exit in RUN/state/trainer.json (rank 0 claims the role once
+    the ranks are up, in `start_training`).
     """
     run = RunDir(run_dir)
-    code, error = 1, None
     try:
-        cfg = TrainerConfig.from_plan(Plan.read(run))
-        if cfg.sft is not None:
-            from prl.trainer.sft import run_sft
+        with role_lifecycle(run, ROLE, claim=False) as outcome:
+            cfg = TrainerConfig.from_plan(Plan.read(run))
+            if cfg.sft is not None:
+                from prl.trainer.sft import run_sft
 
-            code = run_sft(run, cfg, resume)
-        else:
-            code = run_trainer(run, cfg, resume)
-        return code
-    except BaseException as e:
-        error = f"{type(e).__name__}: {e}"
-        raise
+                outcome.code = run_sft(run, cfg, resume)
+            else:
+                outcome.code = run_trainer(run, cfg, resume)
+        return outcome.code
     finally:
-        state = run.read_state(ROLE) if run.state_dir.exists() else None
-        if state and state.get("pid") == os.getpid():  # only the holder of the role records its exit
-            run.mark_exit(ROLE, code if error is None else 1, error)
         if dist.is_initialized():
             dist.destroy_process_group()
