@@ -97,6 +97,100 @@ def test_the_checker_sees_violations(tmp_path):
     assert violations({probe: "prl.cli"}) == []
 
 
+def module_graph(files: dict[Path, str] | None = None) -> dict[str, set[str]]:
+    """Module -> the prl modules it imports (at module level or inside functions), for `files`
+    (path -> module name; default: every module of prl/). `from pkg import name` counts as importing
+    `pkg.name` when that is a module, else `pkg`."""
+    files = files or {p: module_name(p) for p in sorted((REPO / "prl").rglob("*.py"))}
+    known = set(files.values())
+    graph: dict[str, set[str]] = {}
+    for path, me in files.items():
+        edges = set()
+        for _line, target in prl_imports(path):
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != me:
+                edges.add(target)
+        graph[me] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of `graph`: each strongly connected set of two or more modules, sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                cycles.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_circles_between_modules():
+    cycles = import_cycles(module_graph())
+    assert not cycles, "modules that import each other (directly or through others):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_the_circle_check_sees_a_circle(tmp_path):
+    """Two probe modules importing each other, one of them only inside a function, are one circle."""
+    a, b, c = tmp_path / "a.py", tmp_path / "b.py", tmp_path / "c.py"
+    a.write_text("from prl.probe.b import x\n")
+    b.write_text("def f():\n    import prl.probe.a\n")
+    c.write_text("import prl.probe.a\n")
+    graph = module_graph({a: "prl.probe.a", b: "prl.probe.b", c: "prl.probe.c"})
+    assert import_cycles(graph) == [["prl.probe.a", "prl.probe.b"]]
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(paths) -> list[str]:
+    """`path:line name (N lines)` for every function or method longer than MAX_FUNCTION_LINES."""
+    out = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    out.append(f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}:{node.lineno} "
+                               f"{node.name} ({n} lines)")
+    return out
+
+
+def test_no_function_is_over_60_lines():
+    """Short top-to-bottom functions (STYLE.md): a longer one is named steps waiting to be functions."""
+    found = long_functions(sorted((REPO / "prl").rglob("*.py")))
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(found)
+
+
+def test_the_length_check_sees_a_long_function(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def short():\n    return 1\n\n\ndef long():\n" + "    x = 1\n" * 60 + "    return x\n")
+    assert long_functions([probe]) == [f"{probe}:5 long (62 lines)"]
+
+
 @pytest.mark.parametrize("module", ["prl.cli", "prl.planner.prepare", "prl.planner.plan", "prl.planner.render",
                                     "prl.planner.show", "prl.planner.model", "prl.run.rundir", "prl.run.batch",
                                     "prl.ops.submit", "prl.ops.status", "prl.ops.logs", "prl.ops.registry",

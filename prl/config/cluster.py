@@ -15,7 +15,8 @@ import msgspec
 from msgspec import Meta
 
 from prl.errors import ConfigError
-from prl.config.loader import FieldValueError, Source, explained, load, shown, shown_path
+from prl.config.fields import FieldValueError, shown, shown_path
+from prl.config.loader import Source, explained, load
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CLUSTERS_DIR = REPO_ROOT / "clusters"

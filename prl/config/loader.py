@@ -31,11 +31,10 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from prl.config.fields import FieldPath, FieldValueError, shown, shown_path
 from prl.errors import ConfigError
 
 M = TypeVar("M", bound=msgspec.Struct)
-
-FieldPath = tuple[Any, ...]
 
 MAX_BYTES = 1 << 20
 """Largest topology or profile file read."""
@@ -64,18 +63,6 @@ _KEY_PART = re.compile(r"^[A-Za-z0-9_-]+$")
 _PLAIN_PART = re.compile(r"^[\w.-]{1,64}$")
 # A reference inside `${...}`: `a.b`, or `.b` / `..b` relative to the value's own mapping.
 _REFERENCE = re.compile(r"(\.*)([A-Za-z_][\w-]*(?:\.[\w-]+)*)")
-
-
-def shown(value: Any, limit: int = 60) -> str:
-    """A value as it may appear in a one-line message: repr'd (control characters escaped), cut short."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(str(value))} characters)"
-
-
-def shown_path(path: Path | str) -> str:
-    """A file name for a message: as is when printable, else escaped."""
-    text = str(path)
-    return text if text.isprintable() and len(text) <= 300 else shown(text, 300)
 
 
 class Source:
@@ -112,14 +99,6 @@ class Source:
 def _told(path: FieldPath, override: str) -> str:
     """An override as an error quotes it: a secret-named variable's value is never echoed to a terminal or log."""
     return override.partition("=")[0] + "=..." if path and looks_secret(path[-1]) else override
-
-
-class FieldValueError(ValueError):
-    """Raised by a schema's `__post_init__` to blame one of its fields rather than the whole mapping."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
 
 
 class _YamlProblem(Exception):

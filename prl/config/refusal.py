@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from prl.config.loader import FieldPath, FieldValueError, shown
+from prl.config.fields import FieldPath, FieldValueError, shown
 
 
 def explain(model: type[msgspec.Struct], data: Any, exc: msgspec.ValidationError) -> tuple[FieldPath, str]:

@@ -16,7 +16,8 @@ from msgspec import UNSET, Meta, UnsetType
 
 from prl.config.cluster import (MAX_CPUS, MAX_GB, MAX_GPUS_PER_NODE, MAX_ITEMS, MAX_NODES, Env, Name, NonEmptyText,
                                 SlurmTime, Strict, Text, Token, checked_time)
-from prl.config.loader import FieldValueError, Source, explained, load, shown
+from prl.config.fields import FieldValueError, shown
+from prl.config.loader import Source, explained, load
 
 MAX_DEGREE = 4096
 """Largest tp, dp, cp, ep or dp_replicate."""

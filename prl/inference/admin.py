@@ -149,20 +149,25 @@ async def resume(request: Request):
     return {"paused": False}
 
 
+def checked_target(state, body: dict):
+    """The weights step a `/prl/weights` body names and the pause mode, checked before the model is touched:
+    inside the run's weights, STABLE, readable, and laid out as the served model is (UpdateRefused if not)."""
+    mode = _mode(body, "keep")
+    target = resolve_weights_dir(state.run, {k: v for k, v in body.items() if k != "mode"})
+    if state.layout is not None:
+        compare_layouts(state.layout, checkpoint_layout(target.path), target.path)
+    else:
+        checkpoint_layout(target.path)  # at least readable safetensors
+    return target, mode
+
+
 @router.post("/prl/weights")
 async def update_weights(request: Request):
     state = _state(request)
     engine = _engine(request)
     t0 = time.perf_counter()
     try:
-        body = await _body(request)
-        mode = _mode(body, "keep")
-        body = {k: v for k, v in body.items() if k != "mode"}
-        target = resolve_weights_dir(state.run, body)
-        if state.layout is not None:
-            compare_layouts(state.layout, checkpoint_layout(target.path), target.path)
-        else:
-            checkpoint_layout(target.path)  # at least readable safetensors
+        target, mode = checked_target(state, await _body(request))
     except UpdateRefused as e:
         return _error(e.status, e.message)
 
