@@ -133,6 +133,15 @@ def test_environment_values_never_reach_the_run_directory(tmp_path):
     ('inference.extra_args=["--token","${oc.env:PRL_TEST_SECRET}"]', "(inference.extra_args[1])", "`env:` map"),
     ("trainer.env.A=${oc.env:PRL_TEST_UNSET}", "(trainer.env.A)", "PRL_TEST_UNSET is not set"),
     ("trainer.env.A=${oc.decode:${oc.env:PRL_TEST_SECRET}}", "(trainer.env.A)", "cannot use other interpolation"),
+    # Other spellings of the same read: spaces or quotes inside the braces, a read hidden in a default.
+    ("name=${ oc.env:PRL_TEST_SECRET }", "(name)", "would write PRL_TEST_SECRET's value into plan.json"),
+    ('name=${oc.env:"PRL_TEST_SECRET"}', "(name)", "write environment references as `${oc.env:NAME}`"),
+    ("name=x${oc.env:USER,${oc.env:PRL_TEST_SECRET}}", "(name)", "write environment references as `${oc.env:NAME}`"),
+    ("name=x${ oc.env:USER,${ oc.env:PRL_TEST_SECRET}}", "(name)", "would write PRL_TEST_SECRET's value"),
+    ("trainer.env.A=${ oc.env:PRL_TEST_SECRET }", "(trainer.env.A)", "exactly as `${oc.env:PRL_TEST_SECRET}`"),
+    # A literal secret given as a default would be saved as written.
+    ("trainer.env.HF_TOKEN=${oc.env:PRL_TEST_UNSET,hf_s3cret}", "(trainer.env.HF_TOKEN)", "a default for a secret"),
+    ("trainer.env.A=${oc.env:PRL_TEST_TOKEN,s3cret}", "(trainer.env.A)", "a default for a secret"),
 ])
 def test_environment_values_outside_env_maps_are_refused(tmp_path, override, field, says):
     from prl.errors import ConfigError
@@ -166,9 +175,13 @@ def test_env_numbers_are_text_and_ordinary_names_stay_literal(tmp_path):
     from prl.planner.prepare import prepare
 
     plan = prepare(REPO / "configs" / "local-tiny.yaml", [f"run_dir={tmp_path}/run", "trainer.env.OMP_NUM_THREADS=4",
-                                                          "trainer.env.MONKEY_PATCH=1"], cwd=REPO).plan
+                                                          "trainer.env.MONKEY_PATCH=1",
+                                                          "trainer.env.HF_TOKEN_PATH=/home/me/.hf/token",
+                                                          "trainer.env.SSL_KEY_FILE=/etc/ssl/key.pem"], cwd=REPO).plan
     env = dict(plan.step("trainer").env)
     assert env["OMP_NUM_THREADS"] == "4" and env["MONKEY_PATCH"] == "1"
+    # A name that says where a secret is kept is no secret itself.
+    assert env["HF_TOKEN_PATH"] == "/home/me/.hf/token" and env["SSL_KEY_FILE"] == "/etc/ssl/key.pem"
 
 
 def test_public_variables_resolve_at_plan_time(tmp_path):

@@ -61,6 +61,8 @@ _ALLOWED_TAGS = {None, _CORE + "str", _CORE + "map", _CORE + "seq"}
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x84\x86-\x9f]")
 _KEY_PART = re.compile(r"^[A-Za-z0-9_-]+$")
 _PLAIN_PART = re.compile(r"^[\w.-]{1,64}$")
+_READ_NAME = re.compile(r"oc\.env\s*:\s*['\"]?([A-Za-z_][A-Za-z0-9_]*)")
+"""The variable names an override's text reads through `oc.env`, however spaced or quoted."""
 # A reference inside `${...}`: `a.b`, or `.b` / `..b` relative to the value's own mapping.
 _REFERENCE = re.compile(r"(\.*)([A-Za-z_][\w-]*(?:\.[\w-]+)*)")
 
@@ -97,8 +99,11 @@ class Source:
 
 
 def _told(path: FieldPath, override: str) -> str:
-    """An override as an error quotes it: a secret-named variable's value is never echoed to a terminal or log."""
-    return override.partition("=")[0] + "=..." if path and looks_secret(path[-1]) else override
+    """An override as an error quotes it: the value of a secret-named variable, or one that reads a secret-named
+    variable (whose default may be the secret itself), is never echoed to a terminal or log."""
+    value = override.partition("=")[2]
+    secret = (path and looks_secret(path[-1])) or any(looks_secret(name) for name in _READ_NAME.findall(value))
+    return override.partition("=")[0] + "=..." if secret else override
 
 
 class _YamlProblem(Exception):
@@ -423,14 +428,21 @@ SECRET_WORDS = frozenset({"KEY", "APIKEY", "TOKEN", "SECRET", "PASSWORD", "PASSW
 """Words of an `env:` name (split at `_`) that say its value is a secret: WANDB_API_KEY, HF_TOKEN, ..."""
 
 
+WHERE_WORDS = frozenset({"PATH", "FILE", "DIR", "DIRECTORY"})
+"""A last word that makes a name say where a secret is kept, not the secret: HF_TOKEN_PATH, SSL_KEY_FILE."""
+
+
 def looks_secret(name: Any) -> bool:
-    return isinstance(name, str) and bool(SECRET_WORDS & set(name.upper().split("_")))
+    if not isinstance(name, str):
+        return False
+    words = name.upper().split("_")
+    return bool(SECRET_WORDS & set(words)) and words[-1] not in WHERE_WORDS
 
 
 def _keep_env_references(raw: dict[str, Any], source: Source) -> None:
     """Keep secrets off the disk: in `env:` maps, escape `${oc.env:NAME}` so it stays text (a reference the
-    step script resolves on the node), and refuse a secret-named variable written as a literal value;
-    elsewhere refuse every variable but PUBLIC_ENV, naming the field."""
+    step script resolves on the node); refuse a misspelt reference, an unset variable without a default and
+    a default for a secret. Whatever still reads the environment after this is `_check_environment_reads`'s."""
     for path, text in list(_strings(raw)):
         if "${oc.env:" not in text:
             continue
@@ -444,13 +456,49 @@ def _keep_env_references(raw: dict[str, Any], source: Source) -> None:
                 if ref.group(2) is None and ref.group(1) not in os.environ:
                     raise source.error(path, f"environment variable {ref.group(1)} is not set (it is read where "
                                              f"the role runs; set it before submitting, or give a default)")
+                if ref.group(2) is not None and (looks_secret(ref.group(1)) or looks_secret(path[-1])):
+                    raise source.error(path, f"a default for a secret would be saved in plan.json, topology.yaml and "
+                                             f"the scripts; export {ref.group(1)} where the role runs and drop the default")
             _set(raw, path, ENV_REFERENCE.sub(lambda m: "\\" + m.group(0), text))
             continue
-        for name, _default in ENV_REFERENCE.findall(text):
-            if name not in PUBLIC_ENV:
-                raise source.error(path, f"`${{oc.env:{name}}}` would write {name}'s value into plan.json and the "
-                                         f"scripts; read it in a role's `env:` map (resolved on the node), or write "
-                                         f"the value here if it is no secret")
+
+
+def _check_environment_reads(raw: dict[str, Any], source: Source) -> None:
+    """Refuse every field that would still read a non-public environment variable at plan time, however the
+    read is spelt (`${ oc.env:X }`, quotes, a nested default, a field that reads another field): the document
+    is resolved once with `oc.env` swapped for a marker, and every string that carries a marker read it.
+    `env:` maps' own references are escaped by now (kept as text), so any read left would be written to disk."""
+    if not any("${" in text and "env" in text for _, text in _strings(raw)):
+        return
+    for path, name in _environment_reads(raw):
+        if name in PUBLIC_ENV:
+            continue
+        if _is_env_map(path):
+            raise source.error(path, f"write the reference to {name} exactly as `${{oc.env:{name}}}` (or with a "
+                                     f"default): this spelling would be resolved here and its value saved on disk")
+        raise source.error(path, f"`${{oc.env:{name}}}` would write {name}'s value into plan.json and the "
+                                 f"scripts; read it in a role's `env:` map (resolved on the node), or write "
+                                 f"the value here if it is no secret")
+
+
+def _environment_reads(raw: dict[str, Any]) -> list[tuple[FieldPath, str]]:
+    """(field, variable) of every `oc.env` read the resolved document makes; [] when it does not resolve (the
+    real resolution that follows reports why)."""
+    from omegaconf.resolvers import oc
+
+    marker = f"prl-env-{os.urandom(8).hex()}-"
+    # The default goes along: a default that reads another variable is a read too.
+    OmegaConf.register_resolver("oc.env", lambda key, default="": f"{marker}{str(key).encode().hex()}-{default}",
+                                replace=True, annotation_validation="off")
+    try:
+        resolved = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
+    except (OmegaConfBaseException, ValueError, TypeError):
+        return []
+    finally:
+        OmegaConf.register_resolver("oc.env", oc.env, replace=True, annotation_validation="off")
+    read = re.compile(re.escape(marker) + "([0-9a-f]*)-")
+    return [(path, bytes.fromhex(m.group(1)).decode(errors="replace"))
+            for path, text in _strings(resolved) for m in read.finditer(text)]
 
 
 def _written(raw: dict[str, Any]) -> dict[str, Any]:
@@ -489,9 +537,12 @@ def load_document(path: Path, overrides: Sequence[str] = ()) -> tuple[dict[str, 
         if isinstance(raw, dict) and any("${oc.env:" in text for _, text in _strings(raw)):
             as_written = copy.deepcopy(raw)
             _keep_env_references(raw, source)
+            _check_environment_reads(raw, source)
             source.written = _written(as_written)
             data = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
         else:
+            if isinstance(raw, dict):
+                _check_environment_reads(raw, source)
             # No environment reference: what is saved is the resolved document (and two OmegaConf passes,
             # a tenth of `prl plan`, are saved).
             data = OmegaConf.to_container(conf, resolve=True)
