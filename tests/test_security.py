@@ -47,6 +47,29 @@ def state(env, run) -> dict:
 # ---------------------------------------------------------------- run directory and key file
 
 
+def test_a_run_dir_that_is_not_this_run_is_refused_and_left_as_it_was(tmp_path):
+    """`run_dir` naming a home directory, a checkout or a symlink to one (anything neither empty nor a prl run
+    of this name) is refused in one line, before prl makes it private or replaces a file in it."""
+    env = {**os.environ, "PRL_HOME": str(tmp_path / "home")}
+    home = tmp_path / "someones-home"
+    home.mkdir(mode=0o755)
+    (home / "notes.txt").write_text("mine")
+    (tmp_path / "link").symlink_to(home)
+    other = tmp_path / "other-run"
+    prl(env, "plan", "configs/local-tiny.yaml", f"run_dir={other}", "name=other")
+    for run_dir, says in ((home, "holds notes.txt"), (tmp_path / "link", "holds notes.txt"),
+                          (other, "a prl run of 'other'"), (home / "notes.txt", "is not a directory")):
+        out = prl(env, "plan", "configs/local-tiny.yaml", f"run_dir={run_dir}", check=False)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and says in out.stderr, out.stderr
+    assert sorted(p.name for p in home.iterdir()) == ["notes.txt"] and mode(home) == 0o755
+    assert json.loads((other / "plan.json").read_text())["name"] == "other"
+    # An empty directory, and the run's own directory planned again, are fine.
+    (tmp_path / "empty").mkdir()
+    for run_dir in (tmp_path / "empty", tmp_path / "empty"):
+        prl(env, "plan", "configs/local-tiny.yaml", f"run_dir={run_dir}")
+    assert (tmp_path / "empty" / "plan.json").exists()
+
+
 def test_run_directory_and_its_files_are_private(tmp_path):
     from prl.run.rundir import RunDir, atomic_write_json
 

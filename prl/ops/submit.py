@@ -76,8 +76,8 @@ def submit(topology: Path, overrides: Sequence[str], *, local: bool, detach: boo
     backend = "local" if local or not prepared.plan.slurm else "slurm"
     mode = "preflight" if preflight else "run"
     attempt_base = max(run.attempts(), default=0)
+    write_run_files(prepared, force=True)  # first: it refuses a run_dir that is not this run's
     run.create()
-    write_run_files(prepared, force=True)
     # A fresh key per submission; the role runner hands it to servers, router and orchestrator.
     run.create_api_key()
     env = {"PRL_MODE": mode, "PRL_HOLD": f"{hold:g}", "PRL_ATTEMPT_BASE": str(attempt_base)}

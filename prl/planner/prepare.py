@@ -131,11 +131,51 @@ def prepare(topology_path: Path, overrides: Sequence[str] = (), cwd: Path | None
     return Prepared(topo, cluster, plan, header + yaml.safe_dump(source.written, sort_keys=False))
 
 
+class _NamedPlan(msgspec.Struct):
+    """The one field of another run's plan.json that says whose run directory it is."""
+
+    name: str = ""
+
+
+MAX_PLAN_BYTES = 64 << 20
+"""Largest plan.json read back (the 1T-class topology's is well under 1 MiB)."""
+
+
+def _plan_name(plan_json: Path) -> str | None:
+    """The run name in an existing plan.json; None when there is none or it is not a plan."""
+    try:
+        if not plan_json.is_file() or plan_json.stat().st_size > MAX_PLAN_BYTES:
+            return None
+        return msgspec.json.decode(plan_json.read_bytes(), type=_NamedPlan).name
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def check_run_dir_is_ours(root: Path, name: str) -> None:
+    """Refuse a `run_dir` that exists and is neither empty nor a prl run of `name`: the planner makes it
+    0700 and replaces plan.json, topology.yaml and scripts/ in it (a home directory, a checkout...)."""
+    if not root.exists() and not root.is_symlink():
+        return
+    if not root.is_dir():
+        raise ConfigError(f"run_dir {root} exists and is not a directory; choose another run_dir")
+    try:
+        entries = sorted(p.name for p in root.iterdir())
+    except OSError as exc:
+        raise ConfigError(f"cannot read the run_dir {root}: {exc.strerror}") from None
+    theirs = _plan_name(root / "plan.json")
+    if not entries or theirs == name:
+        return
+    what = f"a prl run of {theirs!r}" if theirs else f"holds {', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}"
+    raise ConfigError(f"run_dir {root} is neither empty nor a prl run of {name!r} ({what}); prl would make it "
+                      f"private and replace files in it: choose a new or empty run_dir")
+
+
 def write_run_files(prepared: Prepared, *, force: bool = False) -> list[Path]:
     """Write the rendered files into the run directory; refuse one that holds a submitted job."""
     from prl.run.rundir import RunDir
 
     run = RunDir(prepared.run_dir)
+    check_run_dir_is_ours(run.root, prepared.plan.name)
     if run.job_json.exists() and not force:
         raise ConfigError(f"{run.root} holds a submitted job ({run.job_json}); writing new scripts there would "
                           f"change a running job's files: use another run_dir or --force")
