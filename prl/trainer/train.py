@@ -408,7 +408,7 @@ def main(run_dir: str, resume: str = "latest") -> int:
         raise
     finally:
         state = run.read_state(ROLE) if run.state_dir.exists() else None
-        if state and state.get("pid") == os.getpid():  # only the holder of the role records its exit
+        if state and state.pid == os.getpid():  # only the holder of the role records its exit
             run.mark_exit(ROLE, code if error is None else 1, error)
         if dist.is_initialized():
             dist.destroy_process_group()
