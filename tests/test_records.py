@@ -83,7 +83,8 @@ OLD_STATE = {"status": "running", "started": 1.0, "heartbeat": 2.0, "exit_code":
 
 def test_a_run_directory_from_before_record_versions_still_reads(tmp_path):
     run = RunDir(tmp_path).create()
-    for path, old in ((run.job_json, OLD_JOB), (run.launcher_state, OLD_LAUNCHER), (run.role_state("trainer"), OLD_STATE)):
+    for path, old in ((run.job_json, OLD_JOB), (run.launcher_state, OLD_LAUNCHER),
+                      (run.role_state("trainer"), OLD_STATE)):
         path.write_text(json.dumps(old, indent=2, sort_keys=True))
     job, launcher, state = run.read_job(), run.read_launcher(), run.read_state("trainer")
     assert job.version == 1 and job.backend is Backend.SLURM and job.steps == {"inference": 0, "trainer": 1}

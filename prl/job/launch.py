@@ -591,7 +591,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    log.info(f"attempt {attempt} of {plan.name} in {run.root} ({Backend.SLURM if slurm else Backend.LOCAL}, mode {launcher.mode})")
+    backend = Backend.SLURM if slurm else Backend.LOCAL
+    log.info(f"attempt {attempt} of {plan.name} in {run.root} ({backend}, mode {launcher.mode})")
     return launcher.main()
 
 
