@@ -62,16 +62,17 @@ def plan(a: argparse.Namespace) -> None:
 def submit(a: argparse.Namespace) -> None:
     """Plan, render and submit one heterogeneous job (or local processes); record its handle."""
     from prl.ops.submit import submit as do_submit
+    from prl.states import Backend
 
-    run, job = do_submit(a.topology, a.overrides, local=a.local, detach=a.detach, resume=a.resume, force=a.force,
-                         preflight=a.preflight, hold=a.hold)
-    where = f"job {job['job_id']}" if job["backend"] == "slurm" else f"local run (launcher pid {job['pid']})"
-    parts = ", ".join(f"{k}: {v}" for k, v in job["components"].items())
-    print(f"submitted {where}: {job['name']} ({parts}){' [preflight]' if a.preflight else ''}")
+    run, job, exit_code = do_submit(a.topology, a.overrides, local=a.local, detach=a.detach, resume=a.resume,
+                                    force=a.force, preflight=a.preflight, hold=a.hold)
+    where = f"job {job.job_id}" if job.backend == Backend.SLURM else f"local run (launcher pid {job.pid})"
+    parts = ", ".join(f"{k}: {v}" for k, v in job.components.items())
+    print(f"submitted {where}: {job.name} ({parts}){' [preflight]' if a.preflight else ''}")
     print(f"run dir {run.root}")
-    if "exit_code" in job:
-        print(f"local run ended with exit code {job['exit_code']}")
-        if job["exit_code"]:
+    if exit_code is not None:
+        print(f"local run ended with exit code {exit_code}")
+        if exit_code:
             raise Exit(1)
         return
     print(f"  prl status {run.root}\n  prl logs {run.root} -f\n  prl cancel {run.root}")
@@ -122,9 +123,9 @@ def cancel(a: argparse.Namespace) -> None:
 
     job, cancelled = do_cancel(resolve_run(a.run))
     if cancelled:
-        print(f"cancelled job {job['job_id']} ({job['name']})")
+        print(f"cancelled job {job.job_id} ({job.name})")
     else:
-        print(f"job {job['job_id']} ({job['name']}) has already ended; nothing to cancel")
+        print(f"job {job.job_id} ({job.name}) has already ended; nothing to cancel")
 
 
 def plot(a: argparse.Namespace) -> None:
@@ -215,6 +216,7 @@ def sweep(a: argparse.Namespace, env_args: dict) -> None:
     from prl.ops.status import resolve_run
     from prl.orchestrator.sweep import EvalTask
     from prl.planner.model import Plan
+    from prl.states import Backend
 
     run = resolve_run(a.run)
     plan = Plan.read(run)
@@ -228,7 +230,7 @@ def sweep(a: argparse.Namespace, env_args: dict) -> None:
     else:
         outcomes = sweeps.run_local(tasks)
     path = sweeps.save(run, outcomes, {"envs": list(a.env_ids), "examples": a.examples, "rollouts": a.rollouts,
-                                       "backend": "slurm" if a.slurm else "local"})
+                                       "backend": Backend.SLURM if a.slurm else Backend.LOCAL})
     sweeps.show(outcomes, path)
     if any(o.error for o in outcomes):
         raise Exit(1)

@@ -1,4 +1,4 @@
-"""Every closed vocabulary of states, listed once: the job's, the launcher's, a role's.
+"""Every closed vocabulary of states, listed once: the job's, the launcher's, a role's; and where a job runs.
 
 The members are `str`s whose value is what Slurm prints, what the JSON files under a
 run hold and what `prl status` shows, so `json.dumps`, f-strings and `==` against a
@@ -103,3 +103,21 @@ class RoleState(_Str):
     Status also shows it for a live role whose heartbeat is older than the bound."""
     RESTARTING = "restarting"
     """Status only: a server of this role failed and is being restarted inside the allocation."""
+
+
+class Backend(_Str):
+    """Where a job runs (job.json `backend`): the launcher under Slurm, or a local process."""
+
+    SLURM = "slurm"
+    LOCAL = "local"
+
+
+class ServerAction(_Str):
+    """What the launcher did about a server that ended while the job ran (launcher.json `failures[].action`)."""
+
+    FAILED = "failed"
+    """It ended the job (no restart policy, max_restarts used up, or a failure that would recur)."""
+    RESTARTING = "restarting"
+    """Started again; not ready yet."""
+    RESTARTED = "restarted"
+    """Ready again (`ready_after_s` after it failed)."""

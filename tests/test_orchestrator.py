@@ -129,7 +129,7 @@ def test_steps_respect_the_staleness_bound_and_weights_reach_the_server(tmp_path
     assert all(m["turns_mean"] == 1.0 for m in train)  # a single-turn env: one model turn a rollout
     assert evals[0]["rollouts"] == 4 and 0.0 <= evals[0]["reward_mean"] <= 1.0
     state = run.read_state("orchestrator")
-    assert state["status"] == "exited" and state["exit_code"] == 0 and state["published"] == 4
+    assert state.status == "exited" and state.exit_code == 0 and state.published == 4
 
 
 def test_env_workers_need_an_installed_environment_and_warn_without_the_cores(tmp_path, tokenizer_dir):
@@ -203,8 +203,8 @@ def test_a_server_that_cannot_load_weights_fails_the_orchestrator(tmp_path, toke
     finally:
         eng.stop()
     state = run.read_state("orchestrator")
-    assert state["status"] == "failed" and "WeightUpdateError" in state["error"]
-    assert eng.url in state["server_errors"]
+    assert state.status == "failed" and "WeightUpdateError" in state.error
+    assert eng.url in state.server_errors
     assert run.stable_steps("rollouts") == [1]  # step 2 needed weights 1: never generated
 
 

@@ -169,12 +169,14 @@ def test_prl_wandb_logs_one_row_per_step_and_continues_the_same_run(tmp_path, ti
 
 def test_the_launcher_s_follower_ends_with_its_attempt(tmp_path, tiny_model_dir):
     from prl.ops.wandb_sync import attempt_ended
+    from prl.run.records import LauncherRecord
     from prl.run.rundir import atomic_write_json
+    from prl.states import LauncherStatus
 
     run = make_run(tmp_path, tiny_model_dir, "run", records(1))
     for status, ended in (("starting", False), ("running", False), ("stopping", False), ("completed", True),
                           ("failed", True), ("requeued", True), ("stopped", True)):
-        atomic_write_json(run.launcher_state, {"attempt": 2, "status": status})
+        atomic_write_json(run.launcher_state, LauncherRecord(attempt=2, status=LauncherStatus(status)))
         assert attempt_ended(run, 2) is ended, status
-    atomic_write_json(run.launcher_state, {"attempt": 3, "status": "running"})
+    atomic_write_json(run.launcher_state, LauncherRecord(attempt=3, status=LauncherStatus.RUNNING))
     assert attempt_ended(run, 2)  # the next attempt took over (its own follower continues the W&B run)

@@ -22,8 +22,9 @@ from prl.job import launch as launch_module
 from prl.job.launch import Launcher, RoleFailed, RoleHung, Running, restart_srun_args
 from prl.ops.status import collect, show
 from prl.planner.model import HANG_FLOOR_S
+from prl.run.records import Failure, LauncherRecord, RankBeat, ServerFailure, StepRecord
 from prl.run.rundir import MARKER, RunDir, atomic_write_json, is_stable
-from prl.states import RoleState
+from prl.states import LauncherStatus, RoleState, ServerAction
 from tests.helpers import tmpfs
 from tests.plans import local_plan, write_plan
 
@@ -77,10 +78,11 @@ ready.write_text(json.dumps({"time": time.time()}))
 if restart == 0 and task == 1:
     time.sleep(0.5)
     # Exits 0, as vLLM's API server does after its engine was killed: still a failure.
-    (run / "state" / "exits").mkdir(exist_ok=True)
-    (run / "state" / "exits" / f"inference.{task}.json").write_text(json.dumps(
-        {"exit_code": 0, "time": time.time(), "node": "n1", "failed": True,
-         "reason": "server exited with code 0 while the job was running"}))
+    from prl.run.records import TaskExit
+    from prl.run.rundir import RunDir
+    RunDir(run).write_task_exit("inference", task, TaskExit(
+        exit_code=0, time=time.time(), node="n1", failed=True,
+        reason="server exited with code 0 while the job was running"))
     sys.exit(0)
 time.sleep(60)
 """
@@ -105,21 +107,22 @@ def test_a_server_that_exits_0_is_restarted_then_a_second_failure_past_the_bound
     running = launcher.running["inference"]
     try:
         deadline = time.monotonic() + 20
-        while not launcher.state["steps"]["inference"].get("restarts"):
+        while not launcher.state.step("inference").restarts:
             launcher.check()
             assert time.monotonic() < deadline, launcher.state
             time.sleep(0.1)
-        failure = launcher.state["steps"]["inference"]["failures"][0]
-        assert (failure["task"], failure["replica"], failure["exit_code"]) == (1, 1, 0)
-        assert "exited with code 0" in failure["reason"]
+        failure = launcher.state.steps["inference"].failures[0]
+        assert (failure.task, failure.replica, failure.exit_code) == (1, 1, 0)
+        assert "exited with code 0" in failure.reason
         deadline = time.monotonic() + 20
-        while failure.get("action") != "restarted":
+        while failure.action != ServerAction.RESTARTED:
             launcher.check()
             assert time.monotonic() < deadline, failure
             time.sleep(0.1)
-        assert failure["ready_after_s"] >= 0
+        assert failure.ready_after_s >= 0
         saved = json.loads(run.launcher_state.read_text())["steps"]["inference"]
         assert saved["restarts"] == 1 and saved["failures"][0]["action"] == "restarted"
+        assert run.read_launcher().steps["inference"] == launcher.state.steps["inference"]
         # The restarted task dies too (killed): max_restarts=1 is used up, so the job fails, naming it.
         os.killpg(running.task_proc[1].pid, signal.SIGKILL)
         with pytest.raises(RoleFailed, match="task 1 .*max_restarts") as info:
@@ -147,7 +150,7 @@ def test_an_orchestrator_with_nothing_left_to_do_does_not_fail_the_attempt(tmp_p
     launcher.start(launcher.plan.step("orchestrator"))
     launcher.wait_ready(["orchestrator"])
     assert launcher.running["orchestrator"].exit_code == 0
-    assert launcher.state["steps"]["orchestrator"]["status"] == "exited"
+    assert launcher.state.steps["orchestrator"].status == RoleState.EXITED
 
 
 REPLICA_TASK = """
@@ -189,19 +192,19 @@ def test_a_failed_task_of_a_multi_node_replica_stops_the_rest_and_the_replica_re
     first = dict(running.task_proc)
     try:
         deadline = time.monotonic() + 30
-        while not launcher.state["steps"]["inference"].get("restarts"):
+        while not launcher.state.step("inference").restarts:
             launcher.check()
             assert time.monotonic() < deadline, launcher.state
             time.sleep(0.1)
-        events = launcher.state["steps"]["inference"]["failures"]
+        events = launcher.state.steps["inference"].failures
         # One failure (the head's); the follower's stop is not a second one, and nothing of replica 1 moved.
-        assert [(e["task"], e["action"]) for e in events] == [(0, "restarting")], events
+        assert [(e.task, e.action) for e in events] == [(0, ServerAction.RESTARTING)], events
         assert first[1].poll() is not None and "task 1 with_replica=True" in run.role_log(1, "inference", 1).read_text()
         assert first[2].poll() is None and first[3].poll() is None
         assert running.task_proc[0] is not first[0] and running.task_proc[1] is not first[1]
         assert not run.replica_stop("inference", 0).exists()
         deadline = time.monotonic() + 20
-        while events[0].get("action") != "restarted":
+        while events[0].action != ServerAction.RESTARTED:
             launcher.check()
             assert time.monotonic() < deadline, events
             time.sleep(0.1)
@@ -218,10 +221,10 @@ def test_a_trainer_whose_heartbeat_stops_is_hung_after_the_bound(tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         launcher.running["trainer"] = Running(launcher.plan.step("trainer"), procs=[sleeper])
-        launcher.state["steps"]["trainer"] = {"status": RoleState.RUNNING}
+        launcher.state.steps["trainer"] = StepRecord(status=RoleState.RUNNING)
         now = time.time()
         # Still loading (no heartbeat after its start): never hung, however old.
-        run.write_state("trainer", attempt=1, status="running", started=now - 100, heartbeat=now - 100)
+        run.write_state("trainer", attempt=1, status=RoleState.RUNNING, started=now - 100, heartbeat=now - 100)
         launcher.check_hangs()
         # In its loop, last beat 25 s ago: fine; 31 s ago: hung.
         run.write_state("trainer", started=now - 100, heartbeat=now - 25, step=3, phase="trained")
@@ -229,21 +232,21 @@ def test_a_trainer_whose_heartbeat_stops_is_hung_after_the_bound(tmp_path):
         run.write_state("trainer", heartbeat=now - 31)
         with pytest.raises(RoleHung, match=r"no progress for 3\d s \(bound 30 s\); last step 3, phase trained"):
             launcher.check_hangs()
-        assert launcher.state["steps"]["trainer"]["status"] == RoleState.HUNG
+        assert launcher.state.steps["trainer"].status == RoleState.HUNG
         # Rank 0 beating while it waits, rank 1 silent for 31 s (stopped): hung, naming rank 1 and its last phase.
         run.write_state("trainer", heartbeat=now - 1, phase="waiting_for_rollouts")
         launcher.check_hangs()
-        atomic_write_json(run.rank_beat("trainer", 1), {"attempt": 1, "heartbeat": now - 20, "step": 4,
-                                                         "phase": "waiting_for_rollouts"})
+        atomic_write_json(run.rank_beat("trainer", 1), RankBeat(attempt=1, heartbeat=now - 20, step=4,
+                                                                 phase="waiting_for_rollouts"))
         launcher.check_hangs()
-        atomic_write_json(run.rank_beat("trainer", 1), {"attempt": 1, "heartbeat": now - 31, "step": 4, "phase": "trained"})
+        atomic_write_json(run.rank_beat("trainer", 1), RankBeat(attempt=1, heartbeat=now - 31, step=4, phase="trained"))
         with pytest.raises(RoleHung, match=r"no progress on rank 1 for 3\d s \(bound 30 s\); last step 4, phase trained"):
             launcher.check_hangs()
-        assert launcher.state["steps"]["trainer"]["hung_rank"] == 1
+        assert launcher.state.steps["trainer"].hung_rank == 1
         # A beat of an earlier attempt, or from before this start (still loading), does not count.
-        atomic_write_json(run.rank_beat("trainer", 1), {"attempt": 0, "heartbeat": now - 31})
+        atomic_write_json(run.rank_beat("trainer", 1), RankBeat(attempt=0, heartbeat=now - 31))
         launcher.check_hangs()
-        atomic_write_json(run.rank_beat("trainer", 1), {"attempt": 1, "heartbeat": now - 101})
+        atomic_write_json(run.rank_beat("trainer", 1), RankBeat(attempt=1, heartbeat=now - 101))
         launcher.check_hangs()
         # An earlier attempt's state says nothing about this one.
         run.write_state("trainer", attempt=0)
@@ -258,14 +261,14 @@ def test_status_shows_hung_and_restarts(tmp_path, monkeypatch):
 
     run = _run(tmp_path)
     now = time.time()
-    atomic_write_json(run.launcher_state, {
-        "attempt": 1, "mode": "run", "status": "stopping", "started": now - 60,
-        "first_failure": {"role": "trainer", "exit_code": None, "hung": True, "time": now,
-                          "reason": "hung: no progress for 31 s (bound 30 s); last step 4, phase trained"},
-        "steps": {"inference": {"status": "running", "restarts": 1, "failures": [
-            {"task": 1, "replica": 1, "node": "n1", "exit_code": 0, "time": now - 50, "action": "restarted",
-             "reason": "server exited with code 0 while the job was running", "ready_after_s": 70.5}]},
-                  "orchestrator": {"status": "stopped"}, "trainer": {"status": "HUNG", "exit_code": None}}})
+    atomic_write_json(run.launcher_state, LauncherRecord(
+        attempt=1, mode="run", status=LauncherStatus.STOPPING, started=now - 60,
+        first_failure=Failure(role="trainer", hung=True, time=now,
+                              reason="hung: no progress for 31 s (bound 30 s); last step 4, phase trained"),
+        steps={"inference": StepRecord(status=RoleState.RUNNING, restarts=1, failures=[
+            ServerFailure(task=1, replica=1, node="n1", exit_code=0, time=now - 50, action=ServerAction.RESTARTED,
+                          reason="server exited with code 0 while the job was running", ready_after_s=70.5)]),
+               "orchestrator": StepRecord(status=RoleState.STOPPED), "trainer": StepRecord(status=RoleState.HUNG)}))
     import prl.ops.status as status_module
 
     monkeypatch.setattr(status_module, "_slurm_rows", lambda job, notes: ({}, 0))
@@ -374,7 +377,7 @@ def test_the_launcher_records_on_a_full_disk_by_giving_back_its_reserve(tmp_path
         with open(disk / "filler", "wb") as f:
             with pytest.raises(OSError):
                 f.write(bytes(1 << 20))
-        launcher.state["first_failure"] = {"role": "trainer", "reason": "exited with code 1" + launcher.disk_reason()}
+        launcher.state.first_failure = Failure(role="trainer", reason="exited with code 1" + launcher.disk_reason())
         launcher.save()
         saved = json.loads(run.launcher_state.read_text())
         assert saved["disk_full"]["released_bytes"] == 256 * 1024 and not run.reserve.exists()
@@ -383,7 +386,7 @@ def test_the_launcher_records_on_a_full_disk_by_giving_back_its_reserve(tmp_path
         with open(disk / "filler", "ab") as f:
             with pytest.raises(OSError):
                 f.write(bytes(1 << 20))
-        launcher.state["big"] = "x" * (64 * 1024)
+        launcher.state.first_failure.reason += "x" * (64 * 1024)
         assert launcher.write(run.launcher_state, launcher.state) is False
 
 

@@ -9,10 +9,12 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from prl.errors import PrlError, RunDirError, StepTimeout
 from prl.run.rundir import MARKER, RunDir, atomic_write_json, atomic_write_text, current_attempt, is_stable, step_of
+from prl.states import RoleState
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,9 +97,9 @@ def test_claim_defaults_to_the_current_attempt(tmp_path, monkeypatch):
     run = RunDir(tmp_path)
     for var in ("PRL_ATTEMPT", "PRL_ATTEMPT_BASE", "SLURM_RESTART_COUNT"):
         monkeypatch.delenv(var, raising=False)
-    assert run.claim("orchestrator")["attempt"] == 1
+    assert run.claim("orchestrator").attempt == 1
     monkeypatch.setenv("PRL_ATTEMPT", "3")
-    assert run.claim("orchestrator")["attempt"] == 3
+    assert run.claim("orchestrator").attempt == 3
 
 
 def test_weights_root_and_step_names(tmp_path):
@@ -168,24 +170,24 @@ def test_wait_for_step_timeout_names_the_step(tmp_path):
 def test_heartbeat_and_claim(tmp_path):
     run = RunDir(tmp_path)
     st = run.claim("trainer", attempt=0)
-    assert st["status"] == "running" and st["pid"] == os.getpid()
+    assert st.status == RoleState.RUNNING and st.pid == os.getpid()
     run.heartbeat("trainer", step=3)
-    assert run.read_state("trainer")["step"] == 3
+    assert run.read_state("trainer").step == 3
     run.claim("trainer", attempt=0)  # the same process may re-claim
     # Another live writer (fresh heartbeat, a live pid: here our parent) is a clash...
-    alive = {**run.read_state("trainer"), "pid": os.getppid(), "heartbeat": time.time()}
+    alive = msgspec.structs.replace(run.read_state("trainer"), pid=os.getppid(), heartbeat=time.time())
     atomic_write_json(run.role_state("trainer"), alive)
     with pytest.raises(RunDirError, match="already running"):
         run.claim("trainer", attempt=0)
     # ...a stale heartbeat is not (its job died without saying so), nor a dead pid on this host,
     run.claim("trainer", attempt=0, stale_after=0.0)
-    atomic_write_json(run.role_state("trainer"), {**alive, "pid": 2**22 + 12345})
+    atomic_write_json(run.role_state("trainer"), msgspec.structs.replace(alive, pid=2**22 + 12345))
     run.claim("trainer", attempt=0)
     # ...nor a later attempt (Slurm requeued the job).
     atomic_write_json(run.role_state("trainer"), alive)
     run.claim("trainer", attempt=1)
     run.mark_exit("trainer", 0)
-    assert run.read_state("trainer")["status"] == "exited"
+    assert run.read_state("trainer").status == RoleState.EXITED
     with pytest.raises(RunDirError, match="later than this"):
         run.claim("trainer", attempt=0)
 

@@ -188,7 +188,7 @@ def test_two_rank_sft_matches_a_plain_loop_and_lowers_the_loss(tiny, run_a):
     # Weights go with the checkpoints: steps 2, 4, 6 (cleanup keeps those of the kept checkpoints, 4 and 6).
     assert run_a.stable_steps("weights") == [4, 6] and run_a.stable_steps("checkpoints") == [4, 6]
     state = run_a.read_state("trainer")
-    assert state["status"] == "exited" and state["exit_code"] == 0 and state["step"] == STEPS
+    assert state.status == "exited" and state.exit_code == 0 and state.step == STEPS
 
 
 @pytest.mark.slow  # needs the 2-rank run

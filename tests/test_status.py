@@ -17,9 +17,13 @@ from tests.helpers import REPO
 from prl.ops import slurm
 from prl.ops import status as status_module
 from prl.planner.prepare import prepare, write_run_files
+from prl.run.records import Failure, JobRecord, LauncherRecord, RoleStateRecord, StepRecord
 from prl.run.rundir import RunDir, atomic_write_json
 from prl.ops.status import Status, _launcher_state, _role_status, collect, show
-from prl.states import FAILED_STATES, TERMINAL_STATES, JobState, LauncherStatus, RoleState
+from prl.states import FAILED_STATES, TERMINAL_STATES, Backend, JobState, LauncherStatus, RoleState, ServerAction
+
+RUNNING = LauncherRecord(attempt=1, status=LauncherStatus.RUNNING)
+"""The launcher's record of a job whose roles all started."""
 
 
 def _run(tmp_path, topology="lab", *overrides) -> RunDir:
@@ -27,9 +31,9 @@ def _run(tmp_path, topology="lab", *overrides) -> RunDir:
     write_run_files(prepared)
     run = RunDir(prepared.run_dir)
     run.create()
-    job = {"job_id": "77", "backend": "slurm", "name": prepared.plan.name, "mode": "run", "cancelled": None,
-           "components": {str(g.index): g.name for g in prepared.plan.groups}}
-    atomic_write_json(run.job_json, job)
+    run.write_job(JobRecord(job_id="77", backend=Backend.SLURM, name=prepared.plan.name, cluster=prepared.plan.cluster,
+                            submitted=time.time(), run_dir=str(run.root),
+                            components={str(g.index): g.name for g in prepared.plan.groups}))
     return run
 
 
@@ -49,7 +53,7 @@ class Fake:
 
 def test_unreachable_controller_is_unknown_not_failed(tmp_path, monkeypatch):
     run = _run(tmp_path)
-    atomic_write_json(run.launcher_state, {"status": "running", "attempt": 1, "steps": {}})
+    atomic_write_json(run.launcher_state, RUNNING)
     monkeypatch.setattr(slurm, "RUNNER", Fake({"squeue": ("", "slurm_load_jobs error: Unable to contact slurm "
                                                               "controller (connect failure)", 1)}))
     status = collect(run)
@@ -60,12 +64,11 @@ def test_unreachable_controller_is_unknown_not_failed(tmp_path, monkeypatch):
 
 def test_forgotten_job_without_accounting_uses_the_launcher_record(tmp_path, monkeypatch):
     run = _run(tmp_path)
-    atomic_write_json(run.launcher_state, {
-        "status": "failed", "attempt": 1,
-        "steps": {"inference": {"status": "exited", "exit_code": 0}, "orchestrator": {"status": "failed",
-                                                                                       "exit_code": 3}},
-        "first_failure": {"role": "orchestrator", "exit_code": 3, "reason": "task 0 exited with code 3",
-                          "time": time.time()}})
+    atomic_write_json(run.launcher_state, LauncherRecord(
+        status=LauncherStatus.FAILED, attempt=1,
+        steps={"inference": StepRecord(status=RoleState.EXITED, exit_code=0),
+               "orchestrator": StepRecord(status=RoleState.FAILED, exit_code=3)},
+        first_failure=Failure(role="orchestrator", exit_code=3, reason="task 0 exited with code 3", time=time.time())))
     log = run.role_log(1, "orchestrator", 0)
     log.parent.mkdir(parents=True)
     log.write_text("".join(f"line {i}\n" for i in range(40)))
@@ -76,8 +79,8 @@ def test_forgotten_job_without_accounting_uses_the_launcher_record(tmp_path, mon
     }))
     status = collect(run)
     assert status.state == "FAILED"
-    assert status.failure["role"] == "orchestrator" and status.failure["exit_code"] == 3
-    assert status.failure["log_tail"][-1] == "line 39" and len(status.failure["log_tail"]) == 15
+    assert status.failure.role == "orchestrator" and status.failure.exit_code == 3
+    assert status.failure.log_tail[-1] == "line 39" and len(status.failure.log_tail) == 15
     assert [r.status for r in status.roles] == ["exited", "failed", "not started"]
     assert any("no longer knows" in n for n in status.notes)
 
@@ -110,9 +113,9 @@ FORGOTTEN = {"squeue": ("", "slurm_load_jobs error: Invalid job id specified", 1
 def test_the_failure_shows_the_log_of_the_task_that_failed(tmp_path, monkeypatch, preflight_failed, want):
     """The task whose preflight failed, else the log written last (srun reports only the step's worst)."""
     run = _run(tmp_path)
-    atomic_write_json(run.launcher_state, {
-        "status": "failed", "attempt": 2, "steps": {"inference": {"status": "failed", "exit_code": 1}},
-        "first_failure": {"role": "inference", "exit_code": 1, "reason": "exited with code 1", "time": time.time()}})
+    atomic_write_json(run.launcher_state, LauncherRecord(
+        status=LauncherStatus.FAILED, attempt=2, steps={"inference": StepRecord(status=RoleState.FAILED, exit_code=1)},
+        first_failure=Failure(role="inference", exit_code=1, reason="exited with code 1", time=time.time())))
     for rank in (0, 2, 1, 10):
         log = run.role_log(2, "inference", rank)
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -121,8 +124,8 @@ def test_the_failure_shows_the_log_of_the_task_that_failed(tmp_path, monkeypatch
         atomic_write_json(run.preflight_report("inference", rank), {"ok": rank != preflight_failed})
     monkeypatch.setattr(slurm, "RUNNER", Fake(FORGOTTEN))
     failure = collect(run).failure
-    assert failure["log"] == str(run.role_log(2, "inference", want))
-    assert failure["log_tail"] == [f"rank {want}"]
+    assert failure.log == str(run.role_log(2, "inference", want))
+    assert failure.log_tail == [f"rank {want}"]
 
 
 @pytest.mark.parametrize("launcher, cancelled, want", [
@@ -141,18 +144,21 @@ def test_every_launcher_status_has_a_job_state():
 
 
 @pytest.mark.parametrize("launched, own, submitted, ended, want", [
-    ({}, {}, False, False, ""),
-    ({}, {"status": "running"}, False, False, "running"),
-    ({}, {}, True, False, "waiting"),
-    ({}, {"status": "running"}, True, True, "not started"),
-    ({"status": "running"}, {"status": "exited"}, True, False, "running"),
-    ({"status": "running"}, {}, True, True, "killed"),
-    ({"status": "stopped"}, {"status": "running"}, True, True, "stopped"),
-    ({"status": "failed"}, {}, True, True, "failed"),
-    ({}, {"status": "interrupted"}, False, True, "interrupted"),
+    (None, None, False, False, ""),
+    (None, "running", False, False, "running"),
+    (None, None, True, False, "waiting"),
+    (None, "running", True, True, "not started"),
+    ("running", "exited", True, False, "running"),
+    ("running", None, True, True, "killed"),
+    ("stopped", "running", True, True, "stopped"),
+    ("failed", None, True, True, "failed"),
+    (None, "interrupted", False, True, "interrupted"),
 ])
 def test_role_status(launched, own, submitted, ended, want):
-    got = _role_status(launched, own, submitted, ended)
+    """launched: the launcher's step record's status (None: no record); own: the role's state file's."""
+    step = None if launched is None else StepRecord(status=RoleState(launched))
+    state = None if own is None else RoleStateRecord(status=RoleState(own))
+    got = _role_status(step, state, submitted, ended)
     assert got == want and (got == "" or isinstance(got, RoleState))
 
 
@@ -179,7 +185,7 @@ def test_status_watch_stops_at_a_terminal_state_and_fails_on_a_failed_one(tmp_pa
 
 def test_status_json_holds_plain_strings(tmp_path, monkeypatch):
     run = _run(tmp_path)
-    atomic_write_json(run.launcher_state, {"status": "running", "attempt": 1, "steps": {}})
+    atomic_write_json(run.launcher_state, RUNNING)
     monkeypatch.setattr(slurm, "RUNNER", Fake({"squeue": ("", "Unable to contact slurm controller", 1)}))
     out = json.loads(collect(run).to_json())
     assert out["state"] == "UNKNOWN" and {r["slurm_state"] for r in out["roles"]} == {"UNKNOWN"}
@@ -188,7 +194,7 @@ def test_status_json_holds_plain_strings(tmp_path, monkeypatch):
 
 def test_state_vocabularies_are_listed_only_in_prl_states():
     """No module restates two words of one state vocabulary in a tuple, list, set or dict (use prl.states)."""
-    vocabularies = [{s.value for s in kind} for kind in (JobState, LauncherStatus, RoleState)]
+    vocabularies = [{s.value for s in kind} for kind in (JobState, LauncherStatus, RoleState, Backend, ServerAction)]
     found = []
     for path in sorted((REPO / "prl").rglob("*.py")):
         if path == REPO / "prl" / "states.py":
@@ -208,12 +214,12 @@ def test_a_requeued_job_says_how_each_earlier_attempt_ended(tmp_path, monkeypatc
     attempt 3 pending: one more Slurm command, `sacct --duplicates`, and a line per earlier attempt."""
     run = _run(tmp_path)
     now = time.time()
-    atomic_write_json(run.attempt_launcher_state(1), {
-        "attempt": 1, "status": "requeued", "ended": now - 300, "first_failure": {
-            "role": "orchestrator", "exit_code": None, "hung": True, "time": now - 310,
-            "reason": "hung: no progress for 31 s (bound 30 s); last step 3, phase generating"}})
-    attempt_2 = {"attempt": 2, "status": "stopped", "ended": now - 60, "stop_signal": 15, "first_failure": None,
-                 "steps": {"trainer": {"status": "stopped", "exit_code": 1}}}
+    atomic_write_json(run.attempt_launcher_state(1), LauncherRecord(
+        attempt=1, status=LauncherStatus.REQUEUED, ended=now - 300, first_failure=Failure(
+            role="orchestrator", hung=True, time=now - 310,
+            reason="hung: no progress for 31 s (bound 30 s); last step 3, phase generating")))
+    attempt_2 = LauncherRecord(attempt=2, status=LauncherStatus.STOPPED, ended=now - 60, stop_signal=15,
+                               steps={"trainer": StepRecord(status=RoleState.STOPPED, exit_code=1)})
     atomic_write_json(run.attempt_launcher_state(2), attempt_2)
     atomic_write_json(run.launcher_state, attempt_2)
     row = "77+{c}\x1flab\x1f{state}\x1f0:0\x1f0:0\x1f00:01:00\x1fn{c}\x1f{start}\x1f{end}\x1fNone\n"
@@ -228,7 +234,7 @@ def test_a_requeued_job_says_how_each_earlier_attempt_ended(tmp_path, monkeypatc
     monkeypatch.setattr(slurm, "RUNNER", fake)
     status = collect(run)
     assert status.state == "PENDING"
-    assert [(e["attempt"], e["slurm_state"]) for e in status.earlier] == [(1, "REQUEUED"), (2, "NODE_FAIL")]
+    assert [(e.attempt, e.slurm_state) for e in status.earlier] == [(1, "REQUEUED"), (2, "NODE_FAIL")]
     assert any("--duplicates" in c for c in fake.calls[-1]) and status.slurm_commands == len(fake.calls)
     from rich.console import Console
 
@@ -238,7 +244,7 @@ def test_a_requeued_job_says_how_each_earlier_attempt_ended(tmp_path, monkeypatc
     assert "orchestrator HUNG (hung: no progress for 31 s" in text
     assert "attempt 2 ended" in text and "stopped by signal 15; Slurm: NODE_FAIL" in text
     # A job that has not been requeued asks Slurm nothing more.
-    atomic_write_json(run.launcher_state, {"attempt": 1, "status": "running", "steps": {}})
+    atomic_write_json(run.launcher_state, RUNNING)
     assert collect(run).earlier == []
 
 

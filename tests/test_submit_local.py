@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from prl.run.rundir import RunDir
+from prl.states import LauncherStatus
 from tests.helpers import REPO, prl_cli as prl, wait_for
 
 
@@ -32,7 +34,7 @@ def test_local_preflight_run_completes_with_the_slurm_layout(tmp_path, env, mode
     log = prl(env, "logs", run, "--role", "inference").stdout
     assert "preflight on" in log and "[   ok] run_dir" in log
     assert "already ended; nothing to cancel" in prl(env, "cancel", run).stdout
-    assert json.loads((run / "job.json").read_text())["cancelled"] is None
+    assert RunDir(run).read_job().cancelled is None
     doctor = prl(env, "doctor", run, "--role", "bogus", check=False)
     assert doctor.returncode == 2 and "this run's roles are inference, orchestrator, trainer" in doctor.stderr
     doctor = prl(env, "doctor", run, "--role", "trainer", "--lenient")
@@ -77,13 +79,12 @@ def test_ctrl_c_stops_every_role(tmp_path, env, model):
     wait_for("running", lambda: (run / "state" / "launcher.json").exists()
              and all(r["status"] == "running" for r in state(env, run)["roles"])
              and all((run / "state" / f"{r}.json").exists() for r in ("inference", "trainer")), 60)
-    pids = [json.loads((run / "state" / f"{r}.json").read_text())["pid"] for r in ("inference", "trainer")]
+    pids = [RunDir(run).read_state(r).pid for r in ("inference", "trainer")]
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 1, out + err
     assert "ended with exit code" in out
-    launcher = json.loads((run / "state" / "launcher.json").read_text())
-    assert launcher["status"] == "stopped"
+    assert RunDir(run).read_launcher().status == LauncherStatus.STOPPED
     for pid in pids:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):

@@ -118,11 +118,11 @@ def test_two_rank_fsdp_matches_single_process_reference(tiny, run_a):
     ):
         assert key in m and m[key] is not None, key
     assert m["loss_tokens"] == sum(sum(s.loss_mask) for s in make_samples(STEPS, vocab))
-    assert run_a.read_state("trainer")["status"] == "exited"
+    assert run_a.read_state("trainer").status == "exited"
     # Rank 1 beats on its own (the launcher sees it stop even while rank 0 still waits for rollouts).
     assert set(run_a.rank_heartbeats("trainer")) == {1}
-    assert run_a.rank_heartbeats("trainer")[1]["step"] == STEPS
-    assert run_a.rank_heartbeats("trainer")[1]["phase"] == "trained"
+    assert run_a.rank_heartbeats("trainer")[1].step == STEPS
+    assert run_a.rank_heartbeats("trainer")[1].phase == "trained"
 
 
 @pytest.mark.slow  # needs the 2-rank run (~35 s)

@@ -141,7 +141,7 @@ def wait_trainer_at(proc: subprocess.Popen, run: RunDir, step: int, timeout: flo
     """Until weights step-1 are published and the trainer's state says it works on `step`; fails with the
     trainer's output if it exits first."""
     deadline = time.monotonic() + timeout
-    while not (is_stable(run.weights(step - 1)) and (run.read_state("trainer") or {}).get("step") == step):
+    while not (is_stable(run.weights(step - 1)) and getattr(run.read_state("trainer"), "step", None) == step):
         assert proc.poll() is None, proc.stdout.read()
         assert time.monotonic() < deadline, f"trainer did not reach step {step}"
         time.sleep(0.2)

@@ -35,8 +35,9 @@ from typing import Any
 from prl.errors import SlurmError, disk_full
 from prl.log import get_logger, init_logging
 from prl.planner.model import Plan, Step
+from prl.run.records import DiskFull, Failure, LauncherRecord, ServerFailure, StepRecord, TaskExit
 from prl.run.rundir import RunDir, atomic_write_json, current_attempt, read_json
-from prl.states import JobState, LauncherStatus, RoleState
+from prl.states import Backend, JobState, LauncherStatus, RoleState, ServerAction
 
 log = get_logger(__name__)
 
@@ -74,7 +75,7 @@ class Running:
     """The process that runs each task now (one srun for all tasks of a step, or a restart's)."""
     task_started: dict[int, float] = field(default_factory=dict)
     """When each task's current incarnation started (exit records older than that are its predecessor's)."""
-    down: dict[int, dict] = field(default_factory=dict)
+    down: dict[int, ServerFailure] = field(default_factory=dict)
     """Tasks that ended and are not running again yet: task -> the failure event."""
     restarts: int = 0
 
@@ -109,11 +110,8 @@ class Launcher:
         self.signum: int | None = None
         self.slowest_step: dict[str, float] = {}
         self.wandb: subprocess.Popen | None = None
-        self.state: dict[str, Any] = {
-            "attempt": attempt, "mode": mode, "job_id": os.environ.get("SLURM_JOB_ID"), "pid": os.getpid(),
-            "started": time.time(), "status": LauncherStatus.STARTING, "steps": {}, "first_failure": None,
-            "ended": None,
-        }
+        self.state = LauncherRecord(attempt=attempt, mode=mode, job_id=os.environ.get("SLURM_JOB_ID"),
+                                    pid=os.getpid(), started=time.time(), status=LauncherStatus.STARTING)
 
     # -- bookkeeping
     def save(self) -> None:
@@ -136,10 +134,10 @@ class Launcher:
 
     def give_back_reserve(self) -> bool:
         """Note the full disk (once) and give back the reserve; True when that freed something to retry with."""
-        if "disk_full" not in self.state:
+        if self.state.disk_full is None:
             free = self.run.free_bytes()
             freed = self.run.release_reserve()
-            self.state["disk_full"] = {"time": time.time(), "free_bytes": free, "released_bytes": freed}
+            self.state.disk_full = DiskFull(time=time.time(), free_bytes=free, released_bytes=freed)
             log.error(f"the run directory's disk is full ({_mib(free)} free): released the launcher's "
                       f"{_mib(freed)} reserve to record the failure and stop the roles")
             return freed > 0
@@ -147,13 +145,16 @@ class Launcher:
 
     def disk_reason(self) -> str:
         """'; the run directory's disk is full (...)' when it is (or was, in this attempt), else ''."""
-        if "disk_full" not in self.state and not self.run.disk_low():
+        if self.state.disk_full is None and not self.run.disk_low():
             return ""
         self.give_back_reserve()
-        return f"; the run directory's disk is full ({_mib(self.state['disk_full']['free_bytes'])} free)"
+        return f"; the run directory's disk is full ({_mib(self.state.disk_full.free_bytes)} free)"
 
     def note_step(self, name: str, **fields: Any) -> None:
-        self.state["steps"].setdefault(name, {}).update(fields)
+        """Set `fields` (of `StepRecord`) in the role's step record and save."""
+        step = self.state.steps.setdefault(name, StepRecord())
+        for key, value in fields.items():
+            setattr(step, key, value)
         self.save()
 
     # -- starting roles
@@ -231,20 +232,20 @@ class Launcher:
             self.check_hangs()
 
     # -- servers: any exit before the job stops is a failure of that server
-    def ended_tasks(self, running: Running) -> dict[int, dict]:
+    def ended_tasks(self, running: Running) -> dict[int, TaskExit]:
         """Tasks of a server step whose current incarnation ended: task -> its exit record (made up from
         the process's code when the task could not write one)."""
         ended = {}
         for t, proc in running.task_proc.items():
             if t in running.down:
                 continue
-            record = read_json(self.run.task_exit(running.name, t))
-            if record and float(record.get("time", 0)) >= running.task_started[t]:
+            record = self.run.read_task_exit(running.name, t)
+            if record and record.time >= running.task_started[t]:
                 ended[t] = record
             elif proc.poll() is not None:
                 code = _code(proc.returncode)
-                ended[t] = {"exit_code": code, "time": time.time(), "node": None,
-                            "reason": f"task ended (exit {code}) without recording why"}
+                ended[t] = TaskExit(exit_code=code, time=time.time(),
+                                    reason=f"task ended (exit {code}) without recording why")
         return ended
 
     def check_servers(self, running: Running) -> None:
@@ -252,25 +253,25 @@ class Launcher:
         policy = self.plan.failure_policy(name)
         for t, record in sorted(self.ended_tasks(running).items()):
             server = self.plan.server(name, t)
-            code = int(record.get("exit_code") or 0)
-            reason = record.get("reason") or f"server exited with code {code} while the job was running"
-            event = {"time": float(record.get("time") or time.time()), "task": t, "replica": server.replica,
-                     "node": record.get("node"), "exit_code": code, "reason": reason}
+            code = record.exit_code
+            reason = record.reason or f"server exited with code {code} while the job was running"
+            event = ServerFailure(time=record.time, task=t, replica=server.replica, node=record.node, exit_code=code,
+                                  reason=reason)
             running.down[t] = event
             if server.head:  # its task withdraws it too, unless it was killed outright
                 self.run.endpoint(name, server.replica).unlink(missing_ok=True)
             self.run.task_ready(name, t).unlink(missing_ok=True)
-            if record.get("with_replica"):  # stopped by us (below): the replica's failure is already recorded
+            if record.with_replica:  # stopped by us (below): the replica's failure is already recorded
                 log.info(f"{name} task {t} (replica {server.replica}) stopped with its replica")
                 continue
-            log.warning(f"{name} task {t} (replica {server.replica}, node {event['node']}): {reason}")
-            if policy.policy != "restart" or running.restarts >= policy.max_restarts or record.get("lasting"):
+            log.warning(f"{name} task {t} (replica {server.replica}, node {event.node}): {reason}")
+            if policy.policy != "restart" or running.restarts >= policy.max_restarts or record.lasting:
                 why = ("" if policy.policy != "restart" else "; not restarted: it would fail the same way on that node"
-                       if record.get("lasting") else f" after {running.restarts} restart(s) (max_restarts)")
-                event["action"] = "failed"
+                       if record.lasting else f" after {running.restarts} restart(s) (max_restarts)")
+                event.action = ServerAction.FAILED
                 self._record_event(running, event)
                 raise RoleFailed(name, code or 1, f"task {t} (replica {server.replica}): {reason}{why}")
-            event["action"] = "restarting"
+            event.action = ServerAction.RESTARTING
             self._record_event(running, event)
         self.stop_replica_rest(running)
         self.restart_replicas(running)
@@ -294,33 +295,31 @@ class Launcher:
             tasks = [s.task for s in self.plan.role_servers(running.name) if s.replica == replica]
             if not all(t in running.down for t in tasks):
                 continue  # wait for the rest of the replica to go
-            nodes = [running.down[t].get("node") or "" for t in tasks]
+            nodes = [running.down[t].node or "" for t in tasks]
             running.restarts += 1
             self.run.replica_stop(running.name, replica).unlink(missing_ok=True)
             for t in tasks:
                 self.run.task_exit(running.name, t).unlink(missing_ok=True)
-                event = running.down.pop(t)
-                event["restarted"] = time.time()
+                running.down.pop(t).restarted = time.time()
             log.warning(f"restarting {running.name} replica {replica} (tasks {tasks}, restart "
                         f"{running.restarts}/{self.plan.failure_policy(running.name).max_restarts})")
             self.spawn(running, tasks, restart=running.restarts, nodes=nodes)
             self.note_step(running.name, restarts=running.restarts)
 
-    def _record_event(self, running: Running, event: dict) -> None:
-        events = self.state["steps"].setdefault(running.name, {}).setdefault("failures", [])
-        events.append(event)
+    def _record_event(self, running: Running, event: ServerFailure) -> None:
+        self.state.steps.setdefault(running.name, StepRecord()).failures.append(event)
         self.save()
 
     def note_restarted_ready(self, running: Running) -> None:
         """Time each restarted server until it is ready again (the orchestrator may then use it)."""
         changed = False
-        for event in self.state["steps"].get(running.name, {}).get("failures", []):
-            if event.get("action") == "restarting" and "restarted" in event and "ready_after_s" not in event:
-                marker = read_json(self.run.task_ready(running.name, event["task"]))
-                if marker and float(marker["time"]) >= event["restarted"]:
-                    event["ready_after_s"] = round(float(marker["time"]) - event["time"], 1)
-                    event["action"] = "restarted"
-                    log.info(f"{running.name} task {event['task']} ready again, {event['ready_after_s']} s "
+        for event in self.state.step(running.name).failures:
+            if event.action == ServerAction.RESTARTING and event.restarted is not None and event.ready_after_s is None:
+                marker = read_json(self.run.task_ready(running.name, event.task))
+                if marker and float(marker["time"]) >= event.restarted:
+                    event.ready_after_s = round(float(marker["time"]) - event.time, 1)
+                    event.action = ServerAction.RESTARTED
+                    log.info(f"{running.name} task {event.task} ready again, {event.ready_after_s} s "
                              f"after it failed")
                     changed = True
         if changed:
@@ -333,37 +332,37 @@ class Launcher:
             running = self.running.get(name)
             if running is None or running.exit_code is not None:
                 continue
-            state = self.run.read_state(name) or {}
-            if int(state.get("attempt") or -1) != self.attempt:
+            state = self.run.read_state(name)
+            if state is None or state.attempt != self.attempt:
                 continue
-            beat, started = float(state.get("heartbeat") or 0), float(state.get("started") or 0)
+            beat, started = state.heartbeat or 0.0, state.started or 0.0
             if beat <= started:
                 continue  # still starting (loading a model): its loop has not reported yet
-            slowest = max(self.slowest_step.get(name, 0.0), float(state.get("step_s") or 0.0))
+            slowest = max(self.slowest_step.get(name, 0.0), state.step_s or 0.0)
             self.slowest_step[name] = slowest
             bound = self.plan.hang_bound(slowest or None)
             # The stalest rank: rank 0 keeps beating while it waits for work, so a stopped rank 1 would
             # otherwise show only once rank 0 blocks on it, a whole wait later.
-            ranks = [(beat, 0, state)] + [
-                (float(b["heartbeat"]), rank, b) for rank, b in self.run.rank_heartbeats(name).items()
-                if int(b.get("attempt") or -1) == self.attempt and float(b.get("heartbeat") or 0) > started]
-            beat, rank, last = min(ranks, key=lambda r: r[0])
+            ranks = [(beat, 0, state.step, state.phase)] + [
+                (b.heartbeat, rank, b.step, b.phase) for rank, b in self.run.rank_heartbeats(name).items()
+                if b.attempt == self.attempt and b.heartbeat > started]
+            beat, rank, step, phase = min(ranks, key=lambda r: r[0])
             age = now - beat
             if age > bound:
                 where = f" on rank {rank}" if rank else ""
                 self.note_step(name, status=RoleState.HUNG, hung_at=now, last_heartbeat=beat, hung_rank=rank,
-                               last_step=last.get("step"), last_phase=last.get("phase"), hang_bound_s=bound)
+                               last_step=step, last_phase=phase, hang_bound_s=bound)
                 raise RoleHung(name, 1, f"hung: no progress{where} for {age:.0f} s (bound {bound:.0f} s); "
-                                        f"last step {last.get('step', '-')}, phase {last.get('phase', '-')}")
+                                        f"last step {_or_dash(step)}, phase {_or_dash(phase)}")
 
     def first_task_failure(self, name: str, tasks: int, fallback: int) -> tuple[int, int | None]:
         """The exit code of the task that failed first: srun reports the step's worst, often a
         sibling killed by --kill-on-bad-exit (143) rather than the cause."""
         records = []
         for task in range(tasks):
-            record = read_json(self.run.task_exit(name, task))
-            if record and record["exit_code"] != 0:
-                records.append((record["time"], record["exit_code"], task))
+            record = self.run.read_task_exit(name, task)
+            if record and record.exit_code != 0:
+                records.append((record.time, record.exit_code, task))
         if not records:
             return fallback, None
         _, code, task = min(records)
@@ -427,9 +426,10 @@ class Launcher:
             if running.exit_code is None:
                 code = running.poll()
                 running.exit_code = code
-                record = self.state["steps"][name]
-                hung = record.get("status") == RoleState.HUNG
-                record.update(exit_code=code, ended=time.time(), status=RoleState.HUNG if hung else RoleState.STOPPED)
+                record = self.state.steps[name]
+                record.exit_code, record.ended = code, time.time()
+                if record.status != RoleState.HUNG:
+                    record.status = RoleState.STOPPED
         self.save()
 
     def _signal(self, proc: subprocess.Popen, signum: int) -> None:
@@ -442,7 +442,7 @@ class Launcher:
             pass
 
     def finish(self, status: LauncherStatus, code: int) -> int:
-        self.state.update(status=status, ended=time.time(), exit_code=code)
+        self.state.status, self.state.ended, self.state.exit_code = status, time.time(), code
         self.save()
         # Kept beside the attempt's logs: the next attempt's launcher.json replaces this one (restarts, hangs).
         self.write(self.run.attempt_launcher_state(self.attempt), self.state)
@@ -485,21 +485,21 @@ class Launcher:
             for step in self.plan.steps:
                 self.wait_ready(step.start_after)
                 self.start(step)
-            self.state["status"] = LauncherStatus.RUNNING
+            self.state.status = LauncherStatus.RUNNING
             self.save()
             self.wait_done()
         except RoleHung as hung:
-            self.state["first_failure"] = {"role": hung.role, "exit_code": None, "reason": hung.reason + self.disk_reason(),
-                                           "time": time.time(), "hung": True}
-            self.state["status"] = LauncherStatus.STOPPING
+            self.state.first_failure = Failure(role=hung.role, reason=hung.reason + self.disk_reason(),
+                                               time=time.time(), hung=True)
+            self.state.status = LauncherStatus.STOPPING
             log.error(f"{hung.role} {hung.reason}; stopping the job")
             self.stop_all()
             if self.slurm and self.plan.requeue:
                 return self.requeue()
             return self.finish(LauncherStatus.FAILED, 1)
         except RoleFailed as failure:
-            self.state["first_failure"] = {"role": failure.role, "exit_code": failure.code,
-                                           "reason": failure.reason + self.disk_reason(), "time": time.time()}
+            self.state.first_failure = Failure(role=failure.role, exit_code=failure.code,
+                                               reason=failure.reason + self.disk_reason(), time=time.time())
             log.error(f"{failure.role} failed ({failure.reason}); stopping the other roles")
             self.stop_all()
             return self.finish(LauncherStatus.FAILED, failure.code or 1)
@@ -511,7 +511,7 @@ class Launcher:
     def stopped(self) -> int:
         signum = self.signum or signal.SIGTERM
         # Recorded first: on scancel Slurm may kill this process before the roles are down.
-        self.state.update(status=LauncherStatus.STOPPING, stop_signal=signum, stop_time=time.time())
+        self.state.status, self.state.stop_signal, self.state.stop_time = LauncherStatus.STOPPING, signum, time.time()
         self.save()
         warning = self.slurm and _time_limit_warning()
         log.warning(f"signal {signum}{' (time-limit warning)' if warning else ''}: stopping every role")
@@ -531,6 +531,10 @@ class Launcher:
             log.error(f"could not requeue the job: {exc}")
             return self.finish(LauncherStatus.FAILED, 1)
         return code
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
 
 
 def _mib(size: int | None) -> str:
@@ -578,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning(f"no room for the launcher's disk reserve in {run.root} ({_mib(run.free_bytes())} free)")
     for step in plan.steps:
         state = run.read_state(step.name)
-        if state and state.get("status") == RoleState.RUNNING and int(state.get("attempt", 0)) < attempt:
+        if state and state.status == RoleState.RUNNING and (state.attempt or 0) < attempt:
             run.write_state(step.name, status=RoleState.INTERRUPTED)
     launcher = Launcher(run, plan, attempt, slurm, os.environ.get("PRL_MODE", "run"))
 
@@ -587,7 +591,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    log.info(f"attempt {attempt} of {plan.name} in {run.root} ({'slurm' if slurm else 'local'}, mode {launcher.mode})")
+    backend = Backend.SLURM if slurm else Backend.LOCAL
+    log.info(f"attempt {attempt} of {plan.name} in {run.root} ({backend}, mode {launcher.mode})")
     return launcher.main()
 
 

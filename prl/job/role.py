@@ -26,6 +26,7 @@ from prl.job import doctor
 from prl.job.runtimes import run_role
 from prl.log import get_logger, init_logging
 from prl.planner.model import Plan
+from prl.run.records import TaskExit
 from prl.run.rundir import RunDir, atomic_write_json, current_attempt
 
 log = get_logger(__name__)
@@ -127,18 +128,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def record_exit(run: RunDir, role: str, code: int, stop: _Stop) -> int:
     """Write this task's exit record (state/exits/<role>.<task>.json) and return the task's exit code."""
-    record = {"exit_code": code, "time": time.time(), "host": socket.gethostname(),
-              "node": os.environ.get("SLURMD_NODENAME", socket.gethostname())}
+    record = TaskExit(exit_code=code, time=time.time(), host=socket.gethostname(),
+                      node=os.environ.get("SLURMD_NODENAME", socket.gethostname()))
     watched = role in SERVER_ROLES and os.environ.get("PRL_MODE", "run") == "run"
     if watched and stop.with_replica:
-        record.update(with_replica=True, reason="stopped with its replica (another of its tasks failed)")
+        record.with_replica, record.reason = True, "stopped with its replica (another of its tasks failed)"
     elif watched and not stop.stopping:
         # A server has no reason to end before the job stops: whatever its code, that is a failure.
-        record.update(failed=True, reason=stop.failure or f"server exited with code {code} while the job was running",
-                      lasting=stop.lasting)
-        log.error(record["reason"])
+        record.failed, record.lasting = True, stop.lasting
+        record.reason = stop.failure or f"server exited with code {code} while the job was running"
+        log.error(record.reason)
     try:
-        atomic_write_json(run.task_exit(role, task_index()), record)
+        run.write_task_exit(role, task_index(), record)
     except OSError as exc:  # a full disk: the launcher still sees the exit code
         log.error(f"cannot record this task's exit: {exc.strerror} ({exc.filename})")
     if watched and Plan.read(run).failure_policy(role).policy == "restart":

@@ -204,8 +204,8 @@ def run_orchestrator(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
     started = time.time()
 
     def heartbeating() -> bool:
-        state = run.read_state("orchestrator") or {}
-        return state.get("status") == RoleState.RUNNING and float(state.get("heartbeat") or 0) >= started
+        state = run.read_state("orchestrator")
+        return state is not None and state.status == RoleState.RUNNING and (state.heartbeat or 0.0) >= started
 
     argv = [sys.executable, "-m", "prl.orchestrator", "--run-dir", str(run.root)]
     env = {**os.environ, API_KEY_VAR: run.read_api_key()}

@@ -19,22 +19,22 @@ from prl.errors import ConfigError
 from prl.planner.model import Plan
 from prl.run.rundir import RunDir
 from prl.ops.status import log_tail
-from prl.ops.registry import read_job
-from prl.states import LAUNCHER_ENDED
+from prl.states import LAUNCHER_ENDED, Backend
 
 FOLLOW_POLL = 0.5
 QUIET_AFTER_END = 2.0
 
 
 def default_role(run: RunDir, plan: Plan) -> str:
-    failure = run.read_launcher().get("first_failure")
-    return failure["role"] if failure else plan.steps[-1].name
+    launcher = run.read_launcher()
+    failure = launcher.first_failure if launcher else None
+    return failure.role if failure else plan.steps[-1].name
 
 
 def log_path(run: RunDir, role: str, rank: int, attempt: int | None) -> Path:
     if role == "launcher":
-        job = read_job(run) or {"backend": "local", "job_id": None}
-        return run.launcher_log(job["backend"], job["job_id"])
+        job = run.read_job()
+        return run.launcher_log(job.backend, job.job_id) if job else run.launcher_log(Backend.LOCAL)
     names = Plan.read(run).role_names
     if role not in names:
         raise ConfigError(f"no role {role!r} in this run; roles: {', '.join(names)}, launcher")
@@ -51,7 +51,8 @@ def log_path(run: RunDir, role: str, rank: int, attempt: int | None) -> Path:
 
 
 def _ended(run: RunDir) -> bool:
-    return run.read_launcher().get("status") in LAUNCHER_ENDED
+    launcher = run.read_launcher()
+    return launcher is not None and launcher.status in LAUNCHER_ENDED
 
 
 def follow(run: RunDir, role: str, rank: int, start_lines: int, out: TextIO = sys.stdout,

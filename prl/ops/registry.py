@@ -1,16 +1,28 @@
 """Which runs this user submitted: `$PRL_HOME/runs.jsonl` (default ~/.local/state/prl), one line per
-submission, and a run's job handle (`RUN/job.json`). Light: `prl status` and `prl logs` import this,
-not the planner.
+submission. Light: `prl status` and `prl logs` import this, not the planner. A run's own job handle
+(`RUN/job.json`) is `RunDir.read_job`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any
 
+import msgspec
+
+from prl.run.records import JobRecord
 from prl.run.rundir import RunDir
+from prl.states import Backend
+
+
+class Entry(msgspec.Struct, kw_only=True):
+    """One line of the registry: a submission."""
+
+    run_dir: str
+    job_id: str
+    name: str
+    submitted: float
+    backend: Backend
 
 
 def registry_path() -> Path:
@@ -18,35 +30,27 @@ def registry_path() -> Path:
     return Path(home) / "runs.jsonl"
 
 
-def register(run: RunDir, job: dict[str, Any]) -> None:
+def register(run: RunDir, job: JobRecord) -> None:
     """Append one submission (a single O_APPEND write, so concurrent submits never interleave)."""
     path = registry_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"run_dir": str(run.root), "job_id": job["job_id"], "name": job["name"],
-                       "submitted": job["submitted"], "backend": job["backend"]}) + "\n"
+    entry = Entry(run_dir=str(run.root), job_id=job.job_id, name=job.name, submitted=job.submitted,
+                  backend=job.backend)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line.encode())
+        os.write(fd, msgspec.json.encode(entry) + b"\n")
     finally:
         os.close(fd)
 
 
-def entries() -> list[dict[str, Any]]:
-    """Every registered submission, oldest first; torn lines skipped."""
+def entries() -> list[Entry]:
+    """Every registered submission, oldest first; torn (or foreign) lines skipped."""
     if not registry_path().exists():
         return []
     out = []
-    for line in registry_path().read_text().splitlines():
+    for line in registry_path().read_bytes().splitlines():
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+            out.append(msgspec.json.decode(line, type=Entry))
+        except msgspec.DecodeError:
             continue
     return out
-
-
-def read_job(run: RunDir) -> dict[str, Any] | None:
-    """The run's job handle, or None if nothing was submitted from it."""
-    try:
-        return json.loads(run.job_json.read_text())
-    except FileNotFoundError:
-        return None

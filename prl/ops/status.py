@@ -16,15 +16,18 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import msgspec
 
 from prl.errors import ConfigError, SlurmError
-from prl.planner.model import Plan
+from prl.planner.model import Plan, Step
+from prl.run.records import Failure, JobRecord, LauncherRecord, RoleStateRecord, ServerFailure, StepRecord
 from prl.run.rundir import RunDir, pid_alive, read_json
-from prl.ops.registry import entries, read_job, registry_path
-from prl.states import TERMINAL_STATES, JobState, LauncherStatus, RoleState
+from prl.ops.registry import entries, registry_path
+from prl.states import TERMINAL_STATES, Backend, JobState, LauncherStatus, RoleState, ServerAction
 
 LOG_TAIL_LINES = 15
 
@@ -45,8 +48,29 @@ class RoleRow:
     step: int | None = None
     restarts: int = 0
     """Servers of this role restarted in this attempt (launcher.json `restarts`)."""
-    failures: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[ServerFailure] = field(default_factory=list)
     """Each server failure of this attempt: task, replica, node, reason, action, ready_after_s."""
+
+
+class ShownFailure(Failure, kw_only=True):
+    """The first failure of the attempt, with the log of its failed task and that log's last lines."""
+
+    log: str | None = None
+    log_tail: list[str] = msgspec.field(default_factory=list)
+
+
+@dataclass
+class Earlier:
+    """How one earlier attempt of the run ended."""
+
+    attempt: int
+    status: LauncherStatus | str
+    """The launcher's last status of that attempt; 'killed' when it recorded none."""
+    ended: float | None
+    failure: Failure | None
+    stop_signal: int | None
+    slurm_state: str | None = None
+    """Slurm's end state of that run of the job (e.g. NODE_FAIL: the launcher cannot record that)."""
 
 
 @dataclass
@@ -54,21 +78,22 @@ class Status:
     run_dir: str
     name: str
     job_id: str | None
-    backend: str
+    backend: Backend | Literal["none"]
+    """Where the job runs; 'none' before it was submitted."""
     state: JobState
     attempt: int | None
     mode: str | None
     roles: list[RoleRow]
     progress: dict[str, Any]
-    failure: dict[str, Any] | None
+    failure: ShownFailure | None
     notes: list[str] = field(default_factory=list)
     slurm_commands: int = 0
-    earlier: list[dict[str, Any]] = field(default_factory=list)
+    earlier: list[Earlier] = field(default_factory=list)
     """How each earlier attempt of the run ended: attempt, status, first failure, stop signal, and (Slurm) the
     job's state for that run, e.g. NODE_FAIL."""
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
+        return json.dumps(msgspec.to_builtins(self), indent=2, sort_keys=True)
 
 
 def resolve_run(arg: str | None) -> RunDir:
@@ -80,13 +105,13 @@ def resolve_run(arg: str | None) -> RunDir:
         return run
     known = entries()
     if arg:
-        matches = [e for e in known if str(e.get("job_id")) == arg]
+        matches = [e for e in known if e.job_id == arg]
         if not matches:
             raise ConfigError(f"job {arg} is not in the run registry ({registry_path()}); pass its run directory")
-        return RunDir(matches[-1]["run_dir"])
+        return RunDir(matches[-1].run_dir)
     for entry in reversed(known):
-        if Path(entry["run_dir"], "plan.json").exists():
-            return RunDir(entry["run_dir"])
+        if Path(entry.run_dir, "plan.json").exists():
+            return RunDir(entry.run_dir)
     raise ConfigError(f"no runs submitted yet (registry {registry_path()}); pass a run directory")
 
 
@@ -114,10 +139,9 @@ _LAUNCHER_TO_JOB = {
     LauncherStatus.REQUEUED: JobState.REQUEUED,
 }
 _LAUNCHER_LIVE = (None, LauncherStatus.STARTING, LauncherStatus.RUNNING)
-_ROLE_STATES = {s.value for s in RoleState}
 
 
-def _launcher_state(status: str | None, cancelled: bool) -> JobState:
+def _launcher_state(status: LauncherStatus | None, cancelled: bool) -> JobState:
     """The job's state from the launcher's record alone: no record yet is PENDING; a stop is CANCELLED
     when the user cancelled, else STOPPED."""
     if not status:
@@ -125,101 +149,107 @@ def _launcher_state(status: str | None, cancelled: bool) -> JobState:
     return _LAUNCHER_TO_JOB.get(status, JobState.CANCELLED if cancelled else JobState.STOPPED)
 
 
-def _role_status(launched: dict[str, Any], role_state: dict[str, Any], submitted: bool,
+def _role_status(launched: StepRecord | None, role_state: RoleStateRecord | None, submitted: bool,
                  ended: bool) -> RoleState | str:
     """The launcher's view of a role, else the role's own; a role still 'running' in a job that ended was killed."""
-    status = launched.get("status") or role_state.get("status") or ""
-    if not launched and submitted:
+    status = (launched and launched.status) or (role_state and role_state.status) or ""
+    if launched is None and submitted:
         return RoleState.NOT_STARTED if ended else RoleState.WAITING
     if ended and status == RoleState.RUNNING:
         return RoleState.KILLED
-    if status == RoleState.RUNNING and any(f.get("action") == "restarting" for f in launched.get("failures", [])):
+    if status == RoleState.RUNNING and launched and any(f.action == ServerAction.RESTARTING for f in launched.failures):
         return RoleState.RESTARTING
-    return RoleState(status) if status in _ROLE_STATES else status
+    return status
 
 
 def collect(run: RunDir) -> Status:
     plan = Plan.read(run)
-    job = read_job(run)
+    job = run.read_job()
     launcher = run.read_launcher()
     notes: list[str] = []
-    backend = job["backend"] if job else "none"
-    rows, commands = _slurm_rows(job, notes) if backend == "slurm" else (None, 0)
+    backend = job.backend if job else "none"
+    rows, commands = _slurm_rows(job, notes) if job and job.backend == Backend.SLURM else (None, 0)
     state = _job_state(job, launcher, rows, notes)
     roles = [_role_row(run, plan, step, job, launcher, rows, state) for step in plan.steps]
-    attempt = launcher.get("attempt")
-    full = launcher.get("disk_full")
+    _disk_note(run, launcher, notes)
+    earlier = _earlier_attempts(run, job, launcher, state)
+    if earlier and job and job.backend == Backend.SLURM:
+        commands += _slurm_ends(job, earlier, notes)
+    mode = launcher.mode if launcher else job.mode if job else None
+    return Status(str(run.root), plan.name, job.job_id if job else None, backend, state,
+                  launcher.attempt if launcher else None, mode, roles, _progress(run, plan),
+                  _failure(run, launcher), notes, commands, earlier)
+
+
+def _disk_note(run: RunDir, launcher: LauncherRecord | None, notes: list[str]) -> None:
+    """A note when the run directory's disk is full now, or was when the launcher last looked."""
+    full = launcher.disk_full if launcher else None
     if full or run.disk_low():
-        when = time.strftime(" at %H:%M:%S", time.localtime(full["time"])) if full else ""
+        when = time.strftime(" at %H:%M:%S", time.localtime(full.time)) if full else ""
         free = run.free_bytes()
         now = "?" if free is None else f"{free / (1 << 20):.1f}"
         notes.append(f"the run directory's disk is full{when} ({now} MiB free now): make room, "
                      f"then `prl submit --resume` continues from the last checkpoint")
-    earlier = _earlier_attempts(run, job, launcher, state)
-    if earlier and backend == "slurm":
-        commands += _slurm_ends(job, earlier, notes)
-    return Status(str(run.root), plan.name, job["job_id"] if job else None, backend, state, attempt,
-                  launcher.get("mode") or (job or {}).get("mode"), roles, _progress(run, plan),
-                  _failure(run, launcher), notes, commands, earlier)
 
 
-def _earlier_attempts(run: RunDir, job: dict[str, Any] | None, launcher: dict[str, Any],
-                      state: JobState) -> list[dict[str, Any]]:
+def _earlier_attempts(run: RunDir, job: JobRecord | None, launcher: LauncherRecord | None,
+                      state: JobState) -> list[Earlier]:
     """The attempts of this submission before the current one (and the current one, if it ended and the job
     waits to run again: requeued), from each attempt's own launcher record."""
-    current = int(launcher.get("attempt") or 0)
-    base = int((job or {}).get("attempt_base") or 0)
-    waiting = state in (JobState.PENDING, JobState.REQUEUED) and launcher.get("status") not in _LAUNCHER_LIVE
+    current = launcher.attempt if launcher else 0
+    base = job.attempt_base if job else 0
+    waiting = state in (JobState.PENDING, JobState.REQUEUED) and (launcher and launcher.status) not in _LAUNCHER_LIVE
     out = []
     for attempt in run.attempts():
         if attempt <= base or attempt > current or (attempt == current and not waiting):
             continue
-        record = read_json(run.attempt_launcher_state(attempt)) or {}
-        first = record.get("first_failure") or {}
-        out.append({"attempt": attempt, "status": record.get("status") or "killed", "ended": record.get("ended"),
-                    "failure": {k: first[k] for k in ("role", "reason", "hung", "exit_code") if k in first} or None,
-                    "stop_signal": record.get("stop_signal"), "slurm_state": None})
+        record = run.read_launcher(attempt)
+        if record is None:
+            out.append(Earlier(attempt, RoleState.KILLED, None, None, None))
+        else:
+            out.append(Earlier(attempt, record.status or RoleState.KILLED, record.ended, record.first_failure,
+                               record.stop_signal))
     return out
 
 
-def _slurm_ends(job: dict[str, Any], earlier: list[dict[str, Any]], notes: list[str]) -> int:
+def _slurm_ends(job: JobRecord, earlier: list[Earlier], notes: list[str]) -> int:
     """Fill in Slurm's end state of each earlier attempt (run k of the job is attempt base + k); one sacct."""
     from prl.ops import slurm
 
     before = slurm.commands_run()
     try:
-        runs = slurm.sacct_runs(job["job_id"])
+        runs = slurm.sacct_runs(job.job_id)
     except SlurmError as exc:
         notes.append(f"Slurm's record of earlier attempts is unavailable ({str(exc).splitlines()[0]})")
         runs = None
-    base = int(job.get("attempt_base") or 0)
     for entry in earlier:
-        index = entry["attempt"] - base - 1
+        index = entry.attempt - job.attempt_base - 1
         if runs and 0 <= index < len(runs):
-            entry["slurm_state"] = str(slurm.merge_state(runs[index].values()))
+            entry.slurm_state = str(slurm.merge_state(runs[index].values()))
     return slurm.commands_run() - before
 
 
-def _slurm_rows(job: dict[str, Any], notes: list[str]) -> tuple[dict[str, Any] | None, int]:
+def _slurm_rows(job: JobRecord, notes: list[str]) -> tuple[dict[str, Any] | None, int]:
     """Slurm's rows of the job's components (None when Slurm could not be asked) and the commands it took."""
     from prl.ops import slurm
 
     before = slurm.commands_run()
     rows = None
     try:
-        rows = slurm.query_jobs([job["job_id"]])
+        rows = slurm.query_jobs([job.job_id])
     except SlurmError as exc:
         notes.append(f"Slurm could not be asked ({str(exc).splitlines()[0]}); state may be stale")
     return rows, slurm.commands_run() - before
 
 
-def _job_state(job: dict[str, Any] | None, launcher: dict[str, Any], rows: dict[str, Any] | None,
+def _job_state(job: JobRecord | None, launcher: LauncherRecord | None, rows: dict[str, Any] | None,
                notes: list[str]) -> JobState:
     """The job's state: Slurm's (the worst component), else the launcher's record, else the local pid."""
-    cancelled = bool(job and job.get("cancelled"))
     if job is None:
         return JobState.PLANNED
-    if job["backend"] == "slurm":
+    cancelled = job.cancelled is not None
+    status = launcher.status if launcher else None
+    if job.backend == Backend.SLURM:
         from prl.ops import slurm
 
         if rows is None:
@@ -228,38 +258,38 @@ def _job_state(job: dict[str, Any] | None, launcher: dict[str, Any], rows: dict[
             return slurm.merge_state(rows.values())
         # Neither the controller nor accounting knows the job any more: the launcher's record decides.
         notes.append("Slurm no longer knows this job (no accounting?); state from the run directory")
-        return _launcher_state(launcher.get("status"), cancelled)
-    alive = pid_alive(job.get("pid"))
-    if alive and launcher.get("status") == LauncherStatus.STOPPING:
+        return _launcher_state(status, cancelled)
+    alive = pid_alive(job.pid)
+    if alive and status == LauncherStatus.STOPPING:
         return JobState.STOPPING
-    if alive and launcher.get("status") in _LAUNCHER_LIVE:
+    if alive and status in _LAUNCHER_LIVE:
         return JobState.RUNNING
-    if launcher.get("status") in _LAUNCHER_LIVE:
+    if status in _LAUNCHER_LIVE:
         notes.append("the local launcher died without recording an end")
         return JobState.FAILED
-    return _launcher_state(launcher.get("status"), cancelled)
+    return _launcher_state(status, cancelled)
 
 
-def _role_row(run: RunDir, plan: Plan, step: Any, job: dict[str, Any] | None, launcher: dict[str, Any],
+def _role_row(run: RunDir, plan: Plan, step: Step, job: JobRecord | None, launcher: LauncherRecord | None,
               rows: dict[str, Any] | None, state: JobState) -> RoleRow:
-    slurm_job = bool(job and job["backend"] == "slurm")
-    component = (f"{job['job_id']}+{step.group}" if plan.hetjob else job["job_id"]) if slurm_job else ""
+    slurm_job = job is not None and job.backend == Backend.SLURM
+    component = (f"{job.job_id}+{step.group}" if plan.hetjob else job.job_id) if slurm_job else ""
     slurm_row = (rows or {}).get(component) if slurm_job else None
-    role_state = run.read_state(step.name) or {}
-    launched = launcher.get("steps", {}).get(step.name, {})
-    heartbeat = role_state.get("heartbeat")
+    role_state = run.read_state(step.name)
+    launched = launcher.steps.get(step.name) if launcher else None
+    heartbeat = role_state.heartbeat if role_state else None
     return RoleRow(
         role=step.name, component=component,
         slurm_state=slurm_row.state if slurm_row else (JobState.UNKNOWN if rows is None and slurm_job else ""),
         nodes=slurm_row.nodes if slurm_row else "",
         elapsed=slurm_row.elapsed if slurm_row else None,
         reason=slurm_row.reason if slurm_row and slurm_row.state == JobState.PENDING else "",
-        exit_code=launched.get("exit_code"),
+        exit_code=launched.exit_code if launched else None,
         status=_role_status(launched, role_state, job is not None, state in TERMINAL_STATES),
         heartbeat_age=round(time.time() - heartbeat, 1) if heartbeat else None,
-        step=role_state.get("step"),
-        restarts=int(launched.get("restarts") or 0),
-        failures=list(launched.get("failures") or []),
+        step=role_state.step if role_state else None,
+        restarts=launched.restarts if launched else 0,
+        failures=list(launched.failures) if launched else [],
     )
 
 
@@ -282,29 +312,37 @@ def _progress(run: RunDir, plan: Plan) -> dict[str, Any]:
     return progress
 
 
-def _failure(run: RunDir, launcher: dict[str, Any]) -> dict[str, Any] | None:
+
+
+def _failure(run: RunDir, launcher: LauncherRecord | None) -> ShownFailure | None:
     """The first role that failed, with the log of its failed task and that log's last lines."""
-    first = launcher.get("first_failure")
-    if not first:
+    first = launcher.first_failure if launcher else None
+    if first is None:
         return None
-    log = _failed_log(run, int(launcher.get("attempt")), first["role"])
-    return {**first, "log": str(log) if log else None, "log_tail": log_tail(log) if log else []}
+    log = _failed_log(run, launcher.attempt, first.role)
+    return ShownFailure(**msgspec.structs.asdict(first), log=str(log) if log else None,
+                        log_tail=log_tail(log) if log else [])
 
 
-def _attempt_line(entry: dict[str, Any]) -> str:
+def _failure_line(f: Failure) -> str:
+    """'<role> HUNG (<reason>)' or '<role> exited <code> (<reason>)'."""
+    what = RoleState.HUNG if f.hung else f"exited {f.exit_code}"
+    return f"{f.role} {what} ({f.reason})"
+
+
+def _attempt_line(entry: Earlier) -> str:
     """'attempt 1 ended: <why>', the why from the launcher's record and Slurm's end state of that run."""
-    f, why = entry.get("failure"), []
-    if f:
-        what = RoleState.HUNG if f.get("hung") else f"exited {f.get('exit_code')}"
-        why.append(f"{f['role']} {what} ({f['reason']})")
-    elif entry.get("stop_signal"):
-        why.append(f"stopped by signal {entry['stop_signal']}")
+    if entry.failure:
+        why = [_failure_line(entry.failure)]
+    elif entry.stop_signal:
+        why = [f"stopped by signal {entry.stop_signal}"]
     else:
-        why.append(str(entry["status"]))
-    if entry.get("slurm_state"):
-        why.append(f"Slurm: {entry['slurm_state']}")
-    when = time.strftime(" at %H:%M:%S", time.localtime(entry["ended"])) if entry.get("ended") else ""
-    return f"attempt {entry['attempt']} ended{when}: " + "; ".join(why)
+        why = [str(entry.status)]
+    if entry.slurm_state:
+        why.append(f"Slurm: {entry.slurm_state}")
+    when = time.strftime(" at %H:%M:%S", time.localtime(entry.ended)) if entry.ended else ""
+    return f"attempt {entry.attempt} ended{when}: " + "; ".join(why)
+
 
 
 def _or_dash(value: Any, spec: str = "") -> str:
@@ -346,9 +384,9 @@ def show(status: Status, console: Any = None) -> None:
     console.print(table)
     for r in status.roles:
         for f in r.failures:
-            back = f" (serving again {f['ready_after_s']} s after)" if "ready_after_s" in f else ""
-            console.print(f"[yellow]{r.role} replica {f['replica']} (task {f['task']}, node {f.get('node') or '-'}): "
-                          f"{f['reason']}; {f.get('action', '-')}{back}[/yellow]", highlight=False)
+            back = f" (serving again {f.ready_after_s} s after)" if f.ready_after_s is not None else ""
+            console.print(f"[yellow]{r.role} replica {f.replica} (task {f.task}, node {f.node or '-'}): "
+                          f"{f.reason}; {f.action or '-'}{back}[/yellow]", highlight=False)
     p = status.progress
     if "last_loss" in p:
         console.print(f"progress: trainer step {_or_dash(p['trainer_step'])}, loss {_or_dash(p['last_loss'], '.4f')}, "
@@ -362,11 +400,8 @@ def show(status: Status, console: Any = None) -> None:
         console.print(f"[yellow]note:[/yellow] {note}")
     if status.failure:
         f = status.failure
-        if f.get("hung"):
-            console.print(f"[red]first failure: {f['role']} {RoleState.HUNG} ({f['reason']})[/red]")
-        else:
-            console.print(f"[red]first failure: {f['role']} exited {f['exit_code']} ({f['reason']})[/red]")
-        if f.get("log"):
-            console.print(f"last lines of {f['log']}:")
-            for line in f["log_tail"]:
+        console.print(f"[red]first failure: {_failure_line(f)}[/red]")
+        if f.log:
+            console.print(f"last lines of {f.log}:")
+            for line in f.log_tail:
                 console.print(f"  {line}", markup=False, highlight=False)

@@ -25,9 +25,10 @@ from typing import Any, Sequence
 
 from prl.errors import ConfigError, RunDirError, SlurmError
 from prl.planner.prepare import Prepared, prepare, write_run_files
-from prl.ops.registry import read_job, register
-from prl.run.rundir import RunDir, atomic_write_json, pid_alive
-from prl.states import LAUNCHER_ENDED
+from prl.ops.registry import register
+from prl.run.records import JobRecord
+from prl.run.rundir import RunDir, pid_alive
+from prl.states import LAUNCHER_ENDED, Backend
 
 # sbatch complaint -> the profile or topology field that fixes it.
 _HINTS = (
@@ -48,32 +49,31 @@ def _hint(message: str) -> str:
     return ""
 
 
-def _job_record(prepared: Prepared, backend: str, job_id: str, mode: str, hold: float, attempt_base: int,
-                topology: Path, overrides: Sequence[str]) -> dict[str, Any]:
+def _job_record(prepared: Prepared, backend: Backend, job_id: str, mode: str, hold: float, attempt_base: int,
+                topology: Path, overrides: Sequence[str]) -> JobRecord:
     plan = prepared.plan
     scripts = {rel: hashlib.sha256(text.encode()).hexdigest() for rel, text in sorted(prepared.files.items())
                if rel.startswith("scripts/")}
-    return {
-        "job_id": job_id, "name": plan.name, "backend": backend, "cluster": plan.cluster, "mode": mode,
-        "hold": hold, "hetjob": plan.hetjob, "attempt_base": attempt_base,
-        "components": {str(g.index): g.name for g in plan.groups},
-        "steps": {s.name: s.group for s in plan.steps},
-        "submitted": time.time(), "topology": str(topology.resolve()), "overrides": list(overrides),
-        "run_dir": plan.run_dir, "scripts": scripts, "pid": None, "cancelled": None,
-    }
+    return JobRecord(
+        job_id=job_id, name=plan.name, backend=backend, cluster=plan.cluster, mode=mode, hold=hold,
+        hetjob=plan.hetjob, attempt_base=attempt_base, components={str(g.index): g.name for g in plan.groups},
+        steps={s.name: s.group for s in plan.steps}, submitted=time.time(), topology=str(topology.resolve()),
+        overrides=list(overrides), run_dir=plan.run_dir, scripts=scripts,
+    )
 
 
 def submit(topology: Path, overrides: Sequence[str], *, local: bool, detach: bool, resume: bool, force: bool,
-           preflight: bool, hold: float) -> tuple[RunDir, dict[str, Any]]:
+           preflight: bool, hold: float) -> tuple[RunDir, JobRecord, int | None]:
+    """Submit; (run, its job, the local run's exit code when it ran in the foreground, else None)."""
     prepared = prepare(topology, overrides)
     run = RunDir(prepared.run_dir)
-    old = read_job(run)
+    old = run.read_job()
     if old and not (resume or force):
-        raise ConfigError(f"{run.root} already holds job {old['job_id']} ({old['backend']}): use --resume to "
+        raise ConfigError(f"{run.root} already holds job {old.job_id} ({old.backend}): use --resume to "
                           f"continue that run from its checkpoints, --force to submit anyway, or another run_dir")
     if old:
         ensure_ended(run, old)
-    backend = "local" if local or not prepared.plan.slurm else "slurm"
+    backend = Backend.LOCAL if local or not prepared.plan.slurm else Backend.SLURM
     mode = "preflight" if preflight else "run"
     attempt_base = max(run.attempts(), default=0)
     write_run_files(prepared, force=True)  # first: it refuses a run_dir that is not this run's
@@ -81,7 +81,7 @@ def submit(topology: Path, overrides: Sequence[str], *, local: bool, detach: boo
     # A fresh key per submission; the role runner hands it to servers, router and orchestrator.
     run.create_api_key()
     env = {"PRL_MODE": mode, "PRL_HOLD": f"{hold:g}", "PRL_ATTEMPT_BASE": str(attempt_base)}
-    if backend == "slurm":
+    if backend == Backend.SLURM:
         from prl.ops import slurm
 
         exports = ",".join(["ALL", *(f"{k}={v}" for k, v in env.items())])
@@ -96,9 +96,9 @@ def submit(topology: Path, overrides: Sequence[str], *, local: bool, detach: boo
         finally:
             os.umask(umask)
         job = _job_record(prepared, backend, str(job_id), mode, hold, attempt_base, topology, overrides)
-        atomic_write_json(run.job_json, job)
+        run.write_job(job)
         register(run, job)
-        return run, job
+        return run, job, None
 
     job = _job_record(prepared, backend, f"local-{int(time.time())}", mode, hold, attempt_base, topology, overrides)
     log = open(run.launcher_log(backend), "ab")
@@ -107,30 +107,28 @@ def submit(topology: Path, overrides: Sequence[str], *, local: bool, detach: boo
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                             cwd=run.root, umask=0o077)
     log.close()
-    job["pid"] = proc.pid
-    atomic_write_json(run.job_json, job)
+    job.pid = proc.pid
+    run.write_job(job)
     register(run, job)
-    if not detach:
-        job["exit_code"] = wait_local(proc)
-    return run, job
+    return run, job, None if detach else wait_local(proc)
 
 
-def job_alive(run: RunDir, job: dict[str, Any]) -> bool:
+def job_alive(run: RunDir, job: JobRecord) -> bool:
     """Whether the run's job may still be running: Slurm's queue for a Slurm job; for a local run,
     its launcher's process (the launcher's record, else the pid `submit` saved)."""
-    if job["backend"] == "slurm":
+    if job.backend == Backend.SLURM:
         from prl.ops import slurm
 
         try:
-            rows = slurm.squeue_jobs([job["job_id"]])
+            rows = slurm.squeue_jobs([job.job_id])
         except SlurmError as exc:
-            raise SlurmError(f"cannot tell whether job {job['job_id']} still runs ({exc}); "
+            raise SlurmError(f"cannot tell whether job {job.job_id} still runs ({exc}); "
                              f"retry when squeue answers") from None
         return any(not r.terminal for r in rows.values())
     launcher = run.read_launcher()
-    if launcher.get("status") in LAUNCHER_ENDED:
+    if launcher is not None and launcher.status in LAUNCHER_ENDED:
         return False
-    return any(_is_launcher(pid) for pid in {launcher.get("pid"), job.get("pid")} if pid)
+    return any(_is_launcher(pid) for pid in {launcher and launcher.pid, job.pid} if pid)
 
 
 def _is_launcher(pid: Any) -> bool:
@@ -143,10 +141,10 @@ def _is_launcher(pid: Any) -> bool:
         return True  # no /proc (or not ours to read): a live pid counts as alive
 
 
-def ensure_ended(run: RunDir, job: dict[str, Any]) -> None:
+def ensure_ended(run: RunDir, job: JobRecord) -> None:
     """Refuse to submit into a run whose previous job still runs (two jobs would write the same steps)."""
     if job_alive(run, job):
-        raise RunDirError(f"job {job['job_id']} of {run.root} is still running: stop it first "
+        raise RunDirError(f"job {job.job_id} of {run.root} is still running: stop it first "
                           f"(`prl cancel {run.root}`), then submit again")
 
 
@@ -164,25 +162,28 @@ def wait_local(proc: subprocess.Popen) -> int:
             return proc.wait()
 
 
-def cancel(run: RunDir) -> tuple[dict[str, Any], bool]:
+def cancel(run: RunDir) -> tuple[JobRecord, bool]:
     """Cancel the run's job; (job, False) without touching anything if it already ended."""
-    job = read_job(run)
+    job = run.read_job()
     if job is None:
         raise ConfigError(f"{run.root} holds no submitted job (no job.json)")
-    if job["backend"] == "slurm":
+    if job.backend == Backend.SLURM:
         from prl.ops import slurm
 
-        rows = slurm.squeue_jobs([job["job_id"]])
+        rows = slurm.squeue_jobs([job.job_id])
         if not rows or all(r.terminal for r in rows.values()):
             return job, False
-        slurm.scancel(job["job_id"])
+        slurm.scancel(job.job_id)
     else:
-        if run.read_launcher().get("status") in LAUNCHER_ENDED:
+        launcher = run.read_launcher()
+        if launcher is not None and launcher.status in LAUNCHER_ENDED:
             return job, False  # ended: its pid may belong to someone else by now
-        try:
-            os.killpg(int(job["pid"]), signal.SIGTERM)
-        except (ProcessLookupError, TypeError, ValueError):
+        if job.pid is None:
             return job, False
-    job["cancelled"] = time.time()
-    atomic_write_json(run.job_json, job)
+        try:
+            os.killpg(job.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return job, False
+    job.cancelled = time.time()
+    run.write_job(job)
     return job, True

@@ -53,9 +53,9 @@ def attempt_ended(run: RunDir, attempt: int) -> bool:
     """Attempt `attempt` of the job has ended (its launcher recorded an end, or a later attempt started): the
     launcher's follower then logs the last steps and exits; the next attempt's follower takes over."""
     record = run.read_launcher()
-    if int(record.get("attempt") or 0) != attempt:
+    if record is None or record.attempt != attempt:
         return True
-    return record.get("status") not in (None, LauncherStatus.STARTING, LauncherStatus.RUNNING, LauncherStatus.STOPPING)
+    return record.status not in (None, LauncherStatus.STARTING, LauncherStatus.RUNNING, LauncherStatus.STOPPING)
 
 
 def sync(run: RunDir, project: str, entity: str | None = None, follow: bool = False,

@@ -202,7 +202,7 @@ def weights_trusted(run: RunDir) -> bool:
     from prl.run.rundir import current_attempt
 
     state = run.read_state("trainer")
-    return state is None or int(state.get("weights_attempt") or 0) >= current_attempt()
+    return state is None or (state.weights_attempt or 0) >= current_attempt()
 
 
 def standalone(urls: list[str]) -> ServerPool:

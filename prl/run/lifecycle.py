@@ -49,4 +49,4 @@ def holds_role(run: RunDir, role: str) -> bool:
     if not run.state_dir.exists():
         return False
     state = run.read_state(role)
-    return bool(state) and state.get("pid") == os.getpid()
+    return state is not None and state.pid == os.getpid()

@@ -16,8 +16,10 @@ joins path pieces under a run. It imports no torch: login nodes import it.
       rollouts/step_N/   + STABLE             orchestrator -> trainer
       weights/step_N/    + STABLE             trainer -> inference (HF layout)
       checkpoints/step_N/<role>/ + STABLE     per-role resumable state
+      state/launcher.json                     the launcher's record of the current attempt
       state/<role>.json                       start / heartbeat / exit of each role (its rank 0)
       state/beats/<role>.<rank>.json          heartbeats of a multi-rank role's other ranks
+      state/exits/<role>.<task>.json          how each task ended
       state/stop.json  state/stop/<role>.<replica>.json   the launcher's stop of the job / of one replica
       state/reserve                           4 MiB the launcher frees on a full disk to record the failure
       metrics.jsonl                           one JSON object per line
@@ -34,6 +36,9 @@ with its size (`is_stable`), so a writer killed (or out of disk) at any point
 leaves only a hidden temp dir, ignored by readers and removed by the next
 publish of that step by a writer of the same or a later job attempt (never an
 earlier one: a stale writer is fenced off), or by `cleanup`.
+
+The JSON records (job.json, state/launcher.json, state/<role>.json, beats, exits) are the typed
+records of `prl.run.records`: written and read here as those types, never as dicts.
 
 Steps are numbered from 1: the trainer's step N consumes `rollouts/step_N`
 and publishes `weights/step_N` (policy version N; the base model is version 0).
@@ -53,8 +58,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from prl.errors import RunDirError, StepTimeout, disk_full
-from prl.states import RoleState
+from prl.run import records
+from prl.run.records import JobRecord, LauncherRecord, RankBeat, RoleStateRecord, TaskExit
+from prl.states import Backend, RoleState
 
 ROLES = ("inference", "orchestrator", "trainer", "prefill", "decode", "router")
 """Roles that may write state, logs and checkpoints under a run."""
@@ -120,7 +129,10 @@ def atomic_write_text(path: str | Path, text: str, mode: int = FILE_MODE) -> Pat
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> Path:
-    """`atomic_write_bytes` for a JSON document (indented, trailing newline)."""
+    """`atomic_write_bytes` for a JSON document (indented, trailing newline); a record (`prl.run.records`)
+    is written with every field."""
+    if isinstance(obj, msgspec.Struct):
+        obj = records.encode(obj)
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
@@ -218,6 +230,13 @@ class RunDir:
     def job_json(self) -> Path:
         return self.root / "job.json"
 
+    def read_job(self) -> JobRecord | None:
+        """The submitted job's handle (job.json), or None if nothing was submitted from this run."""
+        return records.read(self.job_json, JobRecord)
+
+    def write_job(self, job: JobRecord) -> Path:
+        return atomic_write_json(self.job_json, job)
+
     @property
     def scripts_dir(self) -> Path:
         return self.root / "scripts"
@@ -292,15 +311,15 @@ class RunDir:
             return []
         return sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _RANK_LOG_RE.match(p.name)))
 
-    def launcher_log(self, backend: str, job_id: str | None = None) -> Path:
+    def launcher_log(self, backend: Backend, job_id: str | None = None) -> Path:
         """The launcher's own output: logs/slurm-JOBID.out on Slurm (the batch script's), else logs/launcher.log."""
-        if backend == "slurm":
+        if backend == Backend.SLURM:
             return self.logs_dir / f"slurm-{job_id}.out"
         return self.logs_dir / "launcher.log"
 
     @property
     def batch_log_pattern(self) -> str:
-        """`sbatch --output` pattern of the launcher's log on Slurm (`launcher_log("slurm", JOBID)`)."""
+        """`sbatch --output` pattern of the launcher's log on Slurm (`launcher_log(Backend.SLURM, JOBID)`)."""
         return str(self.logs_dir / "slurm-%j.out")
 
     def link_latest_logs(self, attempt: int) -> Path:
@@ -321,23 +340,28 @@ class RunDir:
         _check_role(role)
         return self.state_dir / f"{role}.json"
 
-    def read_state(self, role: str) -> dict | None:
-        """The role's state dict, or None if it never wrote one."""
-        return read_json(self.role_state(role))
+    def read_state(self, role: str) -> RoleStateRecord | None:
+        """The role's state, or None if it never wrote one."""
+        return records.read(self.role_state(role), RoleStateRecord)
 
-    def write_state(self, role: str, **fields: Any) -> dict:
-        """Merge `fields` into the role's state file (atomic replace); return the new state.
+    def write_state(self, role: str, **fields: Any) -> RoleStateRecord:
+        """Merge `fields` (fields of `RoleStateRecord`) into the role's state file (atomic replace); return
+        the new state.
 
         Each role has one writer (its rank 0), so read-merge-write is safe.
         """
-        state = self.read_state(role) or {}
-        state.update(fields)
-        state["updated"] = time.time()
+        unknown = set(fields) - set(RoleStateRecord.__struct_fields__)
+        if unknown:
+            raise TypeError(f"write_state({role!r}): {', '.join(sorted(unknown))} not a field of RoleStateRecord")
+        old = self.read_state(role)
+        merged = {**(records.encode(old) if old else {}), **fields, "updated": time.time(),
+                  "version": records.RECORD_VERSION}
+        state = records.convert(merged, RoleStateRecord, self.role_state(role))
         atomic_write_json(self.role_state(role), state)
         return state
 
-    def heartbeat(self, role: str, **fields: Any) -> dict:
-        """Record that `role` is alive now, with optional progress fields (step=..., waiting_for=...)."""
+    def heartbeat(self, role: str, **fields: Any) -> RoleStateRecord:
+        """Record that `role` is alive now, with optional progress fields (step=..., phase=...)."""
         return self.write_state(role, heartbeat=time.time(), **fields)
 
     def rank_beat(self, role: str, rank: int) -> Path:
@@ -345,23 +369,26 @@ class RunDir:
         _check_role(role)
         return self.state_dir / "beats" / f"{role}.{rank}.json"
 
-    def rank_heartbeat(self, role: str, rank: int, **fields: Any) -> None:
-        """Record that rank `rank` of `role` is alive now: the launcher then sees a stopped rank that rank 0,
-        still waiting for work of its own, would not show until it blocked on that rank."""
-        atomic_write_json(self.rank_beat(role, rank), {"attempt": current_attempt(), "heartbeat": time.time(), **fields})
+    def rank_heartbeat(self, role: str, rank: int, **fields: Any) -> RankBeat:
+        """Record that rank `rank` of `role` is alive now (fields of `RankBeat`: step=..., phase=...): the
+        launcher then sees a stopped rank that rank 0, still waiting for work of its own, would not show
+        until it blocked on that rank."""
+        beat = RankBeat(attempt=current_attempt(), heartbeat=time.time(), **fields)
+        atomic_write_json(self.rank_beat(role, rank), beat)
+        return beat
 
-    def rank_heartbeats(self, role: str) -> dict[int, dict]:
-        """rank -> its last heartbeat record, for every rank other than 0 that wrote one."""
+    def rank_heartbeats(self, role: str) -> dict[int, RankBeat]:
+        """rank -> its last heartbeat, for every rank other than 0 that wrote one."""
         _check_role(role)
         out = {}
         for path in (self.state_dir / "beats").glob(f"{role}.*.json"):
             rank = path.stem.rpartition(".")[2]
-            record = read_json(path) if rank.isdigit() else None
-            if record is not None:
-                out[int(rank)] = record
+            beat = records.read(path, RankBeat) if rank.isdigit() else None
+            if beat is not None:
+                out[int(rank)] = beat
         return out
 
-    def claim(self, role: str, attempt: int | None = None, *, stale_after: float = 300.0) -> dict:
+    def claim(self, role: str, attempt: int | None = None, *, stale_after: float = 300.0) -> RoleStateRecord:
         """Mark `role` as running here for `attempt`, refusing a live clash.
 
         Another holder of the role blocks the claim when it looks alive: same
@@ -372,27 +399,27 @@ class RunDir:
         earlier attempt may not.
         """
         attempt = current_attempt() if attempt is None else attempt
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "attempt": attempt}
-        old = self.read_state(role) or {}
-        old_attempt = int(old.get("attempt", -1))
+        host, pid = socket.gethostname(), os.getpid()
+        old = self.read_state(role) or RoleStateRecord()
+        old_attempt = -1 if old.attempt is None else old.attempt
         if old_attempt > attempt:
             raise RunDirError(
                 f"{role} in {self.root} was already started by attempt {old_attempt}, later than this "
                 f"attempt {attempt}; refusing to write over a newer attempt's steps."
             )
-        owner = {k: old.get(k) for k in me}
-        if old.get("status") == RoleState.RUNNING and owner != me and old_attempt == attempt:
-            age = time.time() - float(old.get("heartbeat", old.get("updated", 0)))
-            if age < stale_after and not (owner["host"] == me["host"] and not pid_alive(owner["pid"])):
+        if old.status == RoleState.RUNNING and (old.host, old.pid) != (host, pid) and old_attempt == attempt:
+            age = time.time() - (old.heartbeat or old.updated or 0.0)
+            if age < stale_after and not (old.host == host and not pid_alive(old.pid)):
                 raise RunDirError(
-                    f"{role} is already running in {self.root} (attempt {owner['attempt']}, host {owner['host']}, "
-                    f"pid {owner['pid']}, heartbeat {age:.0f} s ago); two writers would publish the same steps. "
+                    f"{role} is already running in {self.root} (attempt {old.attempt}, host {old.host}, "
+                    f"pid {old.pid}, heartbeat {age:.0f} s ago); two writers would publish the same steps. "
                     f"Use a new run directory, or stop the other job and wait {stale_after:.0f} s."
                 )
         now = time.time()
-        return self.write_state(role, status=RoleState.RUNNING, started=now, heartbeat=now, exit_code=None, **me)
+        return self.write_state(role, status=RoleState.RUNNING, started=now, heartbeat=now, exit_code=None,
+                                host=host, pid=pid, attempt=attempt)
 
-    def mark_exit(self, role: str, exit_code: int, error: str | None = None) -> dict | None:
+    def mark_exit(self, role: str, exit_code: int, error: str | None = None) -> RoleStateRecord | None:
         """Record the role's end (status 'exited' or 'failed'); None when a full disk leaves no room for it
         (the launcher still sees the exit code and names the disk)."""
         status = RoleState.EXITED if exit_code == 0 else RoleState.FAILED
@@ -710,9 +737,11 @@ class RunDir:
         """logs/attempt_N/launcher.json: the launcher's final record of attempt N (launcher.json is the latest's)."""
         return self.attempt_logs(attempt) / "launcher.json"
 
-    def read_launcher(self) -> dict:
-        """The launcher's record of the current attempt ({} before the job started)."""
-        return read_json(self.launcher_state) or {}
+    def read_launcher(self, attempt: int | None = None) -> LauncherRecord | None:
+        """The launcher's record of the current attempt (state/launcher.json), or its final record of
+        `attempt` (logs/attempt_N/launcher.json); None before the job (that attempt) started."""
+        path = self.launcher_state if attempt is None else self.attempt_launcher_state(attempt)
+        return records.read(path, LauncherRecord)
 
     def task_ready(self, role: str, task: int) -> Path:
         """Marker a role's task writes once it is healthy; the launcher starts the next role after all of them."""
@@ -731,6 +760,13 @@ class RunDir:
         """A task's own record of how it ended (exit code, time): srun reports only the step's worst."""
         _check_role(role)
         return self.state_dir / "exits" / f"{role}.{task}.json"
+
+    def read_task_exit(self, role: str, task: int) -> TaskExit | None:
+        """Task `task` of `role`'s exit record, or None while it runs (or when it could not write one)."""
+        return records.read(self.task_exit(role, task), TaskExit)
+
+    def write_task_exit(self, role: str, task: int, record: TaskExit) -> Path:
+        return atomic_write_json(self.task_exit(role, task), record)
 
     @property
     def reserve(self) -> Path:

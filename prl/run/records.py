@@ -1,0 +1,276 @@
+"""The run directory's records, typed: what each JSON file under a run holds.
+
+    job.json                     JobRecord       `prl submit` (prl/ops/submit.py)
+    state/launcher.json          LauncherRecord  the launcher (prl/job/launch.py); logs/attempt_N/launcher.json
+                                                 keeps each attempt's last one
+    state/<role>.json            RoleStateRecord the role's rank 0: claim, heartbeats, exit (`RunDir.write_state`)
+    state/beats/<role>.<K>.json  RankBeat        rank K > 0 of a multi-rank role (`RunDir.rank_heartbeat`)
+    state/exits/<role>.<K>.json  TaskExit        task K of a role, as it ends (prl/job/role.py)
+
+Writers and readers go through `RunDir` (`write_state`, `read_state`, `read_launcher`, `read_job`, ...),
+which writes these as indented JSON with the field names below, atomically. Every file carries `version`
+(RECORD_VERSION when written). Reading is lenient towards older files: unknown fields are ignored and a
+missing optional field takes its default, so a run directory written before `version` existed (read as
+version 1) still reads. A file of a later version is refused (`RunDirError` naming the file and the
+version): its fields may mean something this prl does not know.
+
+Imports nothing of prl but the errors and the state vocabularies: login nodes and roles read these alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from prl.errors import RunDirError
+from prl.states import Backend, LauncherStatus, RoleState, ServerAction
+
+RECORD_VERSION = 1
+"""The version of every record written now; bumped whenever a field changes meaning."""
+
+Time = Annotated[float, Meta(ge=0)]
+"""Seconds since the epoch (time.time())."""
+Count = Annotated[int, Meta(ge=0)]
+Pid = Annotated[int, Meta(ge=1)]
+Attempt = Annotated[int, Meta(ge=0)]
+"""A job attempt, from 1 (0 only in tests and hand-written files)."""
+Signal = Annotated[int, Meta(ge=1, le=64)]
+
+
+class Record(msgspec.Struct, kw_only=True):
+    """Base of a file's record: its format version, then its fields."""
+
+    version: Annotated[int, Meta(ge=1)] = RECORD_VERSION
+    """The record format (RECORD_VERSION when written; a file without it is version 1)."""
+
+
+class Failure(msgspec.Struct, kw_only=True):
+    """The first role failure of an attempt (launcher.json `first_failure`): what ended the job."""
+
+    role: str
+    reason: str
+    """What happened, in words: 'task 0 exited with code 3', 'hung: no progress for ...'."""
+    time: Optional[Time] = None
+    exit_code: Optional[int] = None
+    """The failed task's exit code; None for a hung role (the launcher stopped it)."""
+    hung: bool = False
+    """The role's main loop stopped reporting progress within the hang bound."""
+
+
+class ServerFailure(msgspec.Struct, kw_only=True):
+    """One server task that ended while the job ran (launcher.json `steps.<role>.failures`)."""
+
+    time: Time
+    """When it ended."""
+    task: Count
+    replica: Count
+    node: Optional[str] = None
+    exit_code: int
+    reason: str
+    action: Optional[ServerAction] = None
+    """What the launcher did about it; None only while it decides."""
+    restarted: Optional[Time] = None
+    """When the launcher started it again."""
+    ready_after_s: Optional[Annotated[float, Meta(ge=0)]] = None
+    """Seconds from its failure until it was ready again."""
+
+
+class StepRecord(msgspec.Struct, kw_only=True):
+    """The launcher's record of one role's step (launcher.json `steps.<role>`)."""
+
+    status: Optional[RoleState] = None
+    started: Optional[Time] = None
+    ended: Optional[Time] = None
+    tasks: Optional[Count] = None
+    exit_code: Optional[int] = None
+    restarts: Count = 0
+    """Servers of this role restarted in this attempt."""
+    failures: list[ServerFailure] = msgspec.field(default_factory=list)
+    """Each server failure of this attempt, in order."""
+    hung_at: Optional[Time] = None
+    """When the launcher found the role hung (status HUNG); the fields below say where it stopped."""
+    last_heartbeat: Optional[Time] = None
+    hung_rank: Optional[Count] = None
+    last_step: Optional[int] = None
+    last_phase: Optional[str] = None
+    hang_bound_s: Optional[float] = None
+
+
+class DiskFull(msgspec.Struct, kw_only=True):
+    """The launcher found the run directory's disk full (launcher.json `disk_full`)."""
+
+    time: Time
+    free_bytes: Optional[int] = None
+    """Free bytes then (None: the filesystem could not be asked)."""
+    released_bytes: Count = 0
+    """What giving back the launcher's reserve (state/reserve) freed."""
+
+
+class LauncherRecord(Record, kw_only=True):
+    """state/launcher.json: one attempt of the job as the launcher sees it."""
+
+    attempt: Attempt
+    mode: str = "run"
+    """run | preflight ($PRL_MODE)."""
+    job_id: Optional[str] = None
+    """$SLURM_JOB_ID; None for a local run."""
+    pid: Optional[Pid] = None
+    """The launcher's process (a local run's liveness)."""
+    started: Optional[Time] = None
+    status: Optional[LauncherStatus] = None
+    steps: dict[str, StepRecord] = msgspec.field(default_factory=dict)
+    """Role -> its step, for every role started so far."""
+    first_failure: Optional[Failure] = None
+    ended: Optional[Time] = None
+    exit_code: Optional[int] = None
+    """The launcher's own exit code, once it finished."""
+    stop_signal: Optional[Signal] = None
+    """The signal that stopped the job (scancel, the time-limit warning, Ctrl-C)."""
+    stop_time: Optional[Time] = None
+    disk_full: Optional[DiskFull] = None
+
+    def step(self, role: str) -> StepRecord:
+        """The role's step record; an empty one before the role started."""
+        return self.steps.get(role) or StepRecord()
+
+
+class JobRecord(Record, kw_only=True):
+    """job.json: the submitted job's handle, written by `prl submit` once the job exists."""
+
+    job_id: str
+    """Slurm's job id, or `local-<time>` for a local run."""
+    name: str
+    backend: Backend
+    cluster: str
+    mode: str = "run"
+    """run | preflight."""
+    hold: Annotated[float, Meta(ge=0)] = 0.0
+    """Preflight: seconds to keep the allocation."""
+    hetjob: bool = False
+    attempt_base: Count = 0
+    """Attempts of the run before this submission (the job's attempt N is attempt_base + its run N)."""
+    components: dict[str, str] = msgspec.field(default_factory=dict)
+    """Het component index -> its group's name."""
+    steps: dict[str, int] = msgspec.field(default_factory=dict)
+    """Role -> its het component."""
+    submitted: Time
+    topology: Optional[str] = None
+    """The topology file, resolved."""
+    overrides: list[str] = msgspec.field(default_factory=list)
+    run_dir: str
+    scripts: dict[str, str] = msgspec.field(default_factory=dict)
+    """Rendered script (relative path) -> its sha256."""
+    pid: Optional[Pid] = None
+    """A local run's launcher process."""
+    cancelled: Optional[Time] = None
+    """When `prl cancel` cancelled it."""
+
+
+class RoleStateRecord(Record, kw_only=True):
+    """state/<role>.json: the role's start, heartbeats and end, written by its rank 0 (one writer)."""
+
+    status: Optional[RoleState] = None
+    host: Optional[str] = None
+    pid: Optional[Pid] = None
+    """The process that holds the role (`claim`): only it records the role's exit."""
+    attempt: Optional[Attempt] = None
+    started: Optional[Time] = None
+    heartbeat: Optional[Time] = None
+    """Last sign of life of the role's main loop (the launcher's hang detection reads it)."""
+    updated: Optional[Time] = None
+    """Last write of this file."""
+    ended: Optional[Time] = None
+    exit_code: Optional[int] = None
+    error: Optional[str] = None
+    """Why it failed, in one line."""
+    step: Optional[int] = None
+    """The step its main loop is at."""
+    phase: Optional[str] = None
+    """What its main loop does now (generating, waiting_for_weights, trained, ...)."""
+    step_s: Optional[Annotated[float, Meta(ge=0)]] = None
+    """Longest stretch between heartbeats of the last step: the hang bound grows with it."""
+    published: Optional[int] = None
+    """Orchestrator: the last rollouts step it published."""
+    weights_version: Optional[int] = None
+    """Orchestrator: the weights version every server serves."""
+    server_errors: Optional[dict[str, Optional[str]]] = None
+    """Orchestrator: server URL -> its last failed weights update."""
+    weights_attempt: Optional[Attempt] = None
+    """Trainer: the attempt whose resume has dropped the replaced attempt's weights steps; until it is this
+    attempt, the orchestrator pushes no weights step."""
+
+
+class RankBeat(Record, kw_only=True):
+    """state/beats/<role>.<rank>.json: the heartbeat of one rank other than 0."""
+
+    attempt: Attempt
+    heartbeat: Time
+    step: Optional[int] = None
+    phase: Optional[str] = None
+    step_s: Optional[Annotated[float, Meta(ge=0)]] = None
+
+
+class TaskExit(Record, kw_only=True):
+    """state/exits/<role>.<task>.json: how one task ended, in its own words (srun reports only a step's worst)."""
+
+    exit_code: int
+    time: Time
+    host: Optional[str] = None
+    node: Optional[str] = None
+    """The Slurm node ($SLURMD_NODENAME), else the host."""
+    reason: Optional[str] = None
+    """Why a server ended before the job stopped."""
+    failed: bool = False
+    """A server that ended while the job ran (whatever its code)."""
+    lasting: bool = False
+    """Its failure would recur on the same node (a failed preflight check): not restarted."""
+    with_replica: bool = False
+    """Stopped because another task of its multi-node replica failed (not a failure of its own)."""
+
+
+R = TypeVar("R", bound=Record)
+
+
+class _Version(msgspec.Struct):
+    version: int = 1
+
+
+def encode(record: msgspec.Struct) -> dict:
+    """The record as JSON-ready builtins (enums as their values), every field included."""
+    return msgspec.to_builtins(record)
+
+
+def decode(data: bytes | str, kind: type[R], where: str | Path) -> R:
+    """`data` (a file's text) as a `kind`: unknown fields ignored, missing optional ones defaulted; a
+    RunDirError naming `where` for a later version or a field of the wrong type."""
+    try:
+        version = msgspec.json.decode(data, type=_Version).version
+    except msgspec.DecodeError as exc:
+        raise RunDirError(f"{where}: not a prl record ({exc})") from None
+    if version > RECORD_VERSION:
+        raise RunDirError(f"{where}: record version {version} is newer than this prl reads "
+                          f"({RECORD_VERSION}); use the prl that wrote the run")
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except msgspec.DecodeError as exc:
+        raise RunDirError(f"{where}: not a valid {kind.__name__} ({exc})") from None
+
+
+def read(path: str | Path, kind: type[R]) -> R | None:
+    """The record in `path`, or None if there is none (yet)."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return None
+    return decode(data, kind, path)
+
+
+def convert(fields: dict, kind: type[R], where: str | Path) -> R:
+    """A record from fields in memory (a merge of old and new), checked as a reader would check the file."""
+    try:
+        return msgspec.convert(fields, type=kind)
+    except msgspec.ValidationError as exc:
+        raise RunDirError(f"{where}: not a valid {kind.__name__} ({exc})") from None

@@ -1,0 +1,150 @@
+"""The run directory's typed records: round trips, files written before records had a version, a later
+version refused by name, and the backend vocabulary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prl.errors import RunDirError
+from prl.run import records
+from prl.run.records import (RECORD_VERSION, DiskFull, Failure, JobRecord, LauncherRecord, RankBeat,
+                             RoleStateRecord, ServerFailure, StepRecord, TaskExit)
+from prl.run.rundir import RunDir, atomic_write_json
+from prl.states import Backend, LauncherStatus, RoleState, ServerAction
+
+LAUNCHER = LauncherRecord(
+    attempt=2, mode="run", job_id="77", pid=4242, started=100.0, status=LauncherStatus.FAILED, ended=200.5,
+    exit_code=3, stop_signal=15, stop_time=190.0,
+    first_failure=Failure(role="orchestrator", exit_code=3, reason="task 0 exited with code 3", time=150.0),
+    disk_full=DiskFull(time=180.0, free_bytes=0, released_bytes=4 << 20),
+    steps={"inference": StepRecord(status=RoleState.RUNNING, started=101.0, tasks=2, restarts=1, failures=[
+        ServerFailure(time=120.0, task=1, replica=1, node="n1", exit_code=0, reason="exited",
+                      action=ServerAction.RESTARTED, restarted=121.0, ready_after_s=9.5)]),
+           "trainer": StepRecord(status=RoleState.HUNG, hung_at=160.0, last_heartbeat=120.0, hung_rank=1,
+                                 last_step=4, last_phase="trained", hang_bound_s=30.0)})
+
+JOB = JobRecord(job_id="77", name="lab", backend=Backend.SLURM, cluster="example", mode="preflight", hold=60.0,
+                hetjob=True, attempt_base=1, components={"0": "inference"}, steps={"inference": 0},
+                submitted=99.0, topology="/t.yaml", overrides=["a=1"], run_dir="/run", scripts={"scripts/x": "ab"},
+                pid=None, cancelled=300.0)
+
+
+@pytest.mark.parametrize("record, path", [
+    (LAUNCHER, lambda run: run.launcher_state),
+    (JOB, lambda run: run.job_json),
+    (RoleStateRecord(status=RoleState.FAILED, host="h", pid=7, attempt=1, started=1.0, heartbeat=2.0, updated=3.0,
+                     ended=4.0, exit_code=1, error="ValueError: x", step=5, phase="published", step_s=1.5,
+                     published=5, weights_version=4, server_errors={"http://a": "boom"}, weights_attempt=1),
+     lambda run: run.role_state("orchestrator")),
+    (RankBeat(attempt=1, heartbeat=5.0, step=3, phase="trained", step_s=0.5), lambda run: run.rank_beat("trainer", 1)),
+    (TaskExit(exit_code=0, time=5.0, host="h", node="n1", reason="r", failed=True, lasting=True, with_replica=True),
+     lambda run: run.task_exit("inference", 1)),
+])
+def test_a_record_reads_back_as_written_with_its_version(tmp_path, record, path):
+    run = RunDir(tmp_path).create()
+    file = path(run)
+    atomic_write_json(file, record)
+    on_disk = json.loads(file.read_text())
+    assert on_disk["version"] == RECORD_VERSION
+    assert records.read(file, type(record)) == record
+
+
+def test_the_rundir_readers_return_the_types(tmp_path):
+    run = RunDir(tmp_path).create()
+    assert (run.read_job(), run.read_launcher(), run.read_state("trainer"), run.read_task_exit("trainer", 0)) == (
+        None, None, None, None)
+    run.write_job(JOB)
+    atomic_write_json(run.launcher_state, LAUNCHER)
+    atomic_write_json(run.attempt_launcher_state(2), LAUNCHER)
+    run.write_task_exit("inference", 1, TaskExit(exit_code=3, time=1.0))
+    beat = run.rank_heartbeat("trainer", 2, step=4, phase="trained")
+    assert run.read_job() == JOB and run.read_launcher() == LAUNCHER == run.read_launcher(2)
+    assert run.read_task_exit("inference", 1).exit_code == 3
+    assert run.rank_heartbeats("trainer") == {2: beat}
+
+
+# What the code before typed records wrote (no version), taken from run directories of that code.
+OLD_JOB = {"job_id": "123", "name": "lab", "backend": "slurm", "cluster": "example", "mode": "run", "hold": 0,
+           "hetjob": True, "attempt_base": 0, "components": {"0": "inference", "1": "trainer"},
+           "steps": {"inference": 0, "trainer": 1}, "submitted": 1764700000.5, "topology": "/t/lab.yaml",
+           "overrides": [], "run_dir": "/runs/lab", "scripts": {"scripts/job.sbatch": "0f"}, "pid": None,
+           "cancelled": None}
+OLD_LAUNCHER = {"attempt": 1, "mode": "run", "job_id": None, "pid": 321, "started": 1.0, "status": "running",
+                "steps": {"inference": {"started": 2.0, "tasks": 2, "status": "running", "restarts": 1, "failures": [
+                    {"time": 3.0, "task": 1, "replica": 1, "node": "n1", "exit_code": 0,
+                     "reason": "server exited with code 0 while the job was running", "action": "restarting",
+                     "restarted": 4.0}]}},
+                "first_failure": None, "ended": None}
+OLD_STATE = {"status": "running", "started": 1.0, "heartbeat": 2.0, "exit_code": None, "host": "h", "pid": 9,
+             "attempt": 1, "updated": 2.0, "step": 3, "phase": "trained", "step_s": 0.25}
+
+
+def test_a_run_directory_from_before_record_versions_still_reads(tmp_path):
+    run = RunDir(tmp_path).create()
+    for path, old in ((run.job_json, OLD_JOB), (run.launcher_state, OLD_LAUNCHER),
+                      (run.role_state("trainer"), OLD_STATE)):
+        path.write_text(json.dumps(old, indent=2, sort_keys=True))
+    job, launcher, state = run.read_job(), run.read_launcher(), run.read_state("trainer")
+    assert job.version == 1 and job.backend is Backend.SLURM and job.steps == {"inference": 0, "trainer": 1}
+    assert launcher.status is LauncherStatus.RUNNING and launcher.first_failure is None
+    failure = launcher.steps["inference"].failures[0]
+    assert failure.action is ServerAction.RESTARTING and failure.ready_after_s is None
+    assert state.status is RoleState.RUNNING and state.step == 3 and state.weights_attempt is None
+    # Written again, every field is there with its name as before, and the version.
+    atomic_write_json(run.job_json, job)
+    assert json.loads(run.job_json.read_text()) == {**OLD_JOB, "version": RECORD_VERSION}
+    run.heartbeat("trainer", step=4)
+    again = json.loads(run.role_state("trainer").read_text())
+    assert again["version"] == RECORD_VERSION and again["step"] == 4 and again["pid"] == 9
+
+
+def test_unknown_fields_are_ignored_and_missing_optional_ones_defaulted(tmp_path):
+    run = RunDir(tmp_path).create()
+    run.task_exit("inference", 0).parent.mkdir(parents=True)
+    run.task_exit("inference", 0).write_text(json.dumps({"exit_code": 1, "time": 5, "extra": {"x": 1}}))
+    assert run.read_task_exit("inference", 0) == TaskExit(exit_code=1, time=5.0)
+
+
+def test_a_later_version_is_refused_naming_the_file_and_the_version(tmp_path):
+    run = RunDir(tmp_path).create()
+    run.launcher_state.write_text(json.dumps({**OLD_LAUNCHER, "version": RECORD_VERSION + 1}))
+    with pytest.raises(RunDirError) as info:
+        run.read_launcher()
+    message = str(info.value)
+    assert message == (f"{run.launcher_state}: record version {RECORD_VERSION + 1} is newer than this prl reads "
+                       f"({RECORD_VERSION}); use the prl that wrote the run")
+    assert "\n" not in message
+
+
+def test_a_record_of_the_wrong_shape_is_refused_naming_the_file_and_field(tmp_path):
+    run = RunDir(tmp_path).create()
+    run.job_json.write_text(json.dumps({**OLD_JOB, "backend": "kubernetes"}))
+    with pytest.raises(RunDirError, match=r"job\.json: not a valid JobRecord .*\$\.backend"):
+        run.read_job()
+    run.job_json.write_text("[1, 2]")
+    with pytest.raises(RunDirError, match=r"job\.json: not a prl record"):
+        run.read_job()
+
+
+def test_write_state_takes_only_fields_of_the_role_state(tmp_path):
+    run = RunDir(tmp_path)
+    state = run.write_state("trainer", step=2, weights_attempt=1)
+    assert isinstance(state, RoleStateRecord) and (state.step, state.weights_attempt) == (2, 1)
+    assert run.write_state("trainer", phase="x").step == 2, "fields merge"
+    with pytest.raises(TypeError, match="stepp not a field of RoleStateRecord"):
+        run.write_state("trainer", stepp=3)
+    with pytest.raises(RunDirError, match=r"trainer\.json: not a valid RoleStateRecord .*\$\.step"):
+        run.write_state("trainer", step="three")
+    assert run.read_state("trainer").step == 2, "a refused write leaves the file as it was"
+
+
+def test_the_backend_is_a_closed_vocabulary_that_reads_as_its_string():
+    assert [b.value for b in Backend] == ["slurm", "local"]
+    assert Backend("slurm") is Backend.SLURM and Backend.LOCAL == "local" and f"{Backend.SLURM}" == "slurm"
+    assert json.dumps({"backend": Backend.LOCAL}) == '{"backend": "local"}'
+    with pytest.raises(ValueError):
+        Backend("kubernetes")
+    assert RunDir("/r").launcher_log(Backend.SLURM, "12").name == "slurm-12.out"
+    assert RunDir("/r").launcher_log(Backend.LOCAL).name == "launcher.log"
