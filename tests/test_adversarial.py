@@ -567,7 +567,64 @@ SIZE_CASES = [
 ]
 
 
-ALL = {"yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
+def _with_model_config(config: bytes) -> Callable[[Path], Path]:
+    """A topology whose model directory (in tmp_path) holds `config` as its config.json."""
+    def make(tmp_path: Path) -> Path:
+        model = tmp_path / "model"
+        model.mkdir()
+        (model / "config.json").write_bytes(config)
+        (tmp_path / "prof.yaml").write_text(PROFILE)
+        path = tmp_path / "topo.yaml"
+        path.write_text(BASE.replace("/models/m", str(model)).replace("{run}", str(tmp_path / "run")))
+        return path
+    return make
+
+
+def _from_run_with_marker(marker: bytes) -> Callable[[Path], Path]:
+    """A topology starting from a run (in tmp_path) whose only weights step carries `marker` as STABLE."""
+    def make(tmp_path: Path) -> Path:
+        step = tmp_path / "prev" / "weights" / "step_1"
+        step.mkdir(parents=True)
+        (tmp_path / "prev" / "plan.json").write_text('{"name": "prev"}')
+        (step / "model.safetensors").write_bytes(b"x")
+        (step / "STABLE").write_bytes(marker)
+        (tmp_path / "prof.yaml").write_text(PROFILE)
+        path = tmp_path / "topo.yaml"
+        path.write_text(BASE.replace("  path: /models/m", f"  from_run: {tmp_path / 'prev'}")
+                        .replace("{run}", str(tmp_path / "run")))
+        return path
+    return make
+
+
+DEEP = b"[" * 200_000 + b"]" * 200_000
+EXTERNAL_CASES = [
+    # Files the planner reads besides the topology: read with a size bound and checked as typed data.
+    Case("config-json-huge", "{topo}:5", "model.path", make=_with_model_config(b'{"a": "' + b"x" * (5 << 20) + b'"}'),
+         says="a model's config.json is a few KiB"),
+    Case("config-json-deep", "{topo}:5", "model.path", make=_with_model_config(b'{"a": ' + DEEP + b"}"),
+         says="nests too deeply"),
+    Case("config-json-wrong-type", "{topo}:5", "model.path",
+         make=_with_model_config(b'{"architectures": ["LlamaForCausalLM"], "num_attention_heads": "eight"}'),
+         says="num_attention_heads"),
+    Case("config-json-architectures-text", "{topo}:5", "model.path",
+         make=_with_model_config(b'{"architectures": "LlamaForCausalLM"}'), says="architectures"),
+    Case("config-json-not-an-object", "{topo}:5", "model.path", make=_with_model_config(b"[1, 2]"),
+         says="is not a model config.json prl can read"),
+    Case("stable-marker-deep", "{topo}:5", "model.from_run", make=_from_run_with_marker(DEEP),
+         says="has published no weights"),
+    Case("stable-marker-escapes-its-step", "{topo}:5", "model.from_run",
+         make=_from_run_with_marker(b'{"files": {"../../plan.json": 16}}'), says="has published no weights"),
+    Case("stable-marker-wrong-type", "{topo}:5", "model.from_run",
+         make=_from_run_with_marker(b'{"files": ["model.safetensors"]}'), says="has published no weights"),
+    # A path component longer than the filesystems' limit fails every system call on it.
+    edit("run-dir-component-over-255", "run_dir: {run}", "run_dir: {run}/" + "a" * 256, "run_dir",
+         says="a path component of 256 characters"),
+    edit("model-path-component-over-255", "  path: /models/m", "  path: /models/" + "m" * 300, "model.path",
+         says="a path component of 300 characters"),
+]
+
+
+ALL = {"external": EXTERNAL_CASES, "yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
        "markup": MARKUP_CASES, "size": SIZE_CASES, "sft": SFT_CASES}
 PARAMS = [pytest.param(case, id=f"{kind}:{case.id}", marks=case.marks) for kind, cases in ALL.items()
           for case in cases]

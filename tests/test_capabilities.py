@@ -8,7 +8,14 @@ import sys
 
 import pytest
 
-from prl.planner.capabilities import EP_ARCHITECTURES, trainer_refusals
+from prl.planner.capabilities import EP_ARCHITECTURES, ModelConfig, trainer_refusals as _refusals
+
+
+def trainer_refusals(config: dict | None, *degrees: int):
+    """The planner's check on a config.json written as a dict here (read as the planner reads the file)."""
+    import msgspec
+
+    return _refusals(None if config is None else msgspec.convert(config, ModelConfig), *degrees)
 
 QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_attention_heads": 4,
              "num_key_value_heads": 2}

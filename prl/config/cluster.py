@@ -80,6 +80,22 @@ Text = Annotated[str, Meta(max_length=MAX_TEXT), PRINTABLE]
 
 NonEmptyText = Annotated[Text, Meta(min_length=1)]
 
+MAX_PATH_PART = 255
+"""Longest component of a path (the filesystems' NAME_MAX); a longer one fails every system call on it."""
+
+
+def path_characters(value: str) -> str:
+    long = max(value.split("/"), key=len)
+    if len(long) > MAX_PATH_PART:
+        return (f"has a path component of {len(long)} characters ({shown(long, 40)}); "
+                f"filesystems allow at most {MAX_PATH_PART}")
+    return control_characters(value)
+
+
+PathText = Annotated[str, Meta(min_length=1, max_length=MAX_TEXT),
+                     explained(rf"\A(?!.*?[^/]{{{MAX_PATH_PART + 1}}})[^{_CONTROLS}]*\Z", path_characters)]
+"""A file or directory path (or a name that may be one): printable, no component over 255 characters."""
+
 Token = Annotated[str, Meta(min_length=1, max_length=256),
                   explained(rf"\A[^{_TOKEN_CHARS}{_CONTROLS}]+\Z", token_characters)]
 """A value that lands in an #SBATCH line or an srun option: no spaces, quotes, '$', ';' or backslashes."""
@@ -202,7 +218,7 @@ class ClusterProfile(Strict, kw_only=True):
     """Interpreter that runs prl on compute nodes."""
     env: Env = {}
     """Variables exported to every role."""
-    shared_root: NonEmptyText
+    shared_root: PathText
     """Root of the shared filesystem every node sees (run directories belong under it)."""
     network: Network = Network()
     max_nodes: Annotated[int, Meta(ge=1, le=MAX_NODES)]

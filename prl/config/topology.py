@@ -15,7 +15,7 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from prl.config.cluster import (MAX_CPUS, MAX_GB, MAX_GPUS_PER_NODE, MAX_ITEMS, MAX_NODES, Env, Name, NonEmptyText,
-                                SlurmTime, Strict, Text, Token, checked_time)
+                                PathText, SlurmTime, Strict, Text, Token, checked_time)
 from prl.config.fields import FieldValueError, shown
 from prl.config.loader import Source, explained, load
 
@@ -36,15 +36,15 @@ def _class_name(value: str) -> str:
 
 
 class Model(Strict, kw_only=True):
-    path: Optional[NonEmptyText] = None
+    path: Optional[PathText] = None
     """Local directory of a Hugging Face model, or a hub id the nodes have cached. Or `from_run`."""
-    from_run: Optional[NonEmptyText] = None
+    from_run: Optional[PathText] = None
     """Start from another prl run's published weights (an SFT run, or an RL run to continue from): that run's
     directory. Resolved when planned to `RUN/weights/step_N` (`from_step`, else its newest published step),
     which becomes `path`."""
     from_step: Optional[Annotated[int, Meta(ge=1, le=MAX_COUNT)]] = None
     """With `from_run`: which published weights step (default: the newest when planned)."""
-    tokenizer: Optional[Text] = None
+    tokenizer: Optional[PathText] = None
     """Tokenizer directory or id when it differs from `path`."""
     dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
     """Weights dtype for inference and published weights."""
@@ -109,7 +109,7 @@ class KVOffload(Strict, kw_only=True):
     """KV-cache offload: off, vLLM's native CPU offload, or LMCache."""
     cpu_gb: Annotated[float, Meta(ge=0, le=MAX_GB)] = 0.0
     """CPU memory per replica for offloaded KV blocks, in GiB."""
-    disk_path: Optional[Text] = None
+    disk_path: Optional[PathText] = None
     """LMCache only: a local disk tier directory."""
     disk_gb: Annotated[float, Meta(ge=0, le=MAX_GB)] = 0.0
     """LMCache only: size of the disk tier, in GiB."""
@@ -355,7 +355,7 @@ class SFT(Strict, kw_only=True):
     environment). Optimizer, batch (`training.batch_size` conversations per step), micro-batch, steps and
     checkpoints are `training:`'s; conversations longer than `model.max_model_len` tokens are cut there."""
 
-    data: NonEmptyText
+    data: PathText
     """Chat data (`messages` lists): a `.jsonl` or `.parquet` file, or a local Hugging Face datasets directory.
     A relative path that exists where prl runs is made absolute."""
     split: Name = "train"
@@ -399,9 +399,9 @@ class WandB(Strict, kw_only=True):
 class Topology(Strict, kw_only=True):
     name: Name
     """Run name: letters, digits, '.', '_', '-'."""
-    cluster: NonEmptyText
+    cluster: PathText
     """Cluster profile: a name in clusters/ or a path to a profile file."""
-    run_dir: Optional[Text] = None
+    run_dir: Optional[PathText] = None
     """Run directory on the shared filesystem (None: SHARED_ROOT/prl-runs/NAME)."""
     model: Model
     inference: Optional[Inference] = None

@@ -12,7 +12,40 @@ its field. Keep it in step with the trainer:
 
 from __future__ import annotations
 
+import msgspec
+
 Field = tuple[str, ...]
+
+
+class TextConfig(msgspec.Struct):
+    """The settings of a model's config.json the planner reads (every other key is ignored). A key of the
+    wrong type (`"num_attention_heads": "eight"`) is refused when the file is read, naming the key."""
+
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    num_experts: int | None = None
+    """The expert count as hub checkpoints write it."""
+    num_local_experts: int | None = None
+    """The same count as transformers 5's save_pretrained writes it."""
+    use_sliding_window: bool | None = None
+    sliding_window: int | None = None
+
+
+class ModelConfig(TextConfig):
+    """config.json of a model directory, as far as the planner's checks go."""
+
+    architectures: list[str] = []
+    model_type: str = "unknown"
+    text_config: TextConfig | None = None
+    """Multimodal configs nest the language model's settings here."""
+
+    @property
+    def architecture(self) -> str:
+        return self.architectures[0] if self.architectures else self.model_type
+
+    @property
+    def text(self) -> TextConfig:
+        return self.text_config or self
 
 EP_ARCHITECTURES: dict[str, tuple[str, ...]] = {
     # Hub checkpoints write num_experts; transformers 5 saves the same count as num_local_experts.
@@ -32,21 +65,11 @@ KNOWN_MOE_ARCHITECTURES: frozenset[str] = frozenset({
 """MoE architectures the trainer trains with ep = 1 only (experts FSDP-sharded like any weight)."""
 
 
-def _architecture(model_config: dict) -> str:
-    archs = model_config.get("architectures") or []
-    return archs[0] if archs else str(model_config.get("model_type", "unknown"))
-
-
-def _text_config(model_config: dict) -> dict:
-    """Multimodal configs nest the language model's settings under text_config."""
-    return model_config.get("text_config") or model_config
-
-
-def ep_refusals(model_config: dict | None, ep: int) -> list[tuple[Field, str]]:
+def ep_refusals(model_config: ModelConfig | None, ep: int) -> list[tuple[Field, str]]:
     """Refusals of trainer.ep for this model (none for ep = 1 or an unknown model)."""
     if ep == 1 or model_config is None:
         return []
-    arch = _architecture(model_config)
+    arch = model_config.architecture
     field = ("trainer", "ep")
     if arch not in EP_ARCHITECTURES:
         kind = "an MoE model without an EP implementation in the trainer" if arch in KNOWN_MOE_ARCHITECTURES \
@@ -54,9 +77,9 @@ def ep_refusals(model_config: dict | None, ep: int) -> list[tuple[Field, str]]:
         supported = ", ".join(EP_ARCHITECTURES)
         return [(field, f"trainer.ep({ep}) needs an MoE model with an EP implementation ({supported} has one); "
                         f"{arch} is {kind}: use ep: 1")]
-    text = _text_config(model_config)
-    key = next((k for k in EP_ARCHITECTURES[arch] if isinstance(text.get(k), int)), EP_ARCHITECTURES[arch][0])
-    experts = text.get(key)
+    text = model_config.text
+    key = next((k for k in EP_ARCHITECTURES[arch] if isinstance(getattr(text, k), int)), EP_ARCHITECTURES[arch][0])
+    experts = getattr(text, key)
     if not isinstance(experts, int) or experts < 1:
         return [(field, f"trainer.ep({ep}): the model's config.json has no {key} (expert count) for {arch}; "
                         f"use ep: 1 or fix the model directory")]
@@ -66,13 +89,13 @@ def ep_refusals(model_config: dict | None, ep: int) -> list[tuple[Field, str]]:
     return []
 
 
-def cp_refusals(model_config: dict | None, cp: int) -> list[tuple[Field, str]]:
+def cp_refusals(model_config: ModelConfig | None, cp: int) -> list[tuple[Field, str]]:
     """Refusals of trainer.cp for this model: Ulysses splits attention heads over the cp ranks."""
     if cp == 1 or model_config is None:
         return []
-    text = _text_config(model_config)
-    heads = text.get("num_attention_heads")
-    kv_heads = text.get("num_key_value_heads") or heads
+    text = model_config.text
+    heads = text.num_attention_heads
+    kv_heads = text.num_key_value_heads or heads
     field = ("trainer", "cp")
     if not isinstance(heads, int) or not isinstance(kv_heads, int):
         return [(field, f"trainer.cp({cp}): the model's config.json has no num_attention_heads; "
@@ -81,14 +104,14 @@ def cp_refusals(model_config: dict | None, cp: int) -> list[tuple[Field, str]]:
         return [(field, f"trainer.cp({cp}) must divide num_attention_heads({heads}) and "
                         f"num_key_value_heads({kv_heads}): context parallelism (Ulysses) splits the heads "
                         f"over the cp ranks; use a cp that divides both")]
-    if text.get("use_sliding_window") and text.get("sliding_window"):
+    if text.use_sliding_window and text.sliding_window:
         return [(field, f"trainer.cp({cp}): sliding-window attention is not supported with context "
                         f"parallelism (the full-sequence mask is block-causal only); use cp: 1")]
     return []
 
 
 def trainer_refusals(
-    model_config: dict | None, dp_replicate: int, dp_shard: int, cp: int, ep: int
+    model_config: ModelConfig | None, dp_replicate: int, dp_shard: int, cp: int, ep: int
 ) -> list[tuple[Field, str]]:
     """Every reason the trainer cannot run this mesh on this model, as (topology field, message).
 

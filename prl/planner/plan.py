@@ -32,7 +32,7 @@ from prl.config.cluster import ClusterProfile
 from prl.config.loader import Source
 from prl.config.topology import InferenceGroup, Topology
 from prl.errors import PlanError
-from prl.planner.capabilities import trainer_refusals
+from prl.planner.capabilities import ModelConfig, trainer_refusals
 from prl.planner.settings import RunSettings
 from prl.run.rundir import RunDir
 from prl.planner.model import (
@@ -374,7 +374,7 @@ def place_trainer(check: Checker, topo: Topology, layout: Layout, common_env: di
                        activation_checkpointing=tr.activation_checkpointing, precision=tr.precision)
 
 
-def check_trainer_can_run(check: Checker, model_config: Optional[dict], mesh: Mesh) -> None:
+def check_trainer_can_run(check: Checker, model_config: Optional[ModelConfig], mesh: Mesh) -> None:
     """Refuse, before any allocation, what the trainer cannot execute on this model (prl/planner/capabilities.py)."""
     refusals = trainer_refusals(model_config, mesh.dp_replicate, mesh.dp_shard, mesh.cp, mesh.ep)
     if refusals:
@@ -525,7 +525,7 @@ def check_shared_root(check: Checker, run_dir: str) -> None:
 
 
 def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, cluster_source: Source,
-              run_dir: str, model_config: Optional[dict] = None) -> Plan:
+              run_dir: str, model_config: Optional[ModelConfig] = None) -> Plan:
     """Place every role of `topo` on `cluster`; `run_dir` is the resolved absolute run directory.
 
     `model_config` is the model's config.json when the planner can read it (model-dependent checks).

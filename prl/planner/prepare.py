@@ -11,6 +11,7 @@ from typing import Sequence
 import msgspec
 import yaml
 
+from prl.planner.capabilities import ModelConfig
 from prl.config.cluster import CLUSTERS_DIR, ClusterProfile, load_profile, profile_path
 from prl.errors import ConfigError
 from prl.config.loader import Source, load_document, validate
@@ -91,18 +92,29 @@ def _weights_of_run(topo: Topology, source: Source, cwd: Path) -> Topology:
                                                                        from_run=None, from_step=None))
 
 
-def model_config(topo: Topology, source: Source) -> dict | None:
-    """The model's config.json when this machine sees the model directory (None: a hub id or a remote path)."""
+MAX_MODEL_CONFIG_BYTES = 4 << 20
+"""Largest model config.json read (real ones are a few KiB; a 1T-class MoE's is under 10 KiB)."""
+
+
+def model_config(topo: Topology, source: Source) -> ModelConfig | None:
+    """The model's config.json when this machine sees the model directory (None: a hub id or a remote path),
+    read with a size bound and checked as the planner reads it: a huge, deeply nested or mistyped file is a
+    one-line error at `model.path`, never a traceback."""
     path = Path(topo.model.path) / "config.json"
     try:
         if not path.is_file():
             return None
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise source.error(("model", "path"), f"cannot read the model's config.json ({path}): {exc}") from None
-    if not isinstance(data, dict):
-        raise source.error(("model", "path"), f"{path} does not hold a JSON object")
-    return data
+        size = path.stat().st_size
+        if size > MAX_MODEL_CONFIG_BYTES:
+            raise source.error(("model", "path"), f"{path} is {size} bytes; a model's config.json is a few KiB "
+                                                  f"(at most {MAX_MODEL_CONFIG_BYTES}): is this the model directory?")
+        return msgspec.json.decode(path.read_bytes(), type=ModelConfig)
+    except OSError as exc:
+        raise source.error(("model", "path"), f"cannot read the model's config.json ({path}): {exc.strerror}") from None
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise source.error(("model", "path"), f"{path} is not a model config.json prl can read: {exc}") from None
+    except RecursionError:
+        raise source.error(("model", "path"), f"{path} nests too deeply to be a model config.json") from None
 
 
 def prepare(topology_path: Path, overrides: Sequence[str] = (), cwd: Path | None = None) -> Prepared:

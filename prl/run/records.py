@@ -231,6 +231,32 @@ class TaskExit(Record, kw_only=True):
     """Stopped because another task of its multi-node replica failed (not a failure of its own)."""
 
 
+class StableMarker(msgspec.Struct, kw_only=True):
+    """A published step's STABLE marker: what it holds, so a reader can check every file is there whole.
+    Other fields (time, host, pid, attempt and a writer's own) are kept in the file and not read here."""
+
+    files: dict[str, int]
+    """Each file under the step (relative path) and its size in bytes."""
+
+
+MAX_MARKER_BYTES = 16 << 20
+"""Largest STABLE marker read (a sharded checkpoint of thousands of files lists well under 1 MiB)."""
+
+
+def read_marker(path: Path) -> StableMarker | None:
+    """The marker at `path`; None for one that is missing, too large, not a marker, or hostile (nesting too
+    deep, a file named outside its step): such a step is simply not published."""
+    try:
+        if path.stat().st_size > MAX_MARKER_BYTES:
+            return None
+        marker = msgspec.json.decode(path.read_bytes(), type=StableMarker)
+    except (OSError, msgspec.DecodeError, RecursionError):
+        return None
+    inside = all(name and not name.startswith("/") and ".." not in name.split("/") and size >= 0
+                 for name, size in marker.files.items())
+    return marker if inside else None
+
+
 R = TypeVar("R", bound=Record)
 
 

@@ -180,10 +180,10 @@ def is_stable(path: str | Path) -> bool:
     """True when `path` was published completely: its STABLE marker exists and every file it lists is
     there with the size it lists (a reader never takes a step whose files went missing or shrank)."""
     path = Path(path)
+    marker = records.read_marker(path / MARKER)
     try:
-        files = json.loads((path / MARKER).read_text())["files"]
-        return all((path / name).stat().st_size == size for name, size in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return marker is not None and all((path / name).stat().st_size == size for name, size in marker.files.items())
+    except OSError:
         return False
 
 
