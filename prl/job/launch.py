@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prl.errors import SlurmError, disk_full
+from prl.errors import RunDirError, SlurmError, disk_full
 from prl.log import get_logger, init_logging
 from prl.planner.model import Plan, Step
 from prl.run.records import DiskFull, Failure, LauncherRecord, ServerFailure, StepRecord, TaskExit
@@ -480,6 +480,10 @@ class Launcher:
     # -- the job
     def main(self) -> int:
         self.save()
+        if self.cancelled():
+            # A requeue that raced the user's cancel: this attempt must not start anything.
+            log.warning("the job was cancelled before this attempt began: exiting")
+            return self.finish(LauncherStatus.STOPPED, 128 + signal.SIGTERM)
         self.start_wandb()
         try:
             for step in self.plan.steps:
@@ -520,9 +524,24 @@ class Launcher:
             return self.requeue()
         return self.finish(LauncherStatus.STOPPED, 128 + signum)
 
+    def cancelled(self) -> bool:
+        """The user cancelled this job: its record says so (`prl cancel` writes it before scancel), or a TERM
+        came that is not Slurm's time-limit warning (a plain scancel). A cancelled job is never requeued."""
+        try:
+            job = self.run.read_job()
+        except RunDirError as exc:
+            log.warning(f"cannot read the job record ({exc}); taking the job as not cancelled")
+            job = None
+        if job is not None and job.cancelled is not None:
+            return True
+        return self.signum is not None and not (self.slurm and _time_limit_warning())
+
     def requeue(self) -> int:
         from prl.ops import slurm
 
+        if self.cancelled():
+            log.warning("the job was cancelled: not requeued")
+            return self.finish(LauncherStatus.STOPPED, 128 + (self.signum or signal.SIGTERM))
         # Recorded first: requeueing ends this process.
         code = self.finish(LauncherStatus.REQUEUED, 0)
         try:

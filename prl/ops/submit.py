@@ -131,14 +131,15 @@ def job_alive(run: RunDir, job: JobRecord) -> bool:
     return any(_is_launcher(pid) for pid in {launcher and launcher.pid, job.pid} if pid)
 
 
-def _is_launcher(pid: Any) -> bool:
-    """pid is a live prl launcher (not a later process that reuses the number)."""
+def _is_launcher(pid: Any, run: RunDir | None = None) -> bool:
+    """pid is a live prl launcher (of `run`, when given), not a later process that reuses the number."""
     if not pid_alive(pid):
         return False
     try:
-        return b"prl.job.launch" in Path(f"/proc/{int(pid)}/cmdline").read_bytes()
+        argv = Path(f"/proc/{int(pid)}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return True  # no /proc (or not ours to read): a live pid counts as alive
+    return b"prl.job.launch" in argv and (run is None or str(run.root).encode() in argv)
 
 
 def ensure_ended(run: RunDir, job: JobRecord) -> None:
@@ -173,17 +174,25 @@ def cancel(run: RunDir) -> tuple[JobRecord, bool]:
         rows = slurm.squeue_jobs([job.job_id])
         if not rows or all(r.terminal for r in rows.values()):
             return job, False
-        slurm.scancel(job.job_id)
-    else:
-        launcher = run.read_launcher()
-        if launcher is not None and launcher.status in LAUNCHER_ENDED:
-            return job, False  # ended: its pid may belong to someone else by now
-        if job.pid is None:
-            return job, False
+        # The intent first: a launcher about to requeue (a hung role) reads it and does not.
+        job.cancelled = time.time()
+        run.write_job(job)
         try:
-            os.killpg(job.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return job, False
+            slurm.scancel(job.job_id)
+        except SlurmError:
+            job.cancelled = None
+            run.write_job(job)
+            raise
+        return job, True
+    launcher = run.read_launcher()
+    if launcher is not None and launcher.status in LAUNCHER_ENDED:
+        return job, False  # ended: its pid may belong to someone else by now
+    if job.pid is None or not _is_launcher(job.pid, run):
+        return job, False  # gone, or the number now belongs to another process: signal nothing
+    try:
+        os.killpg(job.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return job, False
     job.cancelled = time.time()
     run.write_job(job)
     return job, True
