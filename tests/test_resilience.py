@@ -497,13 +497,34 @@ def test_a_restarted_server_starts_on_the_newest_published_weights(tmp_path):
 
     run = RunDir(tmp_path).create()
     args = ["--model", "/models/base", "--served-model-name", "x", "--port", "18001"]
-    assert latest_weights_args(run, args) == args, "nothing published yet: the base model"
+    assert latest_weights_args(run, args, "inference.0") == args, "nothing published yet: the base model"
+    assert run.weight_holds() == {}
     for s in (1, 2):
         run.publish_dir(run.weights(s), _write({"model.safetensors": b"w"}), step=s)
     run.publish_dir(run.weights(3), _write({"model.safetensors": b"w"}), step=3)
     (run.weights(3) / "model.safetensors").write_bytes(b"")  # damaged: not a published step any more
-    assert latest_weights_args(run, args) == ["--model", str(run.weights(2)), "--served-model-name", "x",
-                                               "--port", "18001"]
+    assert latest_weights_args(run, args, "inference.0") == ["--model", str(run.weights(2)), "--served-model-name",
+                                                             "x", "--port", "18001"]
+    assert run.weight_holds() == {"inference.0": 2}
+
+
+def test_the_step_a_restarted_server_started_from_outlives_the_staleness_window(tmp_path):
+    """A server restarted with `--model RUN/weights/step_2` reads that directory as long as it runs: cleanup
+    keeps step 2 itself (not every step after it) until the server releases it, however far training goes."""
+    from prl.job.runtimes import latest_weights_args
+
+    run = RunDir(tmp_path).create()
+    for s in (1, 2):
+        run.publish_dir(run.weights(s), _write({"model.safetensors": b"w"}), step=s)
+    latest_weights_args(run, ["--model", "/models/base"], "inference.0")
+    for s in range(3, 12):  # training goes on far past max_off_policy_steps + checkpoint_keep
+        run.publish_dir(run.weights(s), _write({"model.safetensors": b"w"}), step=s)
+        run.pin_weights("orchestrator", s - 1)  # the servers load each new step
+        run.cleanup(s, max_off_policy_steps=1, checkpoint_keep=1)
+    assert run.stable_steps("weights") == [2, 10, 11]
+    run.release_weights("inference.0")  # the server exited (or restarted onto a newer step)
+    run.cleanup(11, max_off_policy_steps=1, checkpoint_keep=1)
+    assert run.stable_steps("weights") == [10, 11]
 
 
 def test_a_task_of_a_multi_task_restart_step_logs_into_its_own_rank_log(tmp_path):

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from prl.log import get_logger
 from prl.planner.model import Plan
-from prl.run.rundir import API_KEY_VAR, RunDir, atomic_write_json
+from prl.run.rundir import API_KEY_VAR, RunDir, atomic_write_json, is_stable
 from prl.states import RoleState
 
 log = get_logger(__name__)
@@ -117,12 +117,17 @@ def supervise(argv: list[str], env: dict[str, str], stop: Any, ready: Callable[[
     return 128 - code if code < 0 else code
 
 
-def latest_weights_args(run: RunDir, args: list[str]) -> list[str]:
+def latest_weights_args(run: RunDir, args: list[str], holder: str) -> list[str]:
     """A restarted server's arguments: `--model` set to the newest published weights step, if any, so it
-    rejoins on the weights the others serve instead of the base model."""
+    rejoins on the weights the others serve instead of the base model. The step is held for `holder`
+    (cleanup keeps it) until `run.release_weights(holder)`: vLLM reads `--model` as long as it runs."""
     step = run.latest_stable("weights")
     if step is None or "--model" not in args:
         return args
+    run.hold_weights(holder, step)
+    if not is_stable(run.weights(step)):  # a cleanup took it between the look and the hold: look again
+        run.release_weights(holder)
+        return latest_weights_args(run, args, holder)
     i = args.index("--model")
     log.info(f"restart: serving weights step {step} ({run.weights(step)}) instead of {args[i + 1]}")
     return [*args[:i + 1], str(run.weights(step)), *args[i + 2:]]
@@ -152,11 +157,21 @@ def run_server(run: RunDir, plan: Plan, role: str, task: int, stop: Any) -> int:
         head = wait_endpoint(run, role, server.replica, lambda: stop.signum is not None)
         args += ["--data-parallel-address", head["host"]]
     restart = int(os.environ.get("PRL_RESTART", "0") or 0)
+    holder = f"{role}.{task}"
     if restart:
-        args = latest_weights_args(run, args)
+        args = latest_weights_args(run, args, holder)
     env[API_KEY_VAR] = run.read_api_key()
     argv = [sys.executable, "-m", "prl.inference", "--run-dir", str(run.root), "--api-key-env", API_KEY_VAR,
             *args, "--host", host]
+    try:
+        return _supervise_server(run, plan, role, task, stop, argv, env, host, restart)
+    finally:
+        run.release_weights(holder)
+
+
+def _supervise_server(run: RunDir, plan: Plan, role: str, task: int, stop: Any, argv: list[str],
+                      env: dict[str, str], host: str, restart: int) -> int:
+    server = plan.server(role, task)
     mark = _ready_marker(run, role, task)
     if not server.head:
         return supervise(argv, env, stop, lambda: True, mark)

@@ -606,7 +606,9 @@ class RunDir:
         - weights: keep the newest `max_off_policy_steps + 1` steps (inference
           servers and in-flight rollouts may still use any of them), and every
           step from the oldest one a server serves or may roll back to
-          (`weight_pins`, kept by the orchestrator);
+          (`weight_pins`, kept by the orchestrator), and each step a live server
+          was started from (`weight_holds`: vLLM reads its `--model` directory
+          for as long as it runs);
         - checkpoints: keep the newest `checkpoint_keep` trainer checkpoints
           (0 keeps all); older step dirs go whole, every role's part;
         - rollouts: keep those after the newest kept checkpoint (a resume
@@ -623,7 +625,11 @@ class RunDir:
                     removed.append(self.step_dir(kind, s))
 
         pinned = [v for v in self.weight_pins().values() if v > 0]
-        drop("weights", min([step - max_off_policy_steps, *pinned]))
+        held = set(self.weight_holds().values())
+        for s in self.steps("weights"):
+            if s < min([step - max_off_policy_steps, *pinned]) and s not in held:
+                self.remove_step("weights", s)
+                removed.append(self.step_dir("weights", s))
         ckpts = self.stable_steps("checkpoints")
         if checkpoint_keep > 0 and len(ckpts) > checkpoint_keep:
             drop("checkpoints", ckpts[-checkpoint_keep])
@@ -645,14 +651,33 @@ class RunDir:
 
     def weight_pins(self) -> dict[str, int]:
         """owner -> the oldest weights step it still needs."""
-        folder = self.pins_dir
-        pins = {}
+        return self._steps_in(self.pins_dir)
+
+    @property
+    def holds_dir(self) -> Path:
+        return self.state_dir / "holds"
+
+    def hold_weights(self, owner: str, step: int) -> None:
+        """Keep weights step `step` itself (not the ones after it) on disk while `owner` lives: a server
+        started with `--model RUN/weights/step_N` reads that directory as long as it runs."""
+        atomic_write_json(self.holds_dir / f"{owner}.json", {"step": step, "time": time.time()})
+
+    def release_weights(self, owner: str) -> None:
+        (self.holds_dir / f"{owner}.json").unlink(missing_ok=True)
+
+    def weight_holds(self) -> dict[str, int]:
+        """owner -> the one weights step it holds."""
+        return self._steps_in(self.holds_dir)
+
+    @staticmethod
+    def _steps_in(folder: Path) -> dict[str, int]:
+        steps = {}
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             try:
-                pins[path.stem] = int(json.loads(path.read_text())["step"])
+                steps[path.stem] = int(json.loads(path.read_text())["step"])
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # being replaced: the next cleanup sees it
-        return pins
+        return steps
 
     # -- metrics
     def append_metrics(self, record: dict) -> None:
