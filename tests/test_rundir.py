@@ -220,6 +220,23 @@ def test_cleanup_without_checkpoints_keeps_rollouts_for_replay(tmp_path):
     assert run.steps("rollouts") == [1, 2, 3, 4]
 
 
+def test_cleanup_keeps_the_newest_rollouts_step_where_a_requeued_orchestrator_resumes(tmp_path):
+    """The orchestrator caught up with the trainer (step 8 trained and checkpointed): every rollouts step is
+    consumed and replayable from the checkpoint, but the newest stays, or a requeued orchestrator would
+    find none, start again from step 1 and drop its metrics records of steps 1-8."""
+    run = RunDir(tmp_path)
+    for s in range(1, 9):
+        run.publish_dir(run.rollouts(s), lambda t: None)
+        run.append_metrics({"role": "orchestrator", "step": s})
+    for s in (6, 8):
+        run.publish_dir(run.checkpoints(s, "trainer"), lambda t: None)
+    run.cleanup(8, max_off_policy_steps=1, checkpoint_keep=2)
+    assert run.steps("rollouts") == [8]
+    assert run.latest_stable("rollouts") == 8
+    run.drop_metrics_after("orchestrator", run.latest_stable("rollouts"))  # what the orchestrator does at start
+    assert [r["step"] for r in run.read_metrics("orchestrator")] == list(range(1, 9))
+
+
 def test_resume_leftovers_and_metrics(tmp_path):
     run = RunDir(tmp_path)
     _publish_steps(run, range(1, 6))

@@ -612,8 +612,9 @@ class RunDir:
         - checkpoints: keep the newest `checkpoint_keep` trainer checkpoints
           (0 keeps all); older step dirs go whole, every role's part;
         - rollouts: keep those after the newest kept checkpoint (a resume
-          replays them; with no checkpoint at all, every one is kept) and
-          never the ones not yet consumed (> `step`).
+          replays them; with no checkpoint at all, every one is kept), never
+          the ones not yet consumed (> `step`), and always the newest one
+          (where a requeued orchestrator resumes).
         Unfinished (unmarked) dirs older than what is kept go as well.
         """
         removed: list[Path] = []
@@ -635,7 +636,10 @@ class RunDir:
             drop("checkpoints", ckpts[-checkpoint_keep])
             ckpts = ckpts[-checkpoint_keep:]
         replay_from = (ckpts[-1] if ckpts else 0) + 1
-        drop("rollouts", min(replay_from, step + 1))
+        # The newest published rollouts step always stays: a requeued orchestrator resumes after it (and reads
+        # its data order); with it gone, it would start again from step 1 and drop its metrics records.
+        newest = self.latest_stable("rollouts")
+        drop("rollouts", min(replay_from, step + 1, newest if newest is not None else step + 1))
         return removed
 
     # -- what the servers serve (cleanup keeps it)
