@@ -2,13 +2,15 @@
 
 The spec below is neither RL nor SFT: it makes its own batches, adds a per-token weight to each
 prepared micro-batch, owns its loss, trains the final norm alone, publishes only its last step and
-writes its own record fields. Nothing in prl/trainer changes for it (prl/trainer/engine.py's doc).
+writes its own record fields. Nothing in prl/trainer changes for it (prl/trainer/engine.py's doc), and
+the engine's own duties hold for it: the checkpoint and weights of the last finished step on SIGTERM, resume.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -24,7 +26,7 @@ from tests.trainer_helpers import REPO, _free_port, make_plan, make_samples
 WEIGHT = 0.5
 
 THIRD_SPEC = textwrap.dedent("""
-    import sys
+    import os, signal, sys
     from prl.log import init_logging
     from prl.planner.model import Plan
     from prl.run.batch import RolloutBatch, to_arrays
@@ -34,7 +36,8 @@ THIRD_SPEC = textwrap.dedent("""
     from prl.trainer.loss import token_logprobs_and_entropy
     from tests.trainer_helpers import make_samples
 
-    run_dir, vocab, weight = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+    run_dir, vocab, weight, stop_at, resume = sys.argv[1:]
+    vocab, weight, stop_at = int(vocab), float(weight), int(stop_at)
 
 
     class WeightedNLL(Spec):
@@ -45,6 +48,8 @@ THIRD_SPEC = textwrap.dedent("""
             return 2
 
         def wait(self, eng, step):
+            if step == stop_at:  # the job's stop, as torchrun passes it on
+                os.kill(os.getpid(), signal.SIGTERM)
             return step
 
         def load(self, eng, step, ready):
@@ -80,22 +85,33 @@ THIRD_SPEC = textwrap.dedent("""
     init_logging("trainer", 0)
     run = RunDir(run_dir)
     cfg = TrainerConfig.from_plan(Plan.read(run))
-    sys.exit(train(run, cfg, WeightedNLL(cfg), "none"))
+    sys.exit(train(run, cfg, WeightedNLL(cfg), resume))
 """)
+
+
+def _setup(tmp_path) -> tuple[RunDir, int]:
+    model_dir = build_tiny_model(tmp_path / "tiny")
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    run = write_plan(RunDir(tmp_path / "run"), make_plan(model_dir, tmp_path / "run", world_size=1, max_steps=5))
+    (tmp_path / "third_spec.py").write_text(THIRD_SPEC)
+    return run, vocab
+
+
+def _train(run: RunDir, vocab: int, stop_at: int = 0, resume: str = "none") -> subprocess.CompletedProcess:
+    """The third spec on one CPU rank (no torchrun), SIGTERM to itself when step `stop_at` begins."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
+    cmd = [sys.executable, str(run.root.parent / "third_spec.py"), str(run.root), str(vocab), str(WEIGHT),
+           str(stop_at), resume]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
 
 @pytest.mark.slow  # one CPU rank: the tiny model, two steps (~15 s)
 def test_a_spec_defined_outside_prl_runs_through_the_engine_loop(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model_dir = build_tiny_model(tmp_path / "tiny")
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    run = write_plan(RunDir(tmp_path / "run"), make_plan(model_dir, tmp_path / "run", world_size=1, max_steps=5))
-    script = tmp_path / "third_spec.py"
-    script.write_text(THIRD_SPEC)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
-    proc = subprocess.run([sys.executable, str(script), str(run.root), str(vocab), str(WEIGHT)], env=env,
-                          capture_output=True, text=True, timeout=240)
+    run, vocab = _setup(tmp_path)
+    model_dir = tmp_path / "tiny"
+    proc = _train(run, vocab)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "step 2 loss" in proc.stdout
 
@@ -118,3 +134,20 @@ def test_a_spec_defined_outside_prl_runs_through_the_engine_loop(tmp_path):
     after = AutoModelForCausalLM.from_pretrained(run.weights(2), dtype=torch.float32).state_dict()
     moved = {k for k, v in before.state_dict().items() if not torch.equal(v, after[k])}
     assert moved == {"model.norm.weight"}
+
+
+@pytest.mark.slow  # two one-rank runs (~30 s)
+def test_on_sigterm_the_engine_keeps_the_last_step_of_any_spec_and_resumes_there(tmp_path):
+    """The spec publishes only at its end and never checkpoints; stopped at step 2, the engine still gives
+    step 1 its weights and a checkpoint, exits 128 + SIGTERM, and the next attempt resumes after step 1."""
+    run, vocab = _setup(tmp_path)
+    stopped = _train(run, vocab, stop_at=2)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stdout[-4000:] + stopped.stderr[-4000:]
+    assert "stopping: checkpoint of step 1" in stopped.stdout
+    assert run.stable_steps("weights") == [1] and run.stable_steps("checkpoints") == [1]
+    assert [r["step"] for r in run.read_metrics("trainer")] == [1]
+
+    resumed = _train(run, vocab, resume="latest")
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
+    assert [r["step"] for r in run.read_metrics("trainer")] == [1, 2]
+    assert run.stable_steps("weights") == [1, 2] and run.stable_steps("checkpoints") == [1]
