@@ -53,13 +53,14 @@ def worker(args) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from prl.planner.model import Mesh
     from prl.run.rundir import RunDir
     from prl.trainer.parallel import apply_fsdp, build_dist
     from prl.trainer.weights import publish_weights, publish_weights_gathered
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = SimpleNamespace(dp_replicate=1, dp_shard=world, cp=1, ep=1, world_size=world, precision="fp32",
+    cfg = SimpleNamespace(mesh=Mesh(dp_replicate=1, dp_shard=world, cp=1, ep=1, world_size=world), precision="fp32",
                           activation_checkpointing=False)
     d = build_dist(cfg, rank, world, rank, torch.device("cpu"))
     with torch.device("meta"):

@@ -111,10 +111,14 @@ def bench(name: str, config, args, d) -> dict:
     import torch
 
     from prl.config.topology import Loss
-    from prl.trainer.train import train_step
+    from prl.planner.model import Mesh
+    from prl.trainer.engine import train_step
+    from prl.trainer.rl import RLSpec
 
-    cfg = SimpleNamespace(dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=1, activation_checkpointing=args.ac,
-                          precision="fp32" if args.smoke else "bf16", loss=Loss(), max_grad_norm=1.0)
+    training = SimpleNamespace(loss=Loss(), max_grad_norm=1.0, router_aux_loss_coef=0.0)
+    cfg = SimpleNamespace(mesh=Mesh(dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=1),
+                          activation_checkpointing=args.ac, precision="fp32" if args.smoke else "bf16", training=training)
+    spec = RLSpec(cfg)
     model = build(config, cfg, d)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-6)
     mb, sample_len = micro_batch(args.tokens, config.vocab_size)
@@ -123,7 +127,7 @@ def bench(name: str, config, args, d) -> dict:
         if d.device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        train_step(model, optim, [mb], cfg, d)
+        train_step(model, optim, [mb], spec, cfg, d)
         if d.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
@@ -152,6 +156,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
+    from prl.planner.model import Mesh
     from prl.trainer.parallel import build_dist
 
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
@@ -163,7 +168,7 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("gloo" if args.smoke else "nccl")
-    one = SimpleNamespace(dp_replicate=1, dp_shard=1, cp=1, ep=1)
+    one = SimpleNamespace(mesh=Mesh(dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=1))
     d = build_dist(one, 0, 1, 0, device)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke)"
     print(f"{gpu}; {args.tokens} tokens/step in one packed micro-batch of 8 samples; median of {args.steps} steps")

@@ -175,9 +175,9 @@ def test_config_is_the_plan_s_settings(tiny, tmp_path):
     run = write_plan(RunDir(tmp_path / "run"), make_plan(tiny[0], tmp_path / "run",
                                                           overrides=["trainer.dp_replicate=2"], weight_decay=0.1))
     cfg = TrainerConfig.from_plan(Plan.read(run))  # as the trainer reads it: from plan.json
-    assert (cfg.dp_replicate, cfg.dp_shard, cfg.dp_size, cfg.world_size) == (2, 1, 2, 2)
-    assert cfg.weight_decay == 0.1 and cfg.activation_checkpointing is False and cfg.precision == "fp32"
-    assert cfg.loss.ratio_high == 5.0 and cfg.micro_batch_tokens == 64 and cfg.lr == 1e-2
+    assert (cfg.mesh.dp_replicate, cfg.mesh.dp_shard, cfg.mesh.dp, cfg.mesh.world_size) == (2, 1, 2, 2)
+    assert cfg.training.weight_decay == 0.1 and cfg.activation_checkpointing is False and cfg.precision == "fp32"
+    assert cfg.training.loss.ratio_high == 5.0 and cfg.training.micro_batch_tokens == 64 and cfg.training.lr == 1e-2
     assert cfg.model_path == str(tiny[0]) and cfg.model_dtype == "float32"
     auto = make_plan(tiny[0], overrides=["model.dtype=auto"])
     assert TrainerConfig.from_plan(auto).model_dtype == "bfloat16", "'auto' publishes bf16 weights"

@@ -237,21 +237,25 @@ ROUTER_AUX = textwrap.dedent("""
     import torch, torch.distributed as dist
     from prl.config.topology import Loss
     from prl.run.batch import RolloutBatch, pack, to_arrays
-    from prl.trainer.parallel import build_dist, init_distributed
-    from prl.trainer.sft import sft_step
-    from prl.trainer.train import load_model, train_step
+    from prl.planner.model import Mesh
+    from prl.trainer.engine import load_model, train_step
+    from prl.trainer.parallel import init_distributed
+    from prl.trainer.rl import RLSpec
+    from prl.trainer.sft import SFTSpec
     from tests.trainer_helpers import make_samples
 
     model_dir, vocab, coef, mode = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[5]
-    cfg = types.SimpleNamespace(model_path=model_dir, dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=1,
+    training = types.SimpleNamespace(loss=Loss(), max_grad_norm=0.0, router_aux_loss_coef=coef)
+    cfg = types.SimpleNamespace(model_path=model_dir, mesh=Mesh(dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=1),
                                 precision="fp32", activation_checkpointing=False, master_port=int(sys.argv[4]),
-                                loss=Loss(), max_grad_norm=0.0, router_aux_loss_coef=coef)
+                                training=training)
     d = init_distributed(cfg)
     model, _ = load_model(cfg, d)
     arrays = to_arrays(make_samples(1, vocab))
     batch = RolloutBatch(1, arrays, {})
     mbs = batch.micro_batches(0, 1, 10_000)  # one micro-batch: its aux loss is the step's
-    out = (train_step if mode == "rl" else sft_step)(model, torch.optim.SGD(model.parameters(), lr=0.0), mbs, cfg, d)
+    spec = (RLSpec if mode == "rl" else SFTSpec)(cfg)
+    out = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), mbs, spec, cfg, d)
     print(json.dumps(out))
 """)
 

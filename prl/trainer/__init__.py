@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 def main(run_dir: str, resume: str = "latest") -> int:
-    """Train on RUN until plan.training.max_steps; see prl/trainer/train.py."""
+    """Train on RUN to its last step; see prl/trainer/train.py (the spec) and prl/trainer/engine.py (the loop)."""
     from prl.trainer.train import main as _main
 
     return _main(run_dir, resume)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from typing import Optional
 
-from prl.config.topology import SFT, Loss, Training
+from prl.config.topology import SFT, Training
 from prl.planner.model import Mesh, Plan
 
 
@@ -22,12 +22,14 @@ class TrainerConfig:
     model_dtype: str
     """dtype of the published weights (and of the model the inference engine serves)."""
     mesh: Mesh
+    """The trainer's mesh: `mesh.dp_replicate * mesh.dp_shard * mesh.cp` ranks, `mesh.ep` carved out of them."""
     activation_checkpointing: bool
     precision: str
     """'bf16' (bf16 compute, fp32 master weights and gradient reduction) or 'fp32'.
     On CPU, bf16 is run as fp32: CPU bf16 matmuls are slow and FSDP's CPU path is tested in fp32."""
     master_port: int
     training: Training
+    """The topology's training settings themselves: read `cfg.training.lr`, `cfg.training.loss`, ..."""
     tokenizer_path: str
     """The model's tokenizer (`model.tokenizer`, else `model.path`): SFT renders and tokenizes with it."""
     max_model_len: int
@@ -45,28 +47,3 @@ class TrainerConfig:
                    master_port=tr.master_port, training=settings.training,
                    tokenizer_path=settings.model.tokenizer or settings.model.path,
                    max_model_len=settings.model.max_model_len, sft=settings.sft)
-
-    # The mesh, by name.
-    world_size = property(lambda self: self.mesh.world_size)
-    dp_replicate = property(lambda self: self.mesh.dp_replicate)
-    dp_shard = property(lambda self: self.mesh.dp_shard)
-    cp = property(lambda self: self.mesh.cp)
-    ep = property(lambda self: self.mesh.ep)
-    dp_size = property(lambda self: self.mesh.dp)
-
-    # The training settings the trainer reads, by name.
-    micro_batch_tokens = property(lambda self: self.training.micro_batch_tokens)
-    max_off_policy_steps = property(lambda self: self.training.max_off_policy_steps)
-    lr = property(lambda self: self.training.lr)
-    weight_decay = property(lambda self: self.training.weight_decay)
-    max_grad_norm = property(lambda self: self.training.max_grad_norm)
-    max_steps = property(lambda self: self.training.max_steps)
-    seed = property(lambda self: self.training.seed)
-    checkpoint_interval = property(lambda self: self.training.checkpoint_interval)
-    checkpoint_keep = property(lambda self: self.training.checkpoint_keep)
-    rollout_timeout_s = property(lambda self: self.training.rollout_timeout_s)
-    router_aux_loss_coef = property(lambda self: self.training.router_aux_loss_coef)
-
-    @property
-    def loss(self) -> Loss:
-        return self.training.loss

@@ -12,8 +12,8 @@ prl/planner/capabilities.py), and two all-to-alls of activations per layer.
 
 Everything outside attention is per-position (projections, RoPE with each rank's own position
 ids, norms, MLP/MoE, logits, loss), so each rank computes it on its own positions only. The
-trainer shifts labels on the whole sequence before splitting (prl/trainer/train.py), pads the
-sequence to a multiple of cp with masked positions, and counts loss tokens per position once,
+trainer shifts labels on the whole sequence before splitting (`prepare` in prl/trainer/engine.py),
+pads the sequence to a multiple of cp with masked positions, and counts loss tokens per position once,
 so the loss normalisation N is unchanged.
 
 Use: `install_ulysses(model, cp)` once (registers the attention function with transformers and

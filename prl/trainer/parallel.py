@@ -61,17 +61,18 @@ class Dist:
 
 def check_degrees(cfg: TrainerConfig, world_size: int) -> None:
     """Refuse a mesh that does not multiply out to the world size, or an ep that does not divide dp_shard * cp."""
-    product = cfg.dp_replicate * cfg.dp_shard * cfg.cp
-    if product != world_size or cfg.world_size != world_size:
+    m = cfg.mesh
+    product = m.dp_replicate * m.dp_shard * m.cp
+    if product != world_size or m.world_size != world_size:
         raise ConfigError(
-            f"invalid trainer mesh: dp_replicate({cfg.dp_replicate}) * dp_shard({cfg.dp_shard}) * cp({cfg.cp}) "
-            f"= {product}, plan world_size = {cfg.world_size}, but torchrun started {world_size} processes; "
+            f"invalid trainer mesh: dp_replicate({m.dp_replicate}) * dp_shard({m.dp_shard}) * cp({m.cp}) "
+            f"= {product}, plan world_size = {m.world_size}, but torchrun started {world_size} processes; "
             f"they must all be equal"
         )
-    if cfg.ep < 1 or (cfg.dp_shard * cfg.cp) % cfg.ep:
+    if m.ep < 1 or (m.dp_shard * m.cp) % m.ep:
         raise ConfigError(
-            f"invalid trainer mesh: ep({cfg.ep}) must divide dp_shard({cfg.dp_shard}) * cp({cfg.cp}) = "
-            f"{cfg.dp_shard * cfg.cp}: experts are sharded over the dp_shard x cp ranks"
+            f"invalid trainer mesh: ep({m.ep}) must divide dp_shard({m.dp_shard}) * cp({m.cp}) = "
+            f"{m.dp_shard * m.cp}: experts are sharded over the dp_shard x cp ranks"
         )
 
 
@@ -84,7 +85,7 @@ def _mesh(device_type: str, ranks: torch.Tensor, names: tuple[str, ...]) -> Devi
 
 def build_dist(cfg: TrainerConfig, rank: int, world_size: int, local_rank: int, device: torch.device) -> Dist:
     """Collective: the meshes and process groups of the layout in the module doc."""
-    R, S, C, E = cfg.dp_replicate, cfg.dp_shard, cfg.cp, cfg.ep
+    R, S, C, E = cfg.mesh.dp_replicate, cfg.mesh.dp_shard, cfg.mesh.cp, cfg.mesh.ep
     ranks = torch.arange(world_size)
     dense = _mesh(device.type, ranks.view(R, S * C), ("dp_replicate", "dp_shard_cp"))
     cp_mesh = DeviceMesh(device.type, ranks.view(R * S, C), mesh_dim_names=("dp", "cp"))
