@@ -163,6 +163,18 @@ def test_the_circle_check_sees_a_circle(tmp_path):
     assert import_cycles(graph) == [["prl.probe.a", "prl.probe.b"]]
 
 
+def test_the_architecture_doc_shows_the_layers_checked_here():
+    """docs/architecture.md's layer picture is LAYER: a change to either without the other fails here."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = text.split("<!-- layers")[1].split("<!-- /layers -->")[0].splitlines()[1:]
+    shown = {}
+    for line in block:
+        words = line.split()
+        if words[:1] == ["layer"]:
+            shown.update({name: int(words[1]) for name in words[2:]})
+    assert shown == LAYER, f"docs/architecture.md shows {shown}, tests/test_imports.py checks {LAYER}"
+
+
 MAX_FUNCTION_LINES = 60
 
 
