@@ -76,7 +76,7 @@ def summarize(results: list[Rollout], seconds: float) -> dict[str, Any]:
     return out
 
 
-def openai_base(url: str) -> str:
+def _openai_base(url: str) -> str:
     """`http://host:port` -> `http://host:port/v1`; a URL with a path is kept as given."""
     url = url.rstrip("/")
     return url + "/v1" if urlparse(url).path in ("", "/") else url
@@ -109,7 +109,7 @@ def evaluate_endpoint(
     import verifiers.v1 as vf
 
     env = load_env(env_id, harness, args, split="eval")
-    client = endpoint_client(openai_base(base_url), api_key_env or "PRL_EVAL_NO_API_KEY", render_with, renderer)
+    client = endpoint_client(_openai_base(base_url), api_key_env or "PRL_EVAL_NO_API_KEY", render_with, renderer)
     sampling = vf.SamplingConfig(temperature=temperature, max_tokens=max_tokens)
     server = Server(base_url)
     pool = ServerPool(generate=[server], admin=[])
