@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Callable, NoReturn, Optional
@@ -198,17 +199,32 @@ def evaluate(a: argparse.Namespace) -> None:
         return sweep(a, args)
     if not (a.base_url and a.model):
         raise ConfigError("prl eval: give --base-url and --model (an endpoint), or --run RUN (a run's weights)")
-    from prl.orchestrator.eval import main as run_eval
+    from prl.orchestrator.eval import evaluate_endpoint
 
+    if a.api_key_env and not os.environ.get(a.api_key_env):
+        print(f"warning: ${a.api_key_env} is not set; sending no API key")
     failed = False
     for env_id in a.env_ids:
-        stats = run_eval(env_id, a.base_url, a.model, api_key_env=a.api_key_env, examples=a.examples,
-                         rollouts=a.rollouts, args=args, max_tokens=a.max_tokens, temperature=a.temperature)
+        stats = evaluate_endpoint(env_id, a.base_url, a.model, api_key_env=a.api_key_env, examples=a.examples,
+                                  rollouts=a.rollouts, args=args, max_tokens=a.max_tokens, temperature=a.temperature)
+        show_eval(stats)
         if stats.get("rollouts") and stats.get("failed_rollouts") == stats.get("rollouts"):
             print(f"error: every rollout of {env_id} failed against {a.base_url}", file=sys.stderr)
             failed = True
     if failed:
         raise Exit(1)
+
+
+def show_eval(stats: dict) -> None:
+    """One environment's eval stats (`prl.orchestrator.eval.evaluate_endpoint`): rewards, then each metric's mean."""
+    print(f"{stats['env']} (eval split) on {stats['model']}: reward {stats['reward_mean']:.4f} "
+          f"± {stats['reward_std']:.4f} [{stats['reward_min']:.3f}, {stats['reward_max']:.3f}] "
+          f"over {stats['rollouts']} rollouts ({stats['failed_rollouts']} failed) in {stats['eval_s']:.1f} s")
+    for k, v in stats.items():
+        if k.startswith("metric/"):
+            print(f"  {k[7:]}: {v:.4f}")
+    if stats.get("first_error"):
+        print(f"  first error: {stats['first_error']}")
 
 
 def sweep(a: argparse.Namespace, env_args: dict) -> None:

@@ -16,9 +16,9 @@ import verifiers.v1 as vf
 
 from prl.orchestrator import main
 from prl.orchestrator.chatml import IMPORT_PATH
+from prl.orchestrator.clients import renderer_config
 from prl.orchestrator.env import load_env
-from prl.orchestrator.eval import main as eval_main
-from prl.orchestrator.loop import renderer_config
+from prl.orchestrator.eval import evaluate_endpoint
 from prl.run.batch import read_batch
 from prl.run.rundir import RunDir, atomic_write_json
 from tests.fake_engine import FakeEngine
@@ -116,7 +116,7 @@ def test_guess_through_prl_eval():
 
     secrets = [t.data.secret for t in load_env("prl_guess", args={"num_examples": 6}, split="eval").taskset]
     with FakeEngine(model="m", chat=chat) as eng:
-        stats = eval_main("prl_guess", eng.url, "m", examples=6, args={"num_examples": 6}, quiet=True)
+        stats = evaluate_endpoint("prl_guess", eng.url, "m", examples=6, args={"num_examples": 6})
     assert stats["failed_rollouts"] == 0 and stats["rollouts"] == 6
     expected = [1 / len(halving(s, 8)) for s in secrets]
     assert stats["reward_mean"] == pytest.approx(sum(expected) / 6)
@@ -188,7 +188,7 @@ def test_calc_through_prl_eval():
             "name": "calc", "arguments": json.dumps({"expression": expression})}}]}
 
     with FakeEngine(model="m", chat=chat) as eng:
-        stats = eval_main("prl_calc", eng.url, "m", examples=4, args={"num_examples": 4}, quiet=True)
+        stats = evaluate_endpoint("prl_calc", eng.url, "m", examples=4, args={"num_examples": 4})
     assert stats["failed_rollouts"] == 0 and stats["rollouts"] == 4
     assert stats["reward_mean"] == pytest.approx(1.1)
     assert len(bodies) == 8 and [t["function"]["name"] for t in bodies[0]["tools"]] == ["calc"]
@@ -214,8 +214,8 @@ def test_calc_through_prl_eval_rendered_as_the_run_renders(tok, tokenizer_dir):
         return tok.encode(out, add_special_tokens=False) + [end]
 
     with FakeEngine(model="m", stop_id=end, reply=reply) as eng:
-        stats = eval_main("prl_calc", eng.url, "m", examples=4, args={"num_examples": 4}, quiet=True,
-                          render_with=str(tokenizer_dir), renderer=CHATML)
+        stats = evaluate_endpoint("prl_calc", eng.url, "m", examples=4, args={"num_examples": 4},
+                                  render_with=str(tokenizer_dir), renderer=CHATML)
     assert stats["failed_rollouts"] == 0 and stats["rollouts"] == 4
     assert stats["reward_mean"] == pytest.approx(1.1)
     assert len(prompts) == 8 and all('"name": "calc"' in p.split("<|im_start|>user")[0] for p in prompts)

@@ -11,8 +11,8 @@ import pytest
 import verifiers.v1 as vf
 
 from prl.orchestrator.chatml import IMPORT_PATH, ChatMLRenderer
+from prl.orchestrator.clients import renderer_config
 from prl.orchestrator.env import load_env
-from prl.orchestrator.loop import renderer_config
 from prl.orchestrator.rollouts import rollout_from_episode
 from tests.fake_engine import FakeEngine
 from tests.helpers import run_one_episode

@@ -223,12 +223,14 @@ def test_module_entry_point_with_explicit_servers(tmp_path, tokenizer_dir):
 
 
 def test_prl_eval_against_an_openai_endpoint(capsys):
-    from prl.orchestrator.eval import main as eval_main
+    from prl.cli import show_eval
+    from prl.orchestrator.eval import evaluate_endpoint
 
     with FakeEngine(model="m") as eng:  # its chat replies are random strings of 'a', 'b' and ' '
-        stats = eval_main("prl_letters", eng.url, "m", examples=6, rollouts=2)
+        stats = evaluate_endpoint("prl_letters", eng.url, "m", examples=6, rollouts=2)
     assert stats["rollouts"] == 12 and stats["failed_rollouts"] == 0
     assert 0.2 < stats["reward_mean"] < 0.8
     assert "metric/reply_chars" in stats
     assert stats["completion_len_mean"] == 512  # the usage the endpoint reports: replies of max_tokens (512 by default)
+    show_eval(stats)  # the `prl eval` command's report
     assert "prl_letters (eval split) on m: reward" in capsys.readouterr().out

@@ -22,13 +22,14 @@ GOLDEN = Path(__file__).parent / "golden"
 def test_config_from_the_golden_plan_json():
     """What `prl plan configs/local-tiny.yaml` writes is what the orchestrator reads."""
     cfg = OrchestratorConfig.from_plan(Plan.from_json((GOLDEN / "local-tiny" / "plan.json").read_text()))
-    assert cfg.env_id == "prl_letters" and cfg.harness == "prl" and cfg.env_args == {}
-    assert (cfg.batch_size, cfg.rollouts_per_example, cfg.examples_per_step) == (32, 4, 8)
-    assert cfg.max_off_policy_steps == 1 and cfg.max_steps == 20 and cfg.max_tokens == 16
+    env, t = cfg.environment, cfg.training
+    assert env.id == "prl_letters" and env.harness == "prl" and env.args == {}
+    assert (t.batch_size, t.rollouts_per_example, cfg.examples_per_step) == (32, 4, 8)
+    assert t.max_off_policy_steps == 1 and t.max_steps == 20 and t.max_tokens == 16
     assert cfg.dp_size == 2  # dp_replicate 1 * dp_shard 2
     assert cfg.served_model_name == "local-tiny"
     assert cfg.model_path == "models/tiny-qwen3"
-    assert cfg.advantage == Advantage(std_normalize=True)
+    assert t.advantage == Advantage(std_normalize=True)
 
 
 def test_config_reads_the_settings_the_topology_gives(tmp_path):
@@ -36,7 +37,8 @@ def test_config_reads_the_settings_the_topology_gives(tmp_path):
         "training.advantage.drop_zero_groups=true", "training.max_concurrent_rollouts=8",
         "model.tokenizer=" + str(tmp_path / "tok"), "trainer.dp_replicate=2", "environment.max_turns=3"])
     cfg = OrchestratorConfig.from_plan(plan)
-    assert cfg.advantage == Advantage(std_normalize=True, drop_zero_groups=True) and cfg.max_concurrent_rollouts == 8
+    t = cfg.training
+    assert t.advantage == Advantage(std_normalize=True, drop_zero_groups=True) and t.max_concurrent_rollouts == 8
     assert cfg.model_path == str(tmp_path / "tok"), "the tokenizer wins over the model path"
     assert cfg.dp_size == 2  # dp_replicate 2 * dp_shard 1
     assert (cfg.environment.max_turns, cfg.environment.max_total_tokens) == (3, None)
@@ -239,7 +241,7 @@ def test_the_renderer_setting_reaches_the_train_client(tmp_path):
     one renderers refuses is a ConfigError that names the field."""
     from renderers import CustomRendererConfig, Qwen3RendererConfig
 
-    from prl.orchestrator.loop import renderer_config
+    from prl.orchestrator.clients import renderer_config
 
     chatml = "{name: custom, import_path: prl.orchestrator.chatml.ChatMLRenderer}"
     cfg = OrchestratorConfig.from_plan(local_plan(tmp_path / "run", tmp_path / "model", [f"model.renderer={chatml}"]))

@@ -1,14 +1,20 @@
 """The orchestrator role: verifiers environments -> rollouts -> training batches; weights -> servers.
 
-    loop.py         the step loop (`main(run_dir)`, `python -m prl.orchestrator --run-dir RUN`)
+    loop.py         the components assembled once, the step loop (`main(run_dir)`,
+                    `python -m prl.orchestrator --run-dir RUN`)
     config.py       settings from plan.json
     env.py          loading a verifiers v1 environment offline (subprocess runtime, prl harness)
     harness.py      the in-process `prl` harness (tokens + logprobs via the train client)
     rollouts.py     groups of rollouts on the server pool -> samples
     continuous.py   continuous rollouts: groups in flight across steps; the data order a batch records
     advantages.py   group-relative advantages (pure)
+    clients.py      the model clients: train client (rendered here, token-in/token-out), plain eval client
     sync.py         server endpoints, load balancing, the weight watcher
-    eval.py         eval split: periodic and `prl eval` (`eval.main`)
+    eval.py         eval split: periodic (`evaluate`) and against an endpoint (`evaluate_endpoint`, for
+                    `prl eval`, whose command is prl/cli.py)
+    sweep.py        one task of an eval sweep over a run's weights (`prl eval --run`)
+    workers.py      environment rollouts in worker processes (`orchestrator.env_workers`)
+    chatml.py       a ChatML renderer whose turns extend the last one token for token (`model.renderer`)
     display.py      progress output
 
 Importing this package is light (no verifiers, no torch); `main` imports the rest on call.

@@ -1,8 +1,10 @@
 """The orchestrator's view of the plan: environment, tokenizer, served model name, training settings.
 
 Every value comes from RUN/plan.json (the typed `Plan`); nothing here has a default of its
-own. The settings are the topology's schemas themselves (`Training`, `Environment`), so a
-value means one thing in the planner, the orchestrator and the trainer.
+own. The settings are the topology's schemas themselves (`Training`, `Environment`), read by
+their one name (`cfg.training.max_steps`, `cfg.environment.eval.every`), so a value means one
+thing in the planner, the orchestrator and the trainer. Derived here: `examples_per_step` and
+the staleness bound `min_version`.
 """
 
 from __future__ import annotations
@@ -10,14 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from prl.config.topology import Advantage, Environment, EvalSettings, Training
+from prl.config.topology import Environment, Training
 from prl.planner.model import Plan
 
 
 @dataclass(frozen=True)
 class OrchestratorConfig:
     training: Training
+    """The `training` section (batch and group size, staleness bound, sampling, retries, timeouts, advantage):
+    the very object the trainer reads."""
     environment: Environment
+    """The `environment` section: taskset id, args, harness, limits and `eval` settings."""
     model_path: str
     """Tokenizer directory: it renders prompts client-side (`model.tokenizer` wins over `model.path`)."""
     dp_size: int
@@ -37,42 +42,11 @@ class OrchestratorConfig:
                    served_model_name=plan.served_model_name, renderer=settings.model.renderer,
                    env_workers=plan.orchestrator.env_workers if plan.orchestrator else 0)
 
-    # The environment, by name.
-    env_id = property(lambda self: self.environment.id)
-    harness = property(lambda self: self.environment.harness)
-
-    @property
-    def env_args(self) -> dict[str, Any]:
-        return dict(self.environment.args)
-
-    @property
-    def eval(self) -> EvalSettings:
-        return self.environment.eval
-
-    # The training settings the orchestrator reads, by name.
-    batch_size = property(lambda self: self.training.batch_size)
-    rollouts_per_example = property(lambda self: self.training.rollouts_per_example)
-    max_off_policy_steps = property(lambda self: self.training.max_off_policy_steps)
-    max_steps = property(lambda self: self.training.max_steps)
-    max_tokens = property(lambda self: self.training.max_tokens)
-    temperature = property(lambda self: self.training.temperature)
-    micro_batch_tokens = property(lambda self: self.training.micro_batch_tokens)
-    seed = property(lambda self: self.training.seed)
-    max_concurrent_rollouts = property(lambda self: self.training.max_concurrent_rollouts)
-    rollout_mode = property(lambda self: self.training.rollout_mode)
-    rollout_retries = property(lambda self: self.training.rollout_retries)
-    weight_update_retries = property(lambda self: self.training.weight_update_retries)
-    weights_timeout_s = property(lambda self: self.training.weights_timeout_s)
-    endpoint_timeout_s = property(lambda self: self.training.endpoint_timeout_s)
-
-    @property
-    def advantage(self) -> Advantage:
-        return self.training.advantage
-
     @property
     def examples_per_step(self) -> int:
-        return self.batch_size // self.rollouts_per_example
+        """Groups (tasks) a step trains on: batch_size / rollouts_per_example."""
+        return self.training.batch_size // self.training.rollouts_per_example
 
     def min_version(self, step: int) -> int:
         """Oldest weights version allowed to generate rollouts for `step`."""
-        return max(0, step - 1 - self.max_off_policy_steps)
+        return max(0, step - 1 - self.training.max_off_policy_steps)

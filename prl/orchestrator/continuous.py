@@ -150,7 +150,7 @@ class Scheduler:
         """Start groups until the steps that weights can reach soon (published + 1 + max_off_policy_steps) have
         enough: a group for a later step could only wait."""
         k = self.cfg.examples_per_step
-        last = min(self.cfg.max_steps, self.published + 1 + self.cfg.max_off_policy_steps)
+        last = min(self.cfg.training.max_steps, self.published + 1 + self.cfg.training.max_off_policy_steps)
         while (target := self.published + 1 + self._queued() // k) <= last:
             if self.relaunch:
                 index = self.relaunch.popleft()
@@ -160,7 +160,7 @@ class Scheduler:
 
     async def _run(self, index: int, target: int) -> None:
         try:
-            rollouts = await self.gen.group(self.stream.at(index), self.cfg.rollouts_per_example,
+            rollouts = await self.gen.group(self.stream.at(index), self.cfg.training.rollouts_per_example,
                                             self.cfg.min_version(target))
             self.fifo.append(Group(index, rollouts))
         except Exception as e:  # a bug in the env or in prl: stop the run with it, as step mode would
@@ -208,7 +208,7 @@ class Scheduler:
                 # Nothing runs: every launched group waits for weights (the trainer's turn), not a hang.
                 idle += time.monotonic() - t0
                 self.tick()
-                if idle > self.cfg.weights_timeout_s:
+                if idle > self.cfg.training.weights_timeout_s:
                     raise StepTimeout(
                         f"step {step}: waited {idle:.0f} s for weights step {min_v} or newer with no rollout to "
                         f"run; the servers serve step {self.gen.pool.version}, the newest published weights "
@@ -220,7 +220,8 @@ class Scheduler:
         t0 = time.monotonic()
         self._launch()
         taken, failed, stale, idle = await self.take(step)
-        batch = build_samples([g.rollouts for g in taken + failed], self.cfg.advantage, max_tokens=self.cfg.max_tokens,
+        training = self.cfg.training
+        batch = build_samples([g.rollouts for g in taken + failed], training.advantage, max_tokens=training.max_tokens,
                               min_version=self.cfg.min_version(step))
         batch.stale_groups = len(stale)
         order = self.order.after([g.index for g in taken], [g.index for g in failed + stale])

@@ -1,22 +1,26 @@
-"""Evaluation on an environment's eval split: periodic (inside the orchestrator) and `prl eval`.
+"""Evaluation on an environment's eval split: the in-run eval and the one against an endpoint.
 
-The same env code scores training and evaluation. `prl eval` runs against
-any OpenAI-compatible endpoint (vLLM, a hosted API) with verifiers' plain eval
-client, which needs no token ids:
+    evaluate(gen, examples)          the orchestrator's periodic eval, on its own generator and servers
+    evaluate_endpoint(env_id, url, model, examples=64)
+                                     any OpenAI-compatible endpoint (vLLM, a hosted API) with verifiers'
+                                     plain eval client, which needs no token ids; `prl eval` and a sweep task
 
-    prl.orchestrator.eval.main("prl_reverse_text", "http://host:8000/v1", "my-model", examples=64)
+The same env code scores training and evaluation. This module returns numbers; the `prl eval` command
+(prl/cli.py) prints them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from typing import Any, Callable
 from urllib.parse import urlparse
 
 from prl.orchestrator.advantages import reward_stats
+from prl.orchestrator.clients import endpoint_client
+from prl.orchestrator.env import load_env
 from prl.orchestrator.rollouts import Generator, Rollout, then
+from prl.orchestrator.sync import Server, ServerPool
 
 
 async def evaluate(gen: Generator, examples: int, rollouts: int = 1,
@@ -78,7 +82,7 @@ def _openai_base(url: str) -> str:
     return url + "/v1" if urlparse(url).path in ("", "/") else url
 
 
-def main(
+def evaluate_endpoint(
     env_id: str,
     base_url: str,
     model: str,
@@ -91,11 +95,11 @@ def main(
     max_tokens: int | None = 512,
     temperature: float | None = 0.0,
     max_concurrent: int = 32,
-    quiet: bool = False,
     render_with: str | None = None,
     renderer: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Evaluate `env_id`'s eval split against an OpenAI-compatible endpoint; print and return reward stats.
+    """Evaluate `env_id`'s eval split against an OpenAI-compatible endpoint; its reward stats (`evaluate`'s)
+    with `env`, `model` and `base_url`.
 
     `api_key_env` names the variable holding the API key (unset: no key, "EMPTY").
     `render_with`: a tokenizer directory; the conversation is then rendered here with it and `renderer`
@@ -104,46 +108,18 @@ def main(
     """
     import verifiers.v1 as vf
 
-    from prl.orchestrator.env import load_env
-    from prl.orchestrator.sync import Server, ServerPool
-
     env = load_env(env_id, harness, args, split="eval")
-    key_var = api_key_env or "PRL_EVAL_NO_API_KEY"
-    if api_key_env and not os.environ.get(api_key_env):
-        print(f"warning: ${api_key_env} is not set; sending no API key")
-    if render_with:
-        from prl.orchestrator.loop import renderer_config, train_client
-
-        client = train_client(_openai_base(base_url), key_var, render_with, renderer_config(renderer))
-    else:
-        client = vf.EvalClientConfig(base_url=_openai_base(base_url), api_key_var=key_var)
+    client = endpoint_client(_openai_base(base_url), api_key_env or "PRL_EVAL_NO_API_KEY", render_with, renderer)
     sampling = vf.SamplingConfig(temperature=temperature, max_tokens=max_tokens)
     server = Server(base_url)
     pool = ServerPool(generate=[server], admin=[])
 
     async def run() -> dict[str, Any]:
-        gen = Generator(
-            env,
-            pool,
-            lambda s: vf.ModelContext(model=model, client=client, sampling=sampling),
-            max_concurrent=max_concurrent,
-            retries=2,
-            need_tokens=False,
-        )
+        gen = Generator(env, pool, lambda s: vf.ModelContext(model=model, client=client, sampling=sampling),
+                        max_concurrent=max_concurrent, retries=2, need_tokens=False)
         async with env.serving():
             return await evaluate(gen, examples, rollouts)
 
     stats = asyncio.run(run())
     stats.update(env=env_id, model=model, base_url=base_url)
-    if not quiet:
-        print(
-            f"{env_id} (eval split) on {model}: reward {stats['reward_mean']:.4f} ± {stats['reward_std']:.4f} "
-            f"[{stats['reward_min']:.3f}, {stats['reward_max']:.3f}] over {stats['rollouts']} rollouts "
-            f"({stats['failed_rollouts']} failed) in {stats['eval_s']:.1f} s"
-        )
-        for k, v in stats.items():
-            if k.startswith("metric/"):
-                print(f"  {k[7:]}: {v:.4f}")
-        if stats.get("first_error"):
-            print(f"  first error: {stats['first_error']}")
     return stats

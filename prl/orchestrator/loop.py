@@ -16,32 +16,41 @@ repeating or skipping one). In step mode the data order is a function of the
 step; in continuous mode it depends on which groups finish first, and the
 newest batch's data order says which tasks are done, so a resumed run uses
 every task once. Settings: prl/orchestrator/config.py.
+
+Assembly: `assemble` builds every component once and whole (the served model name is asked first, so
+the server pool and the model contexts are complete when built): environments, generators, the task
+stream, the weight watcher, the display and the step source (`Scheduler` or `StepMode`). `orchestrate`
+is then the loop above, step by step: make rollouts, check, publish, record, maybe evaluate.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from prl.run.batch import publish_batch
-from prl.errors import ConfigError, PrlError
+from prl.errors import PrlError
 from prl.log import get_logger, init_logging
 from prl.orchestrator.advantages import reward_stats
+from prl.orchestrator.clients import train_contexts
 from prl.orchestrator.config import OrchestratorConfig
 from prl.orchestrator.continuous import DataOrder, Scheduler, StepRollouts
-from prl.planner.model import Plan
-from prl.orchestrator.display import make_display
+from prl.orchestrator.display import PlainDisplay, make_display
 from prl.orchestrator.env import load_env
 from prl.orchestrator.eval import evaluate
 from prl.orchestrator.rollouts import Generator, StepBatch, TaskStream, build_samples, then
-from prl.orchestrator.sync import ServerPool, WeightWatcher, discover, served_model, server_client, standalone
+from prl.orchestrator.sync import (Fleet, ServerPool, WeightWatcher, discover, served_model, server_client,
+                                   standalone)
 from prl.orchestrator.workers import EnvWorkers, check_env_id
+from prl.planner.model import Plan
+from prl.run.batch import publish_batch
 from prl.run.lifecycle import role_lifecycle
-from prl.run.rundir import API_KEY_VAR, RunDir
+from prl.run.rundir import RunDir
 
 ROLE = "orchestrator"
 
@@ -69,45 +78,10 @@ class Beat:
             self()
 
 
-def renderer_config(renderer: dict[str, Any] | None) -> Any:
-    """`model.renderer` as a `renderers.RendererConfig` (None stays None: chosen from the tokenizer);
-    ConfigError naming the field when renderers refuses it (an unknown name, a field the renderer lacks,
-    an import_path that does not load)."""
-    if renderer is None:
-        return None
-    import pydantic
-    from renderers import RendererConfig
-
-    try:
-        return pydantic.TypeAdapter(RendererConfig).validate_python(renderer)
-    except pydantic.ValidationError as e:
-        where = [".".join(map(str, err["loc"])) for err in e.errors()]
-        problems = "; ".join(f"{w}: {err['msg']}" if w else err["msg"] for w, err in zip(where, e.errors()))
-        raise ConfigError(f"model.renderer {renderer}: {problems}") from None
-    except (ImportError, TypeError) as e:  # a custom import_path that does not load, or names no renderer
-        raise ConfigError(f"model.renderer {renderer}: {type(e).__name__}: {e}") from None
-
-
-def train_client(base_url: str, api_key_var: str, tokenizer: str, renderer: Any) -> Any:
-    """verifiers' train client for a prl server at `base_url` (`.../v1`): conversations rendered here with
-    `tokenizer` and `renderer` (from `renderer_config`), sent token-in/token-out to its generate route."""
-    import verifiers.v1 as vf
-
-    return vf.TrainClientConfig(base_url=base_url, api_key_var=api_key_var, renderer_model_name=tokenizer,
-                                renderer=renderer)
-
-
-def _contexts(cfg: OrchestratorConfig, pool: ServerPool):
-    import verifiers.v1 as vf
-
-    sampling = vf.SamplingConfig(temperature=cfg.temperature, max_tokens=cfg.max_tokens)
-    renderer = renderer_config(cfg.renderer)
-
-    def make(server) -> Any:
-        client = train_client(f"{server.url}/v1", API_KEY_VAR, cfg.model_path, renderer)
-        return vf.ModelContext(model=pool.model, client=client, sampling=sampling)
-
-    return make
+def show_phase(beat: Beat, display: PlainDisplay, step: int, phase: str, text: str) -> None:
+    """A phase of `step` (waiting_for_weights, generating, evaluating): to the heartbeat and the display."""
+    beat(step=step, phase=phase)
+    display.phase(step, text)
 
 
 async def generate_step(
@@ -116,7 +90,7 @@ async def generate_step(
     """All groups of one step (failed groups replaced once); the batch, rollouts run, seconds taken."""
     t0 = time.monotonic()
     min_v = cfg.min_version(step)
-    k, n = cfg.examples_per_step, cfg.rollouts_per_example
+    k, n = cfg.examples_per_step, cfg.training.rollouts_per_example
     tick = beat.tick if beat else None
     groups = list(await asyncio.gather(*(then(gen.group(t, n, min_v), tick) for t in stream.tasks_for(step, k))))
     ran = k * n
@@ -126,7 +100,7 @@ async def generate_step(
         groups += await asyncio.gather(*(gen.group(t, n, min_v) for t in stream.extra(step, 1, failed)))
         ran += failed * n
     # build_samples leaves failed groups out (and counts them).
-    batch = build_samples(groups, cfg.advantage, max_tokens=cfg.max_tokens, min_version=min_v)
+    batch = build_samples(groups, cfg.training.advantage, max_tokens=cfg.training.max_tokens, min_version=min_v)
     return batch, ran, time.monotonic() - t0
 
 
@@ -141,7 +115,8 @@ class StepMode:
     async def make(self, step: int) -> StepRollouts:
         min_v = self.cfg.min_version(step)
         self.show(step, "waiting_for_weights", f"waiting for weights >= {min_v}")
-        wait_s = await self.pool.wait_version(min_v, self.cfg.weights_timeout_s, self.errors, on_wait=self.beat)
+        timeout = self.cfg.training.weights_timeout_s
+        wait_s = await self.pool.wait_version(min_v, timeout, self.errors, on_wait=self.beat)
         self.show(step, "generating", "generating")
         batch, ran, gen_s = await generate_step(self.gen, self.stream, self.cfg, step, self.beat)
         return StepRollouts(batch, ran, gen_s, wait_s, DataOrder.of_step(step, self.cfg.examples_per_step))
@@ -190,89 +165,138 @@ def step_metrics(step: int, made: StepRollouts, pool: ServerPool) -> dict:
     return m
 
 
-async def orchestrate(run: RunDir, cfg: OrchestratorConfig, pool: ServerPool, beat: Beat) -> int:
+@dataclass(frozen=True)
+class Orchestrator:
+    """Every component of one orchestrator run, built once by `assemble`; the step loop (`orchestrate`) calls
+    its steps in the order of the algorithm."""
+
+    run: RunDir
+    cfg: OrchestratorConfig
+    pool: ServerPool
+    env: Any
+    """The train split's environment (in worker processes with `orchestrator.env_workers`)."""
+    eval_env: Any | None
+    eval_gen: Generator | None
+    """The eval split and its generator (None: `environment.eval.every` is 0)."""
+    watcher: WeightWatcher
+    source: StepMode | Scheduler
+    """Where each step's rollouts come from (`training.rollout_mode`)."""
+    beat: Beat
+    display: PlainDisplay
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The env servers up, every server's weights version asked, the weight watcher in the background; on the
+        way out the env servers closed, the rollouts in flight and the watcher cancelled, the display closed."""
+        background: list[asyncio.Task] = []
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                await stack.enter_async_context(self.env.serving())
+                if self.eval_env is not None:
+                    await stack.enter_async_context(self.eval_env.serving())
+                async with server_client() as client:
+                    await self.watcher.sync_live(client)
+                background.append(asyncio.create_task(self.watcher.run_forever()))
+                yield
+        finally:
+            await self.source.close()
+            for t in background:
+                t.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            self.display.close()
+
+    def check(self, step: int, batch: StepBatch) -> None:
+        """Stop the run on the weight watcher's failure, or when every rollout of the step failed."""
+        if self.watcher.error:
+            raise self.watcher.error[0]
+        if not batch.samples:
+            raise PrlError(f"step {step}: every rollout failed ({batch.failed_rollouts} after retries); "
+                           f"first error: {batch.first_error}")
+
+    async def publish(self, step: int, made: StepRollouts) -> None:
+        """rollouts/step_N (STABLE) packed for the trainer's dp ranks, with the data order after it."""
+        await asyncio.to_thread(publish_batch, self.run, step, made.batch.samples, dp_size=self.cfg.dp_size,
+                                micro_batch_tokens=self.cfg.training.micro_batch_tokens,
+                                meta={"data_order": made.order.to_json()})
+        self.source.published_step(step, made.order)
+
+    def record(self, step: int, made: StepRollouts) -> None:
+        """The step's metrics record, heartbeat and progress line."""
+        m = step_metrics(step, made, self.pool)
+        self.run.append_metrics(m)
+        # step_s: this step's longest stretch between heartbeats, at most; the launcher's hang bound grows with it.
+        self.beat(step=step, phase="published", published=step, weights_version=self.pool.version,
+                  step_s=round(made.generate_s, 3))
+        self.display.step(step, m)
+
+    def eval_due(self, step: int) -> bool:
+        return self.eval_gen is not None and step % self.cfg.environment.eval.every == 0
+
+    async def evaluate(self, step: int) -> None:
+        """`environment.eval.examples` tasks of the eval split, one rollout each, to metrics (`"eval": true`)."""
+        assert self.eval_gen is not None
+        show_phase(self.beat, self.display, step, "evaluating", "evaluating")
+        ev = await evaluate(self.eval_gen, self.cfg.environment.eval.examples, on_group=self.beat.tick)
+        self.run.append_metrics({"role": ROLE, "step": step, "time": time.time(), "eval": True, **ev})
+        self.display.eval(step, ev)
+
+
+def load_envs(cfg: OrchestratorConfig) -> tuple[Any, Any | None]:
+    """The train split's environment (served by worker processes with `orchestrator.env_workers`), and the
+    eval split's when evals are on (in this process)."""
+    e = cfg.environment
+    limits = {"max_turns": e.max_turns, "max_total_tokens": e.max_total_tokens}
+    env = load_env(e.id, e.harness, dict(e.args), split="train", **limits)
+    eval_env = load_env(e.id, e.harness, dict(e.args), split="eval", **limits) if e.eval.every else None
+    if cfg.env_workers:
+        check_env_id(e.id)
+        env = EnvWorkers(env, cfg.env_workers)
+    return env, eval_env
+
+
+async def assemble(run: RunDir, cfg: OrchestratorConfig, fleet: Fleet, beat: Beat, start: int) -> Orchestrator:
+    """Build every component once, each complete before it is handed on: the served model name first (an async
+    question to a server), so the contexts and the pool are whole when built; a bad `model.renderer` stops the
+    run before the environment loads."""
+    model = cfg.served_model_name or await served_model(fleet)
+    pool = ServerPool.of(fleet, on_idle=beat.tick)
+    make_ctx = train_contexts(cfg, model)
+    env, eval_env = load_envs(cfg)
+    t = cfg.training
+
+    def generator(e: Any) -> Generator:
+        return Generator(e, pool, make_ctx, max_concurrent=t.max_concurrent_rollouts, retries=t.rollout_retries)
+
+    gen = generator(env)
+    stream = TaskStream(env.taskset, t.seed)
+    watcher = WeightWatcher(run, pool, retries=t.weight_update_retries)
+    display = make_display(t.max_steps, start)
+    show = functools.partial(show_phase, beat, display)
+    source: StepMode | Scheduler = (
+        Scheduler(gen, stream, cfg, DataOrder.read(run, start, cfg.examples_per_step), start, errors=watcher.error,
+                  tick=beat.tick, show=show)
+        if t.rollout_mode == "continuous" else StepMode(gen, stream, cfg, pool, watcher.error, beat, show))
+    return Orchestrator(run, cfg, pool, env, eval_env, generator(eval_env) if eval_env is not None else None, watcher,
+                        source, beat, display)
+
+
+async def orchestrate(run: RunDir, cfg: OrchestratorConfig, fleet: Fleet, beat: Beat) -> int:
+    """The orchestrator's steps after the newest published one, to `training.max_steps`."""
     start = run.latest_stable("rollouts") or 0
     run.drop_metrics_after(ROLE, start)
-    if start >= cfg.max_steps:
-        log.info("rollouts up to step %d are published; nothing to do (max_steps %d)", start, cfg.max_steps)
+    max_steps = cfg.training.max_steps
+    if start >= max_steps:
+        log.info("rollouts up to step %d are published; nothing to do (max_steps %d)", start, max_steps)
         return 0
-    async with server_client(timeout=30) as client:
-        pool.model = pool.model or cfg.served_model_name or await served_model(client, pool.generate[0].url)
-    make_ctx = _contexts(cfg, pool)  # first: a bad model.renderer stops the run before the env loads
-    limits = {"max_turns": cfg.environment.max_turns, "max_total_tokens": cfg.environment.max_total_tokens}
-    env = load_env(cfg.env_id, cfg.harness, cfg.env_args, split="train", **limits)
-    eval_env = load_env(cfg.env_id, cfg.harness, cfg.env_args, split="eval", **limits) if cfg.eval.every else None
-    if cfg.env_workers:
-        check_env_id(cfg.env_id)
-        env = EnvWorkers(env, cfg.env_workers)
-    gen = Generator(env, pool, make_ctx, max_concurrent=cfg.max_concurrent_rollouts, retries=cfg.rollout_retries)
-    eval_gen = (
-        Generator(eval_env, pool, make_ctx, max_concurrent=cfg.max_concurrent_rollouts, retries=cfg.rollout_retries)
-        if eval_env
-        else None
-    )
-    stream = TaskStream(env.taskset, cfg.seed)
-    watcher = WeightWatcher(run, pool, retries=cfg.weight_update_retries)
-    pool.on_idle = beat.tick
-    display = make_display(cfg.max_steps, start)
-
-    def show(step: int, phase: str, text: str) -> None:
-        beat(step=step, phase=phase)
-        display.phase(step, text)
-
-    k = cfg.examples_per_step
-    source: StepMode | Scheduler = (
-        Scheduler(gen, stream, cfg, DataOrder.read(run, start, k), start, errors=watcher.error, tick=beat.tick,
-                  show=show)
-        if cfg.rollout_mode == "continuous" else StepMode(gen, stream, cfg, pool, watcher.error, beat, show))
-    background: list[asyncio.Task] = []
-    try:
-        async with contextlib.AsyncExitStack() as stack:
-            await stack.enter_async_context(env.serving())
-            if eval_env is not None:
-                await stack.enter_async_context(eval_env.serving())
-            async with server_client() as client:
-                await watcher.sync_live(client)
-            background += [asyncio.create_task(watcher.run_forever())]
-            for step in range(start + 1, cfg.max_steps + 1):
-                made = await source.make(step)
-                batch = made.batch
-                if watcher.error:
-                    raise watcher.error[0]
-                if not batch.samples:
-                    raise PrlError(
-                        f"step {step}: every rollout failed ({batch.failed_rollouts} after retries); "
-                        f"first error: {batch.first_error}"
-                    )
-                await asyncio.to_thread(
-                    publish_batch,
-                    run,
-                    step,
-                    batch.samples,
-                    dp_size=cfg.dp_size,
-                    micro_batch_tokens=cfg.micro_batch_tokens,
-                    meta={"data_order": made.order.to_json()},
-                )
-                source.published_step(step, made.order)
-                m = step_metrics(step, made, pool)
-                run.append_metrics(m)
-                # step_s: this step's longest stretch between heartbeats, at most; the launcher's hang bound grows with it.
-                beat(step=step, phase="published", published=step, weights_version=pool.version,
-                     step_s=round(made.generate_s, 3))
-                display.step(step, m)
-
-                if eval_gen is not None and step % cfg.eval.every == 0:
-                    beat(phase="evaluating")
-                    display.phase(step, "evaluating")
-                    ev = await evaluate(eval_gen, cfg.eval.examples, on_group=beat.tick)
-                    run.append_metrics({"role": ROLE, "step": step, "time": time.time(), "eval": True, **ev})
-                    display.eval(step, ev)
-    finally:
-        await source.close()
-        for t in background:
-            t.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
-        display.close()
+    o = await assemble(run, cfg, fleet, beat, start)
+    async with o.running():
+        for step in range(start + 1, max_steps + 1):
+            made = await o.source.make(step)
+            o.check(step, made.batch)
+            await o.publish(step, made)
+            o.record(step, made)
+            if o.eval_due(step):
+                await o.evaluate(step)
     return 0
 
 
@@ -295,8 +319,8 @@ def main(run_dir: str, servers: list[str] | None = None) -> int:
     old = signal.signal(signal.SIGTERM, on_term)
     try:
         with role_lifecycle(run, ROLE) as outcome:
-            pool = standalone(servers) if servers else discover(run, plan, cfg.endpoint_timeout_s)
-            outcome.code = asyncio.run(orchestrate(run, cfg, pool, beat))
+            fleet = standalone(servers) if servers else discover(run, plan, cfg.training.endpoint_timeout_s)
+            outcome.code = asyncio.run(orchestrate(run, cfg, fleet, beat))
         return outcome.code
     finally:
         signal.signal(signal.SIGTERM, old)

@@ -8,7 +8,7 @@ weights step. Each task starts its own vLLM server (`python -m prl.inference`) o
 bound to 127.0.0.1 with a key made for this task alone, from `weights/step_N` (step 0: the
 run's base model), with the run's own server flags (dtype, max length, tensor parallelism)
 minus what belongs to a training fleet (ports, data parallelism, KV transfer). It then runs
-every environment's eval split through the same code as `prl eval` and stops the server.
+every environment's eval split through `prl eval`'s own code (`eval.evaluate_endpoint`) and stops the server.
 One server per step, not per step and environment: on CPU a start takes minutes, a second
 environment on the same server only its rollouts. Conversations are rendered with the run's
 `model.renderer` and sent token-in/token-out, as the orchestrator's in-run eval sends them, so a sweep
@@ -97,7 +97,7 @@ def free_port() -> int:
 
 
 def evaluate_step(task: EvalTask) -> list[dict[str, Any]]:
-    from prl.orchestrator.eval import main as run_eval
+    from prl.orchestrator.eval import evaluate_endpoint
     from prl.planner.model import Plan
     from prl.run.rundir import RunDir, is_stable
 
@@ -127,10 +127,10 @@ def evaluate_step(task: EvalTask) -> list[dict[str, Any]]:
         os.environ[KEY_VAR] = key  # prl eval's client reads the key from the variable it is named by
         rows = []
         for env_id in task.envs:
-            stats = run_eval(env_id, url, plan.served_model_name, api_key_env=KEY_VAR, examples=task.examples,
-                             rollouts=task.rollouts, args=task.env_args, max_tokens=task.max_tokens,
-                             temperature=task.temperature, quiet=True, render_with=tokenizer,
-                             renderer=settings.model.renderer)
+            stats = evaluate_endpoint(env_id, url, plan.served_model_name, api_key_env=KEY_VAR,
+                                      examples=task.examples, rollouts=task.rollouts, args=task.env_args,
+                                      max_tokens=task.max_tokens, temperature=task.temperature,
+                                      render_with=tokenizer, renderer=settings.model.renderer)
             stats.pop("base_url", None)  # this task's own server, gone when it ends
             rows.append({"step": task.step, **stats})
         return rows

@@ -6,7 +6,9 @@ plan.json `servers`, plus `router.0` under prefill/decode disaggregation
 (plan `router_port`). Generation goes to the router when there is one, else
 to every inference server (least requests in flight first). Weight updates go
 to every prefill / decode / inference server, never the router. Standalone
-use passes `--server URL` instead (each URL both generates and loads weights).
+use passes `--server URL` instead (each URL both generates and loads weights). Either way the
+servers found are a `Fleet`; the orchestrator builds its one `ServerPool` from it, whole
+(`ServerPool.of`), and hands that to the generators and the weight watcher.
 Every request carries the run's API key (`auth_headers`) when the role runner set one.
 
 The weight watcher polls `weights/` for the newest STABLE step K and tells
@@ -73,22 +75,39 @@ class Server:
     """The `started` of the endpoint file it was found by: a new value is a new server process."""
 
 
-@dataclass
-class ServerPool:
+@dataclass(frozen=True)
+class Fleet:
+    """The servers a pool is made of, as found (`discover`, `standalone`)."""
+
     generate: list[Server]
     """Where rollouts are sent (the router, or the inference servers)."""
     admin: list[Server]
     """Who loads weights (every inference / prefill / decode server)."""
-    model: str = ""
+    follow_endpoints: bool = False
+    """Found in the run's endpoint files (`discover`): follow them as servers die and restart."""
+
+
+@dataclass
+class ServerPool:
+    """The servers as rollouts and the weight watcher share them: built whole (`ServerPool.of`), then handed
+    out. What changes while it runs is state: the servers' versions and rotation, and `target`."""
+
+    generate: list[Server]
+    """Where rollouts are sent (the router, or the inference servers)."""
+    admin: list[Server]
+    """Who loads weights (every inference / prefill / decode server)."""
+    follow_endpoints: bool = False
+    """Servers come from the run's endpoint files (`discover`): follow them as servers die and restart."""
+    on_idle: Callable[[], None] | None = None
+    """Called when `pick` finds no server to use (the orchestrator's heartbeat while it waits for one)."""
     target: int = 0
     """Newest weights step the watcher has seen published."""
     _moved: asyncio.Event = field(default_factory=asyncio.Event)
     """Set by `notify` (the weight watcher: a version or the rotation changed), then replaced: wakes `moved`."""
 
-    follow_endpoints: bool = False
-    """Servers come from the run's endpoint files (`discover`): follow them as servers die and restart."""
-    on_idle: Callable[[], None] | None = None
-    """Called when `pick` finds no server to use (the orchestrator's heartbeat while it waits for one)."""
+    @classmethod
+    def of(cls, fleet: Fleet, on_idle: Callable[[], None] | None = None) -> ServerPool:
+        return cls(fleet.generate, fleet.admin, follow_endpoints=fleet.follow_endpoints, on_idle=on_idle)
 
     def notify(self) -> None:
         """A server's version or rotation changed: wake every `moved` waiter (`wait_version` is one)."""
@@ -158,8 +177,8 @@ def read_endpoints(run: RunDir) -> dict[str, list[str]]:
     return {role: found for role, found in urls.items() if found}
 
 
-def discover(run: RunDir, plan: Plan, timeout: float) -> ServerPool:
-    """Wait (up to `timeout` s) for every server the plan has to publish its endpoint, then pool them."""
+def discover(run: RunDir, plan: Plan, timeout: float) -> Fleet:
+    """Wait (up to `timeout` s) for every server the plan has to publish its endpoint; the servers found."""
     want = plan.expected_endpoints()
     deadline = time.monotonic() + timeout
     while True:
@@ -178,7 +197,7 @@ def discover(run: RunDir, plan: Plan, timeout: float) -> ServerPool:
     gen = [Server(u, "router") for u in found.get("router", [])] or [s for s in admin if s.role == "inference"]
     if not gen:
         raise PrlError(f"endpoints {found} have neither a router nor an inference server to generate with")
-    return ServerPool(generate=gen, admin=admin, follow_endpoints=True)
+    return Fleet(generate=gen, admin=admin, follow_endpoints=True)
 
 
 def endpoint_starts(run: RunDir) -> dict[str, float | None]:
@@ -205,15 +224,19 @@ def weights_trusted(run: RunDir) -> bool:
     return state is None or (state.weights_attempt or 0) >= current_attempt()
 
 
-def standalone(urls: list[str]) -> ServerPool:
+def standalone(urls: list[str]) -> Fleet:
+    """`--server URL ...`: each server both generates and loads weights."""
     servers = [Server(u.rstrip("/").removesuffix("/v1")) for u in urls]
-    return ServerPool(generate=servers, admin=servers)
+    return Fleet(generate=servers, admin=servers)
 
 
-async def served_model(client: httpx.AsyncClient, url: str) -> str:
-    r = await client.get(f"{url}/v1/models")
-    r.raise_for_status()
-    data = r.json().get("data") or []
+async def served_model(fleet: Fleet) -> str:
+    """The model name the fleet's first generation server answers to (GET /v1/models)."""
+    url = fleet.generate[0].url
+    async with server_client(timeout=30) as client:
+        r = await client.get(f"{url}/v1/models")
+        r.raise_for_status()
+        data = r.json().get("data") or []
     if not data:
         raise PrlError(f"{url}/v1/models lists no model")
     return data[0]["id"]
