@@ -87,6 +87,29 @@ def test_run_directory_and_its_files_are_private(tmp_path):
     assert mode(loose) == 0o700, "an existing run directory is made private too"
 
 
+def test_the_run_registry_is_private_and_an_old_one_is_made_so(tmp_path, monkeypatch):
+    """The registry lists every run directory and job of the user: 0600 in a 0700 folder, even under umask 0."""
+    from prl.ops.registry import entries, register, registry_path
+    from prl.run.records import JobRecord
+    from prl.run.rundir import RunDir
+    from prl.states import Backend
+
+    monkeypatch.setenv("PRL_HOME", str(tmp_path / "home"))
+    job = JobRecord(job_id="7", name="r", backend=Backend.LOCAL, cluster="local", submitted=1.0,
+                    run_dir=str(tmp_path / "run"))
+    old = os.umask(0)
+    try:
+        register(RunDir(tmp_path / "run"), job)
+    finally:
+        os.umask(old)
+    assert (mode(registry_path()), mode(registry_path().parent)) == (0o600, 0o700)
+    registry_path().chmod(0o644)  # written by an older prl
+    registry_path().parent.chmod(0o755)
+    register(RunDir(tmp_path / "run"), job)
+    assert (mode(registry_path()), mode(registry_path().parent)) == (0o600, 0o700)
+    assert [e.job_id for e in entries()] == ["7", "7"]
+
+
 def test_atomic_write_is_private_before_the_rename(tmp_path, monkeypatch):
     """No window where the new file is readable by others: the temp file is 0600 from its creation."""
     from prl.run import rundir
