@@ -300,6 +300,35 @@ def test_body_limit():
     streamed = client.post("/echo", content=iter([b"x" * 600, b"x" * 600]))  # chunked: no Content-Length
     assert streamed.status_code == 413
     assert client.post("/echo", content=b"{}", headers={"content-length": "nope"}).status_code == 400
+    app.state.body_limits = {"/echo": 100}  # a route's own, smaller bound (the generate route's, from the model)
+    assert client.post("/echo", content=b"x" * 100).json() == {"n": 100}
+    assert client.post("/echo", content=b"x" * 101).status_code == 413
+    assert client.post("/echo", content=iter([b"x" * 60, b"x" * 60])).status_code == 413
+    app.state.body_limits = {"/echo": 10**9}  # never above the server's
+    assert client.post("/echo", content=b"x" * 1001).status_code == 413
+
+
+def test_generate_checks_a_prompts_length_before_its_ids_and_each_id_once():
+    """A 32 MiB prompt held the event loop for seconds: every id was checked (and named) before the length."""
+    from prl.inference.generate import BadRequest, GenerateRequest, check_request, max_body_bytes
+
+    def refused(**fields) -> str:
+        with pytest.raises(BadRequest) as e:
+            check_request(GenerateRequest(**fields), vocab=1000, max_model_len=100, max_logprobs=20)
+        return str(e.value)
+
+    assert refused(token_ids=[-1] * 4_000_000) == "prompt of 4000000 tokens leaves no room in max_model_len=100"
+    assert refused(token_ids=[1, 2, 1000, -1]) == "token_ids[2]=1000 is out of range [0, 999]"
+    assert refused(token_ids=[1], sampling_params={"allowed_token_ids": [1, True]}) == \
+        "sampling_params.allowed_token_ids[1] must be an integer, got True"
+    stop = {"stop_token_ids": [5] * 1001}
+    assert refused(token_ids=[1], sampling_params=stop) == "sampling_params.stop_token_ids holds 1001 ids; at most 1000"
+    deep = {"extra_args": {"a": [1, [2.0, float("nan")]]}}
+    assert refused(token_ids=[1], sampling_params=deep) == "sampling_params.extra_args.a[1][1] must be a finite number, got nan"
+    assert refused(token_ids=[1], sampling_params={"seed": 2**64}) == \
+        f"sampling_params.seed={2**64} is out of range [{-(2**63)}, {2**63 - 1}]"
+    assert check_request(GenerateRequest(token_ids=[1] * 99), vocab=1000, max_model_len=100, max_logprobs=20) == 1
+    assert max_body_bytes(1000, 100) < 2 << 20  # a small model's requests are refused far below 32 MiB
 
 
 # ---------------------------------------------------------------- resume while running
