@@ -442,7 +442,7 @@ def running_requests(server) -> float:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_generate_refuses_out_of_range_requests(keyed_server):
-    from prl.inference.generate import MAX_N
+    from prl.inference.generate import MAX_N, max_body_bytes
 
     vocab = json.loads((keyed_server.model_dir / "config.json").read_text())["vocab_size"]
     ok = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "temperature": 0.0, "logprobs": 1}}
@@ -487,6 +487,7 @@ def test_generate_refuses_out_of_range_requests(keyed_server):
         status, answer = call(keyed_server, "POST", "/inference/v1/generate", raw=raw)
         assert 400 <= status < 500, (name, status, answer)
     assert declared_body_status(keyed_server, 64 * 1024 * 1024) == 413  # refused before a byte is read
+    assert declared_body_status(keyed_server, max_body_bytes(vocab, 1024) + 1) == 413  # this model's own bound
     status, answer = call(keyed_server, "POST", "/inference/v1/generate", ok)
     assert status == 200 and len(answer["choices"][0]["token_ids"]) == 2, answer
     assert wait_for("no request left in the engine", lambda: running_requests(keyed_server) == 0 or None, 30) is not None
