@@ -7,8 +7,10 @@ Exit codes: 2 for bad input (the user can fix the file or the flag),
 from __future__ import annotations
 
 import errno
+import importlib
 import sys
 from collections.abc import Callable
+from types import ModuleType
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 """errnos of a full disk (or a used-up quota): a role that gets one says so in one line and exits 1."""
@@ -52,6 +54,14 @@ class RunDirError(PrlError):
 
 class StepTimeout(RunDirError):
     """A role waited longer than its limit for another role's step."""
+
+
+def needs_extra(module: str, extra: str, command: str) -> ModuleType:
+    """`module`, imported; ConfigError naming the extra that installs it when it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"{command} needs the {module} package: pip install 'prl[{extra}]'") from None
 
 
 def one_line(text: str) -> str:

@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import shutil
+import struct
 import threading
 import time
 from pathlib import Path
@@ -190,6 +191,57 @@ def test_layout_mismatch_is_422(run, tmp_path):
     with pytest.raises(UpdateRefused) as e:
         checkpoint_layout(tmp_path)
     assert e.value.status == 422
+
+
+def _header(obj: object) -> bytes:
+    text = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+    return struct.pack("<Q", len(text)) + text
+
+
+MALFORMED = {
+    "model.safetensors": {
+        "shorter than its length prefix": b"\x01",
+        "a header length beyond the file": struct.pack("<Q", 2**63) + b"{}",
+        "a header that is not JSON": _header(b"{nope"),
+        "a header nested past the parser's limit": _header(b"[" * 100_000 + b"]" * 100_000),
+        "a header that is a list": _header([1]),
+        "an entry that is not an object": _header({"w": 5}),
+        "a shape that is not a list of sizes": _header({"w": {"dtype": "F32", "shape": "2x2", "data_offsets": [0, 0]}}),
+        "a negative size": _header({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]}}),
+    },
+    "model.safetensors.index.json": {
+        "an index that is not JSON": b"{",
+        "an index that is a list": b"[1]",
+        "a weight_map that is not an object": json.dumps({"weight_map": [1]}).encode(),
+        "a weight_map naming no file": json.dumps({"weight_map": {"w": 7}}).encode(),
+    },
+}
+
+
+@pytest.mark.parametrize(("name", "what"), [(n, w) for n, cases in MALFORMED.items() for w in cases])
+def test_a_malformed_checkpoint_is_a_422_naming_the_file(run, tmp_path, name, what):
+    """The weight-update route reads the published step's safetensors headers before loading anything: one
+    that is not what it claims is the request's fault (422 naming the file), never the server's (500)."""
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    from prl.inference import admin
+
+    good = publish_fake(run, 1, {"w": [2, 2]})
+
+    def write(tmp: Path) -> None:
+        fake_checkpoint(tmp, {"w": [2, 2]})
+        (tmp / name).write_bytes(MALFORMED[name][what])
+
+    bad = run.publish_dir(run.weights(2), write)
+    app = FastAPI()
+    app.include_router(admin.router)
+    app.state.engine_client = None  # never reached: the update is refused before the engine is touched
+    for layout in (checkpoint_layout(good), None):  # checked against the served layout, or for readability
+        app.state.prl_admin = admin.AdminState(run=run, model_name="m", weights_path=str(good), layout=layout)
+        r = TestClient(app).post("/prl/weights", json={"step": 2})
+        assert r.status_code == 422, (what, r.status_code, r.text)
+        assert str(Path(os.path.realpath(bad)) / name) in r.json()["error"] and "\n" not in r.json()["error"]
 
 
 def test_split_args_defaults():

@@ -109,6 +109,19 @@ def test_prl_plot_of_a_run_without_metrics_is_one_line_and_exit_2(tmp_path, tiny
     assert not run.progress_png.exists()
 
 
+@pytest.mark.parametrize(("command", "module", "extra"), [("plot", "matplotlib", "plot"), ("wandb", "wandb", "wandb")])
+def test_a_missing_extra_is_one_line_naming_it(tmp_path, tiny_model_dir, monkeypatch, capsys, command, module, extra):
+    from prl.cli import main
+
+    run = make_run(tmp_path, tiny_model_dir, "run", records(2))
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` raises ModuleNotFoundError
+    argv = [command, str(run.root)] + (["--project", "p"] if command == "wandb" else [])
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: prl {command} needs the {module} package: pip install 'prl[{extra}]'"
+
+
 def wandb_history(run_file: Path) -> list[dict] | None:
     """The history rows of an offline W&B run: its .wandb file is a LevelDB-style log of protobuf Records.
     None while the file has no exit record yet: W&B's service process writes it after wandb.finish() returns."""

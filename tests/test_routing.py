@@ -222,15 +222,19 @@ def stub_backend(name: str, seen: list):
     return app
 
 
-def stub_router(seen: list, prefill: list[str], decode: list[str], **kwargs):
-    """The router app in front of stub backends at the given URLs (all recording into `seen`)."""
+def stub_router(seen: list, prefill: list[str], decode: list[str], down: tuple[str, ...] = (), **kwargs):
+    """The router app in front of stub backends at the given URLs (all recording into `seen`); those in
+    `down` refuse connections."""
     import httpx
 
-    stubs = {u: httpx.ASGITransport(app=stub_backend(u, seen)) for u in [*prefill, *decode]}
+    stubs = {u: httpx.ASGITransport(app=stub_backend(u, seen)) for u in [*prefill, *decode] if u not in down}
 
     class Stubs(httpx.AsyncBaseTransport):
         async def handle_async_request(self, request):
-            return await stubs[f"{request.url.scheme}://{request.url.host}"].handle_async_request(request)
+            stub = stubs.get(f"{request.url.scheme}://{request.url.host}")
+            if stub is None:  # a server that is down
+                raise httpx.ConnectError("connection refused", request=request)
+            return await stub.handle_async_request(request)
 
     return build_app(prefill, decode, transport=Stubs(), **kwargs)
 
@@ -312,8 +316,81 @@ def test_router_refuses_bad_bodies_and_passes_other_paths_to_decode(routed):
     assert seen == []  # neither reached a backend
     r = client.post("/v1/models?x=1", json={"probe": 1})
     assert r.status_code == 200 and r.json()["server"].startswith("http://d") and seen[0]["path"] == "/v1/models"
-    health = client.get("/health")
-    assert health.status_code == 200 and set(health.json()["backends"].values()) == {"ok"}
+
+
+def nested(levels: int) -> object:
+    """A value `levels` lists deep."""
+    value: object = "x"
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    (b"[" * 100_000 + b"]" * 100_000, "body nests deeper than 64 levels"),
+    (json.dumps({"prompt": "x", "x": nested(64)}).encode(), "body nests deeper than 64 levels"),  # not the parser's
+    (json.dumps({"token_ids": [1], "sampling_params": [1]}).encode(), "sampling_params must be an object, got list"),
+    (json.dumps({"token_ids": [1], "sampling_params": None}).encode(), "sampling_params must be an object, got NoneType"),
+    (json.dumps({"prompt": "x", "stream": "yes"}).encode(), "stream must be true or false, got str"),
+    (b"\xff\xfe{", "body is not JSON"),
+    (b"7", "body must be a JSON object"),
+])
+@pytest.mark.parametrize("path", ["/inference/v1/generate", "/v1/completions"])
+def test_router_refuses_malformed_bodies_with_400_and_one_line(routed, body, says, path):
+    client, seen = routed
+    r = client.post(path, content=body, headers={"content-type": "application/json"})
+    assert (r.status_code, r.json()) == (400, {"error": says})
+    assert seen == []
+    if says != "body is not JSON":  # other paths check JSON bodies alike; a body that is not JSON goes as it is
+        r = client.post("/v1/responses", content=body, headers={"content-type": "application/json"})
+        assert (r.status_code, r.json()) == (400, {"error": says}) and seen == []
+
+
+def test_a_clients_kv_transfer_params_never_reach_a_server(routed):
+    """Only a prefill server's answer gives a decode server its `kv_transfer_params`: a client's own (wherever
+    vLLM reads them) would point the decode server's connector at any host."""
+    client, seen = routed
+    forged = {"do_remote_prefill": True, "remote_host": "attacker", "remote_port": 1, "remote_block_ids": [[0]]}
+    body = {"token_ids": [1, 2], "kv_transfer_params": forged, "vllm_xargs": {"kv_transfer_params": forged, "a": 1},
+            "sampling_params": {"max_tokens": 3, "extra_args": {"kv_transfer_params": forged, "b": 2}}}
+    assert client.post("/inference/v1/generate", json=body).status_code == 200
+    prefill, decode = seen
+    assert prefill["body"]["kv_transfer_params"] == REMOTE_DECODE
+    assert decode["body"]["kv_transfer_params"]["remote_engine_id"] == "http://p0"
+    for sent in (prefill["body"], decode["body"]):
+        assert sent["vllm_xargs"] == {"a": 1} and sent["sampling_params"]["extra_args"] == {"b": 2}
+        assert "attacker" not in json.dumps(sent)
+    seen.clear()
+    assert client.post("/v1/responses", json={"input": "x", "kv_transfer_params": forged}).status_code == 200
+    assert seen[0]["body"] == {"input": "x"}
+
+
+def test_without_handoff_a_clients_kv_transfer_params_are_dropped_too():
+    from starlette.testclient import TestClient
+
+    seen: list = []
+    with TestClient(stub_router(seen, ["http://p0"], ["http://d0"], kv_handoff=False)) as client:
+        client.post("/v1/completions", json={"prompt": "x", "kv_transfer_params": {"remote_host": "attacker"}})
+    assert seen[0]["body"]["kv_transfer_params"] == REMOTE_DECODE and "kv_transfer_params" not in seen[1]["body"]
+
+
+def test_open_health_says_only_healthy_or_not():
+    """/health is open (the launcher's probe): its status code and `ok`, never a backend's address or error;
+    /prl/health, behind the key, has each backend's state."""
+    from starlette.testclient import TestClient
+
+    seen: list = []
+    dead = "http://d-down"
+    for decode, code in ((["http://d0"], 200), (["http://d0", dead], 503)):
+        app = stub_router(seen, ["http://p0"], decode, down=(dead,), api_key="k")
+        with TestClient(app, raise_server_exceptions=False) as client:
+            health = client.get("/health")
+            assert (health.status_code, health.json()) == (code, {"ok": code == 200})
+            assert client.get("/prl/health").status_code == 401
+            detail = client.get("/prl/health", headers={"Authorization": "Bearer k"})
+            assert detail.status_code == code and detail.json()["backends"]["http://d0"] == "ok"
+    assert detail.json()["backends"][dead] == "unreachable: ConnectError"
+
 
 
 def test_an_unreachable_backend_is_a_502_with_its_address():

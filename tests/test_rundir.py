@@ -150,6 +150,41 @@ def test_unmarked_leftovers_are_invisible_and_replaced(tmp_path):
     assert not list((tmp_path / "weights").glob(".*"))
 
 
+def test_a_temp_dir_never_holds_the_marker(tmp_path, monkeypatch):
+    """STABLE appears only in the directory under its final name: a reader handed a temp dir's path (or one
+    left by a writer killed before its rename) never takes it for a published step."""
+    from prl.run import rundir
+
+    run = RunDir(tmp_path)
+    renames, real_rename = [], os.rename
+
+    def spy(src, dst):
+        renames.append((Path(src).name, Path(dst).name, (Path(src) / MARKER).exists()))
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(rundir.os, "rename", spy)
+    d = run.publish_dir(run.weights(1), lambda t: (t / "a.bin").write_bytes(b"x"), step=1)
+    (tmp, _, marked), (pending, stable, _) = renames
+    assert tmp.startswith(".step_1.tmp-") and not marked and (pending, stable) == (".STABLE.pending", MARKER)
+    assert is_stable(d) and sorted(p.name for p in d.iterdir()) == [MARKER, "a.bin"]
+
+    def killed_between_the_renames(src, dst):
+        if Path(dst).name == MARKER:
+            raise OSError("killed")
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(rundir.os, "rename", killed_between_the_renames)
+    with pytest.raises(RunDirError):
+        run.publish_dir(run.weights(2), lambda t: (t / "a.bin").write_bytes(b"y"))
+    assert run.weights(2).is_dir() and not is_stable(run.weights(2)) and run.stable_steps("weights") == [1]
+    monkeypatch.setattr(rundir.os, "rename", real_rename)
+    assert is_stable(run.publish_dir(run.weights(2), lambda t: (t / "a.bin").write_bytes(b"z")))  # replaced
+
+    with pytest.raises(RunDirError, match="holds a STABLE marker"):  # a writer that copied a published step
+        run.publish_dir(run.weights(3), lambda t: (t / MARKER).write_text((d / MARKER).read_text()))
+    assert not run.weights(3).exists() and not list((tmp_path / "weights").glob(".*"))
+
+
 def test_wait_for_step_heartbeats_then_returns(tmp_path):
     run = RunDir(tmp_path)
     beats = []

@@ -87,6 +87,29 @@ def test_run_directory_and_its_files_are_private(tmp_path):
     assert mode(loose) == 0o700, "an existing run directory is made private too"
 
 
+def test_the_run_registry_is_private_and_an_old_one_is_made_so(tmp_path, monkeypatch):
+    """The registry lists every run directory and job of the user: 0600 in a 0700 folder, even under umask 0."""
+    from prl.ops.registry import entries, register, registry_path
+    from prl.run.records import JobRecord
+    from prl.run.rundir import RunDir
+    from prl.states import Backend
+
+    monkeypatch.setenv("PRL_HOME", str(tmp_path / "home"))
+    job = JobRecord(job_id="7", name="r", backend=Backend.LOCAL, cluster="local", submitted=1.0,
+                    run_dir=str(tmp_path / "run"))
+    old = os.umask(0)
+    try:
+        register(RunDir(tmp_path / "run"), job)
+    finally:
+        os.umask(old)
+    assert (mode(registry_path()), mode(registry_path().parent)) == (0o600, 0o700)
+    registry_path().chmod(0o644)  # written by an older prl
+    registry_path().parent.chmod(0o755)
+    register(RunDir(tmp_path / "run"), job)
+    assert (mode(registry_path()), mode(registry_path().parent)) == (0o600, 0o700)
+    assert [e.job_id for e in entries()] == ["7", "7"]
+
+
 def test_atomic_write_is_private_before_the_rename(tmp_path, monkeypatch):
     """No window where the new file is readable by others: the temp file is 0600 from its creation."""
     from prl.run import rundir
@@ -277,6 +300,35 @@ def test_body_limit():
     streamed = client.post("/echo", content=iter([b"x" * 600, b"x" * 600]))  # chunked: no Content-Length
     assert streamed.status_code == 413
     assert client.post("/echo", content=b"{}", headers={"content-length": "nope"}).status_code == 400
+    app.state.body_limits = {"/echo": 100}  # a route's own, smaller bound (the generate route's, from the model)
+    assert client.post("/echo", content=b"x" * 100).json() == {"n": 100}
+    assert client.post("/echo", content=b"x" * 101).status_code == 413
+    assert client.post("/echo", content=iter([b"x" * 60, b"x" * 60])).status_code == 413
+    app.state.body_limits = {"/echo": 10**9}  # never above the server's
+    assert client.post("/echo", content=b"x" * 1001).status_code == 413
+
+
+def test_generate_checks_a_prompts_length_before_its_ids_and_each_id_once():
+    """A 32 MiB prompt held the event loop for seconds: every id was checked (and named) before the length."""
+    from prl.inference.generate import BadRequest, GenerateRequest, check_request, max_body_bytes
+
+    def refused(**fields) -> str:
+        with pytest.raises(BadRequest) as e:
+            check_request(GenerateRequest(**fields), vocab=1000, max_model_len=100, max_logprobs=20)
+        return str(e.value)
+
+    assert refused(token_ids=[-1] * 4_000_000) == "prompt of 4000000 tokens leaves no room in max_model_len=100"
+    assert refused(token_ids=[1, 2, 1000, -1]) == "token_ids[2]=1000 is out of range [0, 999]"
+    assert refused(token_ids=[1], sampling_params={"allowed_token_ids": [1, True]}) == \
+        "sampling_params.allowed_token_ids[1] must be an integer, got True"
+    stop = {"stop_token_ids": [5] * 1001}
+    assert refused(token_ids=[1], sampling_params=stop) == "sampling_params.stop_token_ids holds 1001 ids; at most 1000"
+    deep = {"extra_args": {"a": [1, [2.0, float("nan")]]}}
+    assert refused(token_ids=[1], sampling_params=deep) == "sampling_params.extra_args.a[1][1] must be a finite number, got nan"
+    assert refused(token_ids=[1], sampling_params={"seed": 2**64}) == \
+        f"sampling_params.seed={2**64} is out of range [{-(2**63)}, {2**63 - 1}]"
+    assert check_request(GenerateRequest(token_ids=[1] * 99), vocab=1000, max_model_len=100, max_logprobs=20) == 1
+    assert max_body_bytes(1000, 100) < 2 << 20  # a small model's requests are refused far below 32 MiB
 
 
 # ---------------------------------------------------------------- resume while running
@@ -390,7 +442,7 @@ def running_requests(server) -> float:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_generate_refuses_out_of_range_requests(keyed_server):
-    from prl.inference.generate import MAX_N
+    from prl.inference.generate import MAX_N, max_body_bytes
 
     vocab = json.loads((keyed_server.model_dir / "config.json").read_text())["vocab_size"]
     ok = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "temperature": 0.0, "logprobs": 1}}
@@ -435,6 +487,7 @@ def test_generate_refuses_out_of_range_requests(keyed_server):
         status, answer = call(keyed_server, "POST", "/inference/v1/generate", raw=raw)
         assert 400 <= status < 500, (name, status, answer)
     assert declared_body_status(keyed_server, 64 * 1024 * 1024) == 413  # refused before a byte is read
+    assert declared_body_status(keyed_server, max_body_bytes(vocab, 1024) + 1) == 413  # this model's own bound
     status, answer = call(keyed_server, "POST", "/inference/v1/generate", ok)
     assert status == 200 and len(answer["choices"][0]["token_ids"]) == 2, answer
     assert wait_for("no request left in the engine", lambda: running_requests(keyed_server) == 0 or None, 30) is not None

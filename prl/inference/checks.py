@@ -28,6 +28,10 @@ MAX_STEP = 2**31 - 1
 """Largest weights step a request may name."""
 MAX_PATH = 4096
 """Longest weights path a request may name (Linux's PATH_MAX)."""
+MAX_HEADER_BYTES = 100_000_000
+"""Largest safetensors header read (the safetensors library's own bound)."""
+MAX_INDEX_BYTES = 64 << 20
+"""Largest `model.safetensors.index.json` read (a model of a million tensors lists well under this)."""
 
 
 class UpdateRefused(Exception):
@@ -85,38 +89,73 @@ def resolve_weights_dir(run: RunDir, body: Any) -> WeightsTarget:
 
 
 def weight_files(path: str | Path) -> list[Path]:
-    """The safetensors files of an HF model directory (per its index when sharded), sorted."""
+    """The safetensors files of an HF model directory (per its index when sharded), sorted;
+    UpdateRefused(422) naming the index when it is not one."""
     path = Path(path)
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
-    return sorted(path.glob("*.safetensors"))
+    if not index.is_file():
+        return sorted(path.glob("*.safetensors"))
+    try:
+        loaded = json.loads(read_bounded(index, MAX_INDEX_BYTES))
+    except (OSError, ValueError, RecursionError) as e:
+        raise UpdateRefused(422, f"cannot read {index}: {_reason(e)}") from None
+    weight_map = loaded.get("weight_map") if isinstance(loaded, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(n, str) and n for n in weight_map.values()):
+        raise UpdateRefused(422, f"{index}: \"weight_map\" must be an object of tensor name -> file name")
+    return [path / n for n in sorted(set(weight_map.values()))]
 
 
-def read_header(file: Path) -> dict[str, dict]:
-    """The tensor entries of one safetensors file's JSON header (name -> dtype, shape, offsets)."""
+def read_bounded(file: Path, most: int) -> bytes:
+    """The bytes of `file`; ValueError when it holds more than `most`."""
     with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
+        data = f.read(most + 1)
+    if len(data) > most:
+        raise ValueError(f"larger than {most} bytes")
+    return data
+
+
+def read_header(file: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from one safetensors file's JSON header; ValueError saying what is wrong with it."""
+    with open(file, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError("shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", prefix)
+        if n > min(MAX_HEADER_BYTES, os.fstat(f.fileno()).st_size - 8):
+            raise ValueError(f"header length {n} is beyond the file or over {MAX_HEADER_BYTES} bytes")
         header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header
+    if not isinstance(header, dict):
+        raise ValueError(f"header is a JSON {type(header).__name__}, not an object")
+    shapes = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"tensor {name[:80]!r}: \"shape\" must be a list of non-negative integers")
+        shapes[name] = tuple(shape)
+    return shapes
 
 
 def checkpoint_layout(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape over every safetensors file of `path`; UpdateRefused(422) if unreadable."""
+    """Tensor name -> shape over every safetensors file of `path`; UpdateRefused(422) naming the file if unreadable."""
     files = weight_files(path)
     if not files:
         raise UpdateRefused(422, f"{path} holds no .safetensors files")
     layout: dict[str, tuple[int, ...]] = {}
     for f in files:
         try:
-            header = read_header(f)
-        except (OSError, ValueError, struct.error) as e:
-            raise UpdateRefused(422, f"cannot read safetensors header of {f}: {e}") from e
-        for name, entry in header.items():
-            layout[name] = tuple(entry["shape"])
+            layout.update(read_header(f))
+        except (OSError, ValueError, RecursionError) as e:
+            raise UpdateRefused(422, f"cannot read safetensors header of {f}: {_reason(e)}") from None
     return layout
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception as a short reason (a JSON error names its position; a RecursionError only itself)."""
+    if isinstance(exc, RecursionError):
+        return "JSON nested too deeply"
+    return str(exc)[:200]
 
 
 def compare_layouts(expected: dict[str, tuple[int, ...]], got: dict[str, tuple[int, ...]], path: Path) -> None:

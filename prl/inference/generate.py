@@ -65,6 +65,17 @@ MAX_STRING_CHARS = 1024
 """Longest `stop` string, `bad_words` entry, `request_id` or `cache_salt`."""
 MAX_LOGIT_BIAS = 100.0
 """Largest |bias| in `logit_bias` (OpenAI's bound)."""
+TOKEN_JSON_BYTES = 24
+"""Most bytes one token id takes in a request's JSON, generously (`"151643": -100.0, ` is 18)."""
+STRINGS_JSON_BYTES = 1 << 20
+"""Room in a request's JSON for everything but token ids (stop strings, bad words, ids, sampling values)."""
+
+
+def max_body_bytes(vocab: int, max_model_len: int) -> int:
+    """Largest body a generate request of this model can need: a prompt of max_model_len ids, and up to a
+    vocabulary of ids in each of stop_token_ids, allowed_token_ids and logit_bias. The server refuses a
+    larger one (413) before parsing it (`prl.inference.server.BodyLimit`)."""
+    return TOKEN_JSON_BYTES * (max_model_len + 3 * vocab) + STRINGS_JSON_BYTES
 
 
 class BadRequest(ValueError):
@@ -109,11 +120,15 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:40] + "..."
 
 
-def _token_ids(values: Any, name: str, vocab: int) -> None:
+def _token_ids(values: Any, name: str, vocab: int, most: int) -> None:
+    """A list of at most `most` ids in [0, vocab): its length first, then every id in one pass."""
     if not isinstance(values, list):
         raise BadRequest(f"{name} must be a list of token ids, got {_shown(values)}")
-    for i, t in enumerate(values):
-        _int(t, f"{name}[{i}]", 0, vocab - 1)
+    if len(values) > most:
+        raise BadRequest(f"{name} holds {len(values)} ids; at most {most}")
+    bad = next((i for i, t in enumerate(values) if type(t) is not int or not 0 <= t < vocab), None)
+    if bad is not None:
+        _int(values[bad], f"{name}[{bad}]", 0, vocab - 1)  # raises, saying why
 
 
 def _strings(values: Any, name: str) -> None:
@@ -126,21 +141,34 @@ def _strings(values: Any, name: str) -> None:
 
 
 def _finite_numbers(value: Any, name: str) -> None:
-    """Every number in `value` (nested) is finite and, if an integer, within int64."""
-    pending = [(value, name)]
+    """Every number in `value` (nested) is finite and, if an integer, within int64.
+
+    A value's place is kept as (parent, key) and spelled out only for the error: a list of a
+    million numbers costs a million checks, not a million formatted names."""
+    pending: list[tuple[Any, Any]] = [(value, name)]
     while pending:
         v, where = pending.pop()
         if isinstance(v, bool) or v is None or isinstance(v, str):
             continue
         if isinstance(v, int):
-            _int(v, where, *INT64)
+            if not INT64[0] <= v <= INT64[1]:
+                _int(v, _spelled(where), *INT64)
         elif isinstance(v, float):
             if not math.isfinite(v):
-                raise BadRequest(f"{where} must be a finite number, got {v}")
+                raise BadRequest(f"{_spelled(where)} must be a finite number, got {v}")
         elif isinstance(v, dict):
-            pending.extend((x, f"{where}.{k}") for k, x in v.items())
+            pending.extend((x, (where, f".{k}")) for k, x in v.items())
         elif isinstance(v, list):
-            pending.extend((x, f"{where}[{i}]") for i, x in enumerate(v))
+            pending.extend((x, (where, i)) for i, x in enumerate(v))
+
+
+def _spelled(where: Any) -> str:
+    """A place kept by _finite_numbers as nested (parent, key) pairs, as `a.b[2]`."""
+    parts = []
+    while isinstance(where, tuple):
+        where, key = where
+        parts.append(key if isinstance(key, str) else f"[{key}]")
+    return where + "".join(reversed(parts))
 
 
 def check_request(request: GenerateRequest, vocab: int, max_model_len: int, max_logprobs: int) -> int:
@@ -150,10 +178,10 @@ def check_request(request: GenerateRequest, vocab: int, max_model_len: int, max_
     vocabulary), some not at all (a seed beyond int64 breaks its transport): every bound is
     checked here, before the engine sees the request, so a bad request is a 400 with a reason.
     """
-    _token_ids(request.token_ids, "token_ids", vocab)
     room = max_model_len - len(request.token_ids)
-    if room < 1:
+    if room < 1:  # before a look at each id: a prompt far too long is refused at once
         raise BadRequest(f"prompt of {len(request.token_ids)} tokens leaves no room in max_model_len={max_model_len}")
+    _token_ids(request.token_ids, "token_ids", vocab, max_model_len)
     for name in ("request_id", "cache_salt"):
         value = getattr(request, name)
         if value is not None and len(value) > MAX_STRING_CHARS:
@@ -175,13 +203,15 @@ def check_request(request: GenerateRequest, vocab: int, max_model_len: int, max_
         _int(v, "sampling_params.seed", *INT64)
     for name in ("stop_token_ids", "allowed_token_ids"):
         if (v := sp.get(name)) is not None:
-            _token_ids(v, f"sampling_params.{name}", vocab)
+            _token_ids(v, f"sampling_params.{name}", vocab, vocab)
     for name in ("stop", "bad_words"):
         if (v := sp.get(name)) is not None:
             _strings(v, f"sampling_params.{name}")
     if (bias := sp.get("logit_bias")) is not None:
         if not isinstance(bias, dict):
             raise BadRequest("sampling_params.logit_bias must be an object of token id -> bias")
+        if len(bias) > vocab:
+            raise BadRequest(f"sampling_params.logit_bias holds {len(bias)} entries; at most {vocab}")
         for key, value in bias.items():
             try:
                 token = int(key)

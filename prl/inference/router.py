@@ -19,13 +19,23 @@ reference proxy, `tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`):
    its answer is relayed, streamed or not, with its status code.
 
 Connectors that return no params (`ExampleConnector` shares KV through
-storage) get the client's request unchanged. Servers are chosen by
+storage) get the client's request unchanged. A client's own
+`kv_transfer_params` (top level, in `vllm_xargs` or in
+`sampling_params.extra_args`, where vLLM reads them too) never reach a
+server: they would point a decode server's connector at any host.
+
+A JSON body is refused with 400 and a one-line reason when it is not JSON,
+not an object, nests deeper than MAX_DEPTH, or holds a field the router
+reads with the wrong type (`sampling_params` not an object, `stream` not a
+boolean); bodies over `prl.inference.server.MAX_BODY_BYTES` get 413 before
+they are read. Servers are chosen by
 `prl.inference.routing` (`cache_aware`, the default: a rollout's
 `X-Session-ID`, else its prompt prefix, keeps to one server, under a load
 bound) or `round_robin`.
 
-`GET /health` is 200 when every backend's `/health` is, else 503 with each
-backend's state. `GET /prl/live` gathers every backend's; `POST /prl/weights`,
+`GET /health` (open: the launcher's readiness probe) is 200 when every
+backend's `/health` is, else 503, and says nothing more; `GET /prl/health`
+(with the key) adds each backend's state. `GET /prl/live` gathers every backend's; `POST /prl/weights`,
 `/prl/pause` and `/prl/resume` go to every backend (prefill and decode must
 serve the same weights) and fail if any backend fails. `GET /prl/router`:
 requests sent to and in flight on each backend. Other paths (`/v1/models`,
@@ -56,6 +66,8 @@ GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/gene
 FANOUT_PATHS = ("/prl/weights", "/prl/pause", "/prl/resume")
 FORWARD_HEADERS = ("authorization", "content-type", "x-session-id", "x-request-id", "accept")
 POLICIES = ("cache_aware", "round_robin")
+MAX_DEPTH = 64
+"""Deepest nesting of lists and objects a request body may have (chat messages with tool schemas need far less)."""
 
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -143,6 +155,7 @@ def build_app(prefill: list[str], decode: list[str], api_key: str | None = None,
     if api_key:
         app.add_middleware(BearerAuth, key=api_key)
     app.add_api_route("/health", proxy.health, methods=["GET"])
+    app.add_api_route("/prl/health", proxy.health_detail, methods=["GET"])
     app.add_api_route("/prl/live", proxy.live, methods=["GET"])
     app.add_api_route("/prl/router", proxy.stats, methods=["GET"])
     for path in FANOUT_PATHS:
@@ -183,15 +196,50 @@ def forwarded_headers(request: Request) -> dict[str, str]:
     return {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS}
 
 
-def json_object(raw: bytes) -> tuple[dict | None, str | None]:
-    """(the body as a JSON object, None), or (None, what is wrong with it)."""
+class BadBody(ValueError):
+    """A request body the router refuses (400); the message says why in one line."""
+
+
+class NotJSON(BadBody):
+    """A body that is not JSON at all (a form, a file): only generation requests must be JSON."""
+
+
+def json_object(raw: bytes) -> dict:
+    """The body as a JSON object nested at most MAX_DEPTH deep, with the fields the router reads of the
+    right type and without the client's `kv_transfer_params`; BadBody (or NotJSON) otherwise."""
     try:
         body = json.loads(raw)
+    except RecursionError:  # the parser recurses per level: far past MAX_DEPTH
+        raise BadBody(f"body nests deeper than {MAX_DEPTH} levels") from None
     except ValueError:
-        return None, "body is not JSON"
+        raise NotJSON("body is not JSON") from None
     if not isinstance(body, dict):
-        return None, "body must be a JSON object"
-    return body, None
+        raise BadBody("body must be a JSON object")
+    if nesting(body) > MAX_DEPTH:
+        raise BadBody(f"body nests deeper than {MAX_DEPTH} levels")
+    for name, kind, what in (("sampling_params", dict, "an object"), ("stream", bool, "true or false")):
+        if name in body and not isinstance(body[name], kind):
+            raise BadBody(f"{name} must be {what}, got {type(body[name]).__name__}")
+    return without_client_kv(body)
+
+
+def nesting(value: object) -> int:
+    """How deep lists and objects nest in `value` (0 for a scalar); iterative, one pass per level."""
+    level, deepest = [value], 0
+    while level := [v for v in level if isinstance(v, (dict, list))]:
+        deepest += 1
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v)]
+    return deepest
+
+
+def without_client_kv(body: dict) -> dict:
+    """`body` without `kv_transfer_params` wherever vLLM reads them (top level, `vllm_xargs`,
+    `sampling_params.extra_args`): only a prefill server's answer may give a decode server its params."""
+    body.pop("kv_transfer_params", None)
+    for holder in (body.get("vllm_xargs"), (body.get("sampling_params") or {}).get("extra_args")):
+        if isinstance(holder, dict):
+            holder.pop("kv_transfer_params", None)
+    return body
 
 
 def relayed(r: httpx.Response, content: bytes | None = None) -> Response:
@@ -208,10 +256,18 @@ class Proxy:
         self.backends = [*balancer.prefill, *balancer.decode]
 
     async def health(self) -> JSONResponse:
-        """200 when every backend's /health is, else 503 with each backend's state."""
-        states = dict(zip(self.backends, await asyncio.gather(*(self.backend_health(u) for u in self.backends))))
+        """200 when every backend's /health is, else 503; no backend's address or error (it is open)."""
+        healthy = all(s == "ok" for s in await self.backend_states())
+        return JSONResponse({"ok": healthy}, status_code=200 if healthy else 503)
+
+    async def health_detail(self) -> JSONResponse:
+        """/health with each backend's state (behind the key)."""
+        states = dict(zip(self.backends, await self.backend_states()))
         healthy = all(s == "ok" for s in states.values())
         return JSONResponse({"ok": healthy, "backends": states}, status_code=200 if healthy else 503)
+
+    async def backend_states(self) -> list[str]:
+        return await asyncio.gather(*(self.backend_health(u) for u in self.backends))
 
     async def backend_health(self, url: str) -> str:
         try:
@@ -258,20 +314,19 @@ class Proxy:
 
     async def disaggregated(self, request: Request, path: str) -> Response:
         """Prefill with one output token, then decode with the prefill's `kv_transfer_params`."""
-        raw = await request.body()
-        body, error = json_object(raw)
-        if body is None:
-            return JSONResponse({"error": error}, status_code=400)
-        headers = forwarded_headers(request)
+        try:
+            body = json_object(await request.body())
+        except BadBody as e:
+            return JSONResponse({"error": str(e)}, status_code=400)
+        headers = {**forwarded_headers(request), "content-type": "application/json"}
         key = routing.request_key(request.headers, body)
         with self.balancer.holding(self.balancer.pick("prefill", key)) as url:
             p = await self.client.post(url + path, json=prefill_body(path, body), headers=headers)
         if p.status_code != 200:  # the prompt is bad or the prefill server is: say so, skip decode
             return relayed(p)
-        handed = self.handed_over(body, p)
-        if handed is not None:
-            raw, headers = json.dumps(handed).encode(), {**headers, "content-type": "application/json"}
-        return await self.relay_decode(path, key, raw, headers, stream=bool(body.get("stream")))
+        decode = self.handed_over(body, p) or body
+        return await self.relay_decode(path, key, json.dumps(decode).encode(), headers,
+                                       stream=body.get("stream", False))
 
     def handed_over(self, body: dict, prefill: httpx.Response) -> dict | None:
         """The decode request with the prefill's `kv_transfer_params`; None to send the client's body as is."""
@@ -311,9 +366,18 @@ class Proxy:
             self.balancer.release(url)
 
     async def passthrough(self, request: Request, rest: str) -> Response:
-        """Any other path (`/v1/models`, ...): to a decode server."""
+        """Any other path (`/v1/models`, ...): to a decode server. A JSON body is checked as a generation
+        request's is (`/v1/responses` and others take `kv_transfer_params` too); another body goes as it is."""
+        content = await request.body()
+        if content.strip():
+            try:
+                content = json.dumps(json_object(content)).encode()
+            except NotJSON:
+                pass
+            except BadBody as e:
+                return JSONResponse({"error": str(e)}, status_code=400)
         url = self.balancer.pick("decode", None)
-        r = await self.client.request(request.method, url + "/" + rest, content=await request.body(),
+        r = await self.client.request(request.method, url + "/" + rest, content=content,
                                       headers=forwarded_headers(request), params=request.query_params)
         return relayed(r)
 

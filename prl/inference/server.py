@@ -100,11 +100,21 @@ multimodal chat content, not for a client that would exhaust the server's memory
 
 
 class BodyLimit:
-    """Pure ASGI middleware: 413 for a body over `max_bytes`, declared (Content-Length) or streamed."""
+    """Pure ASGI middleware: 413 for a body over `max_bytes`, declared (Content-Length) or streamed.
+
+    A path in the app's `state.body_limits` (path -> bytes) gets its own, smaller bound: the server sets
+    the generate route's from the model (`prl.inference.generate.max_body_bytes`), so a body no request
+    of this model can need is refused before a byte of it is parsed."""
 
     def __init__(self, app, max_bytes: int = MAX_BODY_BYTES):
         self.app = app
         self.max_bytes = max_bytes
+
+    def limit(self, scope) -> int:
+        app = scope.get("app")
+        routes = getattr(getattr(app, "state", None), "body_limits", None) or {}
+        path = scope.get("path", "").removeprefix(scope.get("root_path", "")) or "/"
+        return min(self.max_bytes, routes.get(path, self.max_bytes))
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -112,6 +122,7 @@ class BodyLimit:
         from starlette.exceptions import HTTPException
         from starlette.responses import JSONResponse
 
+        max_bytes = self.limit(scope)
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None:
             try:
@@ -121,8 +132,8 @@ class BodyLimit:
             if size < 0:
                 return await JSONResponse({"error": "bad Content-Length header"}, status_code=400)(
                     scope, receive, send)
-            if size > self.max_bytes:
-                return await JSONResponse({"error": f"request body of {size} bytes; at most {self.max_bytes}"},
+            if size > max_bytes:
+                return await JSONResponse({"error": f"request body of {size} bytes; at most {max_bytes}"},
                                           status_code=413)(scope, receive, send)
         seen = 0
 
@@ -130,9 +141,9 @@ class BodyLimit:
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
+            if seen > max_bytes:
                 # Raised inside the app's body read: FastAPI and Starlette turn it into the 413 response.
-                raise HTTPException(413, f"request body over {self.max_bytes} bytes")
+                raise HTTPException(413, f"request body over {max_bytes} bytes")
             return message
 
         return await self.app(scope, limited, send)
@@ -150,6 +161,19 @@ def replace_routes(app, router) -> None:
             keep.append(route)
     app.router.routes[:] = keep
     app.include_router(router)
+
+
+def add_prl_routes(app, model_config) -> None:
+    """prl's generate route (in place of vLLM's) and admin routes on vLLM's app, and the generate route's
+    body bound for this model (BodyLimit)."""
+    from prl.inference import admin, generate
+
+    # vLLM 0.32 always mounts /inference/v1/generate: a 403 stub without --enable-scale-out,
+    # else its own format, which the verifiers train client rejects. Ours must answer first.
+    replace_routes(app, generate.router)
+    app.include_router(admin.router)
+    app.state.body_limits = {"/inference/v1/generate": generate.max_body_bytes(model_config.get_vocab_size(),
+                                                                               model_config.max_model_len)}
 
 
 _API_KEY: str | None = None
@@ -174,7 +198,7 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
     from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
 
-    from prl.inference import admin, generate
+    from prl.inference import admin
 
     run = RunDir(ours.run_dir)
     key = api_key(ours.api_key_env)
@@ -195,10 +219,7 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
     async with build_async_engine_client(args) as engine:
         supported = await engine.get_supported_tasks()
         app = build_app(args, supported, engine.model_config)
-        # vLLM 0.32 always mounts /inference/v1/generate: a 403 stub without --enable-scale-out,
-        # else its own format, which the verifiers train client rejects. Ours must answer first.
-        replace_routes(app, generate.router)
-        app.include_router(admin.router)
+        add_prl_routes(app, engine.model_config)
         await init_app_state(engine, app.state, args, supported)
         served = (args.served_model_name or [args.model])[0]
         app.state.prl_admin = admin.initial_state(run, args.model, served)

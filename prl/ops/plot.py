@@ -15,7 +15,7 @@ import io
 from dataclasses import dataclass
 from pathlib import Path
 
-from prl.errors import ConfigError
+from prl.errors import ConfigError, needs_extra
 from prl.ops.metrics import series, step_rows
 from prl.run.rundir import RunDir, atomic_write_bytes
 
@@ -50,8 +50,7 @@ def load_rows(run: RunDir) -> dict[int, dict[str, float]]:
 
 def render_png(runs: list[tuple[str, dict[int, dict[str, float]]]]) -> bytes:
     """The figure for (label, rows) of each run, as PNG bytes."""
-    import matplotlib
-
+    matplotlib = needs_extra("matplotlib", "plot", "prl plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

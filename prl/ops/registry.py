@@ -31,13 +31,18 @@ def registry_path() -> Path:
 
 
 def register(run: RunDir, job: JobRecord) -> None:
-    """Append one submission (a single O_APPEND write, so concurrent submits never interleave)."""
+    """Append one submission (a single O_APPEND write, so concurrent submits never interleave).
+
+    The registry lists every run directory and job of this user: private (0600 in a 0700 folder), and a
+    registry left readable by an older prl is made private on the next write."""
     path = registry_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.parent.chmod(0o700)
     entry = Entry(run_dir=str(run.root), job_id=job.job_id, name=job.name, submitted=job.submitted,
                   backend=job.backend)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
+        os.fchmod(fd, 0o600)
         os.write(fd, msgspec.json.encode(entry) + b"\n")
     finally:
         os.close(fd)

@@ -16,16 +16,23 @@ in one table.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from prl.errors import ConfigError
+from prl.log import get_logger
 from prl.planner.model import Plan
 from prl.run.rundir import RunDir, atomic_write_json
 
 TIMEOUT_MINUTES = 120
+SACCT_BYPASS = "Bypassing sacct error"
+"""What submitit logs on every poll where sacct fails (a cluster without job accounting)."""
+
+log = get_logger("prl.ops.sweep")
 
 
 @dataclass
@@ -102,15 +109,48 @@ def run_slurm(run: RunDir, plan: Plan, tasks: Sequence[Any], parallel: int, time
     executor = submitit.SlurmExecutor(folder=str(run.evals_dir / "submitit" / "%j"), python=plan.python,
                                       max_num_timeout=0)
     executor.update_parameters(**params)
-    jobs = executor.map_array(call, list(tasks))
     outcomes = []
-    for job, task in zip(jobs, tasks):
-        try:
-            outcomes.append(Outcome(task.step, job.result()))
-        except Exception as exc:  # noqa: BLE001 - submitit raises its own errors with the task's traceback
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            outcomes.append(Outcome(task.step, error=f"job {job.job_id}: {first}", log=str(job.paths.stderr)))
+    with one_sacct_warning():
+        jobs = executor.map_array(call, list(tasks))
+        for job, task in zip(jobs, tasks):
+            try:
+                outcomes.append(Outcome(task.step, job.result()))
+            except Exception as exc:  # noqa: BLE001 - submitit raises its own errors with the task's traceback
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                outcomes.append(Outcome(task.step, error=f"job {job.job_id}: {first}", log=str(job.paths.stderr)))
     return outcomes
+
+
+class OneSacctWarning(logging.Filter):
+    """Drops submitit's "Bypassing sacct error ..., status may be inaccurate", which it logs on every poll
+    (to stdout and stderr both) where sacct fails; the first becomes one line of ours."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if SACCT_BYPASS not in message:
+            return True
+        if not self.said:
+            self.said = True
+            reason = message.split(SACCT_BYPASS, 1)[1].split(", status may be inaccurate", 1)[0].strip()
+            log.warning("sacct failed (%s): this cluster may keep no job accounting; the eval tasks are "
+                        "followed through their result files", reason)
+        return False
+
+
+@contextlib.contextmanager
+def one_sacct_warning():
+    """While the block runs, submitit's sacct warning is said once (OneSacctWarning), not on every poll."""
+    submitit_log = logging.getLogger("submitit")
+    quiet = OneSacctWarning()
+    submitit_log.addFilter(quiet)
+    try:
+        yield quiet
+    finally:
+        submitit_log.removeFilter(quiet)
 
 
 def save(run: RunDir, outcomes: list[Outcome], meta: dict[str, Any]) -> Any:

@@ -18,7 +18,7 @@ import secrets
 import time
 from typing import Any, Callable
 
-from prl.errors import ConfigError
+from prl.errors import needs_extra
 from prl.ops.metrics import step_rows
 from prl.run.rundir import RunDir, atomic_write_json, read_json
 from prl.states import LauncherStatus
@@ -61,10 +61,7 @@ def attempt_ended(run: RunDir, attempt: int) -> bool:
 def sync(run: RunDir, project: str, entity: str | None = None, follow: bool = False,
          ended: Callable[[RunDir], bool] = job_ended, poll: float = FOLLOW_SECONDS) -> int:
     """Log the run's new complete steps to its W&B run; with `follow`, until the job ends. Returns rows logged."""
-    try:
-        import wandb
-    except ImportError:
-        raise ConfigError("prl wandb needs the wandb package: pip install 'prl[wandb]'") from None
+    wandb = needs_extra("wandb", "wandb", "prl wandb")
     import msgspec
 
     from prl.planner.model import Plan

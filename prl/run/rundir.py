@@ -28,14 +28,17 @@ joins path pieces under a run. It imports no torch: login nodes import it.
       kv/                                     KV of a storage-based P/D connector (ExampleConnector)
 
 Hand-off protocol (`publish_dir`): write into a hidden temporary sibling
-(`.step_N.tmp-a<attempt>-<tag>`), write the `STABLE` marker (every file and
-its size) into it, fsync every file and directory, rename it to its final
-name, fsync the parent: files and marker appear in one rename. A reader
-accepts a step only when the marker exists and every file it lists is there
-with its size (`is_stable`), so a writer killed (or out of disk) at any point
-leaves only a hidden temp dir, ignored by readers and removed by the next
-publish of that step by a writer of the same or a later job attempt (never an
-earlier one: a stale writer is fenced off), or by `cleanup`.
+(`.step_N.tmp-a<attempt>-<tag>`), write the marker (every file and its size)
+into it as `.STABLE.pending`, fsync every file and directory, rename the
+directory to its final name, then rename the pending marker to `STABLE` and
+fsync both directories. A temporary dir never holds a `STABLE` marker (a
+reader handed its path must not take it for a step), and the marker can only
+become `STABLE` inside the directory it describes. A reader accepts a step
+only when the marker exists and every file it lists is there with its size
+(`is_stable`), so a writer killed (or out of disk) at any point leaves a
+hidden temp dir or an unmarked step dir, both ignored by readers and removed
+by the next publish of that step by a writer of the same or a later job
+attempt (never an earlier one: a stale writer is fenced off), or by `cleanup`.
 
 The JSON records (job.json, state/launcher.json, state/<role>.json, beats, exits) are the typed
 records of `prl.run.records`: written and read here as those types, never as dicts.
@@ -76,6 +79,8 @@ API_KEY_VAR = "PRL_INFERENCE_API_KEY"
 
 MARKER = "STABLE"
 """Name of the marker file that makes a published directory visible to readers."""
+PENDING_MARKER = ".STABLE.pending"
+"""The marker's name inside a directory being published, until the directory has its final name."""
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _ATTEMPT_RE = re.compile(r"^attempt_(\d+)$")
@@ -512,26 +517,34 @@ class RunDir:
                 )
             if owner is None or owner < attempt or old == tmp:
                 shutil.rmtree(old, ignore_errors=True)  # a dead writer's leftovers: never visible to readers
-        # An unmarked step dir is a removal that was cut short (marker first, then files): never anyone's work.
+        # An unmarked step dir is a removal cut short (marker first, then files) or a publish cut short between
+        # its two renames: never anyone's work.
         if dest.exists():
             shutil.rmtree(dest)
         tmp.mkdir()
         return tmp
 
     def finish_publish(self, dest: Path, tmp: Path, **marker_fields: Any) -> Path:
-        """Write the STABLE marker (files and sizes) into `tmp`, fsync it all, then rename it to `dest`:
-        the marker and the files appear together in one rename."""
+        """Write the marker (files and sizes) into `tmp` as PENDING_MARKER, fsync it all, rename `tmp` to
+        `dest`, then the pending marker to STABLE (the module doc's protocol): only a directory under its
+        final name ever holds STABLE, and only the marker written for it."""
         dest = Path(dest)
+        if (tmp / MARKER).exists():
+            shutil.rmtree(tmp, ignore_errors=True)  # unpublishable, and no reader may find a marked temp dir
+            raise RunDirError(f"{tmp / MARKER}: a directory being published holds a {MARKER} marker (copied "
+                              f"from a published step?); the publish writes its own")
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         marker = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
                   "attempt": current_attempt(), "files": files}
-        with open(os.open(tmp / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "w") as f:
+        with open(os.open(tmp / PENDING_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "w") as f:
             f.write(json.dumps({**marker, **marker_fields}, indent=2, sort_keys=True) + "\n")
         fsync_tree(tmp)
         try:
             os.rename(tmp, dest)
+            os.rename(dest / PENDING_MARKER, dest / MARKER)
         except OSError as e:
-            raise RunDirError(f"cannot publish {dest}: another writer created it meanwhile ({e})") from e
+            raise RunDirError(f"cannot publish {dest}: another writer created or removed it meanwhile ({e})") from e
+        _fsync_dir(dest)
         _fsync_dir(dest.parent)
         return dest
 
