@@ -66,6 +66,7 @@ def run_ep(moe, tmp_path_factory):
     return run
 
 
+@pytest.mark.slow  # its fixture is a 2-rank torchrun run: 30-70 s on 2 shared cores
 def test_ep2_matches_single_process_reference(moe, run_ep):
     from transformers import AutoModelForCausalLM
 
