@@ -20,7 +20,7 @@ pytest_plugins = ["tests.slurm_fixtures", "tests.vllm_fixtures"]
 def pytest_collection_modifyitems(items):
     """A test is marked by the real components its fixtures bring, directly or through other fixtures: `slurm`
     with the Slurm cluster, `vllm` and `slow` with a vLLM server. So `-m "not slow and not slurm and not vllm"`
-    (the inner loop, README "Tests") never starts either, whatever a test forgot to say."""
+    (the inner loop, docs/testing.md) never starts either, whatever a test forgot to say."""
     from tests.slurm_fixtures import CLUSTER_FIXTURES
     from tests.vllm_fixtures import SERVER_FIXTURES
 

@@ -272,10 +272,9 @@ def start_servers(specs: Sequence[dict]) -> Iterator[list[InferenceServer]]:
         yield started
 
 
-def prometheus(url: str, timeout: float = 30, headers: dict | None = None) -> dict[str, float]:
+def prometheus(url: str, timeout: float = 30) -> dict[str, float]:
     """A server's `/metrics` as {"name{labels}": value} (counters, gauges, histogram series)."""
-    request = urllib.request.Request(url + "/metrics", headers=headers or {})
-    with urllib.request.urlopen(request, timeout=timeout) as resp:
+    with urllib.request.urlopen(url + "/metrics", timeout=timeout) as resp:
         text = resp.read().decode()
     values = {}
     for line in text.splitlines():
