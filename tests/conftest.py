@@ -16,6 +16,30 @@ if str(REPO) not in sys.path:
 pytest_plugins = ["tests.slurm_fixtures", "tests.vllm_fixtures"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items):
+    """A test is marked by the real components its fixtures bring, directly or through other fixtures: `slurm`
+    with the Slurm cluster, `vllm` and `slow` with a vLLM server. So `-m "not slow and not slurm and not vllm"`
+    (the inner loop, docs/testing.md) never starts either, whatever a test forgot to say."""
+    from tests.slurm_fixtures import CLUSTER_FIXTURES
+    from tests.vllm_fixtures import SERVER_FIXTURES
+
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        if used & CLUSTER_FIXTURES:
+            item.add_marker(pytest.mark.slurm)
+        if used & SERVER_FIXTURES:
+            item.add_marker(pytest.mark.vllm)
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_runtest_setup(item):
+    """`start_inference` refuses to start a server for a test without the `vllm` marker (see vllm_fixtures)."""
+    from tests import vllm_fixtures
+
+    vllm_fixtures.SERVERS_ALLOWED = item.get_closest_marker("vllm") is not None
+
+
 @pytest.fixture(autouse=True)
 def _unbound_renderers_lock():
     """renderers.client serializes its first context-length lookup per engine with one module-level asyncio.Lock,

@@ -18,6 +18,8 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "slurm-cluster.sh"
 PARTITION = "lab"
 NODES = 4
+CLUSTER_FIXTURES = {"slurm_cluster"}
+"""Fixtures that bring the real cluster: a test using one is marked `slurm` (tests/conftest.py)."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ import sys
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from prl.orchestrator import main
 from prl.orchestrator.config import OrchestratorConfig
 from prl.orchestrator.continuous import DataOrder, Scheduler
@@ -216,6 +218,7 @@ def test_rollouts_stay_in_flight_across_steps_within_the_staleness_bound(tmp_pat
     assert sum(m["mid_rollout_updates"] for m in metrics) > 0
 
 
+@pytest.mark.slow  # two orchestrator runs: 26-50 s on 2 shared cores
 def test_a_resumed_continuous_run_neither_repeats_nor_skips_a_task(tmp_path, tokenizer_dir):
     """Stop the orchestrator (SIGTERM) while one group is still running, past its step; the restarted one
     relaunches that task first, and over the whole run every task is used or dropped exactly once."""

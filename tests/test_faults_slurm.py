@@ -184,9 +184,10 @@ def test_a_hung_orchestrator_then_a_dead_node_each_requeue_and_no_step_is_lost(t
     model = build_tiny_model(tmp_path / "model")
     run = tmp_path / "run"
     max_steps = 8
+    # One inference server (as above): each of the three attempts starts vLLM, and none of this is about servers.
     prl(env, "submit", "configs/lab.yaml", f"run_dir={run}", f"model.path={model}", f"training.max_steps={max_steps}",
         "training.max_off_policy_steps=1", "training.checkpoint_interval=2",
-        f"training.hang_timeout_s={HANG_TIMEOUT_S}")
+        f"training.hang_timeout_s={HANG_TIMEOUT_S}", "cluster.gpu_node.gpus=1")
 
     try:
         wait_for("trainer step 2", lambda: trained(run) >= 2, timeout=400, interval=2)

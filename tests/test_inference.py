@@ -6,13 +6,13 @@ argument handling, the API-key middleware. Server tests share one
 `transformers` on the same files, that the served weights are the published
 ones before and after an update; that escapes are refused and change nothing;
 the token-level endpoint through the verifiers train client's own parser;
-pause/resume; liveness.
+pause/resume; liveness. Prefill/decode through the router is tests/test_pd.py,
+on that module's servers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import struct
@@ -29,7 +29,7 @@ from prl.inference.checks import (
     resolve_weights_dir,
 )
 from prl.run.rundir import RunDir
-from tests.vllm_fixtures import HTTPFailure, http_json, start_inference, start_router
+from tests.vllm_fixtures import HTTPFailure, http_json
 
 LOGPROB_TOL = 2e-3
 """Served vs transformers logprobs, fp32 (DESIGN.md: within 0.002)."""
@@ -286,60 +286,6 @@ def test_package_import_is_light():
 
 
 # ---------------------------------------------------------------- real server
-
-
-def kv_config(role: str, store: Path) -> tuple[str, str]:
-    return ("--kv-transfer-config", json.dumps({
-        "kv_connector": "ExampleConnector", "kv_role": role,
-        "kv_connector_extra_config": {"shared_storage_path": str(store)}}))
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_prefill_decode_router_matches_unified(tmp_path, tiny_model_dir):
-    """Router -> prefill (1 token, KV to storage) -> decode (KV from storage) equals one server's output.
-
-    Defined before the `tiny_server` tests so its two servers run before that one starts; they
-    start one after the other. The reference is the prefill server itself, asked for the whole
-    completion (a producer computes everything a unified server does).
-    """
-    run = RunDir(tmp_path / "run").create()
-    store = tmp_path / "kv-store"
-    prompt = prompts_for(tiny_model_dir)[1]
-    assert len(prompt) > 129, "the CPU KV block is 128 tokens: only whole blocks are stored"
-    gen = {"token_ids": prompt, "sampling_params": {"max_tokens": 8, "temperature": 0.0, "logprobs": 1,
-                                                     "ignore_eos": True}}
-    comp = {"model": str(tiny_model_dir), "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
-            "logprobs": 1, "return_token_ids": True, "ignore_eos": True}
-    key = {"PRL_TEST_KEY": "k-123"}
-    auth = {"Authorization": "Bearer k-123"}
-    keyed = ("--api-key-env", "PRL_TEST_KEY")
-    with start_inference(run.root, tiny_model_dir, extra_args=(*kv_config("kv_producer", store), *keyed), env=key,
-                         log_path=tmp_path / "prefill.log") as prefill, \
-            start_inference(run.root, tiny_model_dir, extra_args=(*kv_config("kv_consumer", store), *keyed),
-                            env=key, log_path=tmp_path / "decode.log") as decode, \
-            start_router([prefill.url], [decode.url], extra_args=keyed, env=key,
-                         log_path=tmp_path / "router.log") as router:
-        assert http_json("GET", router + "/health")["ok"] is True  # no key needed, on any of them
-        for url in (prefill.url, router):
-            for path in ("/prl/live", "/v1/models"):
-                with pytest.raises(HTTPFailure) as e:
-                    http_json("GET", url + path)
-                assert e.value.status == 401, (url, path)
-        routed = http_json("POST", router + "/inference/v1/generate", gen, headers=auth)
-        routed_comp = http_json("POST", router + "/v1/completions", comp, headers=auth)
-        assert any(store.rglob("*")), "the prefill server stored no KV"
-        assert "External Cache Hit" in decode.log_tail(400), "the decode server did not load the stored KV"
-        unified = http_json("POST", prefill.url + "/inference/v1/generate", gen, headers=auth)
-        unified_comp = http_json("POST", prefill.url + "/v1/completions", comp, headers=auth)
-        assert http_json("GET", router + "/prl/live", headers=auth)["weights_step"] is None
-    r, u = routed["choices"][0], unified["choices"][0]
-    assert r["token_ids"] == u["token_ids"]
-    lps = [(a["logprob"], b["logprob"]) for a, b in zip(r["logprobs"]["content"], u["logprobs"]["content"])]
-    assert max(abs(a - b) for a, b in lps) < LOGPROB_TOL, lps
-    assert routed_comp["choices"][0]["token_ids"] == unified_comp["choices"][0]["token_ids"] == u["token_ids"]
-
-
 
 
 @pytest.mark.vllm

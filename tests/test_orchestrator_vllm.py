@@ -17,12 +17,12 @@ from prl.orchestrator import main
 from prl.run.batch import read_batch
 from prl.run.rundir import RunDir, atomic_write_json
 from tests.plans import local_plan, write_plan
-from tests.vllm_fixtures import start_inference
+from tests.vllm_fixtures import server_fixture, start_inference
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def tiny_server(tmp_path_factory, tiny_model_dir):
     """A server of this module's own, with the run's plan: the shared one's run dir already holds other tests' weights."""
     run = RunDir(tmp_path_factory.mktemp("orchestrator-run") / "run")

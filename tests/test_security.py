@@ -26,7 +26,7 @@ import pytest
 from starlette.requests import Request
 
 from tests.helpers import REPO, prl_cli as prl, wait_for
-from tests.vllm_fixtures import http_json, start_inference
+from tests.vllm_fixtures import http_json, server_fixture, start_inference
 
 KEY_VAR = "PRL_TEST_API_KEY"
 KEY = "k-" + "x" * 40
@@ -270,7 +270,7 @@ def test_every_router_route_needs_the_key():
                 assert r.status_code == 401, (method, path, headers, r.status_code)
 
 
-@pytest.mark.parametrize("module", ["prl.inference.router", "prl.inference"])
+@pytest.mark.parametrize("module", ["prl.inference.router", pytest.param("prl.inference", marks=pytest.mark.vllm)])
 def test_a_server_without_its_key_refuses_to_start(tmp_path, module):
     argv = [sys.executable, "-m", module, "--api-key-env", "PRL_TEST_UNSET_KEY"]
     argv += (["--port", "9", "--prefill", "http://a", "--decode", "http://b"] if module.endswith("router") else
@@ -383,7 +383,7 @@ def test_slurm_resume_is_refused_while_the_job_runs(tmp_path, env, model, slurm_
 # ---------------------------------------------------------------- a real server: auth and bounds
 
 
-@pytest.fixture(scope="module")
+@server_fixture(scope="module")
 def keyed_server(tmp_path_factory, tiny_model_dir):
     from prl.run.rundir import RunDir
 

@@ -66,6 +66,7 @@ def run_ep(moe, tmp_path_factory):
     return run
 
 
+@pytest.mark.slow  # run_ep is a 2-rank torchrun run: 30-70 s on 2 shared cores
 def test_ep2_matches_single_process_reference(moe, run_ep):
     from transformers import AutoModelForCausalLM
 
@@ -94,6 +95,7 @@ def test_ep2_matches_single_process_reference(moe, run_ep):
     assert m["mismatch_ratio_min"] <= m["mismatch_ratio_mean"] <= m["mismatch_ratio_max"]
 
 
+@pytest.mark.slow  # run_ep
 def test_sharded_publish_reloads_equal_to_the_trainer_state(moe, run_ep, tmp_path):
     """Both ranks wrote a file of the step's weights; from_pretrained of it equals the checkpoint exactly."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

@@ -6,11 +6,17 @@
         httpx.get(server.url + "/prl/live")
 
 `start_inference` launches `python -m prl.inference` as a subprocess (CPU:
-`VLLM_CPU_KVCACHE_SPACE=1`), waits for `/health` (300 s by default; on
+`VLLM_CPU_KVCACHE_SPACE=1`), waits for `/health` (600 s by default; on
 failure the error carries the log tail), and stops it at the end (SIGTERM to
 its process group, then SIGKILL). vLLM on CPU takes 65-96 s to start here,
 so tests share one `tiny_server` per session (a tiny Qwen3 in float32, its
 run dir and model dir in a session tmp dir).
+
+A fixture that starts servers is declared with `@server_fixture(scope=...)`
+instead of `@pytest.fixture`: every test that uses it, directly or through
+another fixture, is then marked `vllm` and `slow` (tests/conftest.py), and
+`start_inference` refuses to run for a test without the `vllm` marker, so the
+inner loop `-m "not slow and not slurm and not vllm"` never starts vLLM.
 """
 
 from __future__ import annotations
@@ -34,6 +40,21 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 600.0  # vLLM on 2 busy CPU cores has taken 300+ s to start
+
+SERVER_FIXTURES: set[str] = set()
+"""Names of the fixtures declared with `server_fixture`."""
+SERVERS_ALLOWED = True
+"""Set before each test by tests/conftest.py: whether the test is marked `vllm`."""
+
+
+def server_fixture(**kwargs):
+    """`pytest.fixture(**kwargs)` for a fixture that starts a real vLLM server (see the module docstring)."""
+
+    def declare(function):
+        SERVER_FIXTURES.add(function.__name__)
+        return pytest.fixture(**kwargs)(function)
+
+    return declare
 
 
 @dataclass
@@ -151,6 +172,9 @@ def start_inference(
     module: str = "prl.inference",
 ) -> Iterator[InferenceServer]:
     """Run `python -m prl.inference --run-dir RUN --model DIR --port P ...` until the block ends."""
+    if not SERVERS_ALLOWED:
+        raise RuntimeError("this test starts a vLLM server but is not marked `vllm`: add the marker, or get the "
+                           "server from a fixture declared with `server_fixture`")
     run_dir, model_dir = Path(run_dir), Path(model_dir)
     port = port or free_port()
     log_path = Path(log_path) if log_path else run_dir / f"inference-{port}.log"
@@ -214,7 +238,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("vllm-model") / "model")
 
 
-@pytest.fixture(scope="session")
+@server_fixture(scope="session")
 def tiny_server(tmp_path_factory, tiny_model_dir) -> Iterator[InferenceServer]:
     """One `prl.inference` server on the tiny model, shared by the session; its run dir is empty."""
     from prl.run.rundir import RunDir
