@@ -624,7 +624,48 @@ EXTERNAL_CASES = [
 ]
 
 
-ALL = {"external": EXTERNAL_CASES, "yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
+CONTAINER = PROFILE + "container: {image: img}\n"
+DOWNSTREAM_CASES = [
+    # Characters that mean something to what reads the value next: Slurm's output patterns, pyxis's mount list,
+    # the variables prl sets, a shell's '~' and '$', invisible Unicode, look-alike letters.
+    edit("run-dir-percent-pattern", "run_dir: {run}", "run_dir: {run}-%j", "run_dir", says="Slurm reads %j"),
+    edit("run-dir-percent-from-shared-root", "run_dir: {run}\n", "", "run_dir", line=False,
+         profile=PROFILE.replace("/shared", "/shared/%x"), says="must not contain '%'"),
+    edit("run-dir-comma-in-container", "run_dir: {run}", "run_dir: {run},/etc", "run_dir", profile=CONTAINER,
+         says="another mount"),
+    edit("run-dir-colon-in-container", "run_dir: {run}", "run_dir: {run}:ro", "run_dir", profile=CONTAINER,
+         says="must not contain ':'"),
+    prof("container-mount-adds-a-mount", "max_nodes: 16",
+         'max_nodes: 16\ncontainer: {image: img, mounts: ["/data:/data,/etc:/host-etc"]}', "container.mounts", at=1,
+         says="one SRC:DST[:FLAGS] mount"),
+    edit("env-sets-prl-variable", "  nodes: 1\norch", "  nodes: 1\n  env: {PRL_RUN_DIR: /elsewhere}\norch",
+         "trainer.env", at=1, says="set by prl"),
+    edit("env-sets-role", "  tp: 2", "  tp: 2\n  env: {PRL_ROLE: trainer}", "inference.env", at=1, says="set by prl"),
+    edit("env-sets-slurm-variable", "placement: own", "placement: own\n  env: {SLURM_PROCID: '0'}",
+         "orchestrator.env", at=1, says="set by Slurm"),
+    prof("profile-env-sets-gpus", "max_nodes: 16", "max_nodes: 16\nenv: {CUDA_VISIBLE_DEVICES: '0'}", "env", at=1,
+         says="set by prl"),
+    prof("network-env-sets-slurm", "max_nodes: 16", "max_nodes: 16\nnetwork: {env: {SLURM_JOB_ID: '1'}}",
+         "network.env", at=1, says="set by Slurm"),
+    edit("path-tilde", "  path: /models/m", "  path: ~/models/m", "model.path", says="does not expand '~'"),
+    edit("path-home-variable", "  path: /models/m", "  path: $HOME/models/m", "model.path", says="${oc.env:HOME}"),
+    edit("run-dir-tilde", "run_dir: {run}", "run_dir: ~/runs/adv", "run_dir", says="does not expand"),
+    edit("cluster-tilde", "cluster: ./prof.yaml", "cluster: ~/prof.yaml", "cluster", says="does not expand"),
+    edit("path-zero-width-space", "  path: /models/m", '  path: "/models/m\u200b"', "model.path", says="U+200B"),
+    edit("env-value-bidi-isolate", "  nodes: 1\norch", '  nodes: 1\n  env: {A: "x\u2066y"}\norch',
+         "trainer.env.A", at=1, says="U+2066"),
+    edit("id-tag-character", "  id: prl_reverse_text", '  id: "prl_reverse_text\U000E0041"', "environment.id",
+         says="U+E0041"),
+    edit("name-cyrillic-a", "name: adv", "name: \u0430dv", "name", says="letters, digits"),
+    edit("id-cyrillic-e", "  id: prl_reverse_text", "  id: prl_r\u0435verse_text", "environment.id",
+         says="must be ASCII"),
+    prof("partition-cyrillic-p", "trainer: gpu", "trainer: g\u0440u", "partitions.trainer", says="must be ASCII"),
+    prof("setup-zero-width-joiner", "max_nodes: 16", 'max_nodes: 16\nsetup: ["echo ok\u200d"]', "setup[0]", at=1,
+         says="U+200D"),
+]
+
+
+ALL = {"downstream": DOWNSTREAM_CASES, "external": EXTERNAL_CASES, "yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
        "markup": MARKUP_CASES, "size": SIZE_CASES, "sft": SFT_CASES}
 PARAMS = [pytest.param(case, id=f"{kind}:{case.id}", marks=case.marks) for kind, cases in ALL.items()
           for case in cases]
@@ -708,6 +749,33 @@ def test_the_base_topology_plans_and_writes(sandbox: Path, capsys):
     code, out, err = plan_in_process([str(path)], capsys)
     assert code == 0, err
     assert (sandbox / "run" / "plan.json").exists()
+
+
+def test_the_refused_format_characters_are_unicodes_category_cf():
+    """Every format character (Cf) the running Python knows is refused in text, and nothing else is by that list."""
+    import unicodedata
+
+    from prl.config.cluster import FORMAT_CHARACTERS
+
+    listed = re.compile(f"[{FORMAT_CHARACTERS}]")
+    format_characters = [chr(c) for c in range(0x110000) if unicodedata.category(chr(c)) == "Cf"]
+    assert [c for c in format_characters if not listed.match(c)] == []
+    assert all(unicodedata.category(chr(c)) in ("Cf", "Cn") for c in range(0x110000) if listed.match(chr(c)))
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("old, new", [
+    ("  path: /models/m", "  path: /models/caf\u00e9-\u6a21\u578b"),
+    ("run_dir: {run}", "run_dir: {run}-\u00e9t\u00e9"),
+    ("  path: /models/m", "  path: ${oc.env:HOME}/models/m"),
+    ("  nodes: 1\norch", "  nodes: 1\n  env: {PRL_DEVICE: cpu, SLURM: x, MY_SLURM_ID: '1'}\norch"),
+], ids=["non-ascii-model-path", "non-ascii-run-dir", "home-reference", "env-near-reserved-names"])
+def test_downstream_characters_that_mean_nothing_still_plan(sandbox: Path, capsys, old: str, new: str):
+    """The downstream refusals are narrow: letters in paths, `${oc.env:HOME}` and names beside the reserved ones plan."""
+    (sandbox / "prof.yaml").write_text(PROFILE)
+    (sandbox / "topo.yaml").write_text(BASE.replace(old, new).replace("{run}", str(sandbox / "run")))
+    code, out, err = plan_in_process([str(sandbox / "topo.yaml"), "--no-write"], capsys)
+    assert code == 0, err
 
 
 MERGE_OK = BASE.replace("inference:\n  nodes: 1\n  tp: 2", "group: &g {nodes: 1, tp: 2}\ninference:\n  <<: *g")

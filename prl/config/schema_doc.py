@@ -85,6 +85,30 @@ def _rows(model: type[msgspec.Struct], prefix: str) -> list[str]:
     return rows
 
 
+RULES = """\
+## What is refused in text, and why
+
+- **Control and invisible characters**, in every text field: C0/C1 controls, line separators and Unicode's
+  format characters (category Cf: zero-width spaces and joiners, bidirectional marks, overrides and isolates, tag
+  characters). They make a value read other than it runs, on a terminal and in a script.
+- **Non-ASCII letters in names and ids** (`name`, `slurm.job_name`, partitions, account, qos, `environment.id`,
+  W&B project and entity): a look-alike letter (Cyrillic `а` for Latin `a`) names another thing. Paths keep
+  non-ASCII letters.
+- **`~` and `$` in paths**: prl does not expand them, and a node would get `~/x` literally. Write an absolute
+  path, or `${oc.env:HOME}/x` (resolved when planned; `HOME`, `USER`, `SCRATCH`, ... are readable anywhere).
+- **`%` in the run directory** (the topology's `run_dir`, or the profile's `shared_root` it defaults under):
+  Slurm reads `%j`, `%x`, ... in the job's `--output` path as patterns. Escaping it as `%%` there would be
+  right for Slurm and wrong everywhere else the path goes (scripts, environment, container mounts), so it is
+  refused rather than given two spellings.
+- **`,` and `:` in the run directory on a profile with a container**, and in a `container.mounts` item beyond
+  `SRC:DST[:FLAGS]`: pyxis splits `--container-mounts` at `,` (another mount) and `:` (source, target, flags).
+- **Variables prl or Slurm sets in `env:` maps**: `SLURM_*`, `CUDA_VISIBLE_DEVICES`, `VLLM_NIXL_SIDE_CHANNEL_*`
+  and prl's own `PRL_RUN_DIR`, `PRL_ROLE`, `PRL_ATTEMPT`, `PRL_ATTEMPT_BASE`, `PRL_MODE`, `PRL_RESTART`,
+  `PRL_TASK`, `PRL_TASKS`, `PRL_NODE`, `PRL_INFERENCE_API_KEY`: one of the two values would silently lose.
+  prl's knobs (`PRL_DEVICE`, `PRL_LOG_LEVEL`, ...) may be set.
+"""
+
+
 def reference() -> str:
     head = "| field | type | default | meaning |\n|---|---|---|---|"
     return "\n".join([
@@ -102,7 +126,8 @@ def reference() -> str:
         head,
         *_rows(ClusterProfile, ""),
         "",
-    ])
+        RULES,
+    ]).rstrip("\n") + "\n"
 
 
 if __name__ == "__main__":

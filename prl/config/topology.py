@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Optional, Sequence, Union
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from prl.config.cluster import (MAX_CPUS, MAX_GB, MAX_GPUS_PER_NODE, MAX_ITEMS, MAX_NODES, Env, Name, NonEmptyText,
+from prl.config.cluster import (MAX_CPUS, MAX_GB, MAX_GPUS_PER_NODE, MAX_ITEMS, MAX_NODES, Env, Ident, Name,
                                 PathText, SlurmTime, Strict, Text, Token, checked_time)
 from prl.config.fields import FieldValueError, shown
 from prl.config.loader import Source, explained, load
@@ -257,11 +257,11 @@ class EvalSettings(Strict, kw_only=True):
 
 
 class Environment(Strict, kw_only=True):
-    id: NonEmptyText
+    id: Ident
     """verifiers taskset id (an installed module) or a module path."""
     args: Annotated[dict[str, Any], Meta(max_length=MAX_ITEMS)] = {}
     """Arguments for the taskset."""
-    harness: NonEmptyText = "prl"
+    harness: Ident = "prl"
     """verifiers harness id."""
     max_turns: Optional[Annotated[int, Meta(ge=1, le=MAX_COUNT)]] = None
     """Model turns one rollout may take (None: as many as the environment asks for). A rollout stopped
@@ -390,9 +390,9 @@ class WandB(Strict, kw_only=True):
     """Log the run's metrics to Weights & Biases while it runs (`prl wandb RUN --follow`, kept going by the
     launcher beside the roles: a W&B failure is logged and never stops training)."""
 
-    project: NonEmptyText
+    project: Ident
     """W&B project."""
-    entity: Optional[NonEmptyText] = None
+    entity: Optional[Ident] = None
     """W&B entity (team or user; None: your default)."""
 
 

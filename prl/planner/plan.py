@@ -110,6 +110,15 @@ def check_run_dir(check: Checker, run_dir: str) -> None:
     if run_dir.rstrip("/") == "":
         raise check.fail(("run_dir",), "run directory '/' would make prl write into the filesystem root; "
                                        "use a directory of its own, e.g. /scratch/$USER/prl-runs/NAME")
+    if "%" in run_dir:
+        # Slurm reads %j, %t, %x ... in --output as patterns; '%%' would be right there and wrong everywhere else.
+        raise check.fail(("run_dir",), f"run directory {run_dir!r} must not contain '%': Slurm reads %j, %x, ... in "
+                                       f"the job's --output path as patterns and would write the logs elsewhere")
+    mount_separators = sorted(set(",:") & set(run_dir)) if check.cluster.container is not None else []
+    if mount_separators:
+        raise check.fail(("run_dir",), f"run directory {run_dir!r} must not contain {mount_separators[0]!r} on "
+                                       f"cluster '{check.cluster.name}': it is mounted into the container, and pyxis "
+                                       f"reads ',' as another mount and ':' as a separator")
 
 
 def check_node_budget(check: Checker, topo: Topology) -> None:
