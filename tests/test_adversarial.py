@@ -525,7 +525,17 @@ def _profile_directory(directory: Path) -> Path:
 
 ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
 
+HUGE_NODES = PROFILE.replace("gpus: 8", "gpus: 1024").replace("max_nodes: 16", "max_nodes: 100000")
 SIZE_CASES = [
+    # Legal counts whose product is millions of records: bounded before anything is expanded.
+    edit("derived-servers-over-bound", "  nodes: 1\n  tp: 2", "  nodes: 98\n  tp: 1", "inference.nodes",
+         profile=HUGE_NODES, says="nodes(98) x 1024 servers per node (1024 GPUs / tp(1) * dp(1)) = 100352 servers"),
+    edit("derived-pd-servers-over-bound", "  nodes: 1\n  tp: 2", "  prefill: {nodes: 40}\n  decode: {nodes: 60}",
+         "inference.decode.nodes", at=1, profile=HUGE_NODES, says="(102400 in all)"),
+    edit("derived-gpus-over-bound", "  nodes: 1\n  tp: 2", "  nodes: 300\n  tp: 1024", "inference.nodes",
+         profile=HUGE_NODES, says="inference nodes(300) x 1024 + trainer nodes(1) x 1024 = 308224 GPUs"),
+    over("overrides-over-bound", *[f"trainer.env.V{i}=x" for i in range(1001)], blame="trainer.env.V1000=x",
+         says="more than 1000 overrides (1001)"),
     append("over-1mib", "#" * (1 << 20) + "\n", line=False, says="1 MiB"),
     edit("list-of-1e5", '  tp: 2', "  tp: 2\n  extra_args: [" + ", ".join(["a"] * 100_000) + "]", line=ANY,
          says="more than 10000 values"),
@@ -776,6 +786,27 @@ def test_downstream_characters_that_mean_nothing_still_plan(sandbox: Path, capsy
     (sandbox / "topo.yaml").write_text(BASE.replace(old, new).replace("{run}", str(sandbox / "run")))
     code, out, err = plan_in_process([str(sandbox / "topo.yaml"), "--no-write"], capsys)
     assert code == 0, err
+
+
+@pytest.mark.timeout(30)
+def test_a_thousand_overrides_merge_in_one_pass(sandbox: Path, capsys, monkeypatch: pytest.MonkeyPatch):
+    """Legal overrides are merged at once (one by one, a thousand took over 10 s); the one-by-one merge that names
+    the culprit runs only when the merge fails."""
+    from omegaconf import OmegaConf
+
+    merges = []
+    merge = OmegaConf.merge
+    monkeypatch.setattr(OmegaConf, "merge", lambda *args: merges.append(1) or merge(*args))
+    (sandbox / "prof.yaml").write_text(PROFILE)
+    (sandbox / "topo.yaml").write_text(BASE.replace("{run}", str(sandbox / "run")))
+    overrides = [f"trainer.env.V{i}=x{i}" for i in range(1000)]
+    code, out, err = plan_in_process([str(sandbox / "topo.yaml"), "--no-write", *overrides], capsys)
+    assert code == 0, err
+    assert len(merges) == 1
+    merges.clear()
+    code, out, err = plan_in_process([str(sandbox / "topo.yaml"), "--no-write", *overrides[:500], "trainer=[1]",
+                                      *overrides[500:999]], capsys)
+    assert code == 2 and "override 'trainer=[1]' (trainer): cannot merge" in err, err
 
 
 MERGE_OK = BASE.replace("inference:\n  nodes: 1\n  tp: 2", "group: &g {nodes: 1, tp: 2}\ninference:\n  <<: *g")

@@ -44,6 +44,8 @@ MAX_VALUES = 10_000
 """Most values (scalars, mappings, lists) in one document, aliases expanded."""
 MAX_EXPANDED = 1 << 20
 """Most characters and values the document may hold once interpolation is resolved."""
+MAX_OVERRIDES = 1000
+"""Most `key=value` overrides on one command line."""
 MAX_REFERENCE_HOPS = 16
 """Longest chain of `${...}` references (a -> b -> c ...)."""
 
@@ -299,6 +301,9 @@ def read_yaml(path: Path) -> tuple[str, dict[FieldPath, int]]:
 def _parse_overrides(overrides: Sequence[str]) -> dict[FieldPath, str]:
     """`key.path=value` -> path; the key must be dotted names, the value YAML that passes check_yaml."""
     parsed: dict[FieldPath, str] = {}
+    if len(overrides) > MAX_OVERRIDES:
+        raise ConfigError(f"override {shown(overrides[MAX_OVERRIDES], 200)}: more than {MAX_OVERRIDES} overrides "
+                          f"({len(overrides)}); put the settings in the file")
     for item in overrides:
         if not _is_utf8(item):
             raise ConfigError(f"override {shown(item, 200)}: not valid UTF-8 text")
@@ -332,7 +337,14 @@ def _omegaconf_error(exc: Exception, source: Source, blame: FieldPath = ()) -> C
 
 
 def _merge_overrides(conf: Any, source: Source) -> Any:
-    """Apply the overrides one by one, so that an error names the override that caused it."""
+    """Apply the overrides in one merge; when that fails, again one by one, so that the error names the override
+    that caused it (a thousand merges one by one take seconds)."""
+    if not source.overrides:
+        return conf
+    try:
+        return OmegaConf.merge(conf, OmegaConf.from_dotlist(list(source.overrides.values())))
+    except (OmegaConfBaseException, yaml.YAMLError, TypeError, ValueError):
+        pass
     for path, item in source.overrides.items():
         try:
             conf = OmegaConf.merge(conf, OmegaConf.from_dotlist([item]))

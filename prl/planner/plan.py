@@ -58,6 +58,10 @@ DP_RPC_PORT_OFFSET = 200
 NIXL_SIDE_CHANNEL_PORT_OFFSET = 300
 RDZV_PORT_OFFSET = 500
 MAX_PORT = 65535
+MAX_SERVERS = 100_000
+"""Most inference server processes (and srun tasks) one plan places: each is a process, ports and a record."""
+MAX_JOB_GPUS = 262_144
+"""Most GPUs one job may use: more than any cluster has, and few enough that the plan's per-GPU records stay small."""
 SHARED_ORCHESTRATOR_CPUS = 4
 KV_OFFLOAD_MEMORY_FRACTION = 0.8
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -135,6 +139,33 @@ def check_node_budget(check: Checker, topo: Topology) -> None:
     raise check.fail_cluster(("max_nodes",), (
         f"the job needs {parts} = {total} nodes, over cluster '{cluster.name}' max_nodes({cluster.max_nodes}); "
         f"shrink a group or raise max_nodes"))
+
+
+def check_derived_totals(check: Checker, topo: Topology) -> None:
+    """Bound what the counts multiply into (servers, tasks, GPUs) before any of it is expanded: every count may be
+    legal and their product still millions of records."""
+    gpn = check.cluster.gpu_node.gpus
+    groups = topo.inference.groups() if topo.inference else {}
+    servers = {role: (g.nodes, max(1, gpn // (g.tp * g.dp)) if gpn else 1) for role, g in groups.items()}
+    total = sum(nodes * per_node for nodes, per_node in servers.values())
+    if total > MAX_SERVERS:
+        role = max(servers, key=lambda r: servers[r][0] * servers[r][1])
+        nodes, per_node = servers[role]
+        g = groups[role]
+        raise check.fail(("inference", role, "nodes") if topo.inference.disaggregated else ("inference", "nodes"), (
+            f"{role} would start nodes({nodes}) x {per_node} servers per node ({gpn} GPUs / tp({g.tp}) * dp({g.dp})) "
+            f"= {nodes * per_node} servers ({total} in all), over the {MAX_SERVERS} one plan may hold; "
+            f"use fewer nodes or a larger tp or dp"))
+    tr = topo.trainer
+    fields = {("inference", role, "nodes") if len(groups) > 1 else ("inference", "nodes"): (role, g.nodes, gpn)
+              for role, g in groups.items()}
+    fields[("trainer", "nodes")] = ("trainer", tr.nodes, tr.gpus_per_node or gpn)
+    gpus = sum(nodes * per_node for _, nodes, per_node in fields.values())
+    if gpus > MAX_JOB_GPUS:
+        parts = " + ".join(f"{role} nodes({nodes}) x {per_node}" for role, nodes, per_node in fields.values())
+        blamed = max(fields, key=lambda field: fields[field][1] * fields[field][2])
+        raise check.fail(blamed, f"the job would use {parts} = {gpus} GPUs, over the {MAX_JOB_GPUS} one job may "
+                                 f"use; use fewer nodes")
 
 
 def inference_layout(check: Checker, role: str, field: tuple[str, ...], group: InferenceGroup,
@@ -443,12 +474,16 @@ def check_ports(check: Checker, topo: Topology, servers: list[Server], router_po
             raise fail(field, f"port {port} is used twice on one node: by {taken[key]} and by {what}")
         taken[key] = what
 
+    replicas: dict[tuple[str, int], list[Server]] = {}
+    dps = {role: group.dp for role, group in topo.inference.groups().items()} if topo.inference else {}
+    for s in servers:
+        replicas.setdefault((s.role, s.replica), []).append(s)
     for s in servers:
         claim((s.group, s.node), s.port, f"{s.role} server {s.replica}", ("port_base",), False)
         if s.head:
             claim((s.group, s.node), s.rpc_port, f"{s.role} server {s.replica}'s data-parallel RPC", ("port_base",),
                   False)
-        for side in side_channel_ports(servers, s, topo.inference.groups()[s.role].dp):
+        for side in side_channel_ports(replicas[s.role, s.replica], s, dps[s.role]):
             claim((s.group, s.node), side, f"{s.role} server {s.replica}'s NIXL side channel", ("port_base",), False)
     if router_port is not None:
         # Last: when the user's router port collides, the error points at it.
@@ -542,6 +577,7 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
     check = Checker(topo_source, cluster, cluster_source)
     check_run_dir(check, run_dir)
     check_node_budget(check, topo)
+    check_derived_totals(check, topo)
     common_env = role_env(cluster, run_dir)
     layout = Layout()
     roles, servers, router_port, orchestrator = place_rl_roles(check, topo, layout, common_env, run_dir)
