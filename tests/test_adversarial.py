@@ -675,7 +675,49 @@ DOWNSTREAM_CASES = [
 ]
 
 
-ALL = {"downstream": DOWNSTREAM_CASES, "external": EXTERNAL_CASES, "yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
+def directive(id: str, item: str, **kw: Any) -> Case:
+    """A case that adds one `slurm.extra_directives` item; the error is expected at it."""
+    return edit(id, 'time: "01:00:00"', f'time: "01:00:00"\n  extra_directives: ["{item}"]',
+                "slurm.extra_directives[0]", at=1, **kw)
+
+
+SEGMENTED = PROFILE.replace("max_nodes: 16", "max_nodes: 16\nsegment: 4")
+CONTRADICTION_CASES = [
+    # Values that contradict what the plan sets or what another field says, which would otherwise be ignored.
+    edit("router-beside-unified", "  tp: 2", "  tp: 2\n  router: {port: 9000}", "inference.router", at=1,
+         says="field of disaggregated inference"),
+    edit("kv-connector-beside-unified", "  tp: 2", "  tp: 2\n  kv_connector: {name: NixlConnector}",
+         "inference.kv_connector", at=1, says="would be ignored beside unified nodes"),
+    edit("extra-arg-sets-tp", "  tp: 2", '  tp: 2\n  extra_args: ["--enforce-eager", "--tensor-parallel-size=4"]',
+         "inference.extra_args[1]", at=1, says="--tensor-parallel-size is set by the plan"),
+    edit("extra-arg-sets-port", "  nodes: 1\n  tp: 2", '  prefill: {nodes: 1}\n  decode: {nodes: 1, extra_args: '
+         '["--port", "9000"]}', "inference.decode.extra_args[0]", at=1, says="--port is set"),
+    edit("extra-arg-sets-served-name", "  tp: 2", '  tp: 2\n  extra_args: ["--served-model-name", "x"]',
+         "inference.extra_args[0]", at=1),
+    directive("directive-sets-output", "--output=/tmp/x", says="--output is set by the plan"),
+    directive("directive-sets-array", "--array=1-4"),
+    directive("directive-sets-nodes", "--nodes=4"),
+    directive("directive-sets-rendered-mem", "--mem=10G", says="--mem is set"),
+    edit("model-path-is-an-option", "  path: /models/m", "  path: --trust-remote-code", "model.path",
+         says="read it as an option"),
+    append("wandb-project-is-an-option", "wandb:\n  project: --help\n", "wandb.project", at=1,
+           says="read it as an option"),
+    edit("environment-id-is-an-option", "  id: prl_reverse_text", "  id: -h", "environment.id"),
+    edit("shared-orchestrator-over-node-cpus", "placement: own", "placement: trainer\n  cpus: 65",
+         "orchestrator.cpus", at=1, says="has 64"),
+    Case("segment-not-dividing", "{prof}:16", "segment", topo=BASE.replace("  nodes: 1\norch", "  nodes: 6\norch"),
+         profile=SEGMENTED, says="use 4 or 8 nodes"),
+    edit("octal-count", "  max_steps: 10", "  max_steps: 0100", "training.max_steps",
+         says="octal number 64; write 100 or '0100'"),
+    edit("octal-in-env", "  nodes: 1\norch", "  nodes: 1\n  env: {UMASK: 0022}\norch", "trainer.env.UMASK", at=1,
+         says="write 22 or '0022'"),
+    over("override-octal", "training.max_steps=010", field="training.max_steps", says="octal"),
+    edit("disk-gb-without-disk-path", "  tp: 2", "  tp: 2\n  kv_offload: {backend: lmcache, cpu_gb: 8, disk_gb: 100}",
+         "inference.kv_offload.disk_gb", at=1, says="needs disk_path"),
+]
+
+
+ALL = {"downstream": DOWNSTREAM_CASES, "contradiction": CONTRADICTION_CASES, "external": EXTERNAL_CASES, "yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
        "markup": MARKUP_CASES, "size": SIZE_CASES, "sft": SFT_CASES}
 PARAMS = [pytest.param(case, id=f"{kind}:{case.id}", marks=case.marks) for kind, cases in ALL.items()
           for case in cases]
@@ -779,7 +821,12 @@ def test_the_refused_format_characters_are_unicodes_category_cf():
     ("run_dir: {run}", "run_dir: {run}-\u00e9t\u00e9"),
     ("  path: /models/m", "  path: ${oc.env:HOME}/models/m"),
     ("  nodes: 1\norch", "  nodes: 1\n  env: {PRL_DEVICE: cpu, SLURM: x, MY_SLURM_ID: '1'}\norch"),
-], ids=["non-ascii-model-path", "non-ascii-run-dir", "home-reference", "env-near-reserved-names"])
+    ("  max_steps: 10", "  max_steps: 10\n  seed: 0"),
+    ("  nodes: 1\norch", "  nodes: 1\n  env: {UMASK: '0022'}\norch"),
+    ('time: "01:00:00"', 'time: "01:00:00"\n  extra_directives: ["--mail-type=END", "--exclude=n[1-2]"]'),
+    ("  tp: 2", '  tp: 2\n  extra_args: ["--enforce-eager", "--seed", "1"]'),
+], ids=["non-ascii-model-path", "non-ascii-run-dir", "home-reference", "env-near-reserved-names", "zero",
+        "quoted-octal", "directives-the-plan-leaves", "extra-args-the-plan-leaves"])
 def test_downstream_characters_that_mean_nothing_still_plan(sandbox: Path, capsys, old: str, new: str):
     """The downstream refusals are narrow: letters in paths, `${oc.env:HOME}` and names beside the reserved ones plan."""
     (sandbox / "prof.yaml").write_text(PROFILE)

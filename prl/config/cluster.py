@@ -71,8 +71,15 @@ def token_characters(value: str) -> str:
     return control_characters(value) or ascii_characters(value)
 
 
+def option_like(value: str) -> str:
+    return (f"{shown(value)} starts with '-': the command it is passed to would read it as an option "
+            f"(write ./{value} for a relative path)")
+
+
 def ascii_characters(value: str) -> str:
     """Names and ids are ASCII: a look-alike letter (Cyrillic 'а' for Latin 'a') would name another thing."""
+    if value.startswith("-"):
+        return option_like(value)
     found = next((c for c in value if not c.isascii()), "")
     return (f"must be ASCII: {found!r} (U+{ord(found):04X}) in {shown(value)} may look like an ASCII letter but "
             f"names something else") if found else control_characters(value)
@@ -113,6 +120,8 @@ def path_characters(value: str) -> str:
     if len(long) > MAX_PATH_PART:
         return (f"has a path component of {len(long)} characters ({shown(long, 40)}); "
                 f"filesystems allow at most {MAX_PATH_PART}")
+    if value.startswith("-"):
+        return option_like(value)
     if value.startswith("~") or "$" in value:
         return (f"{shown(value)}: prl does not expand '~' or '$VARIABLES' in paths (the nodes would get them "
                 f"literally); write an absolute path, or `${{oc.env:HOME}}/...` (resolved when planned)")
@@ -120,9 +129,9 @@ def path_characters(value: str) -> str:
 
 
 PathText = Annotated[str, Meta(min_length=1, max_length=MAX_TEXT),
-                     explained(rf"\A(?!~)(?!.*?[^/]{{{MAX_PATH_PART + 1}}})[^${_CONTROLS}]*\Z", path_characters)]
+                     explained(rf"\A(?![~-])(?!.*?[^/]{{{MAX_PATH_PART + 1}}})[^${_CONTROLS}]*\Z", path_characters)]
 """A file or directory path (or a name that may be one): printable, no component over 255 characters, no '~' or
-'$' (never expanded: write the absolute path or `${oc.env:HOME}`). Non-ASCII letters are fine in paths."""
+'$' (never expanded: write the absolute path or `${oc.env:HOME}`), no leading '-' (an option to the command). Non-ASCII letters are fine in paths."""
 
 Token = Annotated[str, Meta(min_length=1, max_length=256),
                   explained(rf"\A[^{_TOKEN_CHARS}\x00-\x20\x7f-\U0010ffff]+\Z", token_characters)]
@@ -134,8 +143,9 @@ PathToken = Annotated[str, Meta(min_length=1, max_length=MAX_TEXT),
 """A path that lands in an srun option (a container mount or workdir): no spaces, quotes, '$', ';' or
 backslashes; non-ASCII letters are fine."""
 
-Ident = Annotated[str, Meta(min_length=1, max_length=MAX_TEXT), explained(r"\A[\x20-\x7e]+\Z", ascii_characters)]
-"""An id or name given to another system (an environment module, a W&B project): printable ASCII."""
+Ident = Annotated[str, Meta(min_length=1, max_length=MAX_TEXT), explained(r"\A(?!-)[\x20-\x7e]+\Z", ascii_characters)]
+"""An id or name given to another system (an environment module, a W&B project): printable ASCII, not starting
+with '-' (a command would read it as an option)."""
 
 Name = Annotated[str, Meta(max_length=128), explained(NAME, name_characters)]
 """Letters, digits, '.', '_', '-', starting with a letter or digit."""
@@ -246,7 +256,8 @@ class ClusterProfile(Strict, kw_only=True):
     exclusive: bool = True
     """Ask for whole nodes (`--exclusive`)."""
     segment: Optional[Annotated[int, Meta(ge=1, le=MAX_NODES)]] = None
-    """`--segment` size for block/topology-aware placement (Slurm 23.11+)."""
+    """`--segment` size for block/topology-aware placement (Slurm 23.11+): given to each allocation whose node count
+    it divides; one larger than it that it does not divide is refused, a smaller one fits in one block."""
     constraint: Optional[Token] = None
     """`--constraint` feature expression."""
     container: Optional[Container] = None

@@ -61,6 +61,7 @@ _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _CORE = "tag:yaml.org,2002:"
 _ALLOWED_TAGS = {None, _CORE + "str", _CORE + "map", _CORE + "seq"}
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x84\x86-\x9f]")
+_OCTAL = re.compile(r"\A[-+]?0[0-7_]+\Z")
 _KEY_PART = re.compile(r"^[A-Za-z0-9_-]+$")
 _PLAIN_PART = re.compile(r"^[\w.-]{1,64}$")
 _READ_NAME = re.compile(r"oc\.env\s*:\s*['\"]?([A-Za-z_][A-Za-z0-9_]*)")
@@ -214,6 +215,17 @@ def _is_base60(node: yaml.ScalarNode) -> bool:
     return not node.style and ":" in node.value and node.tag in (_CORE + "int", _CORE + "float")
 
 
+def _is_octal(node: yaml.ScalarNode) -> bool:
+    # YAML 1.1 reads plain 0100 as 64 (YAML 1.2 and every reader of the number, 100).
+    return not node.style and node.tag == _CORE + "int" and bool(_OCTAL.match(node.value))
+
+
+def _as_decimal(text: str) -> str:
+    """`0100` as the decimal its writer meant: `100` (`-0100`: `-100`)."""
+    sign = text[0] if text[0] in "+-" else ""
+    return sign + (text.lstrip("+-").lstrip("0_") or "0")
+
+
 def _check_tag(node: yaml.Node, field: FieldPath, tags: dict[tuple[int, int], str]) -> None:
     tag = tags.get((node.start_mark.line, node.start_mark.column))
     if tag:
@@ -250,6 +262,10 @@ def _line_map(node: yaml.Node, prefix: FieldPath, out: dict[FieldPath, int], tag
     elif isinstance(node, yaml.ScalarNode) and _is_base60(node):
         raise _YamlProblem(node.start_mark.line + 1, f"YAML 1.1 reads {node.value} as a base-60 number; "
                                                       f"quote it: \"{node.value}\"", prefix)
+    elif isinstance(node, yaml.ScalarNode) and _is_octal(node):
+        raise _YamlProblem(node.start_mark.line + 1, f"YAML 1.1 reads {node.value} as the octal number "
+                                                      f"{int(node.value.replace('_', ''), 8)}; write "
+                                                      f"{_as_decimal(node.value)} or '{node.value}'", prefix)
     elif isinstance(node, yaml.ScalarNode) and node.tag == _CORE + "value":
         raise _YamlProblem(node.start_mark.line + 1, "a lone '=' is a YAML 1.1 value key; quote it: \"=\"", prefix)
 

@@ -106,6 +106,28 @@ RULES = """\
   and prl's own `PRL_RUN_DIR`, `PRL_ROLE`, `PRL_ATTEMPT`, `PRL_ATTEMPT_BASE`, `PRL_MODE`, `PRL_RESTART`,
   `PRL_TASK`, `PRL_TASKS`, `PRL_NODE`, `PRL_INFERENCE_API_KEY`: one of the two values would silently lose.
   prl's knobs (`PRL_DEVICE`, `PRL_LOG_LEVEL`, ...) may be set.
+- **A leading `-` in paths and ids** (`model.path`, `environment.id`, `wandb.project`, ...): the command they are
+  passed to would read `--trust-remote-code` or `--help` as an option. Write `./-x` for such a relative path.
+
+## What contradicts, and is refused rather than ignored
+
+- **YAML 1.1 octal numbers**: a plain `0100` reads as 64. Write `100`, or `'0100'` for the text.
+- **`extra_args` naming an option the plan sets** (`--model`, `--served-model-name`, `--tensor-parallel-size`,
+  `--port`, the data-parallel and KV options, ...) and **`extra_directives` naming an option the plan renders**
+  (`--mem`, `--gres`, `--account`, ... when it renders them) or one that changes the job's layout, logs or
+  environment (`--output`, `--error`, `--array`, `--nodes`, `--ntasks*`, `--cpus-per-task`, `--partition`,
+  `--time`, `--job-name`, `--chdir`, `--export`, ...): one of the two would silently win. Set the field instead.
+- **Disaggregated-only fields beside unified inference** (`inference.router`, `inference.kv_connector`) and
+  unified-only fields beside prefill + decode.
+- **`kv_offload.disk_gb` without `disk_path`**: the disk tier would be dropped.
+- **A shared orchestrator's `cpus` over a node's**, as an own node's.
+- **A profile's `segment` that does not divide an allocation larger than it**: Slurm refuses the job. An
+  allocation smaller than a segment fits in one block and is asked for without `--segment`.
+
+## Size bounds
+
+A plan holds at most 100000 inference servers (srun tasks) and 262144 GPUs, and a command line at most 1000
+overrides: every count may be legal while their product is millions of records.
 """
 
 

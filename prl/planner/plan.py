@@ -67,6 +67,19 @@ KV_OFFLOAD_MEMORY_FRACTION = 0.8
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 _UNSAFE_PATH = set(" \t\n\r'\"`$;\\")
+PLANNED_SERVER_OPTIONS = frozenset({
+    "--model", "--served-model-name", "--dtype", "--max-model-len", "--tensor-parallel-size", "-tp", "--tokenizer",
+    "--port", "--host", "--api-key", "--data-parallel-size", "-dp", "--data-parallel-rpc-port",
+    "--data-parallel-size-local", "-dpl", "--data-parallel-start-rank", "-dpr", "--data-parallel-address", "-dpa",
+    "--headless", "--enable-expert-parallel", "--gpu-memory-utilization", "--kv-transfer-config",
+    "--kv-offloading-backend", "--kv-offloading-size"})
+"""`vllm serve` options the plan (or the role runner) sets: an `extra_args` item naming one would contradict it."""
+LAYOUT_DIRECTIVES = frozenset({
+    "--job-name", "--output", "--error", "--open-mode", "--signal", "--requeue", "--no-requeue", "--time",
+    "--partition", "--nodes", "--ntasks", "--ntasks-per-node", "--cpus-per-task", "--array", "--het-group",
+    "--chdir", "--wrap", "--export"})
+"""`#SBATCH` options that would change the job's layout, logs or environment: refused in `extra_directives`
+always, besides any other option the plan renders (`--gres`, `--exclusive`, `--account`, ... when it does)."""
 
 
 class Checker:
@@ -203,6 +216,15 @@ def inference_layout(check: Checker, role: str, field: tuple[str, ...], group: I
     return per_replica, nodes_per_replica, 1
 
 
+def check_extra_args(check: Checker, field: tuple[str, ...], group: InferenceGroup) -> None:
+    """An `extra_args` item may not name an option the plan sets: vLLM would take the last of the two."""
+    for index, item in enumerate(group.extra_args):
+        if item.partition("=")[0] in PLANNED_SERVER_OPTIONS:
+            raise check.fail(field + ("extra_args", index), (
+                f"{item.partition('=')[0]} is set by the plan from the topology (model, tp, dp, ports, ...); "
+                f"change that field instead of passing it in extra_args"))
+
+
 def server_args(topo: Topology, group: InferenceGroup, port: Optional[int], dp_local: int, dp_start: int,
                 nodes_per_replica: int, rpc_port: Optional[int], kv_role: Optional[str],
                 run_dir: str) -> tuple[str, ...]:
@@ -281,6 +303,7 @@ def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: 
         task = 0
         field = ("inference", role) if disagg else ("inference",)
         per_replica, nodes_per_replica, per_node = inference_layout(check, role, field, group, gpn)
+        check_extra_args(check, field, group)
         cpus = max(1, cluster.gpu_node.cpus // per_node)
         g = layout.add_group(cluster, role, cluster.partitions.inference, group.nodes, per_node, cpus, gpn)
         kv_role = KV_ROLES.get(role) if disagg else None
@@ -367,6 +390,10 @@ def place_orchestrator(check: Checker, topo: Topology, layout: Layout, common_en
         # The trainer's group comes right after the inference groups when the orchestrator has none.
         group = len(layout.groups) if orch.placement == "trainer" else 0
         cpus = orch.cpus or SHARED_ORCHESTRATOR_CPUS
+        if cpus > cluster.gpu_node.cpus:
+            raise check.fail(("orchestrator", "cpus"), (
+                f"orchestrator asks for {cpus} CPUs on a {orch.placement} node, which has {cluster.gpu_node.cpus} "
+                f"on cluster '{cluster.name}'"))
     layout.steps.append(Step(name="orchestrator", group=group, nodes=1, ntasks_per_node=1, cpus_per_task=cpus,
                              gpus_per_node=0, overlap=orch.placement != "own", start_after=after,
                              health="heartbeat", script="scripts/orchestrator.sh", env=env))
@@ -517,6 +544,31 @@ def job_directives(check: Checker, topo: Topology, run_dir: str) -> tuple[list[s
     return batch, common + list(topo.slurm.extra_directives)
 
 
+def check_extra_directives(check: Checker, topo: Topology, rendered: list[str]) -> None:
+    """An `extra_directives` item may not name an option the plan renders (`rendered`) or one that changes the
+    job's layout: Slurm would take one of the two, and the plan would no longer describe the job."""
+    planned = LAYOUT_DIRECTIVES | {item.partition("=")[0] for item in rendered}
+    for index, item in enumerate(topo.slurm.extra_directives):
+        if item.partition("=")[0] in planned:
+            raise check.fail(("slurm", "extra_directives", index), (
+                f"{item.partition('=')[0]} is set by the plan (from the topology and the cluster profile); set it "
+                f"there instead of in extra_directives"))
+
+
+def check_segment(check: Checker, groups: list[Group]) -> None:
+    """Slurm refuses a `--segment` that does not divide the node count it is given with (each het component, or
+    the one allocation): an allocation larger than a segment must be a multiple of it. A smaller one fits in one
+    block and is asked for without `--segment`."""
+    segment = check.cluster.segment
+    for g in groups if segment else ():
+        nodes = next((int(d.partition("=")[2]) for d in g.directives if d.startswith("--nodes=")), None)
+        if nodes is not None and nodes > segment and nodes % segment:
+            raise check.fail_cluster(("segment",), (
+                f"segment({segment}) must divide the node count of an allocation larger than it, but {g.name} "
+                f"asks for {nodes} nodes; use {nodes // segment * segment} or {(nodes // segment + 1) * segment} "
+                f"nodes, or a segment that divides {nodes}"))
+
+
 def finish_groups(check: Checker, layout: Layout, common: list[str], orchestrator: Optional[OrchestratorPlan],
                   hetjob: bool) -> list[Group]:
     """Hetjob: every component gets the common options. Otherwise one allocation of whole nodes of one kind."""
@@ -588,9 +640,12 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
     check_ports(check, topo, servers, router_port, trainer)
     check_shared_root(check, run_dir)
     batch, common = job_directives(check, topo, run_dir)
+    check_extra_directives(check, topo, batch + common[:len(common) - len(topo.slurm.extra_directives)]
+                           + [d for g in layout.groups for d in g.directives])
     # One group (an SFT job) is a plain job: srun refuses --het-group outside a heterogeneous one.
     hetjob = cluster.hetjob and len(layout.groups) > 1
     groups = finish_groups(check, layout, common, orchestrator, hetjob)
+    check_segment(check, groups)
     return Plan(
         name=topo.name, job_name=topo.slurm.job_name or topo.name, cluster=cluster.name, slurm=cluster.slurm,
         hetjob=hetjob, run_dir=run_dir, python=cluster.python,
@@ -678,7 +733,8 @@ def group_directives(cluster: ClusterProfile, partition: Optional[str], nodes: i
         out += ["--exclusive", "--mem=0"]
     if cluster.constraint:
         out.append(f"--constraint={cluster.constraint}")
-    if cluster.segment:
+    if cluster.segment and nodes % cluster.segment == 0:
+        # Slurm refuses a segment that does not divide the node count; fewer nodes fit in one block anyway.
         out.append(f"--segment={cluster.segment}")
     return tuple(out)
 
