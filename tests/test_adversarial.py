@@ -835,6 +835,36 @@ def test_downstream_characters_that_mean_nothing_still_plan(sandbox: Path, capsy
     assert code == 0, err
 
 
+@pytest.mark.timeout(10)
+def test_public_environment_reads_plan_in_the_cluster_fields(sandbox: Path, capsys, monkeypatch: pytest.MonkeyPatch):
+    """`${oc.env:SCRATCH}` (a public variable: where you are, no secret) works in `cluster:` and in the profile's
+    fields as it does in `run_dir`."""
+    monkeypatch.setenv("SCRATCH", str(sandbox))
+    (sandbox / "prof.yaml").write_text(PROFILE.replace("shared_root: /shared", "shared_root: ${oc.env:SCRATCH}"))
+    text = BASE.replace("cluster: ./prof.yaml", "cluster: ${oc.env:SCRATCH}/prof.yaml")
+    (sandbox / "topo.yaml").write_text(text.replace("run_dir: {run}\n", ""))
+    code, out, err = plan_in_process([str(sandbox / "topo.yaml")], capsys)
+    assert code == 0, err
+    assert (sandbox / "prl-runs" / "adv" / "plan.json").is_file()
+
+
+@pytest.mark.timeout(10)
+def test_non_ascii_env_defaults_reach_the_node_quoted(sandbox: Path, capsys):
+    """An `env:` default of any letters is written in OmegaConf's single quotes and reaches the step script (and an
+    evaluation's role env) without them; unquoted, OmegaConf's refusal says to quote it."""
+    from prl.orchestrator.sweep import role_env
+
+    (sandbox / "prof.yaml").write_text(PROFILE)
+    env = "  nodes: 1\n  env: {A: \"${oc.env:PRL_ADVERSARIAL_UNSET,'café au lait'}\"}\norch"
+    (sandbox / "topo.yaml").write_text(BASE.replace("  nodes: 1\norch", env).replace("{run}", str(sandbox / "run")))
+    code, out, err = plan_in_process([str(sandbox / "topo.yaml")], capsys)
+    assert code == 0, err
+    assert 'export A="${PRL_ADVERSARIAL_UNSET-café au lait}"' in (sandbox / "run/scripts/trainer.sh").read_text()
+    assert role_env((("A", "${oc.env:PRL_ADVERSARIAL_UNSET,'café au lait'}"),), {}) == {"A": "café au lait"}
+    code, out, err = plan_in_process([str(sandbox / "topo.yaml"), "trainer.env.A=${oc.env:NOPE,café}"], capsys)
+    assert code == 2 and "in single quotes" in err, err
+
+
 @pytest.mark.timeout(30)
 def test_a_thousand_overrides_merge_in_one_pass(sandbox: Path, capsys, monkeypatch: pytest.MonkeyPatch):
     """Legal overrides are merged at once (one by one, a thousand took over 10 s); the one-by-one merge that names

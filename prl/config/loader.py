@@ -52,9 +52,17 @@ MAX_REFERENCE_HOPS = 16
 PUBLIC_ENV = frozenset({"USER", "LOGNAME", "HOME", "PWD", "TMPDIR", "SCRATCH", "WORK"})
 """Variables `${oc.env:...}` may resolve in any field at plan time: who and where you are, not secrets.
 Any other variable may only feed a role's `env:` map, where it stays a reference resolved on the node."""
-ENV_REFERENCE = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)(?:,([\w./:@+-]*))?\}")
-"""`${oc.env:NAME}` or `${oc.env:NAME,default}`: the forms an `env:` value keeps as a reference (see
-`prl.planner.render`, which turns them into shell expansions on the node)."""
+ENV_REFERENCE = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)(?:,([\w./:@+-]*|'[^'\"`$\\{}]*'))?\}")
+"""`${oc.env:NAME}`, `${oc.env:NAME,default}` or `${oc.env:NAME,'any default'}`: the forms an `env:` value keeps
+as a reference (see `prl.planner.render`, which turns them into shell expansions on the node). OmegaConf reads
+only ASCII letters unquoted: a default with other letters or spaces is quoted; no quote, '$', backtick,
+backslash or brace in it (the shell would read them inside the expansion)."""
+
+def reference_default(ref: re.Match) -> str | None:
+    """The default of an ENV_REFERENCE match as the value it stands for (OmegaConf's single quotes dropped)."""
+    default = ref.group(2)
+    return default[1:-1] if default and default.startswith("'") else default
+
 
 # Libyaml when present: a 1 MiB hostile file parses in milliseconds rather than seconds.
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -349,6 +357,9 @@ def _omegaconf_error(exc: Exception, source: Source, blame: FieldPath = ()) -> C
     key = getattr(exc, "full_key", None) or ""
     field = blame or tuple(int(p) if p.isdigit() else p for p in re.split(r"[.\[\]]+", str(key)) if p)
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if reason.startswith("token recognition error"):  # OmegaConf reads only ASCII letters outside quotes
+        reason += "; inside `${...}` put text other than ASCII letters, digits and ./:@+- in single quotes: " \
+                  "`${oc.env:NAME,'café'}`"
     return source.error(field, reason)
 
 
@@ -476,7 +487,8 @@ def _keep_env_references(raw: dict[str, Any], source: Source) -> None:
             continue
         if ENV_REFERENCE.sub("", text).count("${oc.env:"):
             raise source.error(path, "write environment references as `${oc.env:NAME}` or `${oc.env:NAME,default}` "
-                                     "(a default of letters, digits and ./:@+- only)")
+                                     "(a default of letters, digits and ./:@+- only, or in single quotes without "
+                                     "quotes, '$', backticks, backslashes or braces)")
         if _is_env_map(path):
             if "${" in ENV_REFERENCE.sub("", text):  # another resolver could expand the kept reference
                 raise source.error(path, "an `env:` value that reads `${oc.env:...}` cannot use other interpolation")

@@ -124,6 +124,15 @@ RULES = """\
 - **A profile's `segment` that does not divide an allocation larger than it**: Slurm refuses the job. An
   allocation smaller than a segment fits in one block and is asked for without `--segment`.
 
+## Environment references
+
+An `env:` value may read the node's environment: `${oc.env:NAME}` (refused when unset at plan time),
+`${oc.env:NAME,default}` with a default of ASCII letters, digits and `./:@+-`, or `${oc.env:NAME,'any text'}`
+for other letters or spaces (OmegaConf reads only those unquoted). A quoted default holds no quote, `$`,
+backtick, backslash or brace: the shell would read them inside the expansion. Other fields may read only
+`USER`, `LOGNAME`, `HOME`, `PWD`, `TMPDIR`, `SCRATCH` and `WORK` (resolved at plan time), in topologies and
+cluster profiles alike.
+
 ## Size bounds
 
 A plan holds at most 100000 inference servers (srun tasks) and 262144 GPUs, and a command line at most 1000

@@ -289,6 +289,20 @@ def offload_connector(topo: Topology) -> dict[str, Any]:
     return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"}
 
 
+def side_channel_base(check: Checker, topo: Topology) -> int:
+    """First NIXL side-channel port: the cluster's port base + 300, or just past a router port the user chose
+    inside the side channels' range (the planner picks around the user's port, rather than blame it)."""
+    cluster = check.cluster
+    base = cluster.port_base + NIXL_SIDE_CHANNEL_PORT_OFFSET
+    chosen = topo.inference.router.port
+    gpn = cluster.gpu_node.gpus
+    # Data-parallel ranks on one node (on one host, all of them): each listens on base + its index.
+    ranks = [max(1, gpn // g.tp) if gpn else g.dp for g in topo.inference.groups().values()]
+    nodes = [g.nodes for g in topo.inference.groups().values()]
+    span = sum(n * r for n, r in zip(nodes, ranks)) if shared_host(cluster) else max(ranks)
+    return chosen + 1 if chosen is not None and base <= chosen < base + span else base
+
+
 def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: dict[str, str], run_dir: str
                     ) -> tuple[list[InferenceRole], list[Server]]:
     """One het group per inference role, one server per replica and node, ports per node."""
@@ -299,6 +313,7 @@ def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: 
     disagg = topo.inference.disaggregated
     nixl = disagg and topo.inference.kv_connector.name == "NixlConnector"
     side_ranks = 0  # data-parallel ranks given a side channel so far (job-wide ports: every node is one host)
+    side_base = side_channel_base(check, topo) if nixl else 0
     for role, group in topo.inference.groups().items():
         task = 0
         field = ("inference", role) if disagg else ("inference",)
@@ -312,8 +327,7 @@ def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: 
         for replica in range(replicas):
             first_node, slot = replica // per_node * nodes_per_replica, replica % per_node
             # vLLM adds each data-parallel rank's index to the side-channel port: replicas are dp ports apart.
-            side = (cluster.port_base + NIXL_SIDE_CHANNEL_PORT_OFFSET
-                    + (side_ranks if shared_host(cluster) else slot * group.dp)) if nixl else None
+            side = side_base + (side_ranks if shared_host(cluster) else slot * group.dp) if nixl else None
             side_ranks += group.dp if nixl else 0
             for k in range(nodes_per_replica):
                 head = k == 0
