@@ -681,6 +681,7 @@ def directive(id: str, item: str, **kw: Any) -> Case:
                 "slurm.extra_directives[0]", at=1, **kw)
 
 
+CPU_ONLY = PROFILE.replace("gpus: 8\n  cpus: 64", "gpus: 0\n  cpus: 4")
 SEGMENTED = PROFILE.replace("max_nodes: 16", "max_nodes: 16\nsegment: 4")
 CONTRADICTION_CASES = [
     # Values that contradict what the plan sets or what another field says, which would otherwise be ignored.
@@ -712,6 +713,10 @@ CONTRADICTION_CASES = [
     edit("octal-in-env", "  nodes: 1\norch", "  nodes: 1\n  env: {UMASK: 0022}\norch", "trainer.env.UMASK", at=1,
          says="write 22 or '0022'"),
     over("override-octal", "training.max_steps=010", field="training.max_steps", says="octal"),
+    edit("cpu-trainer-ranks-over-cpus", "  nodes: 1\norch", "  nodes: 1\n  gpus_per_node: 8\norch",
+         "trainer.gpus_per_node", at=1, profile=CPU_ONLY, says="over-commit its 4 CPUs"),
+    edit("cpu-inference-workers-over-cpus", "  tp: 2", "  tp: 2\n  dp: 4", "inference.tp", profile=CPU_ONLY,
+         says="tp(2) * dp(4) = 8 CPU workers per server over-commit the 4 CPUs"),
     edit("disk-gb-without-disk-path", "  tp: 2", "  tp: 2\n  kv_offload: {backend: lmcache, cpu_gb: 8, disk_gb: 100}",
          "inference.kv_offload.disk_gb", at=1, says="needs disk_path"),
 ]

@@ -120,7 +120,8 @@ RULES = """\
 - **Disaggregated-only fields beside unified inference** (`inference.router`, `inference.kv_connector`) and
   unified-only fields beside prefill + decode.
 - **`kv_offload.disk_gb` without `disk_path`**: the disk tier would be dropped.
-- **A shared orchestrator's `cpus` over a node's**, as an own node's.
+- **A shared orchestrator's `cpus` over a node's**, as an own node's; on a CPU profile (`gpu_node.gpus: 0`),
+  **trainer ranks per node (`gpus_per_node`) or an inference server's tp * dp workers over the node's `cpus`**.
 - **A profile's `segment` that does not divide an allocation larger than it**: Slurm refuses the job. An
   allocation smaller than a segment fits in one block and is asked for without `--segment`.
 

@@ -187,6 +187,11 @@ def inference_layout(check: Checker, role: str, field: tuple[str, ...], group: I
     cluster = check.cluster
     if gpus_per_node == 0:
         # CPU cluster: one server per node (vLLM's CPU backend), tp/dp are engine threads.
+        workers, cpus = group.tp * group.dp, cluster.gpu_node.cpus
+        if workers > cpus:
+            raise check.fail(field + ("tp",), (
+                f"{role} tp({group.tp}) * dp({group.dp}) = {workers} CPU workers per server over-commit the {cpus} "
+                f"CPUs of a node on CPU cluster '{cluster.name}'; use tp * dp <= {cpus}"))
         if group.tp > 1:
             check.warnings.append(f"{role}: tp({group.tp}) on a CPU cluster runs {group.tp} CPU workers per server")
         return 0, 1, 1
@@ -426,6 +431,11 @@ def trainer_mesh(check: Checker, topo: Topology) -> tuple[int, int, Mesh]:
     if gpn and procs > gpn:
         raise check.fail(("trainer", "gpus_per_node"), (
             f"trainer.gpus_per_node({procs}) is more than the {gpn} GPUs of a node on cluster '{check.cluster.name}'"))
+    cpus = check.cluster.gpu_node.cpus
+    if not gpn and procs > cpus:
+        raise check.fail(("trainer", "gpus_per_node"), (
+            f"trainer.gpus_per_node({procs}) ranks per node on CPU cluster '{check.cluster.name}' over-commit its "
+            f"{cpus} CPUs; use gpus_per_node <= {cpus}"))
     world = tr.nodes * procs
     where = f"{tr.nodes} nodes x {procs} {'GPUs' if gpn else 'ranks'} on cluster '{check.cluster.name}'"
     try:
