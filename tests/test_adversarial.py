@@ -525,7 +525,17 @@ def _profile_directory(directory: Path) -> Path:
 
 ROOT = os.geteuid() == 0 if hasattr(os, "geteuid") else False
 
+HUGE_NODES = PROFILE.replace("gpus: 8", "gpus: 1024").replace("max_nodes: 16", "max_nodes: 100000")
 SIZE_CASES = [
+    # Legal counts whose product is millions of records: bounded before anything is expanded.
+    edit("derived-servers-over-bound", "  nodes: 1\n  tp: 2", "  nodes: 98\n  tp: 1", "inference.nodes",
+         profile=HUGE_NODES, says="nodes(98) x 1024 servers per node (1024 GPUs / tp(1) * dp(1)) = 100352 servers"),
+    edit("derived-pd-servers-over-bound", "  nodes: 1\n  tp: 2", "  prefill: {nodes: 40}\n  decode: {nodes: 60}",
+         "inference.decode.nodes", at=1, profile=HUGE_NODES, says="(102400 in all)"),
+    edit("derived-gpus-over-bound", "  nodes: 1\n  tp: 2", "  nodes: 300\n  tp: 1024", "inference.nodes",
+         profile=HUGE_NODES, says="inference nodes(300) x 1024 + trainer nodes(1) x 1024 = 308224 GPUs"),
+    over("overrides-over-bound", *[f"trainer.env.V{i}=x" for i in range(1001)], blame="trainer.env.V1000=x",
+         says="more than 1000 overrides (1001)"),
     append("over-1mib", "#" * (1 << 20) + "\n", line=False, says="1 MiB"),
     edit("list-of-1e5", '  tp: 2', "  tp: 2\n  extra_args: [" + ", ".join(["a"] * 100_000) + "]", line=ANY,
          says="more than 10000 values"),
@@ -624,7 +634,95 @@ EXTERNAL_CASES = [
 ]
 
 
-ALL = {"external": EXTERNAL_CASES, "yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
+CONTAINER = PROFILE + "container: {image: img}\n"
+DOWNSTREAM_CASES = [
+    # Characters that mean something to what reads the value next: Slurm's output patterns, pyxis's mount list,
+    # the variables prl sets, a shell's '~' and '$', invisible Unicode, look-alike letters.
+    edit("run-dir-percent-pattern", "run_dir: {run}", "run_dir: {run}-%j", "run_dir", says="Slurm reads %j"),
+    edit("run-dir-percent-from-shared-root", "run_dir: {run}\n", "", "run_dir", line=False,
+         profile=PROFILE.replace("/shared", "/shared/%x"), says="must not contain '%'"),
+    edit("run-dir-comma-in-container", "run_dir: {run}", "run_dir: {run},/etc", "run_dir", profile=CONTAINER,
+         says="another mount"),
+    edit("run-dir-colon-in-container", "run_dir: {run}", "run_dir: {run}:ro", "run_dir", profile=CONTAINER,
+         says="must not contain ':'"),
+    prof("container-mount-adds-a-mount", "max_nodes: 16",
+         'max_nodes: 16\ncontainer: {image: img, mounts: ["/data:/data,/etc:/host-etc"]}', "container.mounts", at=1,
+         says="one SRC:DST[:FLAGS] mount"),
+    edit("env-sets-prl-variable", "  nodes: 1\norch", "  nodes: 1\n  env: {PRL_RUN_DIR: /elsewhere}\norch",
+         "trainer.env", at=1, says="set by prl"),
+    edit("env-sets-role", "  tp: 2", "  tp: 2\n  env: {PRL_ROLE: trainer}", "inference.env", at=1, says="set by prl"),
+    edit("env-sets-slurm-variable", "placement: own", "placement: own\n  env: {SLURM_PROCID: '0'}",
+         "orchestrator.env", at=1, says="set by Slurm"),
+    prof("profile-env-sets-gpus", "max_nodes: 16", "max_nodes: 16\nenv: {CUDA_VISIBLE_DEVICES: '0'}", "env", at=1,
+         says="set by prl"),
+    prof("network-env-sets-slurm", "max_nodes: 16", "max_nodes: 16\nnetwork: {env: {SLURM_JOB_ID: '1'}}",
+         "network.env", at=1, says="set by Slurm"),
+    edit("path-tilde", "  path: /models/m", "  path: ~/models/m", "model.path", says="does not expand '~'"),
+    edit("path-home-variable", "  path: /models/m", "  path: $HOME/models/m", "model.path", says="${oc.env:HOME}"),
+    edit("run-dir-tilde", "run_dir: {run}", "run_dir: ~/runs/adv", "run_dir", says="does not expand"),
+    edit("cluster-tilde", "cluster: ./prof.yaml", "cluster: ~/prof.yaml", "cluster", says="does not expand"),
+    edit("path-zero-width-space", "  path: /models/m", '  path: "/models/m\u200b"', "model.path", says="U+200B"),
+    edit("env-value-bidi-isolate", "  nodes: 1\norch", '  nodes: 1\n  env: {A: "x\u2066y"}\norch',
+         "trainer.env.A", at=1, says="U+2066"),
+    edit("id-tag-character", "  id: prl_reverse_text", '  id: "prl_reverse_text\U000E0041"', "environment.id",
+         says="U+E0041"),
+    edit("name-cyrillic-a", "name: adv", "name: \u0430dv", "name", says="letters, digits"),
+    edit("id-cyrillic-e", "  id: prl_reverse_text", "  id: prl_r\u0435verse_text", "environment.id",
+         says="must be ASCII"),
+    prof("partition-cyrillic-p", "trainer: gpu", "trainer: g\u0440u", "partitions.trainer", says="must be ASCII"),
+    prof("setup-zero-width-joiner", "max_nodes: 16", 'max_nodes: 16\nsetup: ["echo ok\u200d"]', "setup[0]", at=1,
+         says="U+200D"),
+]
+
+
+def directive(id: str, item: str, **kw: Any) -> Case:
+    """A case that adds one `slurm.extra_directives` item; the error is expected at it."""
+    return edit(id, 'time: "01:00:00"', f'time: "01:00:00"\n  extra_directives: ["{item}"]',
+                "slurm.extra_directives[0]", at=1, **kw)
+
+
+CPU_ONLY = PROFILE.replace("gpus: 8\n  cpus: 64", "gpus: 0\n  cpus: 4")
+SEGMENTED = PROFILE.replace("max_nodes: 16", "max_nodes: 16\nsegment: 4")
+CONTRADICTION_CASES = [
+    # Values that contradict what the plan sets or what another field says, which would otherwise be ignored.
+    edit("router-beside-unified", "  tp: 2", "  tp: 2\n  router: {port: 9000}", "inference.router", at=1,
+         says="field of disaggregated inference"),
+    edit("kv-connector-beside-unified", "  tp: 2", "  tp: 2\n  kv_connector: {name: NixlConnector}",
+         "inference.kv_connector", at=1, says="would be ignored beside unified nodes"),
+    edit("extra-arg-sets-tp", "  tp: 2", '  tp: 2\n  extra_args: ["--enforce-eager", "--tensor-parallel-size=4"]',
+         "inference.extra_args[1]", at=1, says="--tensor-parallel-size is set by the plan"),
+    edit("extra-arg-sets-port", "  nodes: 1\n  tp: 2", '  prefill: {nodes: 1}\n  decode: {nodes: 1, extra_args: '
+         '["--port", "9000"]}', "inference.decode.extra_args[0]", at=1, says="--port is set"),
+    edit("extra-arg-sets-served-name", "  tp: 2", '  tp: 2\n  extra_args: ["--served-model-name", "x"]',
+         "inference.extra_args[0]", at=1),
+    directive("directive-sets-output", "--output=/tmp/x", says="--output is set by the plan"),
+    directive("directive-sets-array", "--array=1-4"),
+    directive("directive-sets-nodes", "--nodes=4"),
+    directive("directive-sets-rendered-mem", "--mem=10G", says="--mem is set"),
+    edit("model-path-is-an-option", "  path: /models/m", "  path: --trust-remote-code", "model.path",
+         says="read it as an option"),
+    append("wandb-project-is-an-option", "wandb:\n  project: --help\n", "wandb.project", at=1,
+           says="read it as an option"),
+    edit("environment-id-is-an-option", "  id: prl_reverse_text", "  id: -h", "environment.id"),
+    edit("shared-orchestrator-over-node-cpus", "placement: own", "placement: trainer\n  cpus: 65",
+         "orchestrator.cpus", at=1, says="has 64"),
+    Case("segment-not-dividing", "{prof}:16", "segment", topo=BASE.replace("  nodes: 1\norch", "  nodes: 6\norch"),
+         profile=SEGMENTED, says="use 4 or 8 nodes"),
+    edit("octal-count", "  max_steps: 10", "  max_steps: 0100", "training.max_steps",
+         says="octal number 64; write 100 or '0100'"),
+    edit("octal-in-env", "  nodes: 1\norch", "  nodes: 1\n  env: {UMASK: 0022}\norch", "trainer.env.UMASK", at=1,
+         says="write 22 or '0022'"),
+    over("override-octal", "training.max_steps=010", field="training.max_steps", says="octal"),
+    edit("cpu-trainer-ranks-over-cpus", "  nodes: 1\norch", "  nodes: 1\n  gpus_per_node: 8\norch",
+         "trainer.gpus_per_node", at=1, profile=CPU_ONLY, says="over-commit its 4 CPUs"),
+    edit("cpu-inference-workers-over-cpus", "  tp: 2", "  tp: 2\n  dp: 4", "inference.tp", profile=CPU_ONLY,
+         says="tp(2) * dp(4) = 8 CPU workers per server over-commit the 4 CPUs"),
+    edit("disk-gb-without-disk-path", "  tp: 2", "  tp: 2\n  kv_offload: {backend: lmcache, cpu_gb: 8, disk_gb: 100}",
+         "inference.kv_offload.disk_gb", at=1, says="needs disk_path"),
+]
+
+
+ALL = {"downstream": DOWNSTREAM_CASES, "contradiction": CONTRADICTION_CASES, "external": EXTERNAL_CASES, "yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
        "markup": MARKUP_CASES, "size": SIZE_CASES, "sft": SFT_CASES}
 PARAMS = [pytest.param(case, id=f"{kind}:{case.id}", marks=case.marks) for kind, cases in ALL.items()
           for case in cases]
@@ -708,6 +806,89 @@ def test_the_base_topology_plans_and_writes(sandbox: Path, capsys):
     code, out, err = plan_in_process([str(path)], capsys)
     assert code == 0, err
     assert (sandbox / "run" / "plan.json").exists()
+
+
+def test_the_refused_format_characters_are_unicodes_category_cf():
+    """Every format character (Cf) the running Python knows is refused in text, and nothing else is by that list."""
+    import unicodedata
+
+    from prl.config.cluster import FORMAT_CHARACTERS
+
+    listed = re.compile(f"[{FORMAT_CHARACTERS}]")
+    format_characters = [chr(c) for c in range(0x110000) if unicodedata.category(chr(c)) == "Cf"]
+    assert [c for c in format_characters if not listed.match(c)] == []
+    assert all(unicodedata.category(chr(c)) in ("Cf", "Cn") for c in range(0x110000) if listed.match(chr(c)))
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("old, new", [
+    ("  path: /models/m", "  path: /models/caf\u00e9-\u6a21\u578b"),
+    ("run_dir: {run}", "run_dir: {run}-\u00e9t\u00e9"),
+    ("  path: /models/m", "  path: ${oc.env:HOME}/models/m"),
+    ("  nodes: 1\norch", "  nodes: 1\n  env: {PRL_DEVICE: cpu, SLURM: x, MY_SLURM_ID: '1'}\norch"),
+    ("  max_steps: 10", "  max_steps: 10\n  seed: 0"),
+    ("  nodes: 1\norch", "  nodes: 1\n  env: {UMASK: '0022'}\norch"),
+    ('time: "01:00:00"', 'time: "01:00:00"\n  extra_directives: ["--mail-type=END", "--exclude=n[1-2]"]'),
+    ("  tp: 2", '  tp: 2\n  extra_args: ["--enforce-eager", "--seed", "1"]'),
+], ids=["non-ascii-model-path", "non-ascii-run-dir", "home-reference", "env-near-reserved-names", "zero",
+        "quoted-octal", "directives-the-plan-leaves", "extra-args-the-plan-leaves"])
+def test_downstream_characters_that_mean_nothing_still_plan(sandbox: Path, capsys, old: str, new: str):
+    """The downstream refusals are narrow: letters in paths, `${oc.env:HOME}` and names beside the reserved ones plan."""
+    (sandbox / "prof.yaml").write_text(PROFILE)
+    (sandbox / "topo.yaml").write_text(BASE.replace(old, new).replace("{run}", str(sandbox / "run")))
+    code, out, err = plan_in_process([str(sandbox / "topo.yaml"), "--no-write"], capsys)
+    assert code == 0, err
+
+
+@pytest.mark.timeout(10)
+def test_public_environment_reads_plan_in_the_cluster_fields(sandbox: Path, capsys, monkeypatch: pytest.MonkeyPatch):
+    """`${oc.env:SCRATCH}` (a public variable: where you are, no secret) works in `cluster:` and in the profile's
+    fields as it does in `run_dir`."""
+    monkeypatch.setenv("SCRATCH", str(sandbox))
+    (sandbox / "prof.yaml").write_text(PROFILE.replace("shared_root: /shared", "shared_root: ${oc.env:SCRATCH}"))
+    text = BASE.replace("cluster: ./prof.yaml", "cluster: ${oc.env:SCRATCH}/prof.yaml")
+    (sandbox / "topo.yaml").write_text(text.replace("run_dir: {run}\n", ""))
+    code, out, err = plan_in_process([str(sandbox / "topo.yaml")], capsys)
+    assert code == 0, err
+    assert (sandbox / "prl-runs" / "adv" / "plan.json").is_file()
+
+
+@pytest.mark.timeout(10)
+def test_non_ascii_env_defaults_reach_the_node_quoted(sandbox: Path, capsys):
+    """An `env:` default of any letters is written in OmegaConf's single quotes and reaches the step script (and an
+    evaluation's role env) without them; unquoted, OmegaConf's refusal says to quote it."""
+    from prl.orchestrator.sweep import role_env
+
+    (sandbox / "prof.yaml").write_text(PROFILE)
+    env = "  nodes: 1\n  env: {A: \"${oc.env:PRL_ADVERSARIAL_UNSET,'café au lait'}\"}\norch"
+    (sandbox / "topo.yaml").write_text(BASE.replace("  nodes: 1\norch", env).replace("{run}", str(sandbox / "run")))
+    code, out, err = plan_in_process([str(sandbox / "topo.yaml")], capsys)
+    assert code == 0, err
+    assert 'export A="${PRL_ADVERSARIAL_UNSET-café au lait}"' in (sandbox / "run/scripts/trainer.sh").read_text()
+    assert role_env((("A", "${oc.env:PRL_ADVERSARIAL_UNSET,'café au lait'}"),), {}) == {"A": "café au lait"}
+    code, out, err = plan_in_process([str(sandbox / "topo.yaml"), "trainer.env.A=${oc.env:NOPE,café}"], capsys)
+    assert code == 2 and "in single quotes" in err, err
+
+
+@pytest.mark.timeout(30)
+def test_a_thousand_overrides_merge_in_one_pass(sandbox: Path, capsys, monkeypatch: pytest.MonkeyPatch):
+    """Legal overrides are merged at once (one by one, a thousand took over 10 s); the one-by-one merge that names
+    the culprit runs only when the merge fails."""
+    from omegaconf import OmegaConf
+
+    merges = []
+    merge = OmegaConf.merge
+    monkeypatch.setattr(OmegaConf, "merge", lambda *args: merges.append(1) or merge(*args))
+    (sandbox / "prof.yaml").write_text(PROFILE)
+    (sandbox / "topo.yaml").write_text(BASE.replace("{run}", str(sandbox / "run")))
+    overrides = [f"trainer.env.V{i}=x{i}" for i in range(1000)]
+    code, out, err = plan_in_process([str(sandbox / "topo.yaml"), "--no-write", *overrides], capsys)
+    assert code == 0, err
+    assert len(merges) == 1
+    merges.clear()
+    code, out, err = plan_in_process([str(sandbox / "topo.yaml"), "--no-write", *overrides[:500], "trainer=[1]",
+                                      *overrides[500:999]], capsys)
+    assert code == 2 and "override 'trainer=[1]' (trainer): cannot merge" in err, err
 
 
 MERGE_OK = BASE.replace("inference:\n  nodes: 1\n  tp: 2", "group: &g {nodes: 1, tp: 2}\ninference:\n  <<: *g")

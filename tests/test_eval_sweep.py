@@ -46,8 +46,9 @@ def test_pass_at_k_is_the_unbiased_estimate_over_finished_rollouts():
 
 
 def test_the_eval_array_asks_slurm_for_what_the_inference_nodes_got(tmp_path):
-    """Account, QoS, exclusive nodes, GPUs by gres, segment and the topology's extra directives come from the
-    inference group; the array's own shape (one node, one task, its time) replaces theirs; the container too."""
+    """Account, QoS, exclusive nodes, GPUs by gres and the topology's extra directives come from the inference
+    group; the array's own shape (one node, one task, its time) replaces theirs; the container too. The profile's
+    segment(8) is not given to a one-node group (Slurm refuses a segment that does not divide the nodes)."""
     from prl.ops.sweep import array_parameters
     from prl.planner.prepare import prepare
     from tests.plans import REPO
@@ -56,7 +57,7 @@ def test_the_eval_array_asks_slurm_for_what_the_inference_nodes_got(tmp_path):
                                                        "slurm.extra_directives=[--mail-type=END]"], cwd=REPO).plan
     params = array_parameters(plan, parallel=3, timeout_min=30)
     assert params["additional_parameters"] == {
-        "partition": "batch", "gres": "gpu:8", "exclusive": True, "mem": "0", "segment": "8",
+        "partition": "batch", "gres": "gpu:8", "exclusive": True, "mem": "0",
         "account": "llm-post-training", "qos": "high", "mail_type": "END"}
     assert (params["nodes"], params["ntasks_per_node"], params["time"], params["array_parallelism"]) == (1, 1, 30, 3)
     assert params["srun_args"] == ["--container-image=nvcr.io#nvidia/pytorch:25.09-py3",

@@ -161,10 +161,11 @@ def test_side_channel_ports_differ_job_wide_on_one_host():
             ("prefill", 8000, 8300), ("decode", 8001, 8302)], cluster
 
 
-def test_check_ports_refuses_a_router_on_a_side_channel():
-    with pytest.raises(PlanError, match=r"topo.yaml \(inference.router.port\): port 8300 is used twice on one node: "
-                                        r"by prefill server 0's NIXL side channel and by the router"):
-        plan(topo_pd(port=8300))
+def test_a_router_port_on_the_side_channels_moves_them():
+    """The user's router port where the planner would put its side channels is the user's: they move past it."""
+    p = plan(topo_pd(port=8300))
+    sides = {port for s in p.servers for port in p.side_channel_ports(s)}
+    assert p.router_port == 8300 and 8300 not in sides and min(sides) == 8301
 
 
 def test_example_connector_stores_kv_in_the_run_directory_and_needs_no_side_channel():
@@ -305,8 +306,8 @@ MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_attentio
 
 @pytest.mark.parametrize("config, overrides, field, text", [
     (DENSE, ["trainer.ep=2"], "trainer.ep", r"LlamaForCausalLM is dense: use ep: 1"),
-    (MOE, ["trainer.ep=8", "trainer.gpus_per_node=8"], "trainer.ep", r"must divide the model's num_experts\(4\)"),
-    (DENSE, ["trainer.cp=4", "trainer.gpus_per_node=4"], "trainer.cp",
+    (MOE, ["trainer.ep=8", "trainer.gpus_per_node=8", "cluster.gpu_node.cpus=8"], "trainer.ep", r"must divide the model's num_experts\(4\)"),
+    (DENSE, ["trainer.cp=4", "trainer.gpus_per_node=4", "cluster.gpu_node.cpus=4"], "trainer.cp",
      r"cp\(4\) must divide num_attention_heads\(6\) and num_key_value_heads\(2\)"),
 ])
 def test_the_planner_refuses_what_the_trainer_cannot_run_at_the_yaml_line(tmp_path, config, overrides, field, text):
@@ -368,3 +369,19 @@ def test_steps_sharing_a_node_share_its_memory():
     p = plan(topo_pd())
     assert p.step("router").srun_args[-2:] == ("--overlap", "--mem=0")
     assert "--mem=0" not in p.step("prefill").srun_args and "--overlap" not in p.step("prefill").srun_args
+
+
+def test_nixl_side_channels_pick_around_the_users_router_port():
+    """A router port the user chose where the planner's own side channels would go moves the side channels, not
+    the blame: the plan is made, the router keeps its port and no side channel takes it."""
+    from prl.planner.prepare import prepare
+
+    from tests.helpers import REPO
+
+    topology = REPO / "configs" / "moe-30b-pd.yaml"
+    default = prepare(topology, [], cwd=REPO).plan
+    first = min(port for s in default.servers for port in default.side_channel_ports(s))
+    plan = prepare(topology, [f"inference.router.port={first + 1}"], cwd=REPO).plan
+    sides = {port for s in plan.servers for port in plan.side_channel_ports(s)}
+    assert plan.router_port == first + 1
+    assert plan.router_port not in sides and min(sides) == first + 2

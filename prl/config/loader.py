@@ -44,21 +44,32 @@ MAX_VALUES = 10_000
 """Most values (scalars, mappings, lists) in one document, aliases expanded."""
 MAX_EXPANDED = 1 << 20
 """Most characters and values the document may hold once interpolation is resolved."""
+MAX_OVERRIDES = 1000
+"""Most `key=value` overrides on one command line."""
 MAX_REFERENCE_HOPS = 16
 """Longest chain of `${...}` references (a -> b -> c ...)."""
 
 PUBLIC_ENV = frozenset({"USER", "LOGNAME", "HOME", "PWD", "TMPDIR", "SCRATCH", "WORK"})
 """Variables `${oc.env:...}` may resolve in any field at plan time: who and where you are, not secrets.
 Any other variable may only feed a role's `env:` map, where it stays a reference resolved on the node."""
-ENV_REFERENCE = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)(?:,([\w./:@+-]*))?\}")
-"""`${oc.env:NAME}` or `${oc.env:NAME,default}`: the forms an `env:` value keeps as a reference (see
-`prl.planner.render`, which turns them into shell expansions on the node)."""
+ENV_REFERENCE = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)(?:,([\w./:@+-]*|'[^'\"`$\\{}]*'))?\}")
+"""`${oc.env:NAME}`, `${oc.env:NAME,default}` or `${oc.env:NAME,'any default'}`: the forms an `env:` value keeps
+as a reference (see `prl.planner.render`, which turns them into shell expansions on the node). OmegaConf reads
+only ASCII letters unquoted: a default with other letters or spaces is quoted; no quote, '$', backtick,
+backslash or brace in it (the shell would read them inside the expansion)."""
+
+def reference_default(ref: re.Match) -> str | None:
+    """The default of an ENV_REFERENCE match as the value it stands for (OmegaConf's single quotes dropped)."""
+    default = ref.group(2)
+    return default[1:-1] if default and default.startswith("'") else default
+
 
 # Libyaml when present: a 1 MiB hostile file parses in milliseconds rather than seconds.
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _CORE = "tag:yaml.org,2002:"
 _ALLOWED_TAGS = {None, _CORE + "str", _CORE + "map", _CORE + "seq"}
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x84\x86-\x9f]")
+_OCTAL = re.compile(r"\A[-+]?0[0-7_]+\Z")
 _KEY_PART = re.compile(r"^[A-Za-z0-9_-]+$")
 _PLAIN_PART = re.compile(r"^[\w.-]{1,64}$")
 _READ_NAME = re.compile(r"oc\.env\s*:\s*['\"]?([A-Za-z_][A-Za-z0-9_]*)")
@@ -212,6 +223,17 @@ def _is_base60(node: yaml.ScalarNode) -> bool:
     return not node.style and ":" in node.value and node.tag in (_CORE + "int", _CORE + "float")
 
 
+def _is_octal(node: yaml.ScalarNode) -> bool:
+    # YAML 1.1 reads plain 0100 as 64 (YAML 1.2 and every reader of the number, 100).
+    return not node.style and node.tag == _CORE + "int" and bool(_OCTAL.match(node.value))
+
+
+def _as_decimal(text: str) -> str:
+    """`0100` as the decimal its writer meant: `100` (`-0100`: `-100`)."""
+    sign = text[0] if text[0] in "+-" else ""
+    return sign + (text.lstrip("+-").lstrip("0_") or "0")
+
+
 def _check_tag(node: yaml.Node, field: FieldPath, tags: dict[tuple[int, int], str]) -> None:
     tag = tags.get((node.start_mark.line, node.start_mark.column))
     if tag:
@@ -248,6 +270,10 @@ def _line_map(node: yaml.Node, prefix: FieldPath, out: dict[FieldPath, int], tag
     elif isinstance(node, yaml.ScalarNode) and _is_base60(node):
         raise _YamlProblem(node.start_mark.line + 1, f"YAML 1.1 reads {node.value} as a base-60 number; "
                                                       f"quote it: \"{node.value}\"", prefix)
+    elif isinstance(node, yaml.ScalarNode) and _is_octal(node):
+        raise _YamlProblem(node.start_mark.line + 1, f"YAML 1.1 reads {node.value} as the octal number "
+                                                      f"{int(node.value.replace('_', ''), 8)}; write "
+                                                      f"{_as_decimal(node.value)} or '{node.value}'", prefix)
     elif isinstance(node, yaml.ScalarNode) and node.tag == _CORE + "value":
         raise _YamlProblem(node.start_mark.line + 1, "a lone '=' is a YAML 1.1 value key; quote it: \"=\"", prefix)
 
@@ -299,6 +325,9 @@ def read_yaml(path: Path) -> tuple[str, dict[FieldPath, int]]:
 def _parse_overrides(overrides: Sequence[str]) -> dict[FieldPath, str]:
     """`key.path=value` -> path; the key must be dotted names, the value YAML that passes check_yaml."""
     parsed: dict[FieldPath, str] = {}
+    if len(overrides) > MAX_OVERRIDES:
+        raise ConfigError(f"override {shown(overrides[MAX_OVERRIDES], 200)}: more than {MAX_OVERRIDES} overrides "
+                          f"({len(overrides)}); put the settings in the file")
     for item in overrides:
         if not _is_utf8(item):
             raise ConfigError(f"override {shown(item, 200)}: not valid UTF-8 text")
@@ -328,11 +357,21 @@ def _omegaconf_error(exc: Exception, source: Source, blame: FieldPath = ()) -> C
     key = getattr(exc, "full_key", None) or ""
     field = blame or tuple(int(p) if p.isdigit() else p for p in re.split(r"[.\[\]]+", str(key)) if p)
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if reason.startswith("token recognition error"):  # OmegaConf reads only ASCII letters outside quotes
+        reason += "; inside `${...}` put text other than ASCII letters, digits and ./:@+- in single quotes: " \
+                  "`${oc.env:NAME,'café'}`"
     return source.error(field, reason)
 
 
 def _merge_overrides(conf: Any, source: Source) -> Any:
-    """Apply the overrides one by one, so that an error names the override that caused it."""
+    """Apply the overrides in one merge; when that fails, again one by one, so that the error names the override
+    that caused it (a thousand merges one by one take seconds)."""
+    if not source.overrides:
+        return conf
+    try:
+        return OmegaConf.merge(conf, OmegaConf.from_dotlist(list(source.overrides.values())))
+    except (OmegaConfBaseException, yaml.YAMLError, TypeError, ValueError):
+        pass
     for path, item in source.overrides.items():
         try:
             conf = OmegaConf.merge(conf, OmegaConf.from_dotlist([item]))
@@ -448,7 +487,8 @@ def _keep_env_references(raw: dict[str, Any], source: Source) -> None:
             continue
         if ENV_REFERENCE.sub("", text).count("${oc.env:"):
             raise source.error(path, "write environment references as `${oc.env:NAME}` or `${oc.env:NAME,default}` "
-                                     "(a default of letters, digits and ./:@+- only)")
+                                     "(a default of letters, digits and ./:@+- only, or in single quotes without "
+                                     "quotes, '$', backticks, backslashes or braces)")
         if _is_env_map(path):
             if "${" in ENV_REFERENCE.sub("", text):  # another resolver could expand the kept reference
                 raise source.error(path, "an `env:` value that reads `${oc.env:...}` cannot use other interpolation")

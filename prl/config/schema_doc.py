@@ -85,6 +85,62 @@ def _rows(model: type[msgspec.Struct], prefix: str) -> list[str]:
     return rows
 
 
+RULES = """\
+## What is refused in text, and why
+
+- **Control and invisible characters**, in every text field: C0/C1 controls, line separators and Unicode's
+  format characters (category Cf: zero-width spaces and joiners, bidirectional marks, overrides and isolates, tag
+  characters). They make a value read other than it runs, on a terminal and in a script.
+- **Non-ASCII letters in names and ids** (`name`, `slurm.job_name`, partitions, account, qos, `environment.id`,
+  W&B project and entity): a look-alike letter (Cyrillic `а` for Latin `a`) names another thing. Paths keep
+  non-ASCII letters.
+- **`~` and `$` in paths**: prl does not expand them, and a node would get `~/x` literally. Write an absolute
+  path, or `${oc.env:HOME}/x` (resolved when planned; `HOME`, `USER`, `SCRATCH`, ... are readable anywhere).
+- **`%` in the run directory** (the topology's `run_dir`, or the profile's `shared_root` it defaults under):
+  Slurm reads `%j`, `%x`, ... in the job's `--output` path as patterns. Escaping it as `%%` there would be
+  right for Slurm and wrong everywhere else the path goes (scripts, environment, container mounts), so it is
+  refused rather than given two spellings.
+- **`,` and `:` in the run directory on a profile with a container**, and in a `container.mounts` item beyond
+  `SRC:DST[:FLAGS]`: pyxis splits `--container-mounts` at `,` (another mount) and `:` (source, target, flags).
+- **Variables prl or Slurm sets in `env:` maps**: `SLURM_*`, `CUDA_VISIBLE_DEVICES`, `VLLM_NIXL_SIDE_CHANNEL_*`
+  and prl's own `PRL_RUN_DIR`, `PRL_ROLE`, `PRL_ATTEMPT`, `PRL_ATTEMPT_BASE`, `PRL_MODE`, `PRL_RESTART`,
+  `PRL_TASK`, `PRL_TASKS`, `PRL_NODE`, `PRL_INFERENCE_API_KEY`: one of the two values would silently lose.
+  prl's knobs (`PRL_DEVICE`, `PRL_LOG_LEVEL`, ...) may be set.
+- **A leading `-` in paths and ids** (`model.path`, `environment.id`, `wandb.project`, ...): the command they are
+  passed to would read `--trust-remote-code` or `--help` as an option. Write `./-x` for such a relative path.
+
+## What contradicts, and is refused rather than ignored
+
+- **YAML 1.1 octal numbers**: a plain `0100` reads as 64. Write `100`, or `'0100'` for the text.
+- **`extra_args` naming an option the plan sets** (`--model`, `--served-model-name`, `--tensor-parallel-size`,
+  `--port`, the data-parallel and KV options, ...) and **`extra_directives` naming an option the plan renders**
+  (`--mem`, `--gres`, `--account`, ... when it renders them) or one that changes the job's layout, logs or
+  environment (`--output`, `--error`, `--array`, `--nodes`, `--ntasks*`, `--cpus-per-task`, `--partition`,
+  `--time`, `--job-name`, `--chdir`, `--export`, ...): one of the two would silently win. Set the field instead.
+- **Disaggregated-only fields beside unified inference** (`inference.router`, `inference.kv_connector`) and
+  unified-only fields beside prefill + decode.
+- **`kv_offload.disk_gb` without `disk_path`**: the disk tier would be dropped.
+- **A shared orchestrator's `cpus` over a node's**, as an own node's; on a CPU profile (`gpu_node.gpus: 0`),
+  **trainer ranks per node (`gpus_per_node`) or an inference server's tp * dp workers over the node's `cpus`**.
+- **A profile's `segment` that does not divide an allocation larger than it**: Slurm refuses the job. An
+  allocation smaller than a segment fits in one block and is asked for without `--segment`.
+
+## Environment references
+
+An `env:` value may read the node's environment: `${oc.env:NAME}` (refused when unset at plan time),
+`${oc.env:NAME,default}` with a default of ASCII letters, digits and `./:@+-`, or `${oc.env:NAME,'any text'}`
+for other letters or spaces (OmegaConf reads only those unquoted). A quoted default holds no quote, `$`,
+backtick, backslash or brace: the shell would read them inside the expansion. Other fields may read only
+`USER`, `LOGNAME`, `HOME`, `PWD`, `TMPDIR`, `SCRATCH` and `WORK` (resolved at plan time), in topologies and
+cluster profiles alike.
+
+## Size bounds
+
+A plan holds at most 100000 inference servers (srun tasks) and 262144 GPUs, and a command line at most 1000
+overrides: every count may be legal while their product is millions of records.
+"""
+
+
 def reference() -> str:
     head = "| field | type | default | meaning |\n|---|---|---|---|"
     return "\n".join([
@@ -102,7 +158,8 @@ def reference() -> str:
         head,
         *_rows(ClusterProfile, ""),
         "",
-    ])
+        RULES,
+    ]).rstrip("\n") + "\n"
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Optional, Sequence, Union
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from prl.config.cluster import (MAX_CPUS, MAX_GB, MAX_GPUS_PER_NODE, MAX_ITEMS, MAX_NODES, Env, Name, NonEmptyText,
+from prl.config.cluster import (MAX_CPUS, MAX_GB, MAX_GPUS_PER_NODE, MAX_ITEMS, MAX_NODES, Env, Ident, Name,
                                 PathText, SlurmTime, Strict, Text, Token, checked_time)
 from prl.config.fields import FieldValueError, shown
 from prl.config.loader import Source, explained, load
@@ -121,6 +121,9 @@ class KVOffload(Strict, kw_only=True):
             raise ValueError("a disk tier (disk_path) needs backend: lmcache")
         if self.disk_path is not None and self.disk_gb <= 0:
             raise ValueError("disk_path needs disk_gb > 0")
+        if self.disk_path is None and self.disk_gb > 0:
+            raise FieldValueError("disk_gb", "disk_gb sizes a disk tier, which needs disk_path (and backend: lmcache); "
+                                             "without one the disk tier would be dropped")
 
 
 class OnFailure(Strict, kw_only=True):
@@ -163,10 +166,11 @@ class Inference(Strict, kw_only=True):
     """Disaggregated: the prefill group."""
     decode: Optional[InferenceGroup] = None
     """Disaggregated: the decode group."""
-    kv_connector: KVConnector = KVConnector()
-    """Disaggregated: how KV blocks move from prefill to decode."""
-    router: Router = Router()
-    """Disaggregated: the router in front."""
+    # Unset unless written, like the unified fields: one written beside unified inference is refused.
+    kv_connector: Union[KVConnector, UnsetType] = UNSET
+    """Disaggregated: how KV blocks move from prefill to decode (unset: NixlConnector)."""
+    router: Union[Router, UnsetType] = UNSET
+    """Disaggregated: the router in front (unset: on the cluster's port base + 90)."""
     kv_offload: KVOffload = KVOffload()
     """KV-cache offload for every server."""
     on_failure: OnFailure = OnFailure()
@@ -184,6 +188,14 @@ class Inference(Strict, kw_only=True):
         if stray:
             raise FieldValueError(stray[0], f"{stray[0]} is a field of unified inference and would be ignored "
                                             f"beside prefill and decode; set it inside each group")
+        stray = [name for name, default in _DISAGGREGATED.items()
+                 if getattr(self, name) is not UNSET and getattr(self, name) is not default] if not split else []
+        if stray:
+            raise FieldValueError(stray[0], f"{stray[0]} is a field of disaggregated inference (prefill + decode) "
+                                            f"and would be ignored beside unified nodes; remove it")
+        for name, default in _DISAGGREGATED.items():  # unset only to tell a written one from the default (frozen)
+            if getattr(self, name) is UNSET:
+                msgspec.structs.force_setattr(self, name, default)
 
     @property
     def disaggregated(self) -> bool:
@@ -199,6 +211,9 @@ class Inference(Strict, kw_only=True):
 
 
 _UNIFIED = ("tp", "dp", "expert_parallel", "gpu_memory_utilization", "extra_args", "env")
+_DISAGGREGATED = {"kv_connector": KVConnector(), "router": Router()}
+"""Fields only prefill + decode read, with what an unwritten one becomes (compared by identity, as
+DEFAULT_ORCHESTRATOR, so that `msgspec.structs.replace`, which re-runs `__post_init__`, keeps accepting it)."""
 
 
 class Trainer(Strict, kw_only=True):
@@ -257,11 +272,11 @@ class EvalSettings(Strict, kw_only=True):
 
 
 class Environment(Strict, kw_only=True):
-    id: NonEmptyText
+    id: Ident
     """verifiers taskset id (an installed module) or a module path."""
     args: Annotated[dict[str, Any], Meta(max_length=MAX_ITEMS)] = {}
     """Arguments for the taskset."""
-    harness: NonEmptyText = "prl"
+    harness: Ident = "prl"
     """verifiers harness id."""
     max_turns: Optional[Annotated[int, Meta(ge=1, le=MAX_COUNT)]] = None
     """Model turns one rollout may take (None: as many as the environment asks for). A rollout stopped
@@ -390,9 +405,9 @@ class WandB(Strict, kw_only=True):
     """Log the run's metrics to Weights & Biases while it runs (`prl wandb RUN --follow`, kept going by the
     launcher beside the roles: a W&B failure is logged and never stops training)."""
 
-    project: NonEmptyText
+    project: Ident
     """W&B project."""
-    entity: Optional[NonEmptyText] = None
+    entity: Optional[Ident] = None
     """W&B entity (team or user; None: your default)."""
 
 

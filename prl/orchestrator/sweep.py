@@ -77,10 +77,10 @@ def server_flags(args: tuple[str, ...]) -> list[str]:
 def role_env(pairs: tuple[tuple[str, str], ...], environ: dict[str, str]) -> dict[str, str]:
     """A step's `env:` with its `${oc.env:NAME[,default]}` references read from `environ`, as its
     step script does on the node (prl.planner.render.env_value)."""
-    from prl.config.loader import ENV_REFERENCE
+    from prl.config.loader import ENV_REFERENCE, reference_default
 
     def value(ref) -> str:
-        name, default = ref.group(1), ref.group(2)
+        name, default = ref.group(1), reference_default(ref)
         if name in environ:
             return environ[name]
         if default is None:

@@ -78,12 +78,11 @@ class Server(Frozen, kw_only=True):
     """`vllm serve` arguments; the launcher adds --host (and the head's address for followers)."""
 
 
-def side_channel_ports(servers: Sequence[Server], server: Server, dp: int) -> tuple[int, ...]:
+def side_channel_ports(peers: Sequence[Server], server: Server, dp: int) -> tuple[int, ...]:
     """The NIXL side-channel ports `server` listens on: its `side_channel_port` plus the index of each
-    data-parallel rank it runs (of `dp` per replica, split evenly over the replica's nodes)."""
+    data-parallel rank it runs (of `dp` per replica, split evenly over `peers`, the servers of its replica)."""
     if server.side_channel_port is None:
         return ()
-    peers = [s for s in servers if s.role == server.role and s.replica == server.replica]
     per_node = dp // len(peers)
     first = server.side_channel_port + peers.index(server) * per_node
     return tuple(range(first, first + per_node))
@@ -368,7 +367,18 @@ class Plan(Frozen, kw_only=True):
 
     def side_channel_ports(self, server: Server) -> tuple[int, ...]:
         """The NIXL side-channel ports `server` listens on (none without NIXL)."""
-        return side_channel_ports(self.servers, server, next(r.dp for r in self.inference if r.name == server.role))
+        if server.side_channel_port is None:
+            return ()
+        peers = [s for s in self.servers if s.role == server.role and s.replica == server.replica]
+        return side_channel_ports(peers, server, next(r.dp for r in self.inference if r.name == server.role))
+
+    def role_side_channel_ports(self, role: str) -> tuple[int, ...]:
+        """The NIXL side-channel ports of every server of `role`, in one pass over the servers."""
+        replicas: dict[int, list[Server]] = {}
+        for s in self.role_servers(role):
+            replicas.setdefault(s.replica, []).append(s)
+        dp = next((r.dp for r in self.inference if r.name == role), 1)
+        return tuple(port for peers in replicas.values() for s in peers for port in side_channel_ports(peers, s, dp))
 
     def expected_endpoints(self) -> set[tuple[str, int]]:
         """(role, replica) of every server head, plus the router: what the orchestrator waits for."""

@@ -58,11 +58,28 @@ DP_RPC_PORT_OFFSET = 200
 NIXL_SIDE_CHANNEL_PORT_OFFSET = 300
 RDZV_PORT_OFFSET = 500
 MAX_PORT = 65535
+MAX_SERVERS = 100_000
+"""Most inference server processes (and srun tasks) one plan places: each is a process, ports and a record."""
+MAX_JOB_GPUS = 262_144
+"""Most GPUs one job may use: more than any cluster has, and few enough that the plan's per-GPU records stay small."""
 SHARED_ORCHESTRATOR_CPUS = 4
 KV_OFFLOAD_MEMORY_FRACTION = 0.8
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 _UNSAFE_PATH = set(" \t\n\r'\"`$;\\")
+PLANNED_SERVER_OPTIONS = frozenset({
+    "--model", "--served-model-name", "--dtype", "--max-model-len", "--tensor-parallel-size", "-tp", "--tokenizer",
+    "--port", "--host", "--api-key", "--data-parallel-size", "-dp", "--data-parallel-rpc-port",
+    "--data-parallel-size-local", "-dpl", "--data-parallel-start-rank", "-dpr", "--data-parallel-address", "-dpa",
+    "--headless", "--enable-expert-parallel", "--gpu-memory-utilization", "--kv-transfer-config",
+    "--kv-offloading-backend", "--kv-offloading-size"})
+"""`vllm serve` options the plan (or the role runner) sets: an `extra_args` item naming one would contradict it."""
+LAYOUT_DIRECTIVES = frozenset({
+    "--job-name", "--output", "--error", "--open-mode", "--signal", "--requeue", "--no-requeue", "--time",
+    "--partition", "--nodes", "--ntasks", "--ntasks-per-node", "--cpus-per-task", "--array", "--het-group",
+    "--chdir", "--wrap", "--export"})
+"""`#SBATCH` options that would change the job's layout, logs or environment: refused in `extra_directives`
+always, besides any other option the plan renders (`--gres`, `--exclusive`, `--account`, ... when it does)."""
 
 
 class Checker:
@@ -110,6 +127,15 @@ def check_run_dir(check: Checker, run_dir: str) -> None:
     if run_dir.rstrip("/") == "":
         raise check.fail(("run_dir",), "run directory '/' would make prl write into the filesystem root; "
                                        "use a directory of its own, e.g. /scratch/$USER/prl-runs/NAME")
+    if "%" in run_dir:
+        # Slurm reads %j, %t, %x ... in --output as patterns; '%%' would be right there and wrong everywhere else.
+        raise check.fail(("run_dir",), f"run directory {run_dir!r} must not contain '%': Slurm reads %j, %x, ... in "
+                                       f"the job's --output path as patterns and would write the logs elsewhere")
+    mount_separators = sorted(set(",:") & set(run_dir)) if check.cluster.container is not None else []
+    if mount_separators:
+        raise check.fail(("run_dir",), f"run directory {run_dir!r} must not contain {mount_separators[0]!r} on "
+                                       f"cluster '{check.cluster.name}': it is mounted into the container, and pyxis "
+                                       f"reads ',' as another mount and ':' as a separator")
 
 
 def check_node_budget(check: Checker, topo: Topology) -> None:
@@ -128,12 +154,44 @@ def check_node_budget(check: Checker, topo: Topology) -> None:
         f"shrink a group or raise max_nodes"))
 
 
+def check_derived_totals(check: Checker, topo: Topology) -> None:
+    """Bound what the counts multiply into (servers, tasks, GPUs) before any of it is expanded: every count may be
+    legal and their product still millions of records."""
+    gpn = check.cluster.gpu_node.gpus
+    groups = topo.inference.groups() if topo.inference else {}
+    servers = {role: (g.nodes, max(1, gpn // (g.tp * g.dp)) if gpn else 1) for role, g in groups.items()}
+    total = sum(nodes * per_node for nodes, per_node in servers.values())
+    if total > MAX_SERVERS:
+        role = max(servers, key=lambda r: servers[r][0] * servers[r][1])
+        nodes, per_node = servers[role]
+        g = groups[role]
+        raise check.fail(("inference", role, "nodes") if topo.inference.disaggregated else ("inference", "nodes"), (
+            f"{role} would start nodes({nodes}) x {per_node} servers per node ({gpn} GPUs / tp({g.tp}) * dp({g.dp})) "
+            f"= {nodes * per_node} servers ({total} in all), over the {MAX_SERVERS} one plan may hold; "
+            f"use fewer nodes or a larger tp or dp"))
+    tr = topo.trainer
+    fields = {("inference", role, "nodes") if len(groups) > 1 else ("inference", "nodes"): (role, g.nodes, gpn)
+              for role, g in groups.items()}
+    fields[("trainer", "nodes")] = ("trainer", tr.nodes, tr.gpus_per_node or gpn)
+    gpus = sum(nodes * per_node for _, nodes, per_node in fields.values())
+    if gpus > MAX_JOB_GPUS:
+        parts = " + ".join(f"{role} nodes({nodes}) x {per_node}" for role, nodes, per_node in fields.values())
+        blamed = max(fields, key=lambda field: fields[field][1] * fields[field][2])
+        raise check.fail(blamed, f"the job would use {parts} = {gpus} GPUs, over the {MAX_JOB_GPUS} one job may "
+                                 f"use; use fewer nodes")
+
+
 def inference_layout(check: Checker, role: str, field: tuple[str, ...], group: InferenceGroup,
                      gpus_per_node: int) -> tuple[int, int, int]:
     """(GPUs per replica, nodes per replica, servers per node) for one inference group, checked."""
     cluster = check.cluster
     if gpus_per_node == 0:
         # CPU cluster: one server per node (vLLM's CPU backend), tp/dp are engine threads.
+        workers, cpus = group.tp * group.dp, cluster.gpu_node.cpus
+        if workers > cpus:
+            raise check.fail(field + ("tp",), (
+                f"{role} tp({group.tp}) * dp({group.dp}) = {workers} CPU workers per server over-commit the {cpus} "
+                f"CPUs of a node on CPU cluster '{cluster.name}'; use tp * dp <= {cpus}"))
         if group.tp > 1:
             check.warnings.append(f"{role}: tp({group.tp}) on a CPU cluster runs {group.tp} CPU workers per server")
         return 0, 1, 1
@@ -161,6 +219,15 @@ def inference_layout(check: Checker, role: str, field: tuple[str, ...], group: I
             f"{role} has {group.nodes} nodes but each replica of tp({group.tp}) * dp({group.dp}) = "
             f"{per_replica} GPUs takes {nodes_per_replica} nodes; use a multiple of {nodes_per_replica} nodes"))
     return per_replica, nodes_per_replica, 1
+
+
+def check_extra_args(check: Checker, field: tuple[str, ...], group: InferenceGroup) -> None:
+    """An `extra_args` item may not name an option the plan sets: vLLM would take the last of the two."""
+    for index, item in enumerate(group.extra_args):
+        if item.partition("=")[0] in PLANNED_SERVER_OPTIONS:
+            raise check.fail(field + ("extra_args", index), (
+                f"{item.partition('=')[0]} is set by the plan from the topology (model, tp, dp, ports, ...); "
+                f"change that field instead of passing it in extra_args"))
 
 
 def server_args(topo: Topology, group: InferenceGroup, port: Optional[int], dp_local: int, dp_start: int,
@@ -227,6 +294,20 @@ def offload_connector(topo: Topology) -> dict[str, Any]:
     return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"}
 
 
+def side_channel_base(check: Checker, topo: Topology) -> int:
+    """First NIXL side-channel port: the cluster's port base + 300, or just past a router port the user chose
+    inside the side channels' range (the planner picks around the user's port, rather than blame it)."""
+    cluster = check.cluster
+    base = cluster.port_base + NIXL_SIDE_CHANNEL_PORT_OFFSET
+    chosen = topo.inference.router.port
+    gpn = cluster.gpu_node.gpus
+    # Data-parallel ranks on one node (on one host, all of them): each listens on base + its index.
+    ranks = [max(1, gpn // g.tp) if gpn else g.dp for g in topo.inference.groups().values()]
+    nodes = [g.nodes for g in topo.inference.groups().values()]
+    span = sum(n * r for n, r in zip(nodes, ranks)) if shared_host(cluster) else max(ranks)
+    return chosen + 1 if chosen is not None and base <= chosen < base + span else base
+
+
 def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: dict[str, str], run_dir: str
                     ) -> tuple[list[InferenceRole], list[Server]]:
     """One het group per inference role, one server per replica and node, ports per node."""
@@ -237,10 +318,12 @@ def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: 
     disagg = topo.inference.disaggregated
     nixl = disagg and topo.inference.kv_connector.name == "NixlConnector"
     side_ranks = 0  # data-parallel ranks given a side channel so far (job-wide ports: every node is one host)
+    side_base = side_channel_base(check, topo) if nixl else 0
     for role, group in topo.inference.groups().items():
         task = 0
         field = ("inference", role) if disagg else ("inference",)
         per_replica, nodes_per_replica, per_node = inference_layout(check, role, field, group, gpn)
+        check_extra_args(check, field, group)
         cpus = max(1, cluster.gpu_node.cpus // per_node)
         g = layout.add_group(cluster, role, cluster.partitions.inference, group.nodes, per_node, cpus, gpn)
         kv_role = KV_ROLES.get(role) if disagg else None
@@ -249,8 +332,7 @@ def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: 
         for replica in range(replicas):
             first_node, slot = replica // per_node * nodes_per_replica, replica % per_node
             # vLLM adds each data-parallel rank's index to the side-channel port: replicas are dp ports apart.
-            side = (cluster.port_base + NIXL_SIDE_CHANNEL_PORT_OFFSET
-                    + (side_ranks if shared_host(cluster) else slot * group.dp)) if nixl else None
+            side = side_base + (side_ranks if shared_host(cluster) else slot * group.dp) if nixl else None
             side_ranks += group.dp if nixl else 0
             for k in range(nodes_per_replica):
                 head = k == 0
@@ -327,6 +409,10 @@ def place_orchestrator(check: Checker, topo: Topology, layout: Layout, common_en
         # The trainer's group comes right after the inference groups when the orchestrator has none.
         group = len(layout.groups) if orch.placement == "trainer" else 0
         cpus = orch.cpus or SHARED_ORCHESTRATOR_CPUS
+        if cpus > cluster.gpu_node.cpus:
+            raise check.fail(("orchestrator", "cpus"), (
+                f"orchestrator asks for {cpus} CPUs on a {orch.placement} node, which has {cluster.gpu_node.cpus} "
+                f"on cluster '{cluster.name}'"))
     layout.steps.append(Step(name="orchestrator", group=group, nodes=1, ntasks_per_node=1, cpus_per_task=cpus,
                              gpus_per_node=0, overlap=orch.placement != "own", start_after=after,
                              health="heartbeat", script="scripts/orchestrator.sh", env=env))
@@ -345,6 +431,11 @@ def trainer_mesh(check: Checker, topo: Topology) -> tuple[int, int, Mesh]:
     if gpn and procs > gpn:
         raise check.fail(("trainer", "gpus_per_node"), (
             f"trainer.gpus_per_node({procs}) is more than the {gpn} GPUs of a node on cluster '{check.cluster.name}'"))
+    cpus = check.cluster.gpu_node.cpus
+    if not gpn and procs > cpus:
+        raise check.fail(("trainer", "gpus_per_node"), (
+            f"trainer.gpus_per_node({procs}) ranks per node on CPU cluster '{check.cluster.name}' over-commit its "
+            f"{cpus} CPUs; use gpus_per_node <= {cpus}"))
     world = tr.nodes * procs
     where = f"{tr.nodes} nodes x {procs} {'GPUs' if gpn else 'ranks'} on cluster '{check.cluster.name}'"
     try:
@@ -434,12 +525,16 @@ def check_ports(check: Checker, topo: Topology, servers: list[Server], router_po
             raise fail(field, f"port {port} is used twice on one node: by {taken[key]} and by {what}")
         taken[key] = what
 
+    replicas: dict[tuple[str, int], list[Server]] = {}
+    dps = {role: group.dp for role, group in topo.inference.groups().items()} if topo.inference else {}
+    for s in servers:
+        replicas.setdefault((s.role, s.replica), []).append(s)
     for s in servers:
         claim((s.group, s.node), s.port, f"{s.role} server {s.replica}", ("port_base",), False)
         if s.head:
             claim((s.group, s.node), s.rpc_port, f"{s.role} server {s.replica}'s data-parallel RPC", ("port_base",),
                   False)
-        for side in side_channel_ports(servers, s, topo.inference.groups()[s.role].dp):
+        for side in side_channel_ports(replicas[s.role, s.replica], s, dps[s.role]):
             claim((s.group, s.node), side, f"{s.role} server {s.replica}'s NIXL side channel", ("port_base",), False)
     if router_port is not None:
         # Last: when the user's router port collides, the error points at it.
@@ -471,6 +566,31 @@ def job_directives(check: Checker, topo: Topology, run_dir: str) -> tuple[list[s
         if value:
             common.append(f"--{flag}={value}")
     return batch, common + list(topo.slurm.extra_directives)
+
+
+def check_extra_directives(check: Checker, topo: Topology, rendered: list[str]) -> None:
+    """An `extra_directives` item may not name an option the plan renders (`rendered`) or one that changes the
+    job's layout: Slurm would take one of the two, and the plan would no longer describe the job."""
+    planned = LAYOUT_DIRECTIVES | {item.partition("=")[0] for item in rendered}
+    for index, item in enumerate(topo.slurm.extra_directives):
+        if item.partition("=")[0] in planned:
+            raise check.fail(("slurm", "extra_directives", index), (
+                f"{item.partition('=')[0]} is set by the plan (from the topology and the cluster profile); set it "
+                f"there instead of in extra_directives"))
+
+
+def check_segment(check: Checker, groups: list[Group]) -> None:
+    """Slurm refuses a `--segment` that does not divide the node count it is given with (each het component, or
+    the one allocation): an allocation larger than a segment must be a multiple of it. A smaller one fits in one
+    block and is asked for without `--segment`."""
+    segment = check.cluster.segment
+    for g in groups if segment else ():
+        nodes = next((int(d.partition("=")[2]) for d in g.directives if d.startswith("--nodes=")), None)
+        if nodes is not None and nodes > segment and nodes % segment:
+            raise check.fail_cluster(("segment",), (
+                f"segment({segment}) must divide the node count of an allocation larger than it, but {g.name} "
+                f"asks for {nodes} nodes; use {nodes // segment * segment} or {(nodes // segment + 1) * segment} "
+                f"nodes, or a segment that divides {nodes}"))
 
 
 def finish_groups(check: Checker, layout: Layout, common: list[str], orchestrator: Optional[OrchestratorPlan],
@@ -533,6 +653,7 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
     check = Checker(topo_source, cluster, cluster_source)
     check_run_dir(check, run_dir)
     check_node_budget(check, topo)
+    check_derived_totals(check, topo)
     common_env = role_env(cluster, run_dir)
     layout = Layout()
     roles, servers, router_port, orchestrator = place_rl_roles(check, topo, layout, common_env, run_dir)
@@ -543,9 +664,12 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
     check_ports(check, topo, servers, router_port, trainer)
     check_shared_root(check, run_dir)
     batch, common = job_directives(check, topo, run_dir)
+    check_extra_directives(check, topo, batch + common[:len(common) - len(topo.slurm.extra_directives)]
+                           + [d for g in layout.groups for d in g.directives])
     # One group (an SFT job) is a plain job: srun refuses --het-group outside a heterogeneous one.
     hetjob = cluster.hetjob and len(layout.groups) > 1
     groups = finish_groups(check, layout, common, orchestrator, hetjob)
+    check_segment(check, groups)
     return Plan(
         name=topo.name, job_name=topo.slurm.job_name or topo.name, cluster=cluster.name, slurm=cluster.slurm,
         hetjob=hetjob, run_dir=run_dir, python=cluster.python,
@@ -633,7 +757,8 @@ def group_directives(cluster: ClusterProfile, partition: Optional[str], nodes: i
         out += ["--exclusive", "--mem=0"]
     if cluster.constraint:
         out.append(f"--constraint={cluster.constraint}")
-    if cluster.segment:
+    if cluster.segment and nodes % cluster.segment == 0:
+        # Slurm refuses a segment that does not divide the node count; fewer nodes fit in one block anyway.
         out.append(f"--segment={cluster.segment}")
     return tuple(out)
 

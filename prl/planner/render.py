@@ -36,14 +36,14 @@ def _environment() -> jinja2.Environment:
 def env_value(value: str) -> str:
     """An `env:` value as shell text: literal parts quoted, each `${oc.env:NAME[,default]}` reference
     (kept by the loader so no secret is written) expanded by the shell where the role runs."""
-    from prl.config.loader import ENV_REFERENCE
+    from prl.config.loader import ENV_REFERENCE, reference_default
 
     parts, end = [], 0
     for ref in ENV_REFERENCE.finditer(value):
         if ref.start() > end:
             parts.append(shlex.quote(value[end:ref.start()]))
-        name, default = ref.group(1), ref.group(2)
-        # The default holds only [\w./:@+-] (the loader checks): nothing the shell would expand.
+        # The default holds nothing the shell would expand inside double quotes (the loader checks).
+        name, default = ref.group(1), reference_default(ref)
         parts.append(f'"${{{name}?is not set where this role runs}}"' if default is None else f'"${{{name}-{default}}}"')
         end = ref.end()
     if end < len(value) or not parts:

@@ -39,7 +39,7 @@ def placement_table(plan: Plan) -> Table:
             r = roles[step.name]
             parallel = f"{r.replicas} x (tp{r.tp} dp{r.dp}{' ep' if r.expert_parallel else ''})"
             ports = _ports([s.port for s in plan.role_servers(step.name) if s.head and s.port is not None])
-            side = [p for s in plan.role_servers(step.name) for p in plan.side_channel_ports(s)]
+            side = plan.role_side_channel_ports(step.name)
             if side:
                 ports += f" (nixl {_ports(side)})"
         elif step.name == "trainer":
