@@ -13,6 +13,7 @@ on that module's servers.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import struct
