@@ -103,20 +103,37 @@ def publish_copy(run: RunDir, step: int, model: Path, broken: bool = False) -> N
     run.publish_dir(run.weights(step), write)
 
 
-def test_submitits_sacct_warning_is_said_once_not_on_every_poll(capfd, caplog):
+def test_submitits_sacct_warning_is_said_once_not_on_every_poll(capfd):
     """Where sacct fails (a cluster without accounting) submitit warns on every poll, on stdout and stderr."""
+    import logging
+
     from submitit.core import logger as submitit_logger
 
     from prl.ops.sweep import one_sacct_warning
 
+    class Kept(logging.Handler):
+        """prl's own records, whether or not an earlier test's init_logging stopped them propagating."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.records: list[logging.LogRecord] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.records.append(record)
+
+    kept = Kept()
+    logging.getLogger("prl.ops.sweep").addHandler(kept)
     warn = "Call #%d - Bypassing sacct error Command '['sacct']' returned non-zero exit status 1., status may be inaccurate."
-    with one_sacct_warning():
-        for call in range(1, 6):
-            submitit_logger.get_logger().warning(warn % call)
-        submitit_logger.get_logger().warning("another warning")
+    try:
+        with one_sacct_warning():
+            for call in range(1, 6):
+                submitit_logger.get_logger().warning(warn % call)
+            submitit_logger.get_logger().warning("another warning")
+    finally:
+        logging.getLogger("prl.ops.sweep").removeHandler(kept)
     out, err = capfd.readouterr()
     assert "Bypassing" not in out + err and "another warning" in err
-    said = [r.getMessage() for r in caplog.records if "sacct failed" in r.getMessage()]
+    said = [r.getMessage() for r in kept.records if "sacct failed" in r.getMessage()]
     assert len(said) == 1 and "returned non-zero exit status 1.)" in said[0], said
     submitit_logger.get_logger().warning(warn % 6)  # outside a sweep submitit's logging is its own
     assert "Bypassing sacct error" in capfd.readouterr().err
