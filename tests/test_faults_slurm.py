@@ -1,5 +1,6 @@
 """Faults in a real RL run on the lab cluster (one hetjob: a vLLM server on n1, the orchestrator,
-a 2-rank FSDP2 trainer on two nodes), one run for the whole story:
+a 2-rank FSDP2 trainer on two nodes), one run and four attempts for the whole story (each attempt
+starts vLLM and the trainer again, so one run costs less than a run per fault):
 
 1. kill -9 of the vLLM engine mid-run: the launcher restarts that server inside the allocation (a new
    srun step on its node, on the newest published weights); the orchestrator takes it out of rotation,
@@ -7,12 +8,11 @@ a 2-rank FSDP2 trainer on two nodes), one run for the whole story:
    `prl status` shows the restart. (Rollouts moving to another server: tests/test_resilience.py.)
 2. SIGSTOP of trainer rank 1: the launcher declares the trainer HUNG within `hang_timeout_s`, stops
    the job and requeues it (the lab profile allows requeue);
-3. attempt 2 resumes from the last checkpoint and completes: every trainer and orchestrator step is in
-   metrics.jsonl exactly once.
-
-A second run: 4. SIGSTOP of the orchestrator: HUNG names the orchestrator (not the trainer starving behind
-it), the job requeues; 5. in attempt 2 a trainer node is set DOWN: Slurm ends the run (NODE_FAIL) and
-requeues it; attempt 3 completes, every step once, and `prl status` says how attempts 1 and 2 ended.
+3. in attempt 2, SIGSTOP of the orchestrator: HUNG names the orchestrator (not the trainer starving
+   behind it), the job requeues;
+4. in attempt 3 a trainer node is set DOWN: Slurm ends the attempt (NODE_FAIL) and requeues it;
+5. attempt 4 completes: every trainer and orchestrator step is in metrics.jsonl exactly once, and
+   `prl status` says how attempts 1-3 ended.
 
 The measured numbers are printed (run with -s to see them).
 """
@@ -108,124 +108,120 @@ def records(run: Path, role: str) -> list[dict]:
     return out
 
 
-def test_engine_kill_restarts_the_server_and_a_hung_trainer_is_requeued(tmp_path, env, slurm_cluster):
+def test_one_run_survives_an_engine_kill_a_hung_trainer_a_hung_orchestrator_and_a_dead_node(
+        tmp_path, env, slurm_cluster):
     model = build_tiny_model(tmp_path / "model")
     run = tmp_path / "run"
-    max_steps = 8
+    max_steps = 12
     # One GPU per node: one inference server, so the run waits for the restarted one whatever its start-up takes.
     prl(env, "submit", "configs/lab.yaml", f"run_dir={run}", f"model.path={model}", f"training.max_steps={max_steps}",
         "training.max_off_policy_steps=1", "training.checkpoint_interval=2",
         f"training.hang_timeout_s={HANG_TIMEOUT_S}", "cluster.gpu_node.gpus=1")
-
     try:
-        # 1. kill -9 one engine once the loop runs.
-        wait_for("trainer step 1", lambda: trained(run) >= 1, timeout=400, interval=2)
-        engine = engine_of(run, 18000)
-        os.kill(engine, signal.SIGKILL)
-        killed = time.time()
-        step_at_kill = trained(run)
-        launcher = run / "state" / "launcher.json"
-        event = wait_for("the server restarted and ready", lambda: next(
-            (f for f in json.loads(launcher.read_text())["steps"]["inference"].get("failures", [])
-             if f.get("action") == "restarted"), None), timeout=300, interval=1)
-        ready_again = event["time"] + event["ready_after_s"]
-        shown = status(env, run)
-        inference = next(r for r in shown["roles"] if r["role"] == "inference")
-        assert inference["restarts"] == 1 and inference["failures"][0]["replica"] == 0, inference
-        assert "exited" in inference["failures"][0]["reason"], inference["failures"]
-        text = prl(env, "status", run, check=False).stdout
-        assert "inference replica 0" in text and "restarted" in text, text
-        # The restarted server takes rollouts again: its log shows token-level generate calls after the restart.
-        log = run / "logs" / "attempt_1" / "inference" / "rank_0.log"
-        wait_for("the restarted server to serve rollouts", lambda: log.read_text().split("restart: serving weights")[-1]
-                 .count("POST /inference/v1/generate") > 0, timeout=120, interval=1)
-        served_again = time.time()
-
-        # 2. SIGSTOP trainer rank 1 after a few more steps.
-        wait_for("two steps after the restart", lambda: trained(run) >= step_at_kill + 2, timeout=300, interval=1)
-        os.kill(trainer_rank(run, 1), signal.SIGSTOP)
-        stopped = time.time()
-        hung = wait_for("HUNG in status", lambda: (s := status(env, run))["failure"] and s["failure"].get("hung") and s,
-                        timeout=HANG_TIMEOUT_S + 60, interval=1)
-        detected = json.loads(launcher.read_text())["steps"]["trainer"]["hung_at"]
-        trainer = next(r for r in hung["roles"] if r["role"] == "trainer")
-        assert trainer["status"] == "HUNG", trainer
-        assert hung["failure"]["role"] == "trainer" and "no progress" in hung["failure"]["reason"], hung["failure"]
-        wait_for("the job requeued (attempt 2)", lambda: status(env, run)["attempt"] == 2, timeout=180, interval=2)
-        requeued = time.time()
-
-        # 3. Attempt 2 finishes the run.
+        numbers = kill_the_engine(env, run)
+        numbers |= hang_the_trainer(env, run)
+        numbers |= hang_the_orchestrator(env, run)
+        numbers |= take_a_trainer_node_down(env, run)
         final = wait_for("the job to end", lambda: (s := status(env, run))["state"] in (
-            "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and s, timeout=600, interval=3)
+            "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and s["attempt"] == 4 and s, timeout=900, interval=3)
     finally:
+        subprocess.run(["scontrol", "update", "nodename=n4", "state=RESUME"], check=False, capture_output=True)
         prl(env, "cancel", run, check=False)
     assert final["state"] == "COMPLETED", (final, prl(env, "logs", run, "-n", "40", check=False).stdout)
     lost = sorted(set(range(1, max_steps + 1)) - {r["step"] for r in records(run, "trainer")})
     assert [r["step"] for r in records(run, "trainer")] == list(range(1, max_steps + 1)), lost
     assert [r["step"] for r in records(run, "orchestrator")] == list(range(1, max_steps + 1))
-    first_resumed = min(r["time"] for r in records(run, "trainer") if r["time"] > requeued)
-    numbers = {
-        "engine death -> restarted server ready (s)": round(ready_again - killed, 1),
-        "engine death -> restarted server serving rollouts (s, polled)": round(served_again - killed, 1),
-        "steps lost": len(lost),
-        "hang -> HUNG detected (s, bound %d)" % HANG_TIMEOUT_S: round(detected - stopped, 1),
-        "HUNG -> attempt 2 running (s)": round(requeued - detected, 1),
-        "requeue seen -> first resumed trainer step (s)": round(first_resumed - requeued, 1),
-    }
+    earlier = final["earlier"]
+    assert [e["attempt"] for e in earlier] == [1, 2, 3], earlier
+    assert [e["failure"]["role"] for e in earlier[:2]] == ["trainer", "orchestrator"], earlier
+    assert earlier[2]["slurm_state"] == "NODE_FAIL", earlier
+    text = prl(env, "status", run, check=False).stdout
+    assert "attempt 1 ended" in text and "trainer HUNG" in text, text
+    assert "attempt 2 ended" in text and "orchestrator HUNG" in text, text
+    assert "attempt 3 ended" in text and "Slurm: NODE_FAIL" in text, text
     print("\nfault numbers:", json.dumps(numbers, indent=2))
-    assert detected - stopped < HANG_TIMEOUT_S + 30, numbers
 
 
-def test_a_hung_orchestrator_then_a_dead_node_each_requeue_and_no_step_is_lost(tmp_path, env, slurm_cluster):
-    """4. SIGSTOP of the orchestrator: HUNG (the orchestrator, not the trainer that starves behind it) within the
-    bound, the job requeued; 5. in attempt 2 a trainer node goes DOWN: Slurm ends the run (NODE_FAIL) and
-    requeues it; attempt 3 completes with every trainer and orchestrator step exactly once, and `prl status`
-    says how each earlier attempt ended."""
-    model = build_tiny_model(tmp_path / "model")
-    run = tmp_path / "run"
-    max_steps = 8
-    # One inference server (as above): each of the three attempts starts vLLM, and none of this is about servers.
-    prl(env, "submit", "configs/lab.yaml", f"run_dir={run}", f"model.path={model}", f"training.max_steps={max_steps}",
-        "training.max_off_policy_steps=1", "training.checkpoint_interval=2",
-        f"training.hang_timeout_s={HANG_TIMEOUT_S}", "cluster.gpu_node.gpus=1")
+def kill_the_engine(env: dict, run: Path) -> dict:
+    """1. kill -9 of the engine once the loop runs: the launcher restarts the server (a new srun step on its node,
+    on the newest published weights), `prl status` shows the restart, the restarted server serves rollouts again."""
+    wait_for("trainer step 1", lambda: trained(run) >= 1, timeout=400, interval=2)
+    os.kill(engine_of(run, 18000), signal.SIGKILL)
+    killed = time.time()
+    launcher = run / "state" / "launcher.json"
+    event = wait_for("the server restarted and ready", lambda: next(
+        (f for f in json.loads(launcher.read_text())["steps"]["inference"].get("failures", [])
+         if f.get("action") == "restarted"), None), timeout=300, interval=1)
+    shown = status(env, run)
+    inference = next(r for r in shown["roles"] if r["role"] == "inference")
+    assert inference["restarts"] == 1 and inference["failures"][0]["replica"] == 0, inference
+    assert "exited" in inference["failures"][0]["reason"], inference["failures"]
+    text = prl(env, "status", run, check=False).stdout
+    assert "inference replica 0" in text and "restarted" in text, text
+    # The restarted server takes rollouts again: its log shows token-level generate calls after the restart.
+    log = run / "logs" / "attempt_1" / "inference" / "rank_0.log"
+    wait_for("the restarted server to serve rollouts", lambda: log.read_text().split("restart: serving weights")[-1]
+             .count("POST /inference/v1/generate") > 0, timeout=120, interval=1)
+    return {"engine death -> restarted server ready (s)": round(event["time"] + event["ready_after_s"] - killed, 1),
+            "engine death -> restarted server serving rollouts (s, polled)": round(time.time() - killed, 1)}
 
-    try:
-        wait_for("trainer step 2", lambda: trained(run) >= 2, timeout=400, interval=2)
-        os.kill(process_of(run, "prl.orchestrator"), signal.SIGSTOP)
-        stopped = time.time()
-        hung = wait_for("HUNG in status", lambda: (s := status(env, run))["failure"] and s["failure"].get("hung") and s,
-                        timeout=HANG_TIMEOUT_S + 60, interval=1)
-        detected = time.time()
-        assert hung["failure"]["role"] == "orchestrator", hung["failure"]
-        assert next(r for r in hung["roles"] if r["role"] == "orchestrator")["status"] == "HUNG"
 
-        # 5. A node of the trainer dies in attempt 2, once it has trained a step of its own.
-        wait_for("attempt 2 running", lambda: status(env, run)["attempt"] == 2, timeout=300, interval=2)
-        resumed_at = trained(run)
-        wait_for("a step of attempt 2", lambda: trained(run) > resumed_at, timeout=400, interval=2)
-        node = status(env, run)["roles"][-1]["nodes"]
-        assert node.startswith("n[3-4]") or node == "n3,n4", node
-        subprocess.run(["scontrol", "update", "nodename=n4", "state=DOWN", "reason=prl-fault-test"], check=True)
-        down = time.time()
-        shown = wait_for("attempt 2's end in status", lambda: (s := status(env, run))["earlier"][1:] and s,
-                         timeout=180, interval=2)
-        seen = time.time()
-        # (Slurm may already have returned it to service: ReturnToService=2 and a live slurmd.)
-        subprocess.run(["scontrol", "update", "nodename=n4", "state=RESUME"], check=False, capture_output=True)
-        assert shown["earlier"][0]["failure"]["role"] == "orchestrator", shown["earlier"]
-        assert shown["earlier"][1]["slurm_state"] == "NODE_FAIL", shown["earlier"]
-        text = prl(env, "status", run, check=False).stdout
-        assert "attempt 1 ended" in text and "orchestrator HUNG" in text, text
-        assert "attempt 2 ended" in text and "Slurm: NODE_FAIL" in text, text
-        final = wait_for("the job to end", lambda: (s := status(env, run))["state"] in (
-            "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and s["attempt"] == 3 and s, timeout=900, interval=3)
-    finally:
-        subprocess.run(["scontrol", "update", "nodename=n4", "state=RESUME"], check=False, capture_output=True)
-        prl(env, "cancel", run, check=False)
-    assert final["state"] == "COMPLETED", (final, prl(env, "logs", run, "-n", "40", check=False).stdout)
-    assert [r["step"] for r in records(run, "trainer")] == list(range(1, max_steps + 1))
-    assert [r["step"] for r in records(run, "orchestrator")] == list(range(1, max_steps + 1))
-    assert [e["attempt"] for e in final["earlier"]] == [1, 2], final["earlier"]
-    print(f"\norchestrator SIGSTOP -> HUNG: {detected - stopped:.1f} s (bound {HANG_TIMEOUT_S} s); "
-          f"node DOWN -> attempt 2's end in status: {seen - down:.1f} s")
+def hang_the_trainer(env: dict, run: Path) -> dict:
+    """2. SIGSTOP of trainer rank 1 (two steps after the restart, which the restarted server served): the launcher
+    declares the trainer HUNG within `hang_timeout_s`, stops the job and requeues it (the lab profile allows it)."""
+    restarted_at = trained(run)
+    wait_for("two steps after the restart", lambda: trained(run) >= restarted_at + 2, timeout=300, interval=1)
+    os.kill(trainer_rank(run, 1), signal.SIGSTOP)
+    stopped = time.time()
+    hung = wait_for("HUNG in status", lambda: (s := status(env, run))["failure"] and s["failure"].get("hung") and s,
+                    timeout=HANG_TIMEOUT_S + 60, interval=1)
+    detected = json.loads((run / "state" / "launcher.json").read_text())["steps"]["trainer"]["hung_at"]
+    trainer = next(r for r in hung["roles"] if r["role"] == "trainer")
+    assert trainer["status"] == "HUNG", trainer
+    assert hung["failure"]["role"] == "trainer" and "no progress" in hung["failure"]["reason"], hung["failure"]
     assert detected - stopped < HANG_TIMEOUT_S + 30
+    return {"trainer hang -> HUNG detected (s, bound %d)" % HANG_TIMEOUT_S: round(detected - stopped, 1)}
+
+
+def hang_the_orchestrator(env: dict, run: Path) -> dict:
+    """3. In attempt 2, once it trained a step of its own, SIGSTOP of the orchestrator: HUNG names the orchestrator
+    (not the trainer starving behind it) within the bound, and the job requeues."""
+    requeued = step_of_attempt(env, run, 2)
+    first_resumed = min(r["time"] for r in records(run, "trainer") if r["time"] > requeued)
+    os.kill(process_of(run, "prl.orchestrator"), signal.SIGSTOP)
+    stopped = time.time()
+    hung = wait_for("HUNG in status", lambda: (s := status(env, run))["failure"] and s["failure"].get("hung") and s,
+                    timeout=HANG_TIMEOUT_S + 60, interval=1)
+    detected = time.time()
+    assert hung["failure"]["role"] == "orchestrator", hung["failure"]
+    assert next(r for r in hung["roles"] if r["role"] == "orchestrator")["status"] == "HUNG"
+    assert detected - stopped < HANG_TIMEOUT_S + 30
+    return {"requeue seen -> first resumed trainer step (s)": round(first_resumed - requeued, 1),
+            "orchestrator hang -> HUNG seen (s, polled)": round(detected - stopped, 1)}
+
+
+def take_a_trainer_node_down(env: dict, run: Path) -> dict:
+    """4. In attempt 3, once it trained a step of its own, a trainer node goes DOWN: Slurm ends the attempt
+    (NODE_FAIL) and requeues it; `prl status` says how it ended."""
+    step_of_attempt(env, run, 3)
+    node = status(env, run)["roles"][-1]["nodes"]
+    assert node.startswith("n[3-4]") or node == "n3,n4", node
+    subprocess.run(["scontrol", "update", "nodename=n4", "state=DOWN", "reason=prl-fault-test"], check=True)
+    down = time.time()
+    shown = wait_for("attempt 3's end in status", lambda: (s := status(env, run))["earlier"][2:] and s,
+                     timeout=180, interval=2)
+    seen = time.time()
+    # (Slurm may already have returned it to service: ReturnToService=2 and a live slurmd.)
+    subprocess.run(["scontrol", "update", "nodename=n4", "state=RESUME"], check=False, capture_output=True)
+    assert shown["earlier"][2]["slurm_state"] == "NODE_FAIL", shown["earlier"]
+    return {"node DOWN -> attempt 3's end in status (s)": round(seen - down, 1)}
+
+
+def step_of_attempt(env: dict, run: Path, attempt: int) -> float:
+    """Wait until attempt `attempt` runs and its trainer has trained a step past every step seen before; returns
+    when the attempt was first seen."""
+    wait_for(f"attempt {attempt} running", lambda: status(env, run)["attempt"] == attempt, timeout=300, interval=2)
+    seen = time.time()
+    before = trained(run)
+    wait_for(f"a step of attempt {attempt}", lambda: trained(run) > before, timeout=400, interval=2)
+    return seen

@@ -225,7 +225,7 @@ def test_derive_mesh_names_every_factor(args, field, text):
 def test_place_trainer_uses_the_derived_mesh():
     p = plan(topo(trainer={"nodes": 2, "ep": 4, "cp": 2}))
     assert p.trainer.world_size == 16 and p.trainer.mesh.dp_shard == 8 and p.trainer.master_port == 8500
-    assert p.step("trainer").gpus_per_node == 8 and p.step("trainer").start_after == ("orchestrator",)
+    assert p.step("trainer").gpus_per_node == 8 and p.step("trainer").start_after == ()
 
 
 # ------------------------------------------------------------------ ports, training, directives

@@ -475,7 +475,8 @@ def test_the_watcher_drops_a_dead_server_and_takes_it_back_on_the_newest_weights
                 endpoint(1, b2.url, 2.0)
                 await until("b rejoined", lambda: sb.alive)
                 assert sb.version == 3 and b2.weight_requests == [3]
-                assert run.weight_pins() == {"orchestrator": 3}
+                # The pin moves on the watcher's next pass, not with the rejoin itself.
+                await until("the pin on step 3", lambda: run.weight_pins() == {"orchestrator": 3})
                 # A step that is not published (409) is waited for, never a failure of the server.
                 async with httpx.AsyncClient() as client:
                     await watcher.push(client, sb, 9)

@@ -8,9 +8,10 @@
 `start_inference` launches `python -m prl.inference` as a subprocess (CPU:
 `VLLM_CPU_KVCACHE_SPACE=1`), waits for `/health` (600 s by default; on
 failure the error carries the log tail), and stops it at the end (SIGTERM to
-its process group, then SIGKILL). vLLM on CPU takes 65-96 s to start here,
-so tests share one `tiny_server` per session (a tiny Qwen3 in float32, its
-run dir and model dir in a session tmp dir).
+its process group, then SIGKILL). Servers run with `--enforce-eager`, as the
+shipped CPU topologies do: vLLM's torch.compile warm-up alone took 33 s of an
+81 s start here (38 s without it). Tests still share one `tiny_server` per
+session (a tiny Qwen3 in float32, its run dir and model dir in a session tmp dir).
 
 A fixture that starts servers is declared with `@server_fixture(scope=...)`
 instead of `@pytest.fixture`: every test that uses it, directly or through
@@ -181,7 +182,7 @@ def start_inference(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", module, "--run-dir", str(run_dir), "--model", str(model_dir),
            "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "1024",
-           "--disable-uvicorn-access-log", *extra_args]
+           "--disable-uvicorn-access-log", "--enforce-eager", *extra_args]
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO), **(env or {})}
     full_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     start = time.monotonic()

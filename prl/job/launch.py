@@ -4,7 +4,8 @@
 
 Inside Slurm each role is one `srun` step with the plan's placement; locally each task
 is a process. A role starts once every role it comes after has all its tasks ready
-(their `state/ready/` markers: real health, never a sleep). The first role to exit
+(their `state/ready/` markers: real health, never a sleep); roles that come after none
+(the servers, the trainer) start first, together. The first role to exit
 non-zero ends the job: the others get SIGTERM, `grace_seconds` to finish a checkpoint,
 then SIGKILL. The job completes when the last role (the trainer) exits 0.
 
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -388,10 +390,14 @@ class Launcher:
             time.sleep(POLL_SECONDS)
 
     def wait_done(self) -> None:
+        """Until the trainer (the last step) is done, or, in a preflight (every role only checks and holds, the
+        trainer started with the first roles), until every role is."""
         last = self.plan.steps[-1].name
         while True:
             self.check()
-            if self.running[last].exit_code == 0 or all(r.exit_code == 0 for r in self.running.values()):
+            if self.running[last].exit_code == 0 and self.mode == "run":
+                return
+            if all(r.exit_code == 0 for r in self.running.values()):
                 return
             time.sleep(POLL_SECONDS)
 
@@ -486,7 +492,7 @@ class Launcher:
             return self.finish(LauncherStatus.STOPPED, 128 + signal.SIGTERM)
         self.start_wandb()
         try:
-            for step in self.plan.steps:
+            for step in start_order(self.plan.steps):
                 self.wait_ready(step.start_after)
                 self.start(step)
             self.state.status = LauncherStatus.RUNNING
@@ -550,6 +556,12 @@ class Launcher:
             log.error(f"could not requeue the job: {exc}")
             return self.finish(LauncherStatus.FAILED, 1)
         return code
+
+
+def start_order(steps: Sequence[Step]) -> list[Step]:
+    """The plan's steps, those waiting for no role first (plan order otherwise): the trainer, which waits for
+    rollouts itself, starts with the servers rather than behind them."""
+    return sorted(steps, key=lambda step: bool(step.start_after))
 
 
 def _or_dash(value: Any) -> str:

@@ -447,7 +447,8 @@ def trainer_mesh(check: Checker, topo: Topology) -> tuple[int, int, Mesh]:
 
 def place_trainer(check: Checker, topo: Topology, layout: Layout, common_env: dict[str, str],
                   orchestrator: Optional[OrchestratorPlan]) -> TrainerPlan:
-    """The trainer's group and step: after the orchestrator (RL), or alone (SFT: no orchestrator)."""
+    """The trainer's group and step. It starts with the first roles, not after the servers: it waits for rollouts
+    itself (heartbeating), so its model load overlaps the servers' start-up instead of following it."""
     tr = topo.trainer
     cluster = check.cluster
     nodes, procs, mesh = trainer_mesh(check, topo)
@@ -456,8 +457,7 @@ def place_trainer(check: Checker, topo: Topology, layout: Layout, common_env: di
     layout.steps.append(Step(name="trainer", group=group.index, nodes=nodes, ntasks_per_node=1,
                              cpus_per_task=cluster.gpu_node.cpus, gpus_per_node=gpus,
                              overlap=orchestrator is not None and orchestrator.placement == "trainer",
-                             start_after=("orchestrator",) if orchestrator else (),
-                             health="heartbeat", script="scripts/trainer.sh",
+                             start_after=(), health="heartbeat", script="scripts/trainer.sh",
                              env=merged_env(common_env, tr.env, {"PRL_ROLE": "trainer"})))
     return TrainerPlan(group=group.index, nodes=nodes, gpus_per_node=procs, world_size=mesh.world_size,
                        device="cuda" if cluster.gpu_node.gpus else "cpu", mesh=mesh,
