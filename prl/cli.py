@@ -236,7 +236,6 @@ def sweep(a: argparse.Namespace, env_args: dict) -> None:
 
     run = resolve_run(a.run)
     plan = Plan.read(run)
-    plan.fleet_server()  # an SFT run has none: one line, before anything starts
     tasks = [EvalTask(str(run.root), step, tuple(a.env_ids), a.examples, a.rollouts, a.max_tokens, a.temperature,
                       env_args) for step in sweeps.choose_steps(run, a.steps)]
     print(f"evaluating {len(tasks)} weights step(s) x {len(a.env_ids)} environment(s) "

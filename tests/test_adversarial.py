@@ -990,3 +990,20 @@ def test_real_process_exits_2_without_traceback(case: Case, tmp_path: Path):
     result = prl_plan(str(path), *case.overrides, cwd=tmp_path)
     assert_refused(result.returncode, result.stdout, result.stderr, _expected_location(case, tmp_path),
                    case.field, case.says, tmp_path)
+
+
+def test_pyyamls_own_nesting_bound_is_refused_in_our_words(monkeypatch):
+    """PyYAML 6.0.4 bounds nesting itself and may raise before our event walk does: the refusal reads the
+    same whichever bound fires first (the wording of the library's error is not ours to test)."""
+    import yaml
+
+    from prl.config import loader
+
+    def parse(text, Loader):
+        mark = yaml.Mark("topo.yaml", 0, 2, 7, None, None)
+        raise yaml.parser.ParserError(None, None, "exceeded maximum nesting depth", mark)
+
+    monkeypatch.setattr(loader.yaml, "parse", parse)
+    with pytest.raises(loader._YamlProblem) as err:
+        loader.check_yaml("a:\n  b: [[[1]]]\n")
+    assert (err.value.line, err.value.message) == (3, f"nested more than {loader.MAX_DEPTH} levels deep")

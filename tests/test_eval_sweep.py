@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from prl.errors import ConfigError
-from prl.ops.sweep import choose_steps
+from prl.ops.sweep import array_parameters, choose_steps
 from prl.orchestrator.eval import pass_at_k
 from prl.orchestrator.rollouts import Rollout
 from prl.orchestrator.sweep import role_env, server_flags
+from prl.planner.model import Plan
 from prl.run.rundir import RunDir
 from tests.helpers import prl_cli as prl
 from tests.tiny_model import build_tiny_model
@@ -49,7 +50,6 @@ def test_the_eval_array_asks_slurm_for_what_the_inference_nodes_got(tmp_path):
     """Account, QoS, exclusive nodes, GPUs by gres and the topology's extra directives come from the inference
     group; the array's own shape (one node, one task, its time) replaces theirs; the container too. The profile's
     segment(8) is not given to a one-node group (Slurm refuses a segment that does not divide the nodes)."""
-    from prl.ops.sweep import array_parameters
     from prl.planner.prepare import prepare
     from tests.plans import REPO
 
@@ -65,17 +65,20 @@ def test_the_eval_array_asks_slurm_for_what_the_inference_nodes_got(tmp_path):
                                    "--container-workdir=/lustre/fs1/prl"]
 
 
-def test_an_sft_run_is_refused_by_prl_eval_in_one_line(tmp_path, tiny_model_dir, env):
+def test_an_sft_runs_evaluation_server_takes_the_models_own_settings(tmp_path, tiny_model_dir):
+    """An SFT run has no inference servers to copy: its evaluation server serves the model with its own dtype,
+    context length and tokenizer, with the trainer's env, on a node of the trainer's group (eager on CPU)."""
     from tests.plans import local_plan, write_plan
 
-    run = write_plan(RunDir(tmp_path / "run"), local_plan(tmp_path / "run", tiny_model_dir,
-                                                          [f"sft.data={tmp_path}/chat.jsonl"], topology="sft-tiny"))
-    out = prl(env, "eval", "prl_letters", "--run", str(run.root), "--steps", "0", check=False)
-    assert out.returncode == 2 and not out.stdout
-    assert out.stderr.strip() == ("error: sft-tiny is a trainer-only (SFT) run, with no inference servers "
-                                  "whose settings an evaluation server could take: serve its weights/step_N "
-                                  "yourself and use prl eval --base-url URL --model NAME")
-    assert not run.evals_dir.exists()
+    run = write_plan(RunDir(tmp_path / "run"), local_plan(
+        tmp_path / "run", tiny_model_dir, [f"sft.data={tmp_path}/chat.jsonl", f"model.tokenizer={tiny_model_dir}"],
+        topology="sft-tiny"))
+    plan = Plan.read(run)
+    served = plan.eval_server()
+    assert served.args == ("--served-model-name", "sft-tiny", "--dtype", "float32", "--max-model-len", "256",
+                           "--tokenizer", str(tiny_model_dir), "--enforce-eager")
+    assert (served.step, served.group, served.env) == ("trainer", plan.trainer.group, (("VLLM_CPU_KVCACHE_SPACE", "2"),))
+    assert array_parameters(plan, 2, 30)["cpus_per_task"] == plan.groups[plan.trainer.group].cpus_per_task
 
 
 def test_steps_are_published_ones_or_the_base_model(tmp_path):

@@ -34,6 +34,8 @@ from tests.tiny_model import build_tiny_model
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.slow]
 
 HANG_TIMEOUT_S = 30
+OFF_POLICY = 1
+CHECKPOINT_KEEP = 1
 
 
 def _procs() -> list[tuple[int, int, str]]:
@@ -112,11 +114,12 @@ def test_one_run_survives_an_engine_kill_a_hung_trainer_a_hung_orchestrator_and_
         tmp_path, env, slurm_cluster):
     model = build_tiny_model(tmp_path / "model")
     run = tmp_path / "run"
-    max_steps = 12
+    max_steps = 16
     # One GPU per node: one inference server, so the run waits for the restarted one whatever its start-up takes.
     prl(env, "submit", "configs/lab.yaml", f"run_dir={run}", f"model.path={model}", f"training.max_steps={max_steps}",
-        "training.max_off_policy_steps=1", "training.checkpoint_interval=2",
-        f"training.hang_timeout_s={HANG_TIMEOUT_S}", "cluster.gpu_node.gpus=1")
+        f"training.max_off_policy_steps={OFF_POLICY}", "training.checkpoint_interval=2",
+        f"training.checkpoint_keep={CHECKPOINT_KEEP}", f"training.hang_timeout_s={HANG_TIMEOUT_S}",
+        "cluster.gpu_node.gpus=1")
     try:
         numbers = kill_the_engine(env, run)
         numbers |= hang_the_trainer(env, run)
@@ -167,10 +170,15 @@ def kill_the_engine(env: dict, run: Path) -> dict:
 
 
 def hang_the_trainer(env: dict, run: Path) -> dict:
-    """2. SIGSTOP of trainer rank 1 (two steps after the restart, which the restarted server served): the launcher
-    declares the trainer HUNG within `hang_timeout_s`, stops the job and requeues it (the lab profile allows it)."""
+    """2. Once the run has gone on well past `max_off_policy_steps + checkpoint_keep` steps after the restart (the
+    step the restarted server was started on is then one cleanup would delete, were it not held for that server),
+    SIGSTOP of trainer rank 1: the launcher declares the trainer HUNG within `hang_timeout_s`, stops the job and
+    requeues it (the lab profile allows it)."""
     restarted_at = trained(run)
-    wait_for("two steps after the restart", lambda: trained(run) >= restarted_at + 2, timeout=300, interval=1)
+    past = OFF_POLICY + CHECKPOINT_KEEP + 2
+    wait_for(f"{past} steps after the restart", lambda: trained(run) >= restarted_at + past, timeout=400, interval=1)
+    log = run / "logs" / "attempt_1" / "inference" / "rank_0.log"
+    assert "Invalid repository ID" not in log.read_text(), "the restarted server lost its --model step"
     os.kill(trainer_rank(run, 1), signal.SIGSTOP)
     stopped = time.time()
     hung = wait_for("HUNG in status", lambda: (s := status(env, run))["failure"] and s["failure"].get("hung") and s,
@@ -188,6 +196,10 @@ def hang_the_orchestrator(env: dict, run: Path) -> dict:
     (not the trainer starving behind it) within the bound, and the job requeues."""
     requeued = step_of_attempt(env, run, 2)
     first_resumed = min(r["time"] for r in records(run, "trainer") if r["time"] > requeued)
+    # The trainer starts with the servers and may train on rollouts attempt 1 left before this attempt's
+    # orchestrator runs: stop the orchestrator once its loop has reported (a step of its own), not before.
+    wait_for("an orchestrator step of attempt 2", lambda: any(r["time"] > requeued for r in records(
+        run, "orchestrator")), timeout=400, interval=2)
     os.kill(process_of(run, "prl.orchestrator"), signal.SIGSTOP)
     stopped = time.time()
     hung = wait_for("HUNG in status", lambda: (s := status(env, run))["failure"] and s["failure"].get("hung") and s,

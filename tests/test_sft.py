@@ -248,10 +248,11 @@ def test_kill_after_a_checkpoint_then_resume_on_one_rank_equals_the_uninterrupte
 
 
 @pytest.mark.vllm
-@pytest.mark.slow  # the launcher, torchrun, 2 ranks (~40 s), then a 2-step RL run with vLLM (~60 s)
+@pytest.mark.slow  # the launcher, torchrun, 2 ranks (~40 s), an eval (~45 s), a 2-step RL run with vLLM (~60 s)
 def test_submit_local_sft_then_rl_from_its_weights_completes(tiny, tmp_path, env):
-    """SFT -> RL as a user chains them: the shipped SFT topology, then an RL run whose `model.from_run` is the
-    SFT run (its newest published weights): vLLM serves them and the trainer trains from them."""
+    """SFT -> eval -> RL as a user chains them: the shipped SFT topology, `prl eval --run` on its weights,
+    then an RL run whose `model.from_run` is the SFT run (its newest published weights): vLLM serves them and
+    the trainer trains from them."""
     run = tmp_path / "run"
     # With `wandb:` the launcher keeps `prl wandb --follow` going beside the trainer (offline here: no internet).
     env = {**env, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
@@ -272,6 +273,14 @@ def test_submit_local_sft_then_rl_from_its_weights_completes(tiny, tmp_path, env
     (wandb_file,) = RunDir(run).wandb_dir.glob("offline-run-*/run-*.wandb")
     rows = finished_history(wandb_file)
     assert [r["_step"] for r in rows] == [1, 2, 3, 4] and all("trainer/loss" in r for r in rows), rows
+
+    # The usual next step: evaluate the SFT weights. The run has no inference servers to copy; the evaluation
+    # server serves weights/step_4 with the model's own settings.
+    prl(env, "eval", "prl_letters", "--run", run, "--steps", "4", "--examples", "4", "--max-tokens", "16",
+        timeout=600)
+    (sweep,) = RunDir(run).evals_dir.glob("sweep-*.json")
+    result = json.loads(sweep.read_text())
+    assert result["failed"] == [] and [(r["step"], r["rollouts"]) for r in result["rows"]] == [(4, 4)], result
 
     rl = tmp_path / "rl"
     prl(env, "submit", "configs/local-tiny.yaml", f"run_dir={rl}", "model.path=null", f"model.from_run={run}", "training.max_steps=2",

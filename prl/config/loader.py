@@ -300,7 +300,12 @@ def check_yaml(text: str, lines: dict[FieldPath, int] | None = None) -> yaml.Nod
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise _YamlProblem(mark.line + 1 if mark else 1, f"invalid YAML: {problem}") from None
+        if "nesting" in problem:
+            # PyYAML 6.0.4 has a nesting bound of its own that may fire before ours: one refusal, in our words.
+            problem = f"nested more than {MAX_DEPTH} levels deep"
+        else:
+            problem = f"invalid YAML: {problem}"
+        raise _YamlProblem(mark.line + 1 if mark else 1, problem) from None
     if node is not None:
         _line_map(node, (), {} if lines is None else lines, tags)
     elif tags:

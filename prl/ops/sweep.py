@@ -88,7 +88,7 @@ from the inference group's directives."""
 
 def array_parameters(plan: Plan, parallel: int, timeout_min: int) -> dict[str, Any]:
     """submitit SlurmExecutor parameters of the eval array: the inference group's directives but its shape."""
-    group = plan.groups[plan.fleet_server().group]
+    group = plan.groups[plan.eval_server().group]
     extra: dict[str, Any] = {}
     for directive in group.directives:
         name, eq, value = directive.removeprefix("--").partition("=")

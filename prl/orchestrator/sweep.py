@@ -110,14 +110,15 @@ def evaluate_step(task: EvalTask) -> list[dict[str, Any]]:
     tokenizer = settings.model.tokenizer or settings.model.path
     if task.step and not is_stable(run.weights(task.step)):
         raise RuntimeError(f"weights step {task.step} of {run.root} is not published (no STABLE marker)")
-    fleet = plan.fleet_server()
+    served = plan.eval_server()
     port, key = free_port(), secrets.token_urlsafe(24)
     log_path = run.eval_log(task.step)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "prl.inference", "--run-dir", str(run.root), "--api-key-env", KEY_VAR,
-            "--model", model, *server_flags(fleet.args), "--host", "127.0.0.1", "--port", str(port)]
-    step = next(st for st in plan.steps if st.name == fleet.role)
-    env = {**os.environ, **role_env(step.env, dict(os.environ)), KEY_VAR: key}
+            "--model", model, *server_flags(served.args), "--host", "127.0.0.1", "--port", str(port)]
+    step = next(st for st in plan.steps if st.name == served.step)
+    env = {**dict(served.env), **os.environ, **role_env(step.env, dict(os.environ)), "PRL_ROLE": "inference",
+           KEY_VAR: key}
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "ab") as log:
         server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -246,6 +246,19 @@ class Totals(Frozen, kw_only=True):
     trainer_world_size: int
 
 
+class EvalServer(Frozen, kw_only=True):
+    """The shape of a server `prl eval --run` starts on a run's weights (`Plan.eval_server`)."""
+
+    args: tuple[str, ...]
+    """vLLM flags (those only a training fleet takes are dropped by the sweep)."""
+    step: RoleName
+    """The step whose env the server runs with."""
+    group: int
+    """The hetjob group whose directives (partition, account, GPUs) the evaluation array takes."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Environment the server gets unless the step's env or the caller's sets it."""
+
+
 class Plan(Frozen, kw_only=True):
     format: Literal["prl.plan/2"] = PLAN_FORMAT
     name: str
@@ -295,14 +308,24 @@ class Plan(Frozen, kw_only=True):
             raise ConfigError(f"{where}: {exc}; it was written by another prl version or edited by hand: "
                               f"run `prl plan` again") from None
 
-    def fleet_server(self) -> Server:
-        """The first inference server: the flags, env and node shape an evaluation server of this run takes."""
+    def eval_server(self) -> EvalServer:
+        """What an evaluation server of this run's weights takes: the first inference server's flags, its step's
+        env and its group; for a trainer-only (SFT) run, the model's own settings (dtype, context length,
+        tokenizer) with the trainer's env, on a node of the trainer's group."""
         head = next((s for s in self.servers if s.head), None)
-        if head is None:
-            raise ConfigError(f"{self.name} is a trainer-only (SFT) run, with no inference servers whose settings "
-                              f"an evaluation server could take: serve its weights/step_N yourself and use "
-                              f"prl eval --base-url URL --model NAME")
-        return head
+        if head is not None:
+            return EvalServer(args=head.args, step=head.role, group=head.group)
+        model = self.settings().model
+        args = ("--served-model-name", self.served_model_name, "--dtype", model.dtype,
+                "--max-model-len", str(model.max_model_len))
+        args += ("--tokenizer", model.tokenizer) if model.tokenizer else ()
+        if self.trainer.device != "cpu":
+            return EvalServer(args=args, step="trainer", group=self.trainer.group)
+        # On CPU nodes as the shipped CPU topologies serve: no compile warm-up (half of a start there), and a
+        # KV cache of its own size (vLLM's CPU default reserves 92% of the node's memory and refuses to start
+        # when less is free).
+        return EvalServer(args=args + ("--enforce-eager",), step="trainer", group=self.trainer.group,
+                          env=(("VLLM_CPU_KVCACHE_SPACE", "2"),))
 
     def settings(self) -> RunSettings:
         """The model, environment, training and KV settings, as the topology's schemas (validated once)."""
