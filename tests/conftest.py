@@ -31,6 +31,30 @@ def pytest_collection_modifyitems(items):
         if used & SERVER_FIXTURES:
             item.add_marker(pytest.mark.vllm)
             item.add_marker(pytest.mark.slow)
+        group = xdist_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+LOCAL_RUN = ('"--local"', "Launcher(")
+"""A test module that holds one of these starts local runs (`prl submit ... --local`, or the launcher itself)."""
+
+
+def xdist_group(item) -> str | None:
+    """The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, scripts/test.sh); a group's tests
+    run one after another on one worker. The Slurm tests share the four-node test cluster and the lab profile's
+    ports, so they are one group ("slurm"); the modules that start local runs share the local profile's ports
+    (and fixed `cluster.port_base` values), so they are another ("local-runs"). Everything else picks its ports
+    free and runs beside them: most Slurm time is waiting on the scheduler, which leaves a core idle."""
+    if item.get_closest_marker("slurm"):
+        return "slurm"
+    path = Path(str(item.fspath))
+    if path not in _LOCAL_RUN_MODULES:
+        _LOCAL_RUN_MODULES[path] = path.suffix == ".py" and any(text in path.read_text() for text in LOCAL_RUN)
+    return "local-runs" if _LOCAL_RUN_MODULES[path] else None
+
+
+_LOCAL_RUN_MODULES: dict[Path, bool] = {}
 
 
 def pytest_runtest_setup(item):

@@ -92,11 +92,11 @@ def test_local_rl_run_learns_within_the_staleness_bound(tmp_path, env):
 
 def test_local_rl_run_learns_the_multi_turn_guessing_game(tmp_path, env):
     """configs/tiny-guess.yaml: the tiny model plays prl_guess (up to 4 turns, the environment answering
-    "Higher."/"Lower."), each rollout one token-exact sequence; the reward rises (measured: 0.041 and 0.064
-    over the first 4 steps, 0.111 and 0.162 over the last 4; with 4 rollouts a game and lr 5e-3 it failed 2
-    runs in 3, most groups then carrying no signal)."""
+    "Higher."/"Lower."), each rollout one token-exact sequence; the reward rises (measured: 0.10 over the first
+    4 steps, 0.49 over the last 4, with the environment's shaping reward for a guess in range; without it the
+    reward went from about 0.05 to 0.10 and the test failed 2 runs in 5)."""
     model = build_tiny_model(tmp_path / "model")
     records = submit_local(env, "configs/tiny-guess.yaml", model, tmp_path / "run", "cluster.port_base=18920")
-    assert_reward_rises(records, 20, 0.05)
+    assert_reward_rises(records, 20, 0.15)
     orchestrator = [r for r in records if r["role"] == "orchestrator" and not r.get("eval")]
     assert all(r["turns_mean"] > 1.0 for r in orchestrator)  # the environment's turns happened

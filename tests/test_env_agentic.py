@@ -108,6 +108,28 @@ def test_guess_scores_hand_written_play(tok, tokenizer_dir):
     assert said == ["Answer with a number."] * 3
 
 
+def test_guess_shaping_rewards_guesses_in_range(tok, tokenizer_dir):
+    """valid_guess_weight adds that weight times the share of replies whose guess lies in 1..high: a player
+    answering 9 then the halving guesses is rewarded for the in-range ones; off (the default), nothing is."""
+    env = load_env("prl_guess", args={"num_examples": 4, "valid_guess_weight": 0.5}, split="eval")
+    task = next(t for t in env.taskset if len(halving(t.data.secret, 8)) <= 3)
+
+    def out_then_halve(prompt_text):
+        turns = re.findall(r"<\|im_start\|>(\w+)\n(.*?)<\|im_end\|>", prompt_text, re.S)
+        played = [(r, t) for r, t in turns if r in ("user", "assistant")]
+        if len(played) == 1:
+            return "9 is my guess"
+        return halving_reply([played[0]] + played[3:], 8)  # the halving player never saw the 9
+
+    played, silent = run_episodes(env, tok, tokenizer_dir, [(task, out_then_halve), (task, lambda _: "hmm")])
+    n = len(halving(task.data.secret, 8))
+    (trace,) = played.traces
+    assert trace.num_turns == n + 1 and trace.metrics == {"guesses": n + 1, "found": 1.0}
+    assert trace.reward == pytest.approx(1 / (n + 1) + 0.5 * n / (n + 1))
+    (trace,) = silent.traces
+    assert trace.reward == 0.0
+
+
 def test_guess_through_prl_eval():
     """`prl eval` with an OpenAI-style endpoint whose model halves the range: reward 1/guesses, exactly."""
     def chat(body):

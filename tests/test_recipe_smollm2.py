@@ -18,7 +18,7 @@ SMOLLM2 = REPO / "examples" / "smollm2"
 
 def _script(name: str, *args) -> str:
     result = subprocess.run([sys.executable, str(SMOLLM2 / name), *map(str, args)], capture_output=True, text=True,
-                            cwd=REPO, timeout=120)
+                            cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
@@ -71,7 +71,7 @@ def test_calc_demonstrations_tokenize_as_the_rl_renderer_renders_the_rollout(tmp
         assert call.name == "calc" and evaluate(call.arguments["expression"]) == data.answer
         assert messages[4]["content"] == f"Answer: {data.answer}"
     result = subprocess.run([sys.executable, str(SMOLLM2 / "sft_data.py"), "prl_reverse_text", tmp_path / "x.jsonl",
-                             "--call-only"], capture_output=True, text=True, cwd=REPO, timeout=120)
+                             "--call-only"], capture_output=True, text=True, cwd=REPO, timeout=600)
     assert result.returncode == 2 and "--call-only is for prl_calc" in result.stderr
     assert not (tmp_path / "x.jsonl").exists()
 

@@ -153,6 +153,35 @@ def test_an_orchestrator_with_nothing_left_to_do_does_not_fail_the_attempt(tmp_p
     assert launcher.state.steps["orchestrator"].status == RoleState.EXITED
 
 
+def test_a_role_that_ends_by_itself_after_the_last_step_keeps_its_own_exit(tmp_path):
+    """The trainer's last step ends the run; an orchestrator still tearing down then gets OWN_END_S to exit on
+    its own and keeps its exit 0 (it was stopped with 143, a code that reads as a failure, when a loaded
+    machine made its teardown outlast the trainer's last step). One that does not end is stopped after it."""
+    from prl.job import launch
+
+    launcher, run = _launcher(tmp_path)
+    run.path("scripts/trainer.sh").write_text("exit 0\n")
+    run.path("scripts/orchestrator.sh").write_text("sleep 2; exit 0\n")
+    launcher.start(launcher.plan.step("orchestrator"))
+    launcher.start(launcher.plan.step("trainer"))
+    launcher.wait_done()
+    assert launcher.running["orchestrator"].exit_code == 0
+    assert launcher.state.steps["orchestrator"].status == RoleState.EXITED
+
+    launcher, run = _launcher(tmp_path / "2")
+    run.path("scripts/trainer.sh").write_text("exit 0\n")
+    run.path("scripts/orchestrator.sh").write_text("exec sleep 60\n")
+    launcher.start(launcher.plan.step("orchestrator"))
+    launcher.start(launcher.plan.step("trainer"))
+    start = time.monotonic()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch, "OWN_END_S", 1.0)
+        launcher.wait_done()
+    assert time.monotonic() - start < 30 and launcher.running["orchestrator"].exit_code is None
+    launcher.stop_all()
+    assert launcher.state.steps["orchestrator"].status == RoleState.STOPPED
+
+
 REPLICA_TASK = """
 import os, signal, sys, time
 from prl.job.role import _Stop, record_exit, task_index

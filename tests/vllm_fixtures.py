@@ -209,7 +209,7 @@ def start_inference(
 @contextlib.contextmanager
 def start_router(prefill: Sequence[str], decode: Sequence[str], port: int | None = None, *,
                  log_path: str | Path, extra_args: Sequence[str] = (), env: dict | None = None,
-                 timeout: float = 60.0) -> Iterator[str]:
+                 timeout: float = 300.0) -> Iterator[str]:
     """Run `python -m prl.inference.router` in front of the given servers; yield its URL once healthy."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "prl.inference.router", "--port", str(port)]

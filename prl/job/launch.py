@@ -47,6 +47,9 @@ POLL_SECONDS = 0.5
 WANDB_FINAL_S = 60.0
 """How long the launcher waits at the end for its W&B follower to log the last steps."""
 START_TIMEOUT = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
+OWN_END_S = 30.0
+"""After the trainer's last step, how long the roles that end by themselves (the orchestrator, whose steps are
+all published by then) get to finish before the job stops them: their exit is then their own, not a stop."""
 
 
 class RoleFailed(Exception):
@@ -396,8 +399,26 @@ class Launcher:
         while True:
             self.check()
             if self.running[last].exit_code == 0 and self.mode == "run":
+                self.let_end()
                 return
             if all(r.exit_code == 0 for r in self.running.values()):
+                return
+            time.sleep(POLL_SECONDS)
+
+    def let_end(self) -> None:
+        """Give the roles that end by themselves up to OWN_END_S to do so, recording their exits; a failure
+        there is recorded, not raised: the trainer's last step is done."""
+        deadline = time.monotonic() + OWN_END_S
+        while self.signum is None and time.monotonic() < deadline:
+            waiting = [(n, r) for n, r in self.running.items() if n not in SERVER_ROLES and r.exit_code is None]
+            for name, running in waiting:
+                code = running.poll()
+                if code is not None:
+                    running.exit_code = code
+                    self.note_step(name, exit_code=code, ended=time.time(),
+                                   status=RoleState.EXITED if code == 0 else RoleState.FAILED)
+                    log.info(f"{name} exited {code}")
+            if all(r.exit_code is not None for _, r in waiting):
                 return
             time.sleep(POLL_SECONDS)
 

@@ -6,6 +6,9 @@ the task's prompt and answers each reply through `interaction.turn(feedback)`.
 The reward is 1/guesses when the number is found within `max_guesses`, else 0:
 dense enough that finding it sooner pays. A reply's first integer is its guess
 (a reply without one is told to answer with a number, and counts as a guess).
+`valid_guess_weight` adds a shaping reward, off by default: that weight times
+the share of the game's replies whose guess lies in 1..high (a random tiny
+model rarely finds the number, but it soon learns to answer one in range).
 
     {"taskset": {"id": "prl_guess", "split": "eval", "num_examples": 32, "high": 8}}
 
@@ -22,7 +25,7 @@ from typing import Literal
 
 import verifiers.v1 as vf
 
-__all__ = ["GuessEnv", "GuessEnvConfig", "GuessTaskset", "GuessTask", "GuessData", "GuessConfig", "feedback"]
+__all__ = ["GuessEnv", "GuessEnvConfig", "GuessTaskset", "GuessTask", "GuessData", "GuessConfig", "feedback", "guess_of"]
 
 _EVAL_GAMES = 100_000
 """Eval games are numbered from here, train games from 0: the splits never share a prompt."""
@@ -38,6 +41,8 @@ class GuessConfig(vf.TasksetConfig):
     max_guesses: int = 4
     """Guesses before the environment gives up (4 find any secret in 1..8 by halving)."""
     seed: int = 0
+    valid_guess_weight: float = 0.0
+    """Weight of the shaping reward `valid_guess`: the share of replies whose guess lies in 1..high (0: off)."""
 
 
 class GuessData(vf.TaskData):
@@ -61,12 +66,17 @@ class GuessTaskset(vf.Taskset[GuessTask, GuessConfig]):
             yield GuessTask(GuessData(id=f"{cfg.split}-{i}", prompt=prompt, secret=rng.randint(1, cfg.high)), cfg.task)
 
 
+def guess_of(reply: str) -> int | None:
+    """A reply's guess: its first integer, None when it has none."""
+    numbers = re.findall(r"\d+", reply)
+    return int(numbers[0]) if numbers else None
+
+
 def feedback(reply: str, secret: int) -> str | None:
     """What the environment says to a reply; None when its first integer is the secret."""
-    numbers = re.findall(r"\d+", reply)
-    if not numbers:
+    guess = guess_of(reply)
+    if guess is None:
         return "Answer with a number."
-    guess = int(numbers[0])
     if guess == secret:
         return None
     return "Higher." if guess < secret else "Lower."
@@ -78,17 +88,21 @@ class GuessEnvConfig(vf.EnvConfig):
 
 class GuessEnv(vf.Env[GuessEnvConfig]):
     async def run(self, task: GuessTask, agents) -> None:
-        limit = self.taskset.config.max_guesses
-        guesses, found = 0, False
+        cfg = self.taskset.config
+        limit = cfg.max_guesses
+        guesses, valid, found = 0, 0, False
         async with agents.agent.interaction(task) as talk:
             segment = await talk.turn()  # the prompted task opens the conversation
             while not segment.terminated:  # a turn or token limit ends the game early
                 guesses += 1
+                valid += int(1 <= (guess_of(segment.last_reply) or 0) <= cfg.high)
                 said = feedback(segment.last_reply, task.data.secret)
                 if said is None or guesses == limit:
                     found = said is None
                     break
                 segment = await talk.turn(said)
         talk.trace.record_reward("found_in", 1.0 / guesses if found else 0.0, 1.0)
+        if cfg.valid_guess_weight:
+            talk.trace.record_reward("valid_guess", valid / max(guesses, 1), cfg.valid_guess_weight)
         talk.trace.record_metric("guesses", float(guesses))
         talk.trace.record_metric("found", float(found))
