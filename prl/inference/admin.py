@@ -365,7 +365,7 @@ def _record_metrics(state: AdminState, request: Request) -> None:
         state.run.append_metrics({
             "role": "inference", "step": u.get("step"), "event": "weights_loaded",
             "server": f"{socket.gethostname()}:{request.url.port}",
-            "weight_update_s": round(u.get("seconds", 0.0), 4), "time": u.get("time"),
+            "weight_update_s": round(u.get("seconds", 0.0), 4), "weights_path": u.get("path"), "time": u.get("time"),
         })
     except OSError:
         pass

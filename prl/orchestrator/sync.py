@@ -13,10 +13,14 @@ Every request carries the run's API key (`auth_headers`) when the role runner se
 
 The weight watcher polls `weights/` for the newest STABLE step K and tells
 every server behind on it to load it (`POST /prl/weights {"step": K}`), with
-retries and back-off. A server that still fails is recorded in
-state/orchestrator.json and metrics, and after `weight_update_retries`
-attempts the watcher fails the orchestrator with an error naming the server,
-the step and the server's answer. It also asks `GET /prl/live` now and then,
+retries and back-off. With `weights.transport: memory` the trainer also records
+the newest step its ranks' feeds serve (`RunDir.weights_feed`); the newer of the
+two wins (disk on a tie), and a step from memory is posted as
+`{"step": K, "feeds": [...]}`. A feed that answers for a newer step than asked
+(the trainer moved on meanwhile) is not a failure: the watcher asks for the newer
+one. A server that still fails is recorded in state/orchestrator.json and
+metrics, and after `weight_update_retries` attempts the watcher fails the
+orchestrator with an error naming the server, the step and the server's answer. It also asks `GET /prl/live` now and then,
 so a server that restarted (back to the base weights) is noticed and updated.
 """
 
@@ -321,15 +325,28 @@ class WeightWatcher:
         if self.pool.admin and self.pool.follow_endpoints:
             self.run.pin_weights("orchestrator", min(s.version for s in self.pool.admin))
 
+    def newest(self) -> tuple[int, dict] | None:
+        """The newest weights step the servers may load and the `/prl/weights` body that loads it: the newest
+        published step, or a newer one the trainer's feeds serve from memory."""
+        if not weights_trusted(self.run):
+            return None
+        disk, feed = self.run.latest_stable("weights"), self.run.weights_feed()
+        if feed is not None and (disk is None or feed[0] > disk):
+            return feed[0], {"step": feed[0], "feeds": feed[1]}
+        return (disk, {"step": disk}) if disk is not None else None
+
     async def push(self, client: httpx.AsyncClient, server: Server, step: int) -> None:
         delay = 1.0
-        for attempt in range(1, self.retries + 1):
-            latest = self.run.latest_stable("weights")
-            if latest is not None and latest > step:
-                step = latest  # a newer step appeared while we retried; an older one may be cleaned up
+        attempt = 0
+        while attempt < self.retries:
+            attempt += 1
+            newest = self.newest()
+            body = {"step": step}
+            if newest is not None and newest[0] >= step:
+                step, body = newest  # a newer step appeared while we retried; an older one may be cleaned up
             t0 = time.monotonic()
             try:
-                r = await client.post(f"{server.url}/prl/weights", json={"step": step}, timeout=600)
+                r = await client.post(f"{server.url}/prl/weights", json=body, timeout=600)
                 if r.status_code == 200:
                     server.version, server.failures, server.error = step, 0, None
                     if server.rejoining:
@@ -344,6 +361,12 @@ class WeightWatcher:
                     # look again at what is published; not a failure of the server.
                     log.info("%s: weights step %d is not published (409); waiting", server.url, step)
                     return
+                moved = self.newest()
+                if r.status_code == 502 and "feeds" in body and moved is not None and moved[0] > step:
+                    # The feeds serve only their newest step, and the trainer published another meanwhile.
+                    log.info("%s: weights step %d left the feeds; asking for step %d", server.url, step, moved[0])
+                    attempt -= 1
+                    continue
                 why = f"HTTP {r.status_code}: {r.text[:300]}"
             except httpx.HTTPError as e:
                 why = f"{type(e).__name__}: {e}"
@@ -374,9 +397,9 @@ class WeightWatcher:
                         await self.sync_live(client)
                         last_live = time.monotonic()
                     self.pin()
-                    latest = self.run.latest_stable("weights") if weights_trusted(self.run) else None
-                    if latest is not None and latest > self.pool.target:
-                        self.pool.target = latest
+                    newest = self.newest()
+                    if newest is not None and newest[0] > self.pool.target:
+                        self.pool.target = newest[0]
                     behind = [s for s in self.pool.admin if (s.alive or s.rejoining) and s.version < self.pool.target]
                     if behind:
                         await asyncio.gather(*(self.push(client, s, self.pool.target) for s in behind))
