@@ -518,6 +518,11 @@ def test_the_watcher_pushes_steps_from_memory_and_follows_the_feeds_forward(tmp_
 
         asyncio.run(push(2))
         assert server.version == 2 and engine.feed_requests == [2] and engine.weight_requests == [2]
+        assert server.disk_version == 0  # a failed update rolls it back to the base model, not to step 2
+        watcher.pool.follow_endpoints = True
+        watcher.pin()
+        assert run.weight_pins() == {"orchestrator": 0}
+        watcher.pool.follow_endpoints = False
         # The trainer published step 4 to its feeds while step 3 was being asked for.
         run.write_weights_feed(3, ["h:1"])
         engine.feed_step = 4
@@ -534,6 +539,8 @@ def test_the_watcher_pushes_steps_from_memory_and_follows_the_feeds_forward(tmp_
         watcher.newest = real_newest
         run.publish_dir(run.weights(4), _write({"w": b"1"}), step=4)
         assert watcher.newest() == (4, {"step": 4})  # a checkpoint step: disk on a tie
+        asyncio.run(push(4))
+        assert (server.version, server.disk_version) == (4, 4)
         run.clear_weights_feed()
         assert run.weights_feed() is None
 

@@ -90,6 +90,7 @@ def test_a_step_from_memory_is_served_and_bad_feeds_change_nothing(keyed_server,
               f"memory {memory['seconds']:.3f} s (load {memory['load_seconds']:.3f} s)")
         live = server.get("/prl/live")
         assert (live["weights_step"], live["weights_path"], live["ok"]) == (2, "memory:step_2", True)
+        assert live["disk_step"] == 1  # what a failed update would roll back to
         after = assert_serves(server, ref, prompts)
 
         # A feed with another key: refused before any weight is touched, named in the answer.

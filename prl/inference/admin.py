@@ -1,6 +1,6 @@
 """Admin endpoints of the inference server: liveness, pause/resume, weight updates.
 
-    GET  /prl/live     {"ok", "weights_step", "weights_path", "paused", "model", "updates", ...}
+    GET  /prl/live     {"ok", "weights_step", "weights_path", "disk_step", "paused", "model", "updates", ...}
     POST /prl/pause    {"mode": "keep"|"wait"|"abort"} (default "wait") -> {"paused": true, "mode"}
     POST /prl/resume   -> {"paused": false}
     POST /prl/weights  {"step": N} | {"path": "/abs/dir"} | {"step": N, "feeds": ["host:port", ...]}
@@ -132,6 +132,7 @@ async def live(request: Request):
         "ok": state.broken is None,
         "weights_step": state.weights_step,
         "weights_path": state.weights_path,
+        "disk_step": state.disk[1] if state.disk else None,
         "paused": paused,
         "model": state.model_name,
         "updates": state.updates,
@@ -237,6 +238,7 @@ async def load(engine, target: WeightsTarget | FeedTarget) -> float:
     """Load `target` in every worker; the slowest worker's seconds."""
     if isinstance(target, WeightsTarget):
         results = await engine.collective_rpc("prl_load_weights", args=(str(target.path),))
+        await engine.update_weight_version(str(target.step or 0))  # vLLM's stamp on outputs, as a feed update sets it
         return max(r["seconds"] for r in results)
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
@@ -261,6 +263,7 @@ async def recover(state: AdminState, engine, target: WeightsTarget | FeedTarget,
         state.broken = f"{error}; rollback to {path} failed too: {type(e).__name__}: {e}"
         return _error(500, state.broken)
     state.weights_path, state.weights_step = path, step
+    await engine.update_weight_version(str(step or 0))
     return _error(500, f"{error}; rolled back to {path}")
 
 

@@ -66,6 +66,8 @@ class Server:
     role: str = "inference"
     version: int = 0
     """Weights step this server is known to serve (0: the base model)."""
+    disk_version: int = 0
+    """Weights step it last loaded from disk, which it rolls back to (`version` unless that came from memory)."""
     inflight: int = 0
     failures: int = 0
     """Consecutive failed weight updates."""
@@ -246,14 +248,16 @@ async def served_model(fleet: Fleet) -> str:
     return data[0]["id"]
 
 
-async def live_version(client: httpx.AsyncClient, server: Server) -> int | None:
-    """The server's own account of its weights step (None if it does not say)."""
+async def live_versions(client: httpx.AsyncClient, server: Server) -> tuple[int, int] | None:
+    """The server's own account of its weights step and of the step it loaded last from disk, which it
+    rolls back to (the same step when it does not say); None if it does not answer."""
     try:
         r = await client.get(f"{server.url}/prl/live", timeout=10)
         if r.status_code == 200:
-            step = r.json().get("weights_step")
-            return int(step) if step is not None else 0  # null: still the base model
-    except (httpx.HTTPError, ValueError):
+            live = r.json()
+            step = int(live.get("weights_step") or 0)  # null: still the base model
+            return step, int(live.get("disk_step", step) or 0)
+    except (httpx.HTTPError, ValueError, TypeError):
         pass
     return None
 
@@ -276,8 +280,11 @@ class WeightWatcher:
         for s in self.pool.admin:
             if not s.alive:
                 continue  # `follow` asks a returning server itself
-            v = await live_version(client, s)
-            if v is not None and v != s.version:
+            versions = await live_versions(client, s)
+            if versions is None:
+                continue
+            v, s.disk_version = versions
+            if v != s.version:
                 if v < s.version:
                     log.warning("%s reports weights step %d, expected %d (restarted?)", s.url, v, s.version)
                 s.version = v
@@ -312,8 +319,9 @@ class WeightWatcher:
                 log.warning("%s does not answer /health; out of rotation", s.url)
                 s.alive, s.rejoining = False, True
             if s.rejoining:
-                v = await live_version(client, s)
-                if v is not None:
+                versions = await live_versions(client, s)
+                if versions is not None:
+                    v, s.disk_version = versions
                     s.version = v
                     if v >= self.pool.target:
                         s.alive, s.rejoining = True, False
@@ -321,9 +329,10 @@ class WeightWatcher:
         self.pool.notify()
 
     def pin(self) -> None:
-        """Keep on disk every weights step a server serves or could roll back to (the run's cleanup reads it)."""
+        """Keep on disk every weights step a server serves or could roll back to (the run's cleanup reads it):
+        a server on a step from memory rolls back to the step it last loaded from disk."""
         if self.pool.admin and self.pool.follow_endpoints:
-            self.run.pin_weights("orchestrator", min(s.version for s in self.pool.admin))
+            self.run.pin_weights("orchestrator", min(min(s.version, s.disk_version) for s in self.pool.admin))
 
     def newest(self) -> tuple[int, dict] | None:
         """The newest weights step the servers may load and the `/prl/weights` body that loads it: the newest
@@ -349,6 +358,8 @@ class WeightWatcher:
                 r = await client.post(f"{server.url}/prl/weights", json=body, timeout=600)
                 if r.status_code == 200:
                     server.version, server.failures, server.error = step, 0, None
+                    if "feeds" not in body:
+                        server.disk_version = step
                     if server.rejoining:
                         server.alive, server.rejoining = True, False
                         log.info("%s rejoined on weights step %d", server.url, step)
