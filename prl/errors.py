@@ -56,6 +56,18 @@ class StepTimeout(RunDirError):
     """A role waited longer than its limit for another role's step."""
 
 
+class FeedError(PrlError):
+    """A weight feed (prl/run/feed.py) could not hand over a step: refused, gone, or cut mid-stream."""
+
+    def __init__(self, address: str, reason: str):
+        super().__init__(f"weight feed {address}: {reason}")
+        self.address = address
+        self.reason = reason
+
+    def __reduce__(self):  # crosses process boundaries (a vLLM worker's RPC error)
+        return FeedError, (self.address, self.reason)
+
+
 def needs_extra(module: str, extra: str, command: str) -> ModuleType:
     """`module`, imported; ConfigError naming the extra that installs it when it is missing."""
     try:

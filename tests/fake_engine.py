@@ -7,6 +7,7 @@ It speaks the parts of the `prl inference` API the orchestrator uses:
     POST /inference/v1/generate        token-level generate (verifiers' train client)
     POST /v1/chat/completions          plain chat (the eval client)
     POST /prl/weights {"step": N}      "load" RUN/weights/step_N (checks the STABLE marker)
+    POST /prl/weights {"step": N, "feeds": [...]}   "load" step N from memory (502 unless `feed_step` is N)
     GET  /prl/live                     {"weights_step": N, ...}
     POST /prl/pause, /prl/resume
 
@@ -82,6 +83,9 @@ class FakeEngine:
         self.weights_fail = False
         self.requests = 0
         self.weight_requests: list[int] = []
+        self.feed_requests: list[int] = []
+        self.feed_step: int | None = None
+        """The step the trainer's feeds hold, as this server would find them (None: whatever it is asked)."""
         self.generate_bodies: list[dict] = []
         self.port = port
         """Port to listen on (0: any free one; a restarted server comes back on its old port)."""
@@ -163,7 +167,12 @@ class FakeEngine:
         self.weight_requests.append(step)
         if self.weights_fail:
             return web.json_response({"error": "injected weight-load failure"}, status=500)
-        if self.run_dir is not None and not (self.run_dir / "weights" / f"step_{step}" / "STABLE").is_file():
+        if "feeds" in body:
+            self.feed_requests.append(step)
+            if self.feed_step not in (None, step):
+                return web.json_response({"error": f"weight feed h:1: holds step {self.feed_step}, not step {step}"},
+                                         status=502)
+        elif self.run_dir is not None and not (self.run_dir / "weights" / f"step_{step}" / "STABLE").is_file():
             return web.json_response({"error": f"weights/step_{step} is not published"}, status=409)
         self.weights_step = step
         return web.json_response({"weights_step": step})

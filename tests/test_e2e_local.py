@@ -90,6 +90,23 @@ def test_local_rl_run_learns_within_the_staleness_bound(tmp_path, env):
     assert status["state"] == "COMPLETED" and status["progress"]["trainer_step"] == steps
 
 
+def test_local_rl_run_with_weights_in_memory(tmp_path, env):
+    """`weights.transport: memory`: the servers load the steps between checkpoints from the trainer ranks'
+    feeds; only checkpoint steps (and the last) reach weights/ on disk, and the run completes."""
+    model = build_tiny_model(tmp_path / "model")
+    run = tmp_path / "run"
+    steps = 6
+    records = submit_local(env, "configs/local-tiny.yaml", model, run, f"training.max_steps={steps}",
+                           "training.checkpoint_interval=3", "weights.transport=memory", "cluster.port_base=21700")
+    assert sorted(r["step"] for r in records if r["role"] == "trainer") == list(range(1, steps + 1))
+    loaded = [r for r in records if r["role"] == "inference" and r.get("event") == "weights_loaded"]
+    from_memory = {r["step"] for r in loaded if str(r["weights_path"]).startswith("memory:")}
+    from_disk = {r["step"] for r in loaded} - from_memory
+    assert from_memory and from_memory <= {1, 2, 4, 5} and from_disk <= {3, 6}, loaded
+    on_disk = {int(p.name.removeprefix("step_")) for p in (run / "weights").glob("step_*")}
+    assert steps in on_disk and on_disk <= {3, 6}, on_disk
+
+
 def test_local_rl_run_learns_the_multi_turn_guessing_game(tmp_path, env):
     """configs/tiny-guess.yaml: the tiny model plays prl_guess (up to 4 turns, the environment answering
     "Higher."/"Lower."), each rollout one token-exact sequence; the reward rises (measured: 0.10 over the first

@@ -252,6 +252,9 @@ def test_split_args_defaults():
     assert ours.run_dir == "/r" and ours.api_key_env is None
     assert rest[rest.index("--host") + 1] == "127.0.0.1"
     assert rest[rest.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
+    assert json.loads(rest[rest.index("--weight-transfer-config") + 1]) == {"backend": "prl_feed"}
+    _, rest = split_args(["--run-dir", "/r", "--weight-transfer-config", '{"backend":"nccl"}'])
+    assert rest.count("--weight-transfer-config") == 1
     _, rest = split_args(["--run-dir", "/r", "--host", "10.0.0.5", "--api-key-env", "K"])
     assert rest.count("--host") == 1 and "10.0.0.5" in rest
     with pytest.raises(SystemExit):

@@ -522,6 +522,58 @@ def test_the_watcher_drops_a_dead_server_and_takes_it_back_on_the_newest_weights
         a.stop()
 
 
+def test_the_watcher_pushes_steps_from_memory_and_follows_the_feeds_forward(tmp_path):
+    """weights.transport: memory: the newer of disk and the feed record wins (disk on a tie); a feed that
+    moved on to a newer step is asked for that step, not counted as a failure."""
+    import asyncio
+
+    import httpx
+
+    from prl.orchestrator.sync import Server, ServerPool, WeightWatcher
+    from tests.fake_engine import FakeEngine
+
+    run = RunDir(tmp_path / "run").create()
+    run.publish_dir(run.weights(1), _write({"w": b"1"}), step=1)
+    with FakeEngine(run_dir=run.root) as engine:
+        server = Server(engine.url)
+        watcher = WeightWatcher(run, ServerPool(generate=[server], admin=[server]), poll=0.05)
+        assert watcher.newest() == (1, {"step": 1})
+        run.write_weights_feed(2, ["h:1", "h:2"])
+        assert watcher.newest() == (2, {"step": 2, "feeds": ["h:1", "h:2"]})
+
+        async def push(step: int) -> None:
+            async with httpx.AsyncClient() as client:
+                await watcher.push(client, server, step)
+
+        asyncio.run(push(2))
+        assert server.version == 2 and engine.feed_requests == [2] and engine.weight_requests == [2]
+        assert server.disk_version == 0  # a failed update rolls it back to the base model, not to step 2
+        watcher.pool.follow_endpoints = True
+        watcher.pin()
+        assert run.weight_pins() == {"orchestrator": 0}
+        watcher.pool.follow_endpoints = False
+        # The trainer published step 4 to its feeds while step 3 was being asked for.
+        run.write_weights_feed(3, ["h:1"])
+        engine.feed_step = 4
+        real_newest = watcher.newest
+
+        def newest_then_moved():
+            found = real_newest()
+            run.write_weights_feed(4, ["h:1"])  # from now on the record says 4
+            return found
+
+        watcher.newest = newest_then_moved
+        asyncio.run(push(3))
+        assert server.version == 4 and server.failures == 0 and engine.feed_requests == [2, 3, 4]
+        watcher.newest = real_newest
+        run.publish_dir(run.weights(4), _write({"w": b"1"}), step=4)
+        assert watcher.newest() == (4, {"step": 4})  # a checkpoint step: disk on a tie
+        asyncio.run(push(4))
+        assert (server.version, server.disk_version) == (4, 4)
+        run.clear_weights_feed()
+        assert run.weights_feed() is None
+
+
 def test_a_restarted_server_starts_on_the_newest_published_weights(tmp_path):
     from prl.job.runtimes import latest_weights_args
 

@@ -104,6 +104,13 @@ class Router(Strict, kw_only=True):
     """Port of the router in front of prefill/decode servers (None: the cluster's port base)."""
 
 
+class Weights(Strict, kw_only=True):
+    transport: Literal["filesystem", "memory"] = "filesystem"
+    """How each step's weights reach the inference servers: `filesystem` (every step published to
+    RUN/weights/step_N and read back), or `memory` (each trainer rank serves its share over TCP to the
+    servers' vLLM workers; only checkpoint steps and the last step are published to disk)."""
+
+
 class KVOffload(Strict, kw_only=True):
     backend: Literal["none", "native", "lmcache"] = "none"
     """KV-cache offload: off, vLLM's native CPU offload, or LMCache."""
@@ -429,6 +436,8 @@ class Topology(Strict, kw_only=True):
     sft: Optional[SFT] = None
     """Supervised fine-tuning instead of RL: a trainer-only job (then no inference, orchestrator, environment)."""
     training: Training
+    weights: Weights = Weights()
+    """RL only: how new weights move from the trainer to the inference servers."""
     slurm: Slurm = Slurm()
     wandb: Optional[WandB] = None
     """Log metrics to W&B during the run (None: `prl wandb RUN` when you want). Nodes without internet:
@@ -441,6 +450,9 @@ class Topology(Strict, kw_only=True):
             stray = [name for name in _RL_ONLY if given[name]]
             if stray:
                 raise FieldValueError(stray[0], f"an SFT topology (sft:) runs the trainer alone: remove {stray[0]}")
+            if self.weights.transport != "filesystem":
+                raise FieldValueError("weights", "an SFT topology (sft:) has no inference servers to send weights "
+                                                 "to: remove weights.transport")
         else:
             for name in ("inference", "environment"):
                 if getattr(self, name) is None:

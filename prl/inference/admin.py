@@ -1,9 +1,10 @@
 """Admin endpoints of the inference server: liveness, pause/resume, weight updates.
 
-    GET  /prl/live     {"ok", "weights_step", "weights_path", "paused", "model", "updates", ...}
+    GET  /prl/live     {"ok", "weights_step", "weights_path", "disk_step", "paused", "model", "updates", ...}
     POST /prl/pause    {"mode": "keep"|"wait"|"abort"} (default "wait") -> {"paused": true, "mode"}
     POST /prl/resume   -> {"paused": false}
-    POST /prl/weights  {"step": N} | {"path": "/abs/dir"} [, "mode": "keep"|"wait"|"abort"]
+    POST /prl/weights  {"step": N} | {"path": "/abs/dir"} | {"step": N, "feeds": ["host:port", ...]}
+                       [, "mode": "keep"|"wait"|"abort"]
                        -> {"step", "path", "seconds", "load_seconds", "pause_seconds", "kv_storage_cleared"}
 
 A weight update is validated completely before any weight is touched (the
@@ -14,9 +15,18 @@ computed with the old weights (`invalidate_kv`: the prefix cache, the KV
 connector's cache, and `ExampleConnector`'s storage, which vLLM does not
 reset), resume (unless the server was paused before the update). Updates are
 serialized.
-If loading fails part-way, the previously served weights are loaded again;
-if that fails too, `/prl/live` answers 503 with `"ok": false` so the
-launcher replaces the server.
+
+With "feeds", the step comes from the trainer ranks' weight feeds, in memory,
+through vLLM's weight-transfer RPCs (`start_weight_update`, `update_weights`,
+`finish_weight_update`, which stamps vLLM's weight version with the step) and
+the "prl_feed" engine (prl/inference/feed_engine.py); `/prl/live` then
+reports `"weights_path": "memory:step_N"`. A feed that refuses (wrong key,
+another step) or a step whose tensors are not the served ones is refused
+before any weight is touched: 502, the old weights keep serving.
+
+If loading fails part-way, the last weights the server loaded from disk are
+loaded again (and reported); if that fails too, `/prl/live` answers 503 with
+`"ok": false` so the launcher replaces the server.
 """
 
 from __future__ import annotations
@@ -32,9 +42,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from prl.inference.checks import (
+    FeedTarget,
     UpdateRefused,
+    WeightsTarget,
     checkpoint_layout,
     compare_layouts,
+    resolve_feeds,
     resolve_weights_dir,
 )
 from prl.run.rundir import RunDir, step_of
@@ -63,10 +76,12 @@ class AdminState:
     run: RunDir
     model_name: str
     weights_path: str
-    """Directory of the weights being served (the --model dir at start)."""
+    """Directory of the weights being served (the --model dir at start), or memory:step_N."""
     layout: dict[str, tuple[int, ...]] | None
     """Tensor names and shapes an update must match (None: --model is not a local dir)."""
     weights_step: int | None = None
+    disk: tuple[str, int | None] | None = None
+    """The last weights loaded from disk (directory, step): what a failed update rolls back to."""
     updates: int = 0
     last_update: dict | None = None
     broken: str | None = None
@@ -117,6 +132,7 @@ async def live(request: Request):
         "ok": state.broken is None,
         "weights_step": state.weights_step,
         "weights_path": state.weights_path,
+        "disk_step": state.disk[1] if state.disk else None,
         "paused": paused,
         "model": state.model_name,
         "updates": state.updates,
@@ -149,11 +165,15 @@ async def resume(request: Request):
     return {"paused": False}
 
 
-def checked_target(state, body: dict):
+def checked_target(state, body: dict) -> tuple[WeightsTarget | FeedTarget, str]:
     """The weights step a `/prl/weights` body names and the pause mode, checked before the model is touched:
-    inside the run's weights, STABLE, readable, and laid out as the served model is (UpdateRefused if not)."""
+    inside the run's weights, STABLE, readable, and laid out as the served model is (UpdateRefused if not).
+    A step from feeds is checked here for its form only; the worker checks its layout before loading."""
     mode = _mode(body, "keep")
-    target = resolve_weights_dir(state.run, {k: v for k, v in body.items() if k != "mode"})
+    body = {k: v for k, v in body.items() if k != "mode"}
+    if "feeds" in body:
+        return resolve_feeds(body), mode
+    target = resolve_weights_dir(state.run, body)
     if state.layout is not None:
         compare_layouts(state.layout, checkpoint_layout(target.path), target.path)
     else:
@@ -179,15 +199,9 @@ async def update_weights(request: Request):
         await engine.pause_generation(mode=mode, clear_cache=False)
         pause_seconds = time.perf_counter() - t_pause
         try:
-            results = await engine.collective_rpc("prl_load_weights", args=(str(target.path),))
+            load_seconds = await load(engine, target)
         except Exception as e:  # noqa: BLE001 - any worker failure: roll back, then report
-            error = f"loading {target.path} failed: {type(e).__name__}: {e}"
-            try:
-                await engine.collective_rpc("prl_load_weights", args=(state.weights_path,))
-            except Exception as e2:  # noqa: BLE001
-                state.broken = f"{error}; rollback to {state.weights_path} failed too: {type(e2).__name__}: {e2}"
-                return _error(500, state.broken)
-            return _error(500, f"{error}; rolled back to {state.weights_path}")
+            return await recover(state, engine, target, f"loading {target.path} failed: {type(e).__name__}: {e}")
         finally:
             # KV computed with the old weights must not serve new requests; in-flight ones recompute.
             try:
@@ -202,13 +216,15 @@ async def update_weights(request: Request):
 
         seconds = time.perf_counter() - t0
         state.weights_path, state.weights_step = str(target.path), target.step
+        if isinstance(target, WeightsTarget):
+            state.disk = (str(target.path), target.step)
         state.updates += 1
         state.last_update = {
             "step": target.step,
             "path": str(target.path),
             "seconds": seconds,
             "pause_seconds": pause_seconds,
-            "load_seconds": max(r["seconds"] for r in results),
+            "load_seconds": load_seconds,
             "kv_storage_cleared": cleared,
             "time": time.time(),
         }
@@ -216,6 +232,48 @@ async def update_weights(request: Request):
     return {"step": target.step, "path": str(target.path), "seconds": seconds,
             "pause_seconds": pause_seconds, "load_seconds": state.last_update["load_seconds"],
             "kv_storage_cleared": cleared}
+
+
+async def load(engine, target: WeightsTarget | FeedTarget) -> float:
+    """Load `target` in every worker; the slowest worker's seconds."""
+    if isinstance(target, WeightsTarget):
+        results = await engine.collective_rpc("prl_load_weights", args=(str(target.path),))
+        await engine.update_weight_version(str(target.step or 0))  # vLLM's stamp on outputs, as a feed update sets it
+        return max(r["seconds"] for r in results)
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+    await engine.start_weight_update()
+    await engine.update_weights(WeightTransferUpdateRequest({"step": target.step, "feeds": list(target.feeds)}))
+    await engine.finish_weight_update(weight_version=str(target.step))
+    return max(r["seconds"] for r in await engine.collective_rpc("prl_feed_report"))
+
+
+async def recover(state: AdminState, engine, target: WeightsTarget | FeedTarget, error: str) -> JSONResponse:
+    """The answer to a failed load. A feed update refused before any worker touched its model keeps the
+    old weights (502); otherwise the last disk weights are loaded again, or the server is marked broken."""
+    if isinstance(target, FeedTarget) and not await _feed_touched(engine):
+        return _error(502, f"{error}; nothing was loaded, still serving {state.weights_path}")
+    if state.disk is None:
+        state.broken = f"{error}; the server has no weights on disk to roll back to"
+        return _error(500, state.broken)
+    path, step = state.disk
+    try:
+        await engine.collective_rpc("prl_load_weights", args=(path,))
+    except Exception as e:  # noqa: BLE001
+        state.broken = f"{error}; rollback to {path} failed too: {type(e).__name__}: {e}"
+        return _error(500, state.broken)
+    state.weights_path, state.weights_step = path, step
+    await engine.update_weight_version(str(step or 0))
+    return _error(500, f"{error}; rolled back to {path}")
+
+
+async def _feed_touched(engine) -> bool:
+    """Whether any worker's feed engine began loading in the failed update (True when it cannot tell)."""
+    try:
+        reports = await engine.collective_rpc("prl_feed_report")
+    except Exception:  # noqa: BLE001 - unknown: assume the worst and roll back
+        return True
+    return any(r.get("touched", True) for r in reports)
 
 
 async def invalidate_kv(engine, timeout: float | None = None) -> int:
@@ -310,7 +368,7 @@ def _record_metrics(state: AdminState, request: Request) -> None:
         state.run.append_metrics({
             "role": "inference", "step": u.get("step"), "event": "weights_loaded",
             "server": f"{socket.gethostname()}:{request.url.port}",
-            "weight_update_s": round(u.get("seconds", 0.0), 4), "time": u.get("time"),
+            "weight_update_s": round(u.get("seconds", 0.0), 4), "weights_path": u.get("path"), "time": u.get("time"),
         })
     except OSError:
         pass
@@ -327,5 +385,6 @@ def initial_state(run: RunDir, model: str, model_name: str) -> AdminState:
             layout = None  # e.g. a GGUF or .bin model: updates are then checked for readability only
     # A restarted server starts on a published step (prl/job/runtimes.py): it reports that step, not the base.
     step = step_of(path) if path.is_dir() and path.resolve().parent == run.weights_root() else None
-    return AdminState(run=run, model_name=model_name, weights_path=str(path.resolve()) if path.is_dir() else model,
-                      layout=layout, weights_step=step)
+    weights_path = str(path.resolve()) if path.is_dir() else model
+    return AdminState(run=run, model_name=model_name, weights_path=weights_path, layout=layout, weights_step=step,
+                      disk=(weights_path, step) if path.is_dir() else None)

@@ -7,6 +7,9 @@ tests exercise them without a server.
   into a published directory under `RUN/weights/`. Anything that resolves
   outside it (a foreign path, `..`, a symlink escape) is refused with 403;
   a step that is not published yet (no STABLE marker) with 409.
+- `resolve_feeds`: a `{"step": N, "feeds": ["host:port", ...]}` body, to load
+  from the trainer's weight feeds (prl/inference/feed_engine.py checks the
+  feeds' names and shapes in the worker, before loading).
 - `checkpoint_layout` / `compare_layouts`: read the safetensors headers (names,
   shapes) of a directory and check they match what the server serves, so a
   wrong checkpoint is refused instead of half-loaded.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +32,9 @@ MAX_STEP = 2**31 - 1
 """Largest weights step a request may name."""
 MAX_PATH = 4096
 """Longest weights path a request may name (Linux's PATH_MAX)."""
+MAX_FEEDS = 1024
+"""Most weight feeds one memory update may name (one per trainer rank; the list fits an admin body)."""
+_FEED_HOST = re.compile(r"[A-Za-z0-9._-]{1,253}")
 MAX_HEADER_BYTES = 100_000_000
 """Largest safetensors header read (the safetensors library's own bound)."""
 MAX_INDEX_BYTES = 64 << 20
@@ -53,6 +60,44 @@ class WeightsTarget:
     """Policy version, from the directory name step_N (None for another name)."""
 
 
+@dataclass(frozen=True)
+class FeedTarget:
+    """A step to load from the trainer ranks' weight feeds (prl/run/feed.py)."""
+
+    step: int
+    feeds: tuple[str, ...]
+    """host:port of each feed, one per trainer rank."""
+
+    @property
+    def path(self) -> str:
+        """What /prl/live reports as the weights' origin."""
+        return f"memory:step_{self.step}"
+
+
+def checked_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= MAX_STEP:
+        raise UpdateRefused(400, f'"step" must be an integer in [1, {MAX_STEP}], got {str(step)[:40]!r}')
+    return step
+
+
+def resolve_feeds(body: Any) -> FeedTarget:
+    """The step and feeds a `POST /prl/weights {"step", "feeds"}` body names, or `UpdateRefused(400)`."""
+    if not isinstance(body, dict) or set(body) != {"step", "feeds"}:
+        raise UpdateRefused(400, 'a memory update body is {"step": N, "feeds": ["host:port", ...]}, '
+                                 f'got the fields {sorted(body)[:5] if isinstance(body, dict) else body!r}')
+    step, feeds = checked_step(body["step"]), body["feeds"]
+    if not isinstance(feeds, list) or not 1 <= len(feeds) <= MAX_FEEDS:
+        raise UpdateRefused(400, f'"feeds" must be a list of 1 to {MAX_FEEDS} "host:port" strings, '
+                                 f'got {str(feeds)[:80]!r}')
+    for feed in feeds:
+        host, _, port = feed.rpartition(":") if isinstance(feed, str) else ("", "", "")
+        if not (_FEED_HOST.fullmatch(host) and port.isdigit() and 1 <= int(port) <= 65535):
+            raise UpdateRefused(400, f'"feeds" entries must be "host:port", got {str(feed)[:80]!r}')
+    if len(set(feeds)) != len(feeds):
+        raise UpdateRefused(400, '"feeds" names a feed twice')
+    return FeedTarget(step, tuple(feeds))
+
+
 def _inside(path: Path, root: Path) -> bool:
     return path != root and os.path.commonpath([str(path), str(root)]) == str(root)
 
@@ -63,10 +108,7 @@ def resolve_weights_dir(run: RunDir, body: Any) -> WeightsTarget:
         raise UpdateRefused(400, 'body must be a JSON object with exactly one of "step" (int) or "path" (str)')
     root = run.weights_root()
     if "step" in body:
-        step = body["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= MAX_STEP:
-            raise UpdateRefused(400, f'"step" must be an integer in [1, {MAX_STEP}], got {str(step)[:40]!r}')
-        requested = run.weights(step)
+        requested = run.weights(checked_step(body["step"]))
     else:
         raw = body["path"]
         if not isinstance(raw, str) or not raw or len(raw) > MAX_PATH or "\0" in raw:

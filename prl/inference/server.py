@@ -6,7 +6,9 @@ The app is built from vLLM's own launcher pieces (its `vllm serve` argument
 parser, `build_async_engine_client`, `build_app`, `init_app_state`,
 `serve_http`), with prl's routers included and
 `--worker-extension-cls prl.inference.worker.WeightUpdater` added so weight
-loading runs inside every worker. Nothing in vLLM is patched.
+loading runs inside every worker, and `--weight-transfer-config
+'{"backend": "prl_feed"}'` so a worker can load a step from the trainer's
+weight feeds (prl/inference/feed_engine.py). Nothing in vLLM is patched.
 
 Binding: `--host` as given (the launcher passes the node's cluster address);
 without it 127.0.0.1, never all interfaces by default. With `--api-key-env
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
+import json
 import os
 import signal
 import sys
@@ -28,9 +31,11 @@ from pathlib import Path
 
 from prl.errors import ConfigError
 from prl.log import get_logger, init_logging
-from prl.run.rundir import RunDir
+from prl.run.rundir import API_KEY_VAR, RunDir
 
 WORKER_EXTENSION = "prl.inference.worker.WeightUpdater"
+FEED_BACKEND = "prl_feed"
+"""vLLM weight-transfer backend that loads steps from the trainer's weight feeds (prl/inference/feed_engine.py)."""
 OPEN_PATHS = ("/health",)
 """Paths served without the API key (the launcher's readiness probe)."""
 
@@ -57,6 +62,10 @@ def split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                          "(weight updates run in it); subclass it to add your own methods")
     else:
         rest += ["--worker-extension-cls", WORKER_EXTENSION]
+    if "--weight-transfer-config" not in flags:
+        # Every server can take a step from memory as well as from disk: the engine is idle until an
+        # update names feeds, so a server started from disk joins the in-memory stream with no flag.
+        rest += ["--weight-transfer-config", json.dumps({"backend": FEED_BACKEND})]
     return ours, rest
 
 
@@ -215,6 +224,9 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
         global _API_KEY
         _API_KEY = key
         args.middleware = [*(args.middleware or []), f"{__name__}.ApiKeyAuth"]
+        # The weight-feed engine authenticates with the same key, in vLLM's spawned workers: they
+        # inherit this process's environment, under the one name they read.
+        os.environ[API_KEY_VAR] = key
     listen_address, sock = setup_server(args, reuse_port=False)
     async with build_async_engine_client(args) as engine:
         supported = await engine.get_supported_tasks()

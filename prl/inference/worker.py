@@ -28,7 +28,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
 from prl.inference.checks import weight_files
+from prl.inference.server import FEED_BACKEND
+
+# vLLM imports this module by name in every worker before it loads the model (and creates the engine
+# named by --weight-transfer-config); a spawned worker does not inherit the parent's registry.
+if FEED_BACKEND not in WeightTransferEngineFactory._registry:
+    WeightTransferEngineFactory.register_engine(FEED_BACKEND, "prl.inference.feed_engine", "FeedEngine")
 
 
 def iter_safetensors(path: str | Path) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821
@@ -46,18 +54,26 @@ class WeightUpdater:
 
     def prl_load_weights(self, path: str) -> dict:
         """Load the HF checkpoint at `path` into this worker's model, in place."""
-        from vllm.platforms import current_platform
-
         start = time.perf_counter()
         self.reload_weights(weights_iterator=iter_safetensors(path), is_checkpoint_format=True)
-        model = self.model_runner.get_model()
-        repacked = _reprocess_lm_heads(model) + _reprocess_fused_experts(model) if current_platform.is_cpu() else 0
+        repacked = repack_after_reload(self.model_runner.get_model())
         return {"rank": getattr(self, "rank", 0), "seconds": time.perf_counter() - start, "repacked": repacked}
+
+    def prl_feed_report(self) -> dict:
+        """What this worker's last weight-feed update did (prl/inference/feed_engine.py `report`)."""
+        return {"rank": getattr(self, "rank", 0), **getattr(self.weight_transfer_engine, "report", {})}
 
     def prl_weight_checksum(self, names: list[str]) -> dict[str, float]:
         """Sum of each named parameter (vLLM names) on this worker; for tests and debugging."""
         params = dict(self.model_runner.get_model().named_parameters())
         return {n: float(params[n].float().sum()) for n in names if n in params and params[n].numel() > 0}
+
+
+def repack_after_reload(model) -> int:
+    """The CPU repacks a layerwise reload leaves out (see the module docstring); how many layers."""
+    from vllm.platforms import current_platform
+
+    return _reprocess_lm_heads(model) + _reprocess_fused_experts(model) if current_platform.is_cpu() else 0
 
 
 def _reprocess_fused_experts(model) -> int:

@@ -27,7 +27,7 @@ import urllib.request
 from typing import Any, Callable
 
 from prl.log import get_logger
-from prl.planner.model import Plan
+from prl.planner.model import Plan, node_address
 from prl.run.rundir import API_KEY_VAR, RunDir, atomic_write_json, is_stable
 from prl.states import RoleState
 
@@ -35,21 +35,6 @@ log = get_logger(__name__)
 
 START_TIMEOUT = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
 ENDPOINT_WAIT_SECONDS = START_TIMEOUT
-
-
-def node_address(plan: Plan) -> str:
-    """This node's address as other nodes reach it (the profile's interface when it names one)."""
-    iface = plan.network_interface
-    if iface:
-        import fcntl
-        import struct
-
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface[:15].encode()))  # SIOCGIFADDR
-            return socket.inet_ntoa(packed[20:24])
-    if not plan.slurm:
-        return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:

@@ -13,10 +13,14 @@ Every request carries the run's API key (`auth_headers`) when the role runner se
 
 The weight watcher polls `weights/` for the newest STABLE step K and tells
 every server behind on it to load it (`POST /prl/weights {"step": K}`), with
-retries and back-off. A server that still fails is recorded in
-state/orchestrator.json and metrics, and after `weight_update_retries`
-attempts the watcher fails the orchestrator with an error naming the server,
-the step and the server's answer. It also asks `GET /prl/live` now and then,
+retries and back-off. With `weights.transport: memory` the trainer also records
+the newest step its ranks' feeds serve (`RunDir.weights_feed`); the newer of the
+two wins (disk on a tie), and a step from memory is posted as
+`{"step": K, "feeds": [...]}`. A feed that answers for a newer step than asked
+(the trainer moved on meanwhile) is not a failure: the watcher asks for the newer
+one. A server that still fails is recorded in state/orchestrator.json and
+metrics, and after `weight_update_retries` attempts the watcher fails the
+orchestrator with an error naming the server, the step and the server's answer. It also asks `GET /prl/live` now and then,
 so a server that restarted (back to the base weights) is noticed and updated.
 """
 
@@ -62,6 +66,8 @@ class Server:
     role: str = "inference"
     version: int = 0
     """Weights step this server is known to serve (0: the base model)."""
+    disk_version: int = 0
+    """Weights step it last loaded from disk, which it rolls back to (`version` unless that came from memory)."""
     inflight: int = 0
     failures: int = 0
     """Consecutive failed weight updates."""
@@ -242,14 +248,16 @@ async def served_model(fleet: Fleet) -> str:
     return data[0]["id"]
 
 
-async def live_version(client: httpx.AsyncClient, server: Server) -> int | None:
-    """The server's own account of its weights step (None if it does not say)."""
+async def live_versions(client: httpx.AsyncClient, server: Server) -> tuple[int, int] | None:
+    """The server's own account of its weights step and of the step it loaded last from disk, which it
+    rolls back to (the same step when it does not say); None if it does not answer."""
     try:
         r = await client.get(f"{server.url}/prl/live", timeout=10)
         if r.status_code == 200:
-            step = r.json().get("weights_step")
-            return int(step) if step is not None else 0  # null: still the base model
-    except (httpx.HTTPError, ValueError):
+            live = r.json()
+            step = int(live.get("weights_step") or 0)  # null: still the base model
+            return step, int(live.get("disk_step", step) or 0)
+    except (httpx.HTTPError, ValueError, TypeError):
         pass
     return None
 
@@ -272,8 +280,11 @@ class WeightWatcher:
         for s in self.pool.admin:
             if not s.alive:
                 continue  # `follow` asks a returning server itself
-            v = await live_version(client, s)
-            if v is not None and v != s.version:
+            versions = await live_versions(client, s)
+            if versions is None:
+                continue
+            v, s.disk_version = versions
+            if v != s.version:
                 if v < s.version:
                     log.warning("%s reports weights step %d, expected %d (restarted?)", s.url, v, s.version)
                 s.version = v
@@ -308,8 +319,9 @@ class WeightWatcher:
                 log.warning("%s does not answer /health; out of rotation", s.url)
                 s.alive, s.rejoining = False, True
             if s.rejoining:
-                v = await live_version(client, s)
-                if v is not None:
+                versions = await live_versions(client, s)
+                if versions is not None:
+                    v, s.disk_version = versions
                     s.version = v
                     if v >= self.pool.target:
                         s.alive, s.rejoining = True, False
@@ -317,21 +329,37 @@ class WeightWatcher:
         self.pool.notify()
 
     def pin(self) -> None:
-        """Keep on disk every weights step a server serves or could roll back to (the run's cleanup reads it)."""
+        """Keep on disk every weights step a server serves or could roll back to (the run's cleanup reads it):
+        a server on a step from memory rolls back to the step it last loaded from disk."""
         if self.pool.admin and self.pool.follow_endpoints:
-            self.run.pin_weights("orchestrator", min(s.version for s in self.pool.admin))
+            self.run.pin_weights("orchestrator", min(min(s.version, s.disk_version) for s in self.pool.admin))
+
+    def newest(self) -> tuple[int, dict] | None:
+        """The newest weights step the servers may load and the `/prl/weights` body that loads it: the newest
+        published step, or a newer one the trainer's feeds serve from memory."""
+        if not weights_trusted(self.run):
+            return None
+        disk, feed = self.run.latest_stable("weights"), self.run.weights_feed()
+        if feed is not None and (disk is None or feed[0] > disk):
+            return feed[0], {"step": feed[0], "feeds": feed[1]}
+        return (disk, {"step": disk}) if disk is not None else None
 
     async def push(self, client: httpx.AsyncClient, server: Server, step: int) -> None:
         delay = 1.0
-        for attempt in range(1, self.retries + 1):
-            latest = self.run.latest_stable("weights")
-            if latest is not None and latest > step:
-                step = latest  # a newer step appeared while we retried; an older one may be cleaned up
+        attempt = 0
+        while attempt < self.retries:
+            attempt += 1
+            newest = self.newest()
+            body = {"step": step}
+            if newest is not None and newest[0] >= step:
+                step, body = newest  # a newer step appeared while we retried; an older one may be cleaned up
             t0 = time.monotonic()
             try:
-                r = await client.post(f"{server.url}/prl/weights", json={"step": step}, timeout=600)
+                r = await client.post(f"{server.url}/prl/weights", json=body, timeout=600)
                 if r.status_code == 200:
                     server.version, server.failures, server.error = step, 0, None
+                    if "feeds" not in body:
+                        server.disk_version = step
                     if server.rejoining:
                         server.alive, server.rejoining = True, False
                         log.info("%s rejoined on weights step %d", server.url, step)
@@ -344,6 +372,12 @@ class WeightWatcher:
                     # look again at what is published; not a failure of the server.
                     log.info("%s: weights step %d is not published (409); waiting", server.url, step)
                     return
+                moved = self.newest()
+                if r.status_code == 502 and "feeds" in body and moved is not None and moved[0] > step:
+                    # The feeds serve only their newest step, and the trainer published another meanwhile.
+                    log.info("%s: weights step %d left the feeds; asking for step %d", server.url, step, moved[0])
+                    attempt -= 1
+                    continue
                 why = f"HTTP {r.status_code}: {r.text[:300]}"
             except httpx.HTTPError as e:
                 why = f"{type(e).__name__}: {e}"
@@ -374,9 +408,9 @@ class WeightWatcher:
                         await self.sync_live(client)
                         last_live = time.monotonic()
                     self.pin()
-                    latest = self.run.latest_stable("weights") if weights_trusted(self.run) else None
-                    if latest is not None and latest > self.pool.target:
-                        self.pool.target = latest
+                    newest = self.newest()
+                    if newest is not None and newest[0] > self.pool.target:
+                        self.pool.target = newest[0]
                     behind = [s for s in self.pool.admin if (s.alive or s.rejoining) and s.version < self.pool.target]
                     if behind:
                         await asyncio.gather(*(self.push(client, s, self.pool.target) for s in behind))

@@ -11,6 +11,7 @@ type-checks the rest in a few milliseconds, and login nodes feel every 100 ms.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Literal, Optional
@@ -28,6 +29,21 @@ PLAN_FORMAT = "prl.plan/2"
 
 ServerRole = Literal["inference", "prefill", "decode"]
 RoleName = Literal["inference", "prefill", "decode", "router", "orchestrator", "trainer"]
+
+
+def node_address(plan: Plan) -> str:
+    """This node's address as other nodes reach it (the profile's interface when it names one)."""
+    iface = plan.network_interface
+    if iface:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface[:15].encode()))  # SIOCGIFADDR
+            return socket.inet_ntoa(packed[20:24])
+    if not plan.slurm:
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
 
 
 class Frozen(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -171,6 +187,8 @@ class TrainerPlan(Frozen, kw_only=True):
     mesh: Mesh
     master_port: int
     """torchrun rendezvous port on the trainer's first node."""
+    feed_ports: tuple[int, ...] = ()
+    """Port of each rank's weight feed, by global rank (`weights.transport: memory`; empty otherwise)."""
     activation_checkpointing: bool
     precision: Literal["bf16", "fp32"]
 
@@ -367,6 +385,9 @@ class Plan(Frozen, kw_only=True):
             ports.append(self.router_port)
         if role == "trainer" and task == 0:
             ports.append(self.trainer.master_port)
+        if role == "trainer":
+            per_node = self.trainer.gpus_per_node
+            ports += self.trainer.feed_ports[task * per_node:(task + 1) * per_node]
         return tuple(ports)
 
     def failure_policy(self, role: str) -> FailurePolicy:

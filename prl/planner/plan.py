@@ -57,6 +57,8 @@ ROUTER_PORT_OFFSET = 90
 DP_RPC_PORT_OFFSET = 200
 NIXL_SIDE_CHANNEL_PORT_OFFSET = 300
 RDZV_PORT_OFFSET = 500
+FEED_PORT_OFFSET = 600
+"""First weight-feed port (`weights.transport: memory`): one per trainer rank on its node (per host, locally)."""
 MAX_PORT = 65535
 MAX_SERVERS = 100_000
 """Most inference server processes (and srun tasks) one plan places: each is a process, ports and a record."""
@@ -462,7 +464,14 @@ def place_trainer(check: Checker, topo: Topology, layout: Layout, common_env: di
     return TrainerPlan(group=group.index, nodes=nodes, gpus_per_node=procs, world_size=mesh.world_size,
                        device="cuda" if cluster.gpu_node.gpus else "cpu", mesh=mesh,
                        master_port=cluster.port_base + RDZV_PORT_OFFSET,
+                       feed_ports=feed_ports(cluster, nodes, procs) if topo.weights.transport == "memory" else (),
                        activation_checkpointing=tr.activation_checkpointing, precision=tr.precision)
+
+
+def feed_ports(cluster, nodes: int, procs: int) -> tuple[int, ...]:
+    """Each trainer rank's weight-feed port, by global rank: ranks of one node differ; on a shared host all do."""
+    base = cluster.port_base + FEED_PORT_OFFSET
+    return tuple(base + (rank if shared_host(cluster) else rank % procs) for rank in range(nodes * procs))
 
 
 def check_trainer_can_run(check: Checker, model_config: Optional[ModelConfig], mesh: Mesh) -> None:
@@ -540,6 +549,9 @@ def check_ports(check: Checker, topo: Topology, servers: list[Server], router_po
         # Last: when the user's router port collides, the error points at it.
         claim((0, 0), router_port, "the router", ("inference", "router", "port"), topo.inference.router.port is not None)
     claim((trainer.group, 0), trainer.master_port, "the trainer rendezvous", ("port_base",), False)
+    for rank, port in enumerate(trainer.feed_ports):
+        claim((trainer.group, rank // trainer.gpus_per_node), port, f"trainer rank {rank}'s weight feed",
+              ("port_base",), False)
 
 
 def job_directives(check: Checker, topo: Topology, run_dir: str) -> tuple[list[str], list[str]]:

@@ -12,7 +12,7 @@ from typing import Optional
 import msgspec
 
 from prl.config.cluster import Strict
-from prl.config.topology import SFT, Environment, KVConnector, KVOffload, Model, Topology, Training, WandB
+from prl.config.topology import SFT, Environment, KVConnector, KVOffload, Model, Topology, Training, WandB, Weights
 from prl.errors import ConfigError
 
 
@@ -28,6 +28,8 @@ class RunSettings(Strict, kw_only=True):
     """The connector both sides use under prefill/decode disaggregation (None: unified)."""
     wandb: Optional[WandB] = None
     """W&B logging during the run: the launcher's `prl wandb --follow` (None: off)."""
+    weights: Weights = Weights()
+    """How new weights reach the inference servers (the trainer publishes, the orchestrator tells the servers)."""
 
     @classmethod
     def of(cls, topo: Topology) -> RunSettings:
@@ -37,7 +39,8 @@ class RunSettings(Strict, kw_only=True):
                        kv_offload=KVOffload(), kv_connector=None, wandb=topo.wandb)
         return cls(model=topo.model, environment=topo.environment, training=topo.training,
                    kv_offload=inference.kv_offload,
-                   kv_connector=inference.kv_connector if inference.disaggregated else None, wandb=topo.wandb)
+                   kv_connector=inference.kv_connector if inference.disaggregated else None, wandb=topo.wandb,
+                   weights=topo.weights)
 
     def to_json(self) -> bytes:
         return json.dumps(msgspec.to_builtins(self), sort_keys=True, separators=(",", ":")).encode()

@@ -660,6 +660,27 @@ class RunDir:
     def pins_dir(self) -> Path:
         return self.state_dir / "pins"
 
+    @property
+    def weights_feed_file(self) -> Path:
+        return self.state_dir / "weights_feed.json"
+
+    def write_weights_feed(self, step: int, feeds: list[str]) -> None:
+        """Record that weights step `step` is served from memory by the trainer's feeds (host:port each);
+        `weights.transport: memory` writes it after each step's feeds hold the step (atomic replace)."""
+        atomic_write_json(self.weights_feed_file, {"step": step, "feeds": feeds, "time": time.time()})
+
+    def clear_weights_feed(self) -> None:
+        """A new trainer attempt's feeds are not the old one's: drop the record until it publishes."""
+        self.weights_feed_file.unlink(missing_ok=True)
+
+    def weights_feed(self) -> tuple[int, list[str]] | None:
+        """The newest step served from memory and its feeds (None: no record, or one not readable)."""
+        record = read_json(self.weights_feed_file)
+        if not (isinstance(record, dict) and isinstance(record.get("step"), int)
+                and isinstance(record.get("feeds"), list) and record["feeds"]):
+            return None
+        return record["step"], [str(f) for f in record["feeds"]]
+
     def pin_weights(self, owner: str, step: int) -> None:
         """Record that weights step `step` (and later) must stay on disk for `owner` (0: none needed)."""
         path = self.pins_dir / f"{owner}.json"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from prl.config.topology import SFT, Training
-from prl.planner.model import Mesh, Plan
+from prl.planner.model import Mesh, Plan, node_address
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,10 @@ class TrainerConfig:
     """Longest sequence; SFT cuts conversations there."""
     sft: Optional[SFT]
     """The SFT data settings (None: an RL run)."""
+    feed_ports: tuple[int, ...] = ()
+    """`weights.transport: memory`: each rank's weight-feed port, by global rank (empty: weights go by disk)."""
+    feed_host: str = ""
+    """The address this node's feeds listen on (the servers' workers connect to it)."""
 
     @classmethod
     def from_plan(cls, plan: Plan) -> TrainerConfig:
@@ -46,4 +50,5 @@ class TrainerConfig:
                    activation_checkpointing=tr.activation_checkpointing, precision=tr.precision,
                    master_port=tr.master_port, training=settings.training,
                    tokenizer_path=settings.model.tokenizer or settings.model.path,
-                   max_model_len=settings.model.max_model_len, sft=settings.sft)
+                   max_model_len=settings.model.max_model_len, sft=settings.sft,
+                   feed_ports=tr.feed_ports, feed_host=node_address(plan) if tr.feed_ports else "")

@@ -8,7 +8,8 @@
         ranks agree to stop?               -> the last finished step gets its weights and a checkpoint; exit 143
         data = spec.load(step, ready)      this rank's micro-batches
         forward/backward each micro-batch (spec.inputs, spec.micro_loss), clip, optimizer step; spec.summarize
-        spec.publishes(step)   -> spec.publish (weights/step_N)
+        spec.publishes(step)   -> spec.publish (weights/step_N); with weights.transport: memory, only checkpoint
+                                  steps and the last step go to disk, the others to each rank's weight feed
         spec.checkpoints(step) -> save_checkpoint
         rank 0: spec.cleanup, the metrics record (the engine's fields + spec.record), one log line
         heartbeat with the step's busy time (the launcher's hang bound follows it)
@@ -44,6 +45,12 @@ calls them, with the variant each one is for:
 
 On SIGTERM the engine gives the last finished step its published weights and a checkpoint, unless it has
 them, whatever the spec: a requeued attempt resumes there.
+
+With `weights.transport: memory` every rank runs a weight feed (prl/run/feed.py) on its node from `start`.
+A step that is not a checkpoint step nor the last one is gathered as a sharded publish would gather it, but
+each writer rank's feed serves its share instead of a file; after a barrier rank 0 records the step and the
+writers' feeds (`RunDir.write_weights_feed`), which the orchestrator hands to the servers. Disk stays the
+durable record: checkpoint steps, the last step and a SIGTERM's step are published to weights/step_N.
 """
 
 from __future__ import annotations
@@ -61,14 +68,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from prl.errors import ConfigError
 from prl.log import get_logger
 from prl.run.batch import MicroBatch
+from prl.run.feed import FeedServer
 from prl.run.rundir import RunDir, current_attempt
 from prl.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from prl.trainer.config import TrainerConfig
 from prl.trainer.loss import merge_stats
 from prl.trainer.parallel import Dist, all_reduce_stats, apply_fsdp, clip_grad_norm, init_distributed
-from prl.trainer.weights import publish_weights
+from prl.trainer.weights import publish_to_feed, publish_weights
 
 ROLE = "trainer"
 LABELS = ("loss_mask", "advantages", "inference_logprobs")
@@ -125,7 +134,11 @@ class Engine:
     saved: int | None
     """The newest step with a checkpoint."""
     published: int | None
-    """The newest step with published weights."""
+    """The newest step with weights published to disk (a SIGTERM publishes the last finished step unless it is)."""
+    feed: FeedServer | None = None
+    """This rank's weight feed (`weights.transport: memory`; None: every step goes to disk)."""
+    feeds: tuple[str, ...] = ()
+    """Every rank's feed address, by global rank."""
 
 
 class Spec(ABC):
@@ -374,18 +387,41 @@ def start(run: RunDir, cfg: TrainerConfig, spec: Spec, resume_from: str) -> Engi
     if d.is_main:
         log.info("model loaded from %s: loading raised peak RSS by %.1f MiB (max over ranks)", cfg.model_path, load_rss)
     optim = torch.optim.AdamW(spec.parameters(model), lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
+    if d.is_main:
+        run.clear_weights_feed()  # a replaced attempt's feeds are gone; before `resume` marks the weights trusted
     step = resume(run, cfg, d, model, optim, resume_from)
     if d.is_main:
         log.info("world %d (dp %d, cp %d, ep %d) on %s; steps %d..%d", d.world_size, d.dp_size, d.cp, d.ep, d.device,
                  step + 1, cfg.training.max_steps)
     done = step if step > 0 else None
+    feed, feeds = start_feed(run, cfg, d, spec)
     return Engine(run, cfg, d, model, optim, step, heartbeat_of(run, d), StopFlag.install(), saved=done,
-                  published=done)
+                  published=done, feed=feed, feeds=feeds)
 
 
-def publish(eng: Engine, spec: Spec, step: int) -> None:
-    spec.publish(eng, step)
-    eng.published = step
+def start_feed(run: RunDir, cfg: TrainerConfig, d: Dist, spec: Spec) -> tuple[FeedServer | None, tuple[str, ...]]:
+    """Collective: this rank's weight feed and every rank's address (none with weights by disk)."""
+    if not cfg.feed_ports:
+        return None, ()
+    if type(spec).publish is not Spec.publish:
+        raise ConfigError(f"weights.transport: memory sends the whole model; {type(spec).__name__} publishes "
+                          "weights of its own: use weights.transport: filesystem")
+    feed = FeedServer(cfg.feed_host, cfg.feed_ports[d.rank], run.read_api_key().encode())
+    addresses = [None] * d.world_size
+    dist.all_gather_object(addresses, feed.address)
+    return feed, tuple(addresses)
+
+
+def publish(eng: Engine, spec: Spec, step: int, durable: bool = True) -> None:
+    """Collective: step `step`'s weights to disk (`durable`, or without feeds), else to the ranks' feeds."""
+    if eng.feed is None or durable:
+        spec.publish(eng, step)
+        eng.published = step
+        return
+    writers = publish_to_feed(eng.feed, step, eng.model, getattr(torch, eng.cfg.model_dtype), eng.d)
+    dist.barrier()
+    if eng.d.is_main:
+        eng.run.write_weights_feed(step, [eng.feeds[r] for r in writers])
 
 
 def checkpoint(eng: Engine, step: int) -> None:
@@ -440,7 +476,7 @@ def train(run: RunDir, cfg: TrainerConfig, spec: Spec, resume_from: str = "lates
         metrics = train_step(eng.model, eng.optim, data.micro_batches, spec, cfg, eng.d)
         t2 = time.monotonic()
         if spec.publishes(step, last):
-            publish(eng, spec, step)
+            publish(eng, spec, step, durable=step == last or spec.checkpoints(step, last))
         t3 = time.monotonic()
         if spec.checkpoints(step, last):
             checkpoint(eng, step)

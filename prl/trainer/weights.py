@@ -199,6 +199,14 @@ def gather_owned(model: torch.nn.Module, d, dtype: torch.dtype, units: list[Unit
     return mine
 
 
+def publish_to_feed(feed, step: int, model: torch.nn.Module, dtype: torch.dtype, d) -> list[int]:
+    """Collective: every writer rank's feed serves its share of step `step` (the tensors a sharded publish
+    would write to its file); returns the writer ranks, whose feeds together hold the step."""
+    units, owners = publish_plan(model, d, dtype)
+    feed.publish(step, sorted(gather_owned(model, d, dtype, units, owners).items()))
+    return sorted(set(owners.values()))
+
+
 def _broadcast_str(value: str | None) -> str:
     obj = [value]
     if dist.is_initialized() and dist.get_world_size() > 1:

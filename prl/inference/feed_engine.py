@@ -1,0 +1,136 @@
+"""vLLM weight-transfer engine "prl_feed": a worker loads a step from the trainer ranks' weight feeds.
+
+vLLM's part: the engine interface (`WeightTransferEngine`, created in each worker from
+`--weight-transfer-config '{"backend": "prl_feed"}'`), the worker RPCs that drive it
+(`start_weight_update`, `update_weights`, `finish_weight_update`) and the layerwise reload that
+rebuilds each layer from checkpoint-format tensors. prl's part: the feed protocol and its key
+(prl/run/feed.py), checking the step's names and shapes against the served checkpoint before any
+weight is touched, and the CPU repacks a reload leaves out (worker.py).
+
+    update_info = {"step": N, "feeds": ["host:port", ...]}   one feed per trainer rank
+
+Each worker opens every feed (the run's key comes from API_KEY_VAR in its environment, inherited
+from the server process), checks that the feeds together hold exactly the served tensors, then
+streams them into `model.load_weights` one feed after another. Only then is the model touched, so
+a refused key or a wrong step leaves the old weights serving. `report` says what the last update
+did, so the server can tell an update refused before loading from one that failed part-way.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+from vllm.model_executor.model_loader.reload import (
+    finalize_layerwise_reload,
+    initialize_layerwise_reload,
+)
+
+from prl.inference.checks import UpdateRefused, checkpoint_layout, compare_layouts
+from prl.inference.worker import repack_after_reload
+from prl.run.feed import FeedReader
+from prl.run.rundir import API_KEY_VAR
+
+BACKEND = "prl_feed"
+FEED_TIMEOUT_S = 120.0
+"""Longest silence of a feed before the update fails (a lost trainer rank must not hang the engine)."""
+
+
+@dataclass
+class FeedInitInfo(WeightTransferInitInfo):
+    """Nothing: the feeds are named by each update."""
+
+
+@dataclass
+class FeedUpdateInfo(WeightTransferUpdateInfo):
+    step: int
+    feeds: list[str] = field(default_factory=list)
+
+
+class FeedEngine(WeightTransferEngine[FeedInitInfo, FeedUpdateInfo]):
+    init_info_cls = FeedInitInfo
+    update_info_cls = FeedUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.report: dict = {}
+        """The last update: {"step", "touched", "tensors", "bytes", "seconds"[, "error"]}."""
+        self._reloading = False
+
+    def init_transfer_engine(self, init_info: FeedInitInfo) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        self.report = {"step": None, "touched": False, "tensors": 0, "bytes": 0, "seconds": 0.0}
+
+    def update_weights(self, update_info: dict) -> None:
+        """vLLM's update without its `torch.accelerator.synchronize()` (it raises on a CPU-only torch)."""
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, info: FeedUpdateInfo) -> None:
+        start = time.perf_counter()
+        self.report["step"] = info.step
+        readers: list[FeedReader] = []
+        try:
+            key = os.environ.get(API_KEY_VAR, "").strip()
+            if not key:
+                raise RuntimeError(f"{API_KEY_VAR} is not set in the worker's environment: "
+                                   "start the server with --api-key-env to read weight feeds")
+            readers = [FeedReader(address, info.step, key.encode(), FEED_TIMEOUT_S) for address in info.feeds]
+            self._check_layout(readers, info)
+            initialize_layerwise_reload(self.model)
+            self._reloading = self.report["touched"] = True
+            with disable_mtp_completeness_check():
+                for reader in readers:
+                    self.model.load_weights(self._counted(reader))
+        except BaseException as e:
+            self.report["error"] = f"{type(e).__name__}: {e}"
+            for reader in readers:
+                reader.close()
+            if self._reloading:
+                # vLLM's worker ends the session on an error without calling finish: leave no layer on meta.
+                self._finish()
+            raise
+        finally:
+            self.report["seconds"] = time.perf_counter() - start
+
+    def finish_weight_update(self) -> None:
+        if self._reloading:
+            self._finish()
+
+    def shutdown(self) -> None:
+        pass
+
+    def _finish(self) -> None:
+        self._reloading = False
+        finalize_layerwise_reload(self.model, self.model_config)
+        repack_after_reload(self.model)
+
+    def _counted(self, reader: FeedReader):
+        for name, tensor in reader:
+            self.report["tensors"] += 1
+            self.report["bytes"] += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    def _check_layout(self, readers: list[FeedReader], info: FeedUpdateInfo) -> None:
+        """The feeds together hold each served tensor once, in its served shape (a layer that received
+        nothing would keep its old weights with only a warning)."""
+        got: dict[str, tuple[int, ...]] = {}
+        for reader in readers:
+            for meta in reader.tensors:
+                if meta.name in got:
+                    raise UpdateRefused(422, f"step {info.step}: {meta.name} is in more than one feed "
+                                             f"({reader.address} and another)")
+                got[meta.name] = meta.shape
+        compare_layouts(self._served_layout(), got, f"step {info.step} from {', '.join(info.feeds)}")
+
+    def _served_layout(self) -> dict[str, tuple[int, ...]]:
+        return checkpoint_layout(self.model_config.model)

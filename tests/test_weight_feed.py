@@ -1,0 +1,154 @@
+"""Weights in memory: a real vLLM server loads a step from weight feeds (prl/run/feed.py) through the
+"prl_feed" weight-transfer engine (prl/inference/feed_engine.py), and what it then serves matches
+transformers on the same weights; feeds that refuse, or a step that is not the served layout, change
+nothing; a stream cut part-way rolls back to the last weights on disk.
+
+Feed servers run in the test process, as trainer ranks would; the tiny model's tensors, perturbed,
+are split over two feeds as a sharded publish splits them over two ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from prl.inference.worker import iter_safetensors
+from prl.run.feed import FeedServer, mac
+from prl.run.rundir import API_KEY_VAR, RunDir
+from tests.test_inference import assert_serves, prompts_for, publish_perturbed, served
+from tests.vllm_fixtures import HTTPFailure, http_json, server_fixture, start_inference
+
+KEY = "feed-test-key"
+
+
+class KeyedServer:
+    """An InferenceServer's requests with the run's bearer key (the helpers of test_inference call get/post)."""
+
+    def __init__(self, server):
+        self.server, self.url, self.run_dir, self.model_dir = server, server.url, server.run_dir, server.model_dir
+        self.headers = {"Authorization": f"Bearer {KEY}"}
+
+    def get(self, path: str, timeout: float = 60) -> dict:
+        return http_json("GET", self.url + path, headers=self.headers, timeout=timeout)
+
+    def post(self, path: str, body: dict | None = None, timeout: float = 300) -> dict:
+        return http_json("POST", self.url + path, body or {}, headers=self.headers, timeout=timeout)
+
+
+@server_fixture(scope="module")
+def keyed_server(tmp_path_factory, tiny_model_dir):
+    """A server with the run's key (the feed engine authenticates with it), on an empty run."""
+    run = RunDir(tmp_path_factory.mktemp("feed-run") / "run").create()
+    with start_inference(run.root, tiny_model_dir, extra_args=["--api-key-env", API_KEY_VAR],
+                         env={API_KEY_VAR: KEY}) as server:
+        yield KeyedServer(server)
+
+
+def perturbed(tmp_path: Path, model_dir: Path, step: int) -> Path:
+    """`model_dir` with noise on every weight, as a reference directory outside the served run."""
+    return publish_perturbed(RunDir(tmp_path / f"ref-{step}").create(), step, model_dir)
+
+
+def feeds_of(ref: Path, step: int, ranks: int = 2, key: str = KEY) -> list[FeedServer]:
+    """`ranks` feeds holding `ref`'s tensors as `step`, dealt round-robin as ranks own them."""
+    tensors = list(iter_safetensors(ref))
+    feeds = [FeedServer("127.0.0.1", 0, key.encode()) for _ in range(ranks)]
+    for rank, feed in enumerate(feeds):
+        feed.publish(step, tensors[rank::ranks])
+    return feeds
+
+
+def refused(server, body: dict) -> HTTPFailure:
+    with pytest.raises(HTTPFailure) as caught:
+        server.post("/prl/weights", body)
+    return caught.value
+
+
+def test_a_step_from_memory_is_served_and_bad_feeds_change_nothing(keyed_server, tmp_path):
+    server = keyed_server
+    run = RunDir(server.run_dir)
+    prompts = prompts_for(server.model_dir)
+
+    # A disk update first: the rollback target, and the time to compare with.
+    on_disk = publish_perturbed(run, 1, server.model_dir)
+    disk = server.post("/prl/weights", {"step": 1})
+    assert_serves(server, on_disk, prompts)
+
+    ref = perturbed(tmp_path, server.model_dir, 2)
+    feeds = feeds_of(ref, 2)
+    try:
+        addresses = [f.address for f in feeds]
+        memory = server.post("/prl/weights", {"step": 2, "feeds": addresses})
+        assert memory["step"] == 2 and memory["path"] == "memory:step_2"
+        print(f"\ntiny model update: disk {disk['seconds']:.3f} s (load {disk['load_seconds']:.3f} s), "
+              f"memory {memory['seconds']:.3f} s (load {memory['load_seconds']:.3f} s)")
+        live = server.get("/prl/live")
+        assert (live["weights_step"], live["weights_path"], live["ok"]) == (2, "memory:step_2", True)
+        assert live["disk_step"] == 1  # what a failed update would roll back to
+        after = assert_serves(server, ref, prompts)
+
+        # A feed with another key: refused before any weight is touched, named in the answer.
+        with FeedServer("127.0.0.1", 0, b"another run's key") as stranger:
+            stranger.publish(3, list(iter_safetensors(ref)))
+            e = refused(server, {"step": 3, "feeds": [stranger.address]})
+        assert e.status == 502 and stranger.address in e.body["error"] and "authentication failed" in e.body["error"]
+        assert "nothing was loaded" in e.body["error"]
+
+        # A step the feeds do not hold, and a step without some served tensors: refused the same way.
+        e = refused(server, {"step": 3, "feeds": addresses})
+        assert e.status == 502 and "holds step 2, not step 3" in e.body["error"]
+        e = refused(server, {"step": 2, "feeds": addresses[:1]})
+        assert e.status == 502 and "tensors missing" in e.body["error"]
+        e = refused(server, {"step": 2, "feeds": ["no-port"]})
+        assert e.status == 400
+
+        live = server.get("/prl/live")
+        assert (live["weights_step"], live["weights_path"], live["ok"]) == (2, "memory:step_2", True)
+        assert [served(server, p)[1] for p in prompts] == after, "a refused update changed the served weights"
+    finally:
+        for feed in feeds:
+            feed.close()
+
+
+def cut_feed(ref: Path, step: int, after_bytes: int) -> tuple[str, threading.Thread]:
+    """A feed that authenticates, sends the full header of `ref`, then closes after `after_bytes` of data."""
+    tensors = list(iter_safetensors(ref))
+    header = {"step": step, "tensors": [[n, str(t.dtype).removeprefix("torch."), list(t.shape),
+                                         t.numel() * t.element_size()] for n, t in tensors]}
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn, listener:
+            conn.sendall(b"prl-feed 1 0123abcd\n")
+            answer = json.loads(conn.makefile("rb").readline())
+            assert answer["mac"] == mac(KEY.encode(), b"0123abcd")
+            conn.sendall(json.dumps(header).encode() + b"\n" + bytes(after_bytes))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return "127.0.0.1:%d" % listener.getsockname()[1], thread
+
+
+def test_a_stream_cut_part_way_rolls_back_to_the_disk_weights(keyed_server, tmp_path):
+    server = keyed_server
+    run = RunDir(server.run_dir)
+    step = (run.latest_stable("weights") or 0) + 1
+    on_disk = publish_perturbed(run, step, server.model_dir)
+    server.post("/prl/weights", {"step": step})
+
+    address, thread = cut_feed(perturbed(tmp_path, server.model_dir, 9), 9, after_bytes=200_000)
+    start = time.monotonic()
+    e = refused(server, {"step": 9, "feeds": [address]})
+    thread.join(10)
+    assert e.status == 500 and address in e.body["error"] and f"rolled back to {os.path.realpath(on_disk)}" in e.body["error"]
+    assert time.monotonic() - start < 60
+    live = server.get("/prl/live")
+    assert (live["weights_step"], live["weights_path"], live["ok"]) == (step, os.path.realpath(on_disk), True)
+    assert_serves(server, on_disk, prompts_for(server.model_dir))
