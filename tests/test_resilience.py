@@ -488,7 +488,8 @@ def test_the_watcher_drops_a_dead_server_and_takes_it_back_on_the_newest_weights
         task = asyncio.create_task(watcher.run_forever())
         try:
             await until("both on step 2", lambda: sa.version == sb.version == 2)
-            assert run.weight_pins() == {"orchestrator": 2}
+            # The pin follows on the watcher's next pass (a loaded machine saw the step-0 pin still in place).
+            await until("the pin on step 2", lambda: run.weight_pins() == {"orchestrator": 2})
             # b dies: its task withdraws the endpoint. Out of rotation, no pushes, no failure of the orchestrator.
             b.stop()
             run.endpoint("inference", 1).unlink()

@@ -40,6 +40,14 @@ def files_under(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
 
 
+def contents(path: Path) -> bytes:
+    """A file's bytes; b"" for one that vanished since it was listed (an atomic write's temp file, renamed)."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
 def state(env, run) -> dict:
     return json.loads(prl(env, "status", run, "--json").stdout)
 
@@ -343,7 +351,7 @@ def test_local_submission_is_private_and_resume_waits_for_the_old_job(tmp_path, 
         wait_for("running", lambda: all(r["status"] == "running" for r in state(env, run)["roles"]), 60)
         key = (run / "api_key").read_text().strip()
         assert mode(run / "api_key") == 0o600 and mode(run) == 0o700 and len(key) >= 40
-        leaks = [p for p in files_under(run) if p.name != "api_key" and key.encode() in p.read_bytes()]
+        leaks = [p for p in files_under(run) if p.name != "api_key" and key.encode() in contents(p)]
         assert leaks == []
         assert mode(run / "job.json") == 0o600 and mode(run / "plan.json") == 0o600
         again = prl(env, *args, 1, "--resume", check=False)

@@ -55,7 +55,7 @@ def _calc_tools() -> list[dict]:
         server = subprocess.Popen([sys.executable, "-m", "prl_calc.tools"], env={**os.environ, "MCP_PORT_FILE": str(port_file)},
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 300  # its imports took over 60 s on two loaded cores
             while not (port_file.is_file() and port_file.read_text().strip()):
                 if server.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit("error: the calc tool server (python -m prl_calc.tools) did not start")
