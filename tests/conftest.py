@@ -3,6 +3,7 @@ vLLM servers (tests/vllm_fixtures.py); plain helpers (REPO, SHIPPED, prl_cli) ar
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -48,13 +49,12 @@ def xdist_group(item) -> str | None:
     free and runs beside them: most Slurm time is waiting on the scheduler, which leaves a core idle."""
     if item.get_closest_marker("slurm"):
         return "slurm"
-    path = Path(str(item.fspath))
-    if path not in _LOCAL_RUN_MODULES:
-        _LOCAL_RUN_MODULES[path] = path.suffix == ".py" and any(text in path.read_text() for text in LOCAL_RUN)
-    return "local-runs" if _LOCAL_RUN_MODULES[path] else None
+    return "local-runs" if starts_local_runs(str(item.fspath)) else None
 
 
-_LOCAL_RUN_MODULES: dict[Path, bool] = {}
+@functools.lru_cache(maxsize=None)
+def starts_local_runs(path: str) -> bool:
+    return path.endswith(".py") and any(text in Path(path).read_text() for text in LOCAL_RUN)
 
 
 def pytest_runtest_setup(item):

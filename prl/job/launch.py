@@ -223,9 +223,7 @@ class Launcher:
             code = running.poll()
             if code is None:
                 continue
-            running.exit_code = code
-            self.note_step(name, exit_code=code, ended=time.time(),
-                           status=RoleState.EXITED if code == 0 else RoleState.FAILED)
+            self.note_exit(name, running, code)
             if code != 0:
                 code, task = self.first_task_failure(name, running.tasks, code)
                 running.exit_code = code
@@ -405,6 +403,12 @@ class Launcher:
                 return
             time.sleep(POLL_SECONDS)
 
+    def note_exit(self, name: str, running: Running, code: int) -> None:
+        """Record a role's own exit (EXITED for 0, else FAILED)."""
+        running.exit_code = code
+        self.note_step(name, exit_code=code, ended=time.time(),
+                       status=RoleState.EXITED if code == 0 else RoleState.FAILED)
+
     def let_end(self) -> None:
         """Give the roles that end by themselves up to OWN_END_S to do so, recording their exits; a failure
         there is recorded, not raised: the trainer's last step is done."""
@@ -414,9 +418,7 @@ class Launcher:
             for name, running in waiting:
                 code = running.poll()
                 if code is not None:
-                    running.exit_code = code
-                    self.note_step(name, exit_code=code, ended=time.time(),
-                                   status=RoleState.EXITED if code == 0 else RoleState.FAILED)
+                    self.note_exit(name, running, code)
                     log.info(f"{name} exited {code}")
             if all(r.exit_code is not None for _, r in waiting):
                 return
