@@ -1,7 +1,7 @@
 """Weights in memory: a real vLLM server loads a step from weight feeds (prl/run/feed.py) through the
 "prl_feed" weight-transfer engine (prl/inference/feed_engine.py), and what it then serves matches
 transformers on the same weights; feeds that refuse, or a step that is not the served layout, change
-nothing; a stream cut part-way rolls back to the last weights on disk.
+nothing; a stream cut part-way rolls back to the last weights on disk, and the next step from memory loads.
 
 Feed servers run in the test process, as trainer ranks would; the tiny model's tensors, perturbed,
 are split over two feeds as a sharded publish splits them over two ranks.
@@ -152,3 +152,13 @@ def test_a_stream_cut_part_way_rolls_back_to_the_disk_weights(keyed_server, tmp_
     live = server.get("/prl/live")
     assert (live["weights_step"], live["weights_path"], live["ok"]) == (step, os.path.realpath(on_disk), True)
     assert_serves(server, on_disk, prompts_for(server.model_dir))
+
+    # The failed update left no weight-transfer session open: the next step from memory loads and serves.
+    ref = perturbed(tmp_path, server.model_dir, 10)
+    feeds = feeds_of(ref, 10)
+    try:
+        assert server.post("/prl/weights", {"step": 10, "feeds": [f.address for f in feeds]})["step"] == 10
+        assert_serves(server, ref, prompts_for(server.model_dir))
+    finally:
+        for feed in feeds:
+            feed.close()

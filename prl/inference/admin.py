@@ -32,6 +32,7 @@ loaded again (and reported); if that fails too, `/prl/live` answers 503 with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import socket
 import time
@@ -250,7 +251,11 @@ async def load(engine, target: WeightsTarget | FeedTarget) -> float:
 
 async def recover(state: AdminState, engine, target: WeightsTarget | FeedTarget, error: str) -> JSONResponse:
     """The answer to a failed load. A feed update refused before any worker touched its model keeps the
-    old weights (502); otherwise the last disk weights are loaded again, or the server is marked broken."""
+    old weights (502); otherwise the last disk weights are loaded again, or the server is marked broken. A
+    weight-transfer session the failure left open is closed first, so the next feed update can start."""
+    if isinstance(target, FeedTarget):
+        with contextlib.suppress(Exception):  # a worker that cannot answer fails the rollback below, named
+            await engine.collective_rpc("prl_end_weight_update")
     if isinstance(target, FeedTarget) and not await _feed_touched(engine):
         return _error(502, f"{error}; nothing was loaded, still serving {state.weights_path}")
     if state.disk is None:

@@ -63,6 +63,16 @@ class WeightUpdater:
         """What this worker's last weight-feed update did (prl/inference/feed_engine.py `report`)."""
         return {"rank": getattr(self, "rank", 0), **getattr(self.weight_transfer_engine, "report", {})}
 
+    def prl_end_weight_update(self) -> bool:
+        """End a weight-transfer session a failed update left open; whether one was open. vLLM's worker closes
+        the session when `update_weights` raises, but not when `finish_weight_update` does: every later
+        `start_weight_update` would then refuse ("already active") until the server restarts."""
+        if not getattr(self, "_weight_update_active", False):
+            return False
+        self._weight_update_active = False
+        self.weight_transfer_engine.reset_weight_update_target()
+        return True
+
     def prl_weight_checksum(self, names: list[str]) -> dict[str, float]:
         """Sum of each named parameter (vLLM names) on this worker; for tests and debugging."""
         params = dict(self.model_runner.get_model().named_parameters())
