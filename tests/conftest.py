@@ -46,10 +46,15 @@ def xdist_group(item) -> str | None:
     run one after another on one worker. The Slurm tests share the four-node test cluster and the lab profile's
     ports, so they are one group ("slurm"); the modules that start local runs share the local profile's ports
     (and fixed `cluster.port_base` values), so they are another ("local-runs"). Everything else picks its ports
-    free and runs beside them: most Slurm time is waiting on the scheduler, which leaves a core idle."""
+    free and runs beside them: most Slurm time is waiting on the scheduler, which leaves a core idle. The other
+    tests with a vLLM server are a third group ("vllm"): their servers come from module- and session-scoped
+    fixtures, which xdist would otherwise start once on each worker that runs one of their tests (the P/D
+    fixture's four servers took 330 s and 240 s on the two workers)."""
     if item.get_closest_marker("slurm"):
         return "slurm"
-    return "local-runs" if starts_local_runs(str(item.fspath)) else None
+    if starts_local_runs(str(item.fspath)):
+        return "local-runs"
+    return "vllm" if item.get_closest_marker("vllm") else None
 
 
 @functools.lru_cache(maxsize=None)

