@@ -1,13 +1,16 @@
 """Weight update latency, step end -> new weights served: filesystem vs memory, in one run (issue 19).
 
-    VLLM_CPU_KVCACHE_SPACE=1 python bench/bench_weight_sync.py [--sizes 80,500,2000] [--repeats 3] [--layers 8]
-                                                               [--wait-memory 900]
+    VLLM_CPU_KVCACHE_SPACE=1 python bench/bench_weight_sync.py [--sizes 80,500,2000] [--repeats 3] [--warmup 1]
+                                                               [--layers 8] [--wait-memory 900]
 
 For each size in `--sizes` (MB of float32 weights) it builds a random Qwen3 of about that size
 (`--layers` layers, hidden the multiple of 128 that comes nearest, head_dim 64, the test
 tokenizer's ~500-token vocabulary, tied embeddings), starts one `python -m prl.inference` on it
 (vLLM, float32, `--enforce-eager`, the run's key) and, per repeat, times one update by each path
-the product has, the two alternating which goes first, so both see the same load:
+the product has, the two alternating which goes first, so both see the same load. The first
+`--warmup` repeats are printed but not counted: on this VM, writes into memory not used for a while
+cost kernel time (a 2 GB `save_file` alone, outside the bench: 22 s, 20 s of it system time; a
+474 MB one 5.9 s the first time, 0.13 s when repeated), which a training run pays once, not every step.
 
     filesystem  the clock starts with the step's tensors in memory, before the write: publish
                 RUN/weights/step_N as a trainer of one rank does (model.safetensors + config and
@@ -183,7 +186,7 @@ def bench_size(mb: float, args, tmp: Path) -> dict:
         print(f"\n== {size_mb:.0f} MB: Qwen3 hidden {hidden}, {args.layers} layers, {params / 1e6:.1f}M params fp32; "
               f"server start {started.start_seconds:.0f} s", flush=True)
         last, step, buffer = server.probe(), 0, {k: torch.empty_like(v) for k, v in state.items()}
-        for repeat in range(args.repeats):
+        for repeat in range(args.warmup + args.repeats):
             order = ("filesystem", "memory") if repeat % 2 == 0 else ("memory", "filesystem")
             for path in order:
                 step += 1
@@ -191,23 +194,24 @@ def bench_size(mb: float, args, tmp: Path) -> dict:
                 if path == "filesystem":
                     r = by_filesystem(run, server, base, tensors, step)
                     del tensors  # before the baseline's load: one copy fewer at the peak
-                    results["raw"].append(raw_load(run.weights(step), buffer))
+                    baseline = ("raw", raw_load(run.weights(step), buffer), "raw load + copy")
                     if step > 2:  # keep only the newest steps on disk (the server's rollback target among them)
                         shutil.rmtree(run.weights(step - 2), ignore_errors=True)
                 else:
                     r = by_memory(run, server, feed, tensors, step)
                     del tensors  # the feed keeps them until the next publish
-                    results["read"].append(feed_read(feed, step, key))
+                    baseline = ("read", feed_read(feed, step, key), "feed read")
                 assert r["logprob"] != last, f"step {step} ({path}): the probe still sees the previous weights"
                 last = r["logprob"]
-                results[path].append(r)
+                if repeat >= args.warmup:
+                    results[path].append(r)
+                    results[baseline[0]].append(baseline[1])
                 print(f"step {step} {path:10s}: {1000 * r['total']:8.1f} ms = "
                       f"{'write' if path == 'filesystem' else 'publish':7s} {1000 * r['write']:7.1f} + "
                       f"POST {1000 * r['post']:7.1f} (pause {1000 * r['pause']:5.1f}, load {1000 * r['load']:7.1f}) + "
                       f"probe {1000 * (r['load_only'] - r['post']):6.1f}"
-                      + (f"; raw load + copy {1000 * results['raw'][-1]:.1f} ms" if path == "filesystem"
-                         else f"; feed read {1000 * results['read'][-1]:.1f} ms")
-                      + f"; load average {os.getloadavg()[0]:.1f}",
+                      + f"; {baseline[2]} {1000 * baseline[1]:.1f} ms; load average {os.getloadavg()[0]:.1f}"
+                      + (" (warm-up, not counted)" if repeat < args.warmup else ""),
                       flush=True)
     return results
 
@@ -243,10 +247,11 @@ def main() -> None:
     ap.add_argument("--sizes", default="80,500,2000", help="model sizes in MB of float32 weights, comma-separated")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3, help="updates per path and size")
+    ap.add_argument("--warmup", type=int, default=1, help="updates per path and size before those counted")
     ap.add_argument("--wait-memory", type=float, default=900, help="seconds a size may wait for its memory")
     args = ap.parse_args()
     sizes = [float(s) for s in args.sizes.split(",")]
-    print(f"sizes {args.sizes} MB, {args.repeats} repeats per path, {args.layers} layers; "
+    print(f"sizes {args.sizes} MB, {args.repeats} repeats per path after {args.warmup} warm-up, {args.layers} layers; "
           f"{mem_available_gb():.1f} GB memory available, load average {os.getloadavg()[0]:.1f}", flush=True)
 
     done: dict[float, dict | str] = {}
