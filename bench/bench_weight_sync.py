@@ -8,9 +8,9 @@ For each size in `--sizes` (MB of float32 weights) it builds a random Qwen3 of a
 tokenizer's ~500-token vocabulary, tied embeddings), starts one `python -m prl.inference` on it
 (vLLM, float32, `--enforce-eager`, the run's key) and, per repeat, times one update by each path
 the product has, the two alternating which goes first, so both see the same load. The first
-`--warmup` repeats are printed but not counted: on this VM, writes into memory not used for a while
-cost kernel time (a 2 GB `save_file` alone, outside the bench: 22 s, 20 s of it system time; a
-474 MB one 5.9 s the first time, 0.13 s when repeated), which a training run pays once, not every step.
+`--warmup` repeats are printed but not counted: on this VM the first writes of a size cost the most
+kernel time (a 2 GB `save_file` outside the bench: 22-39 s, almost all of it system time; 474 MB:
+5.9 s the first time, 0.13 s repeated); later writes still vary with the machine's memory state.
 
     filesystem  the clock starts with the step's tensors in memory, before the write: publish
                 RUN/weights/step_N as a trainer of one rank does (model.safetensors + config and
@@ -220,7 +220,8 @@ def summary(sizes: list[float], done: dict) -> None:
     med = statistics.median
     print(f"\nmedians in ms ({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, torch {torch.__version__})")
     print(f"{'size':>8} {'params':>8} | {'fs total':>9} {'write':>8} {'load-only':>9} {'raw':>8} | "
-          f"{'mem total':>9} {'publish':>8} {'POST':>8} {'load':>8} {'read':>8} | {'mem/fs':>6} {'mem/fs load-only':>16}")
+          f"{'mem total':>9} {'publish':>8} {'POST':>8} {'load':>8} {'read':>8} | "
+          f"{'mem/fs':>6} {'mem/fs load-only':>16}")
     for mb in sizes:
         r = done[mb]
         if isinstance(r, str):
@@ -231,8 +232,9 @@ def summary(sizes: list[float], done: dict) -> None:
         def m(runs, key):
             return med(x[key] for x in runs)
 
-        print(f"{r['mb']:>6.0f}MB {r['params'] / 1e6:>7.1f}M | {1000 * m(fs, 'total'):>9.1f} {1000 * m(fs, 'write'):>8.1f} "
-              f"{1000 * m(fs, 'load_only'):>9.1f} {1000 * med(r['raw']):>8.1f} | {1000 * m(mem, 'total'):>9.1f} "
+        print(f"{r['mb']:>6.0f}MB {r['params'] / 1e6:>7.1f}M | {1000 * m(fs, 'total'):>9.1f} "
+              f"{1000 * m(fs, 'write'):>8.1f} {1000 * m(fs, 'load_only'):>9.1f} {1000 * med(r['raw']):>8.1f} | "
+              f"{1000 * m(mem, 'total'):>9.1f} "
               f"{1000 * m(mem, 'write'):>8.1f} {1000 * m(mem, 'post'):>8.1f} {1000 * m(mem, 'load'):>8.1f} "
               f"{1000 * med(r['read']):>8.1f} | "
               f"{m(mem, 'total') / m(fs, 'total'):>5.2f}x {m(mem, 'load_only') / m(fs, 'load_only'):>15.2f}x")
