@@ -14,8 +14,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def local_plan(run_dir: str | Path, model_dir: str | Path, overrides: Sequence[str] = (),
                topology: str = "local-tiny") -> Plan:
-    """The plan of configs/TOPOLOGY.yaml with `run_dir`, `model.path` and `overrides` applied."""
-    items = [f"run_dir={run_dir}", f"model.path={model_dir}", *overrides]
+    """The plan of configs/TOPOLOGY.yaml with `run_dir`, `model.path` and `overrides` applied. Weights go through
+    the filesystem unless `overrides` say otherwise: these plans drive roles directly, without `prl submit` and
+    the run key a weight feed needs (local-tiny itself moves them in memory)."""
+    items = [f"run_dir={run_dir}", f"model.path={model_dir}", "weights.transport=filesystem", *overrides]
     return prepare(REPO / "configs" / f"{topology}.yaml", items, cwd=REPO).plan
 
 
