@@ -121,6 +121,8 @@ CASES = [
      "leaves no room for the prompt"),
     ("ratio-bounds", "topo", ("  max_tokens: 512", "  max_tokens: 512\n  loss: {ratio_low: 2, ratio_high: 1}"), [],
      "topo.yaml:25 (training.loss)", "ratio_low (2.0) must be below ratio_high (1.0)"),
+    ("advantage-baseline", "topo", ("  max_tokens: 512", "  max_tokens: 512\n  advantage: {baseline: others}"), [],
+     "topo.yaml:25 (training.advantage.baseline)", "'group_mean' or 'leave_one_out'"),
     ("time-format", "topo", ('time: "01:00:00"', 'time: "1 hour"'), [], "topo.yaml:26 (slurm.time)",
      "time must look like"),
     ("qos-space", "topo", ('  time: "01:00:00"', '  time: "01:00:00"\n  qos: "a b"'), [], "topo.yaml:27 (slurm.qos)",

@@ -309,6 +309,9 @@ class Loss(Strict, kw_only=True):
 
 
 class Advantage(Strict, kw_only=True):
+    baseline: Literal["group_mean", "leave_one_out"] = "group_mean"
+    """What each rollout's reward is compared with: its group's mean reward (GRPO, Dr.GRPO), or the mean reward
+    of the other rollouts of its group (`leave_one_out`, RLOO)."""
     std_normalize: bool = False
     """Divide by the group's reward std (GRPO); off: mean-centring only (Dr.GRPO)."""
     length_penalty: Annotated[float, Meta(ge=0)] = 0.0
