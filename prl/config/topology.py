@@ -295,17 +295,64 @@ class Environment(Strict, kw_only=True):
     eval: EvalSettings = EvalSettings()
 
 
+LOSS_BOUNDS = {"token": (0.0, 5.0), "gspo": (1 - 3e-4, 1 + 4e-4), "cispo": (0.0, 5.0)}
+"""Each ratio-bounded loss kind's default [ratio_low, ratio_high] (GSPO's: the paper's clipping range)."""
+DPPO_PROB_DELTA = 0.2
+"""prime-rl's default DPPO thresholds on the probability change of a token."""
+
+
 class Loss(Strict, kw_only=True):
+    """The trainer's policy objective; formulas in docs/trainer.md (Loss) and prl/trainer/loss.py."""
+
+    kind: Literal["token", "gspo", "cispo", "dppo"] = "token"
+    """`token`: importance ratio per token, masked or clipped (`mode`); `gspo`: one ratio per sample, the
+    geometric mean of its tokens' (GSPO); `cispo`: the clipped ratio as a stop-gradient weight on every token's
+    logprob (CISPO); `dppo`: tokens masked by how much their probability moved (prime-rl's default loss)."""
     mode: Literal["mask", "clip"] = "mask"
-    """Tokens whose importance ratio leaves [ratio_low, ratio_high] are masked out, or their ratio clipped."""
-    ratio_low: Annotated[float, Meta(ge=0)] = 0.0
-    ratio_high: Annotated[float, Meta(gt=0)] = 5.0
+    """kind `token`: tokens whose importance ratio leaves [ratio_low, ratio_high] are masked out, or their
+    ratio clipped."""
+    ratio_low: Optional[Annotated[float, Meta(ge=0)]] = None
+    """Lowest importance ratio (`token`, `cispo`: a token's; `gspo`: a sample's). None: 0 (`token`, `cispo`),
+    1 - 3e-4 (`gspo`)."""
+    ratio_high: Optional[Annotated[float, Meta(gt=0)]] = None
+    """Highest importance ratio. None: 5 (`token`, `cispo`), 1 + 4e-4 (`gspo`)."""
+    prob_delta_low: Optional[Annotated[float, Meta(gt=0, le=1)]] = None
+    """kind `dppo`: a token with advantage <= 0 is masked when its probability fell by more than this
+    (trainer's minus the engine's). None: 0.2."""
+    prob_delta_high: Optional[Annotated[float, Meta(gt=0, le=1)]] = None
+    """kind `dppo`: a token with advantage > 0 is masked when its probability rose by more than this.
+    None: 0.2."""
     kl_coef: Annotated[float, Meta(ge=0)] = 0.0
-    """Weight of a KL term against the sampling policy (0: off)."""
+    """Weight of a KL term against the sampling policy (0: off): k3 per token, `dppo`: squared log ratio."""
 
     def __post_init__(self) -> None:
-        if self.ratio_low >= self.ratio_high:
-            raise ValueError(f"ratio_low ({self.ratio_low}) must be below ratio_high ({self.ratio_high})")
+        if self.mode != "mask" and self.kind != "token":
+            raise FieldValueError("mode", f"mode applies to kind token; kind {self.kind} has its own clipping: "
+                                          f"remove mode")
+        if self.kind == "dppo":
+            for name in ("ratio_low", "ratio_high"):
+                if getattr(self, name) is not None:
+                    raise FieldValueError(name, f"kind dppo bounds the probability change, not the ratio: use "
+                                                f"prob_delta_low/prob_delta_high instead of {name}")
+            return
+        for name in ("prob_delta_low", "prob_delta_high"):
+            if getattr(self, name) is not None:
+                raise FieldValueError(name, f"{name} applies to kind dppo only: remove it or set kind: dppo")
+        low, high = self.bounds()
+        if low >= high:
+            raise FieldValueError("ratio_low" if self.ratio_low is not None else "ratio_high",
+                                  f"ratio_low ({low}) must be below ratio_high ({high}) (kind {self.kind})")
+
+    def bounds(self) -> tuple[float, float]:
+        """[ratio_low, ratio_high] as written, else the kind's defaults (`LOSS_BOUNDS`)."""
+        low, high = LOSS_BOUNDS.get(self.kind, (0.0, 5.0))
+        return (low if self.ratio_low is None else self.ratio_low,
+                high if self.ratio_high is None else self.ratio_high)
+
+    def prob_deltas(self) -> tuple[float, float]:
+        """kind dppo: [prob_delta_low, prob_delta_high] as written, else prime-rl's 0.2 each."""
+        return (DPPO_PROB_DELTA if self.prob_delta_low is None else self.prob_delta_low,
+                DPPO_PROB_DELTA if self.prob_delta_high is None else self.prob_delta_high)
 
 
 class Advantage(Strict, kw_only=True):

@@ -2,7 +2,8 @@
 
     wait for rollouts/step_N (heartbeat every 10 s meanwhile), check its token ids against the model's vocab
     this rank's micro-batches of it (the batch's packing, repacked if the trainer's dp size differs)
-    loss: the policy-gradient loss of prl/trainer/loss.py (+ the MoE router's aux loss), with the
+    loss: the policy-gradient loss of prl/trainer/loss.py (the kind `training.loss` names) (+ the MoE
+          router's aux loss), with the
           trainer/inference mismatch of the sampled tokens
     publish weights/step_N every step (inference waits for it); checkpoint every `checkpoint_interval`
     steps and at `max_steps`; keep `max_off_policy_steps` weights steps for inference
@@ -21,7 +22,7 @@ from prl.run.batch import BatchError, read_batch
 from prl.run.rundir import RunDir
 from prl.trainer.config import TrainerConfig
 from prl.trainer.engine import Engine, Spec, StepData, StopFlag, add_router_aux, forward
-from prl.trainer.loss import policy_loss, token_logprobs_and_entropy
+from prl.trainer.loss import policy_loss, sample_ids_of, token_logprobs_and_entropy
 
 
 def wait_rollouts(run: RunDir, step: int, cfg: TrainerConfig, stop: StopFlag, heartbeat) -> Path | None:
@@ -90,7 +91,8 @@ class RLSpec(Spec):
         out = forward(model, x, coef)
         logp, entropy = token_logprobs_and_entropy(out.logits[0], x["targets"])
         loss, stats = policy_loss(logp, x["inference_logprobs"], x["advantages"], x["loss_mask"],
-                                  self.cfg.training.loss, n_loss_tokens, entropy=entropy)
+                                  self.cfg.training.loss, n_loss_tokens, entropy=entropy,
+                                  sample_ids=sample_ids_of(x["position_ids"]))
         stats |= mismatch_stats(logp, x["inference_logprobs"], x["loss_mask"])
         return add_router_aux(loss, stats, out, coef, aux_weight), stats
 
