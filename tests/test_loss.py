@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from prl.config.topology import Loss
-from prl.trainer.loss import merge_stats, policy_loss, sample_ids_of, token_logprobs_and_entropy
+from prl.errors import ConfigError
+from prl.trainer.loss import (LossInputs, custom_loss, load_custom_loss, merge_stats, policy_loss, sample_ids_of,
+                              token_logprobs_and_entropy)
 
 
 def _case():
@@ -109,6 +111,10 @@ def test_bad_settings_are_refused():
     ({"kind": "dppo", "ratio_high": 2.0}, "ratio_high", "kind dppo bounds the probability change"),
     ({"prob_delta_high": 0.3}, "prob_delta_high", "applies to kind dppo only"),
     ({"kind": "dppo", "prob_delta_low": 1.5}, "prob_delta_low", "<= 1.0"),
+    ({"args": {"scale": 2}}, "args", "set import_path too"),
+    ({"import_path": "pkg.mod.fn"}, "import_path", "must read package.module:function"),
+    ({"import_path": "pkg.mod:fn", "kind": "gspo"}, "kind", "import_path replaces the built-in losses"),
+    ({"import_path": "pkg.mod:fn", "kl_coef": 0.1}, "kl_coef", "remove kl_coef"),
 ])
 def test_loss_menu_settings_are_refused_naming_the_field(data, field, says):
     with pytest.raises(msgspec.ValidationError, match=says) as info:
@@ -218,3 +224,72 @@ def test_dppo_positive_advantages_check_the_rise():
     assert loss.item() == pytest.approx(-(1 * 1 + 0.5 * 2) / 3) and stats["masked_tokens"] == 1
     loss, stats = policy_loss(logp, q, adv, mask, Loss(kind="dppo", prob_delta_high=0.5), 3)
     assert loss.item() == pytest.approx(-(1 * 1 + 0.5 * 2 + 10 * 3) / 3) and stats["masked_tokens"] == 0
+
+
+def test_custom_loss_is_called_with_the_documented_inputs_and_used():
+    from tests.custom_loss import CALLS
+
+    CALLS.clear()
+    logp, q, adv, mask, ids = _two_samples()
+    cfg = Loss(import_path="tests.custom_loss:scaled_pg", args={"scale": 2.0})
+    fn = load_custom_loss(cfg)
+    inputs = LossInputs(logp, q, adv, mask, ids, 3)
+    loss, stats = custom_loss(fn, inputs, cfg)
+    assert CALLS == [(inputs, {"scale": 2.0})]
+    # -2 * (1 * log .4 + 1 * log .3 - 2 * log .25) / 3
+    assert loss.item() == pytest.approx(-2 * (math.log(0.4) + math.log(0.3) - 2 * math.log(0.25)) / 3)
+    loss.backward()
+    assert logp.grad.tolist() == pytest.approx([0.0, -2 / 3, -2 / 3, 0.0, 4 / 3])
+    assert stats["loss_tokens"] == 3 and stats["loss_sum"] == pytest.approx(loss.item() * 3)
+    assert load_custom_loss(Loss()) is None
+
+
+@pytest.mark.parametrize("path, args, says", [
+    ("tests.no_such_module:fn", {}, r"training\.loss\.import_path \(tests\.no_such_module:fn\): cannot import"),
+    ("tests.custom_loss:no_such_fn", {}, r"training\.loss\.import_path .*has no no_such_fn"),
+    ("tests.custom_loss:NOT_A_FUNCTION", {}, r"training\.loss\.import_path .*NOT_A_FUNCTION is a int, not a function"),
+    ("tests.custom_loss:scaled_pg", {"scael": 2}, r"training\.loss\.args: .*cannot be called as fn\(inputs, \*\*args\)"),
+])
+def test_custom_loss_that_does_not_load_is_refused_naming_the_setting(path, args, says):
+    with pytest.raises(ConfigError, match=says):
+        load_custom_loss(Loss(import_path=path, args=args))
+
+
+def test_custom_loss_must_return_a_scalar():
+    logp, q, adv, mask, ids = _two_samples()
+    cfg = Loss(import_path="tests.custom_loss:per_token")
+    with pytest.raises(ConfigError, match=r"training\.loss\.import_path \(tests\.custom_loss:per_token\) returned "
+                                          r"Tensor, not a scalar tensor"):
+        custom_loss(load_custom_loss(cfg), LossInputs(logp, q, adv, mask, ids, 3), cfg)
+
+
+def test_the_rl_step_hands_a_custom_loss_its_inputs_and_uses_its_loss():
+    """RLSpec.micro_loss (prl/trainer/rl.py): sample ids from the packed positions, N, and the returned loss."""
+    import types
+
+    from prl.trainer.rl import RLSpec
+    from tests.custom_loss import CALLS
+
+    CALLS.clear()
+    cfg = types.SimpleNamespace(training=types.SimpleNamespace(
+        loss=Loss(import_path="tests.custom_loss:scaled_pg", args={"scale": 0.5}), router_aux_loss_coef=0.0))
+    bad = types.SimpleNamespace(training=types.SimpleNamespace(loss=Loss(import_path="tests.custom_loss:nothing")))
+    with pytest.raises(ConfigError, match=r"training\.loss\.import_path .*has no nothing"):
+        RLSpec(bad)  # the trainer refuses it at start, before any model is loaded
+    spec = RLSpec(cfg)
+    logits = torch.zeros(5, 4, requires_grad=True)  # uniform: every logprob is log(1/4)
+
+    def model(input_ids, position_ids, use_cache):
+        return types.SimpleNamespace(logits=logits[None])
+
+    x = {"input_ids": torch.tensor([1, 2, 3, 1, 2]), "position_ids": torch.tensor([0, 1, 2, 0, 1]),
+         "targets": torch.tensor([2, 3, 0, 2, 0]), "inference_logprobs": torch.full((5,), math.log(0.25)),
+         "advantages": torch.tensor([1.0, 1.0, 0.0, -1.0, 0.0]), "loss_mask": torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0])}
+    loss, stats = spec.micro_loss(model, x, n_loss_tokens=6, aux_weight=0.0)
+    ((inputs, args),) = CALLS
+    assert args == {"scale": 0.5} and inputs.total_loss_tokens == 6
+    assert inputs.sample_ids.tolist() == [0, 0, 0, 1, 1]
+    assert inputs.logprobs.tolist() == pytest.approx([math.log(0.25)] * 5)
+    # -0.5 * (1 + 1 - 1) * log(1/4) / 6
+    assert loss.item() == pytest.approx(0.5 * math.log(4) / 6)
+    assert stats["loss_tokens"] == 3 and stats["mismatch_ratio_sum"] == pytest.approx(3.0)

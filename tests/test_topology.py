@@ -125,6 +125,8 @@ CASES = [
      [], "topo.yaml:27 (training.loss.mode)", "mode applies to kind token"),
     ("loss-kind", "topo", ("  max_tokens: 512", "  max_tokens: 512\n  loss: {kind: ppo}"), [],
      "topo.yaml:25 (training.loss.kind)", "'token', 'gspo', 'cispo' or 'dppo'"),
+    ("loss-import-path", "topo", ("  max_tokens: 512", "  max_tokens: 512\n  loss:\n    import_path: mylosses.pg"),
+     [], "topo.yaml:26 (training.loss.import_path)", "must read package.module:function"),
     ("loss-gspo-cp", "topo", ("  cp: 1", "  cp: 2"), ["training.loss.kind=gspo"], "(training.loss.kind)",
      "kind gspo takes one ratio per sample"),
     ("advantage-baseline", "topo", ("  max_tokens: 512", "  max_tokens: 512\n  advantage: {baseline: others}"), [],

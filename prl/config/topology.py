@@ -299,6 +299,7 @@ LOSS_BOUNDS = {"token": (0.0, 5.0), "gspo": (1 - 3e-4, 1 + 4e-4), "cispo": (0.0,
 """Each ratio-bounded loss kind's default [ratio_low, ratio_high] (GSPO's: the paper's clipping range)."""
 DPPO_PROB_DELTA = 0.2
 """prime-rl's default DPPO thresholds on the probability change of a token."""
+_IMPORT_PATH = re.compile(r"\A[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 class Loss(Strict, kw_only=True):
@@ -324,8 +325,18 @@ class Loss(Strict, kw_only=True):
     None: 0.2."""
     kl_coef: Annotated[float, Meta(ge=0)] = 0.0
     """Weight of a KL term against the sampling policy (0: off): k3 per token, `dppo`: squared log ratio."""
+    import_path: Optional[Annotated[str, Meta(max_length=300)]] = None
+    """A loss of your own instead of the built-ins: `package.module:function`, imported by the trainer at
+    start (signature in docs/trainer.md, Loss)."""
+    args: Annotated[dict[str, Any], Meta(max_length=MAX_ITEMS)] = {}
+    """Keyword arguments for the `import_path` function."""
 
     def __post_init__(self) -> None:
+        if self.import_path is not None:
+            self._check_custom()
+            return
+        if self.args:
+            raise FieldValueError("args", "args go to a loss of your own: set import_path too, or remove args")
         if self.mode != "mask" and self.kind != "token":
             raise FieldValueError("mode", f"mode applies to kind token; kind {self.kind} has its own clipping: "
                                           f"remove mode")
@@ -342,6 +353,18 @@ class Loss(Strict, kw_only=True):
         if low >= high:
             raise FieldValueError("ratio_low" if self.ratio_low is not None else "ratio_high",
                                   f"ratio_low ({low}) must be below ratio_high ({high}) (kind {self.kind})")
+
+    def _check_custom(self) -> None:
+        if not _IMPORT_PATH.search(self.import_path):
+            raise FieldValueError("import_path", f"import_path must read package.module:function, not "
+                                                 f"{shown(self.import_path)}")
+        written = [name for name, default in (("kind", "token"), ("mode", "mask"), ("ratio_low", None),
+                                              ("ratio_high", None), ("prob_delta_low", None),
+                                              ("prob_delta_high", None), ("kl_coef", 0.0))
+                   if getattr(self, name) != default]
+        if written:
+            raise FieldValueError(written[0], f"import_path replaces the built-in losses, which {written[0]} "
+                                              f"tunes: remove {written[0]} (pass what your loss needs in args)")
 
     def bounds(self) -> tuple[float, float]:
         """[ratio_low, ratio_high] as written, else the kind's defaults (`LOSS_BOUNDS`)."""

@@ -40,6 +40,10 @@ partial sum divided by N, so summing micro-batches (and gradients across
 ranks) gives exactly L. GSPO needs each sample whole on one rank (the
 planner refuses it with context parallelism, which splits samples).
 
+A loss of your own (`training.loss.import_path: pkg.mod:fn`, `args`) is
+called as fn(inputs: LossInputs, **args) and returns this micro-batch's share
+of the step's loss, a scalar tensor (the built-ins return their sum / N).
+
 Entropy is that of the trainer's next-token distribution at the positions
 that produced loss tokens. All statistics are returned as sums/min/max so
 they can be reduced across micro-batches and ranks.
@@ -47,10 +51,34 @@ they can be reduced across micro-batches and ranks.
 
 from __future__ import annotations
 
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from prl.config.topology import Loss
+from prl.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What every loss gets for one micro-batch on one rank: [T] tensors over the same positions."""
+
+    logprobs: torch.Tensor
+    """The trainer's logprob of each position's target token (gradients flow through it)."""
+    inference_logprobs: torch.Tensor
+    """The engine's sampling logprob of the same token (0 where loss_mask is 0)."""
+    advantages: torch.Tensor
+    """The advantage of the token's sample."""
+    loss_mask: torch.Tensor
+    """1 where the engine sampled the token (trained on)."""
+    sample_ids: torch.Tensor
+    """Which packed sample each position belongs to (0, 1, ... in order within the micro-batch; with context
+    parallelism, within this rank's chunk of it)."""
+    total_loss_tokens: float
+    """N: loss tokens of the whole step, all micro-batches and ranks."""
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,6 +206,51 @@ def _token_stats(ratio: torch.Tensor, loss_mask: torch.Tensor, entropy: torch.Te
         "ratio_max": float(torch.where(is_loss, r, torch.full_like(r, -big)).max()) if r.numel() else -big,
         "entropy_sum": float((entropy.detach() * m).sum()) if entropy is not None else 0.0,
     }
+
+
+CustomLoss = Callable[..., torch.Tensor]
+
+
+def load_custom_loss(cfg: Loss) -> CustomLoss | None:
+    """The function `training.loss.import_path` names, checked against `args` (None: a built-in loss).
+
+    Called by the trainer at start; a path that does not load is a ConfigError naming the setting.
+    """
+    if cfg.import_path is None:
+        return None
+    module_name, _, attr = cfg.import_path.partition(":")
+    where = f"training.loss.import_path ({cfg.import_path})"
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{where}: cannot import {module_name}: {e}; install it where the trainer runs") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ConfigError(f"{where}: module {module_name} has no {attr}")
+    if not callable(fn):
+        raise ConfigError(f"{where}: {attr} is a {type(fn).__name__}, not a function")
+    try:
+        inspect.signature(fn).bind(None, **cfg.args)
+    except TypeError as e:
+        raise ConfigError(f"training.loss.args: {cfg.import_path} cannot be called as fn(inputs, **args) with "
+                          f"args {sorted(cfg.args)}: {e}") from None
+    except ValueError:
+        pass  # no signature to check (a builtin): the first call tells
+    return fn
+
+
+def custom_loss(fn: CustomLoss, inputs: LossInputs, cfg: Loss, entropy: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+    """This micro-batch's share of the step's loss from a loss of your own, and the token statistics."""
+    loss = fn(inputs, **cfg.args)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ConfigError(f"training.loss.import_path ({cfg.import_path}) returned {type(loss).__name__}, not a "
+                          f"scalar tensor: return this micro-batch's share of the step's loss (its sum / "
+                          f"inputs.total_loss_tokens)")
+    r = torch.exp(torch.where(inputs.loss_mask.bool(), inputs.logprobs - inputs.inference_logprobs,
+                              torch.zeros_like(inputs.logprobs)))
+    return loss.reshape(()), {"loss_sum": float(loss.detach()) * float(max(inputs.total_loss_tokens, 1)),
+                              **_token_stats(r, inputs.loss_mask, entropy)}
 
 
 def merge_stats(parts: list[dict[str, float]]) -> dict[str, float]:
