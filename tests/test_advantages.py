@@ -50,11 +50,30 @@ def test_length_penalty():
         group_advantages([1.0, 1.0], None, cfg, max_tokens=10)
 
 
+def test_leave_one_out_baseline_is_the_others_mean():
+    cfg = Advantage(baseline="leave_one_out")
+    # rewards 1, 0, 0, 0.5 (sum 1.5): 1 - 0.5/3, 0 - 1.5/3, 0 - 1.5/3, 0.5 - 1/3
+    approx(group_advantages([1.0, 0.0, 0.0, 0.5], cfg=cfg), [5 / 6, -0.5, -0.5, 1 / 6])
+    approx(group_advantages([3.0, 1.0], cfg=cfg), [2.0, -2.0])
+    assert group_advantages([0.7], cfg=cfg) == [0.0], "a group of one has no other rollout"
+    assert group_advantages([0.3, 0.3, 0.3], cfg=cfg) == [0.0, 0.0, 0.0]
+
+
+def test_leave_one_out_with_length_penalty_and_std():
+    # rewards 1, 1 with lengths 2, 8 of max 10, penalty 0.5: 0.9 and 0.6; others' means 0.6 and 0.9
+    cfg = Advantage(baseline="leave_one_out", length_penalty=0.5)
+    approx(group_advantages([1.0, 1.0], [2, 8], cfg, max_tokens=10), [0.3, -0.3])
+    # std of the group's rewards 0.9, 0.6 is 0.15: 0.3 / (0.15 + eps)
+    cfg = Advantage(baseline="leave_one_out", length_penalty=0.5, std_normalize=True, eps=1e-6)
+    approx(group_advantages([1.0, 1.0], [2, 8], cfg, max_tokens=10), [0.3 / (0.15 + 1e-6), -0.3 / (0.15 + 1e-6)])
+
+
 def test_groups_sum_to_zero():
     import random
 
     rng = random.Random(0)
-    for cfg in (Advantage(), Advantage(std_normalize=True), Advantage(length_penalty=0.2)):
+    for cfg in (Advantage(), Advantage(std_normalize=True), Advantage(length_penalty=0.2),
+                Advantage(baseline="leave_one_out")):
         for _ in range(50):
             n = rng.randint(1, 9)
             adv = group_advantages([rng.random() for _ in range(n)], [rng.randint(1, 50) for _ in range(n)], cfg, 50)

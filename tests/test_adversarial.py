@@ -243,7 +243,7 @@ SCHEMA_CASES = [
     edit("stray-unified-field", "  nodes: 1\n  tp: 2", "  prefill: {nodes: 1}\n  decode: {nodes: 1}\n  tp: 2",
          "inference.tp", at=2, says="set it inside each group"),
     edit("ratio-bounds", "  max_tokens: 512", "  max_tokens: 512\n  loss: {ratio_low: 2, ratio_high: 1}",
-         "training.loss", at=1, says="must be below"),
+         "training.loss.ratio_low", at=1, says="must be below"),
     edit("seed-negative", "  max_steps: 10", "  max_steps: 10\n  seed: -1", "training.seed", at=1),
     edit("stray-unified-default", "  nodes: 1\n  tp: 2", "  prefill: {nodes: 1}\n  decode: {nodes: 1}\n  tp: 1",
          "inference.tp", at=2, says="set it inside each group"),

@@ -287,6 +287,18 @@ def test_check_training(update, text):
         P.check_training(checker(), topo(training=update), derive_mesh(16, 1, -1, 1, 1))
 
 
+def test_check_training_refuses_gspo_with_context_parallelism():
+    with pytest.raises(PlanError, match=r"kind gspo takes one ratio per sample, but trainer.cp\(2\) splits samples"):
+        P.check_training(checker(), topo(training={"loss": {"kind": "gspo"}}), derive_mesh(16, 1, -1, 2, 1))
+    P.check_training(checker(), topo(training={"loss": {"kind": "gspo"}}), derive_mesh(16, 1, -1, 1, 1))
+
+
+def test_check_training_refuses_leave_one_out_without_a_group():
+    with pytest.raises(PlanError, match=r"rollouts_per_example\(1\) leaves none; use at least 2"):
+        P.check_training(checker(), topo(training={"rollouts_per_example": 1, "advantage": {"baseline": "leave_one_out"}}),
+                         derive_mesh(16, 1, -1, 1, 1))
+
+
 def test_check_training_needs_a_sample_per_data_parallel_rank():
     with pytest.raises(PlanError, match=r"batch_size\(8\) gives some of the trainer's 16 data-parallel ranks"):
         P.check_training(checker(), topo(training={"batch_size": 8}), derive_mesh(16, 1, -1, 1, 1))

@@ -295,20 +295,93 @@ class Environment(Strict, kw_only=True):
     eval: EvalSettings = EvalSettings()
 
 
+LOSS_BOUNDS = {"token": (0.0, 5.0), "gspo": (1 - 3e-4, 1 + 4e-4), "cispo": (0.0, 5.0)}
+"""Each ratio-bounded loss kind's default [ratio_low, ratio_high] (GSPO's: the paper's clipping range)."""
+DPPO_PROB_DELTA = 0.2
+"""prime-rl's default DPPO thresholds on the probability change of a token."""
+_IMPORT_PATH = re.compile(r"\A[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
 class Loss(Strict, kw_only=True):
+    """The trainer's policy objective; formulas in docs/trainer.md (Loss) and prl/trainer/loss.py."""
+
+    kind: Literal["token", "gspo", "cispo", "dppo"] = "token"
+    """`token`: importance ratio per token, masked or clipped (`mode`); `gspo`: one ratio per sample, the
+    geometric mean of its tokens' (GSPO); `cispo`: the clipped ratio as a stop-gradient weight on every token's
+    logprob (CISPO); `dppo`: tokens masked by how much their probability moved (prime-rl's default loss)."""
     mode: Literal["mask", "clip"] = "mask"
-    """Tokens whose importance ratio leaves [ratio_low, ratio_high] are masked out, or their ratio clipped."""
-    ratio_low: Annotated[float, Meta(ge=0)] = 0.0
-    ratio_high: Annotated[float, Meta(gt=0)] = 5.0
+    """kind `token`: tokens whose importance ratio leaves [ratio_low, ratio_high] are masked out, or their
+    ratio clipped."""
+    ratio_low: Optional[Annotated[float, Meta(ge=0)]] = None
+    """Lowest importance ratio (`token`, `cispo`: a token's; `gspo`: a sample's). None: 0 (`token`, `cispo`),
+    1 - 3e-4 (`gspo`)."""
+    ratio_high: Optional[Annotated[float, Meta(gt=0)]] = None
+    """Highest importance ratio. None: 5 (`token`, `cispo`), 1 + 4e-4 (`gspo`)."""
+    prob_delta_low: Optional[Annotated[float, Meta(gt=0, le=1)]] = None
+    """kind `dppo`: a token with advantage <= 0 is masked when its probability fell by more than this
+    (trainer's minus the engine's). None: 0.2."""
+    prob_delta_high: Optional[Annotated[float, Meta(gt=0, le=1)]] = None
+    """kind `dppo`: a token with advantage > 0 is masked when its probability rose by more than this.
+    None: 0.2."""
     kl_coef: Annotated[float, Meta(ge=0)] = 0.0
-    """Weight of a KL term against the sampling policy (0: off)."""
+    """Weight of a KL term against the sampling policy (0: off): k3 per token, `dppo`: squared log ratio."""
+    import_path: Optional[Annotated[str, Meta(max_length=300)]] = None
+    """A loss of your own instead of the built-ins: `package.module:function`, imported by the trainer at
+    start (signature in docs/trainer.md, Loss)."""
+    args: Annotated[dict[str, Any], Meta(max_length=MAX_ITEMS)] = {}
+    """Keyword arguments for the `import_path` function."""
 
     def __post_init__(self) -> None:
-        if self.ratio_low >= self.ratio_high:
-            raise ValueError(f"ratio_low ({self.ratio_low}) must be below ratio_high ({self.ratio_high})")
+        if self.import_path is not None:
+            self._check_custom()
+            return
+        if self.args:
+            raise FieldValueError("args", "args go to a loss of your own: set import_path too, or remove args")
+        if self.mode != "mask" and self.kind != "token":
+            raise FieldValueError("mode", f"mode applies to kind token; kind {self.kind} has its own clipping: "
+                                          f"remove mode")
+        if self.kind == "dppo":
+            for name in ("ratio_low", "ratio_high"):
+                if getattr(self, name) is not None:
+                    raise FieldValueError(name, f"kind dppo bounds the probability change, not the ratio: use "
+                                                f"prob_delta_low/prob_delta_high instead of {name}")
+            return
+        for name in ("prob_delta_low", "prob_delta_high"):
+            if getattr(self, name) is not None:
+                raise FieldValueError(name, f"{name} applies to kind dppo only: remove it or set kind: dppo")
+        low, high = self.bounds()
+        if low >= high:
+            raise FieldValueError("ratio_low" if self.ratio_low is not None else "ratio_high",
+                                  f"ratio_low ({low}) must be below ratio_high ({high}) (kind {self.kind})")
+
+    def _check_custom(self) -> None:
+        if not _IMPORT_PATH.search(self.import_path):
+            raise FieldValueError("import_path", f"import_path must read package.module:function, not "
+                                                 f"{shown(self.import_path)}")
+        written = [name for name, default in (("kind", "token"), ("mode", "mask"), ("ratio_low", None),
+                                              ("ratio_high", None), ("prob_delta_low", None),
+                                              ("prob_delta_high", None), ("kl_coef", 0.0))
+                   if getattr(self, name) != default]
+        if written:
+            raise FieldValueError(written[0], f"import_path replaces the built-in losses, which {written[0]} "
+                                              f"tunes: remove {written[0]} (pass what your loss needs in args)")
+
+    def bounds(self) -> tuple[float, float]:
+        """[ratio_low, ratio_high] as written, else the kind's defaults (`LOSS_BOUNDS`)."""
+        low, high = LOSS_BOUNDS.get(self.kind, (0.0, 5.0))
+        return (low if self.ratio_low is None else self.ratio_low,
+                high if self.ratio_high is None else self.ratio_high)
+
+    def prob_deltas(self) -> tuple[float, float]:
+        """kind dppo: [prob_delta_low, prob_delta_high] as written, else prime-rl's 0.2 each."""
+        return (DPPO_PROB_DELTA if self.prob_delta_low is None else self.prob_delta_low,
+                DPPO_PROB_DELTA if self.prob_delta_high is None else self.prob_delta_high)
 
 
 class Advantage(Strict, kw_only=True):
+    baseline: Literal["group_mean", "leave_one_out"] = "group_mean"
+    """What each rollout's reward is compared with: its group's mean reward (GRPO, Dr.GRPO), or the mean reward
+    of the other rollouts of its group (`leave_one_out`, RLOO)."""
     std_normalize: bool = False
     """Divide by the group's reward std (GRPO); off: mean-centring only (Dr.GRPO)."""
     length_penalty: Annotated[float, Meta(ge=0)] = 0.0

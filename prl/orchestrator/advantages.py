@@ -1,9 +1,13 @@
 """Group-relative advantages: each rollout's reward against its group's (same prompt) others.
 
-For a group with rewards r_i and completion lengths L_i (sampled tokens):
+For a group of n rollouts with rewards r_i and completion lengths L_i (sampled tokens):
 
     r'_i = r_i - length_penalty * L_i / max_tokens      (optional length penalty)
-    a_i  = r'_i - mean(r')                               (centre; always: the group is the baseline)
+    baseline "group_mean" (GRPO, Dr.GRPO):
+      a_i  = r'_i - mean(r')
+    baseline "leave_one_out" (RLOO, Ahmadian et al. 2024): the mean of the group's other rollouts,
+      a_i  = r'_i - (sum_j r'_j - r'_i) / (n - 1)  =  n / (n - 1) * (r'_i - mean(r'))
+      (a group of one has no other rollout: its advantage is 0)
     a_i /= std(r') + eps                                 (optional; a zero-std group stays all zero)
 
 Every group's advantages sum to zero (up to float error). A group whose
@@ -37,9 +41,14 @@ def group_advantages(
             raise ValueError(f"length penalty needs one length per reward, got {lengths!r} for {n} rewards")
         adjusted = [r - cfg.length_penalty * L / max(1, max_tokens) for r, L in zip(adjusted, lengths)]
     mean = sum(adjusted) / n
-    adv = [r - mean for r in adjusted]
+    centred = [r - mean for r in adjusted]
+    if cfg.baseline == "leave_one_out":
+        total = sum(adjusted)
+        adv = [r - (total - r) / (n - 1) for r in adjusted] if n > 1 else [0.0]
+    else:
+        adv = centred
     if cfg.std_normalize:
-        std = math.sqrt(sum(a * a for a in adv) / n)
+        std = math.sqrt(sum(c * c for c in centred) / n)
         if std < cfg.eps:
             return [0.0] * n
         adv = [a / (std + cfg.eps) for a in adv]

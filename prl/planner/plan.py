@@ -514,6 +514,14 @@ def check_training(check: Checker, topo: Topology, mesh: Mesh) -> None:
         raise check.fail(("training", "max_tokens"), (
             f"max_tokens({t.max_tokens}) leaves no room for the prompt within model.max_model_len"
             f"({topo.model.max_model_len})"))
+    if t.loss.kind == "gspo" and mesh.cp > 1:
+        raise check.fail(("training", "loss", "kind"), (
+            f"kind gspo takes one ratio per sample, but trainer.cp({mesh.cp}) splits samples over ranks; "
+            f"use cp: 1 or another loss kind"))
+    if t.advantage.baseline == "leave_one_out" and t.rollouts_per_example < 2:
+        raise check.fail(("training", "advantage", "baseline"), (
+            f"leave_one_out compares each rollout with the others of its group, but rollouts_per_example"
+            f"({t.rollouts_per_example}) leaves none; use at least 2"))
 
 
 def check_ports(check: Checker, topo: Topology, servers: list[Server], router_port: Optional[int],

@@ -2,7 +2,8 @@
 
     wait for rollouts/step_N (heartbeat every 10 s meanwhile), check its token ids against the model's vocab
     this rank's micro-batches of it (the batch's packing, repacked if the trainer's dp size differs)
-    loss: the policy-gradient loss of prl/trainer/loss.py (+ the MoE router's aux loss), with the
+    loss: the policy-gradient loss of prl/trainer/loss.py (`training.loss`: a built-in kind or your own
+          import_path, loaded at start) (+ the MoE router's aux loss), with the
           trainer/inference mismatch of the sampled tokens
     publish weights/step_N every step (inference waits for it); checkpoint every `checkpoint_interval`
     steps and at `max_steps`; keep `max_off_policy_steps` weights steps for inference
@@ -21,7 +22,8 @@ from prl.run.batch import BatchError, read_batch
 from prl.run.rundir import RunDir
 from prl.trainer.config import TrainerConfig
 from prl.trainer.engine import Engine, Spec, StepData, StopFlag, add_router_aux, forward
-from prl.trainer.loss import policy_loss, token_logprobs_and_entropy
+from prl.trainer.loss import (LossInputs, custom_loss, load_custom_loss, policy_loss, sample_ids_of,
+                              token_logprobs_and_entropy)
 
 
 def wait_rollouts(run: RunDir, step: int, cfg: TrainerConfig, stop: StopFlag, heartbeat) -> Path | None:
@@ -66,6 +68,10 @@ def mismatch_stats(logp: torch.Tensor, inference_logprobs: torch.Tensor, mask: t
 class RLSpec(Spec):
     """Policy-gradient training on the rollouts the orchestrator publishes, one rollouts step per step."""
 
+    def __init__(self, cfg: TrainerConfig) -> None:
+        super().__init__(cfg)
+        self.custom_loss = load_custom_loss(cfg.training.loss)  # at start: a bad import_path fails here
+
     def last_step(self) -> int:
         return self.cfg.training.max_steps
 
@@ -89,8 +95,14 @@ class RLSpec(Spec):
         coef = self.cfg.training.router_aux_loss_coef
         out = forward(model, x, coef)
         logp, entropy = token_logprobs_and_entropy(out.logits[0], x["targets"])
-        loss, stats = policy_loss(logp, x["inference_logprobs"], x["advantages"], x["loss_mask"],
-                                  self.cfg.training.loss, n_loss_tokens, entropy=entropy)
+        inputs = LossInputs(logp, x["inference_logprobs"], x["advantages"], x["loss_mask"],
+                            sample_ids_of(x["position_ids"]), n_loss_tokens)
+        if self.custom_loss is not None:
+            loss, stats = custom_loss(self.custom_loss, inputs, self.cfg.training.loss, entropy)
+        else:
+            loss, stats = policy_loss(logp, inputs.inference_logprobs, inputs.advantages, inputs.loss_mask,
+                                      self.cfg.training.loss, n_loss_tokens, entropy=entropy,
+                                      sample_ids=inputs.sample_ids)
         stats |= mismatch_stats(logp, x["inference_logprobs"], x["loss_mask"])
         return add_router_aux(loss, stats, out, coef, aux_weight), stats
 
