@@ -117,15 +117,13 @@ def policy_loss(
     """
     m = loss_mask.to(logp.dtype)
     is_loss = loss_mask.bool()
-    log_ratio = logp - inference_logprobs.to(logp.dtype)
-    # Only loss tokens' ratios are meaningful; zero the others so exp() cannot overflow.
-    log_ratio = torch.where(is_loss, log_ratio, torch.zeros_like(log_ratio))
+    log_ratio = masked_log_ratio(logp, inference_logprobs, loss_mask)
     ratio = torch.exp(log_ratio)
     adv = advantages.to(logp.dtype)
     if cfg.kind == "gspo":
         if sample_ids is None:
             raise ValueError("kind gspo needs sample_ids: which sample each token belongs to")
-        pg, kl, excluded, shown_ratio = _gspo(log_ratio, m, adv, cfg, sample_ids)
+        pg, kl, excluded, shown_ratio = _gspo(ratio, log_ratio, m, adv, cfg, sample_ids)
     elif cfg.kind == "cispo":
         pg, kl, excluded, shown_ratio = _cispo(logp, ratio, log_ratio, m, adv, cfg)
     elif cfg.kind == "dppo":
@@ -161,7 +159,14 @@ def _token(ratio, log_ratio, m, adv, cfg: Loss):
     return pg, keep * (ratio - 1.0 - log_ratio), excluded, r
 
 
-def _gspo(log_ratio, m, adv, cfg: Loss, sample_ids):
+def masked_log_ratio(logp: torch.Tensor, inference_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """log r_t = logp_t - q_t on loss tokens, 0 elsewhere (only their ratios mean anything; exp() cannot
+    overflow on the others)."""
+    log_ratio = logp - inference_logprobs.to(logp.dtype)
+    return torch.where(loss_mask.bool(), log_ratio, torch.zeros_like(log_ratio))
+
+
+def _gspo(ratio, log_ratio, m, adv, cfg: Loss, sample_ids):
     """One ratio per sample: the geometric mean of its loss tokens' ratios, clipped PPO-style per sample."""
     low, high = cfg.bounds()
     ids = sample_ids.long()
@@ -172,7 +177,6 @@ def _gspo(log_ratio, m, adv, cfg: Loss, sample_ids):
     s = seq_ratio.detach()
     clipped = ((adv > 0) & (s > high)) | ((adv < 0) & (s < low))
     weight = torch.where(clipped, s.clamp(low, high), seq_ratio)
-    ratio = torch.exp(log_ratio)
     return -m * weight * adv, m * (ratio - 1.0 - log_ratio), clipped, s
 
 
@@ -247,8 +251,7 @@ def custom_loss(fn: CustomLoss, inputs: LossInputs, cfg: Loss, entropy: torch.Te
         raise ConfigError(f"training.loss.import_path ({cfg.import_path}) returned {type(loss).__name__}, not a "
                           f"scalar tensor: return this micro-batch's share of the step's loss (its sum / "
                           f"inputs.total_loss_tokens)")
-    r = torch.exp(torch.where(inputs.loss_mask.bool(), inputs.logprobs - inputs.inference_logprobs,
-                              torch.zeros_like(inputs.logprobs)))
+    r = torch.exp(masked_log_ratio(inputs.logprobs, inputs.inference_logprobs, inputs.loss_mask))
     return loss.reshape(()), {"loss_sum": float(loss.detach()) * float(max(inputs.total_loss_tokens, 1)),
                               **_token_stats(r, inputs.loss_mask, entropy)}
 
