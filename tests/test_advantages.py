@@ -50,6 +50,16 @@ def test_length_penalty():
         group_advantages([1.0, 1.0], None, cfg, max_tokens=10)
 
 
+def test_soft_overlong_punishment():
+    # max_tokens 100, buffer 20: no loss up to 80 tokens, then linear to the whole penalty (0.5) at 100.
+    cfg = Advantage(overlong_buffer=20, overlong_penalty=0.5)
+    # lengths 50, 90, 100 -> rewards 1, 1 - 0.5 * 10/20 = 0.75, 1 - 0.5 = 0.5; mean 0.75
+    approx(group_advantages([1.0, 1.0, 1.0], [50, 90, 100], cfg, max_tokens=100), [0.25, 0.0, -0.25])
+    assert group_advantages([1.0, 1.0], [10, 80], cfg, max_tokens=100) == [0.0, 0.0]  # both below the buffer
+    with pytest.raises(ValueError, match="one length per reward"):
+        group_advantages([1.0, 1.0], None, cfg, max_tokens=100)
+
+
 def test_leave_one_out_baseline_is_the_others_mean():
     cfg = Advantage(baseline="leave_one_out")
     # rewards 1, 0, 0, 0.5 (sum 1.5): 1 - 0.5/3, 0 - 1.5/3, 0 - 1.5/3, 0.5 - 1/3

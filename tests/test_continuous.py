@@ -64,14 +64,33 @@ class Tasks:
         return SimpleNamespace(ok=True, errors=[], traces=[fake_trace(float(i % 2), [1, 2, 3])])
 
 
+class SignalTasks(Tasks):
+    """Tasks whose rollouts all score the same (no signal), except those in `signal`, whose rollouts alternate
+    rewards 0 and 1."""
+
+    def __init__(self, server: Server, pool: ServerPool, signal: set[int]):
+        super().__init__(server, pool)
+        self.signal, self.calls = signal, 0
+
+    async def run_slot(self, slot, ctx):
+        from tests.test_orchestrator_logic import fake_trace
+
+        i = slot.task.key
+        self.started.append(i)
+        self.calls += 1
+        return SimpleNamespace(ok=True, errors=[], traces=[fake_trace(float(self.calls % 2 if i in self.signal
+                                                                            else 0.5), [1, 2, 3])])
+
+
 def scheduler(tmp_path, k: int, max_off_policy: int, order: DataOrder | None = None, ticks: list | None = None,
-              phases: list | None = None):
+              phases: list | None = None, extra: tuple[str, ...] = (), signal: set[int] | None = None):
     cfg = OrchestratorConfig.from_plan(local_plan(tmp_path / "run", tmp_path / "model", [
         f"training.batch_size={k}", "training.rollouts_per_example=1", "training.max_steps=3",
-        f"training.max_off_policy_steps={max_off_policy}", "trainer.gpus_per_node=1", "trainer.dp_shard=1"]))
+        f"training.max_off_policy_steps={max_off_policy}", "trainer.gpus_per_node=1", "trainer.dp_shard=1",
+        *extra]))
     server = Server("http://a", version=0)
     pool = ServerPool(generate=[server], admin=[server])
-    env = Tasks(server, pool)
+    env = Tasks(server, pool) if signal is None else SignalTasks(server, pool, signal)
     gen = Generator(env, pool, lambda s: None, max_concurrent=8, retries=0)
     stream = TaskStream([SimpleNamespace(key=i) for i in range(100)], seed=0)
     stream.at = lambda g: stream.tasks[g]  # task g is index g: the test reads indices off the episodes
@@ -136,19 +155,58 @@ def test_the_scheduler_ticks_while_waiting_for_weights_and_replaces_a_failed_gro
     assert env.started == [0, 1, 2] and two.wait_s > 2
 
 
+async def two_steps(sched: Scheduler, server: Server) -> tuple:
+    """Steps 1 and 2 (weights 1 served once step 1 is published); the scheduler closed after."""
+    one = await asyncio.wait_for(sched.make(1), 60)
+    sched.published_step(1, one.order)
+    server.version = 1
+    two = await asyncio.wait_for(sched.make(2), 60)
+    await sched.close()
+    return one, two
+
+
+DYNAMIC = ("training.rollouts_per_example=2", "training.advantage.dynamic_sampling=1")
+
+
+def test_dynamic_sampling_replaces_groups_without_signal_within_its_bound(tmp_path):
+    """Continuous mode, 2 groups a step (batch 4, 2 rollouts each), dynamic_sampling 1: at most 2 groups without
+    signal are replaced in a step. Step 1: tasks 0, 1 have none, 2, 3 do: 0 and 1 are dropped, 2 and 3 trained
+    on. Step 2: 4, 5, 6 have none: 4 and 5 use the budget, 6 is taken as it is (with 7, which has signal)."""
+    sched, env, server = scheduler(tmp_path, k=4, max_off_policy=0, extra=DYNAMIC, signal={2, 3, 7})
+
+    one, two = asyncio.run(two_steps(sched, server))
+    assert (one.order.used, one.order.dropped, one.batch.resampled_groups) == ([2, 3], [0, 1], 2)
+    assert len(one.batch.samples) == 4 and one.ran == 8
+    assert len(one.batch.rewards) == 8  # the replaced groups count in the reward statistics
+    assert sorted(two.order.used) == [6, 7] and two.order.dropped == [4, 5] and two.batch.resampled_groups == 2
+    assert two.batch.zero_groups == 1  # group 6, past the bound: trained on as it is
+
+
+def test_dynamic_sampling_in_step_mode_replaces_round_after_round(tmp_path):
+    """Step mode: the step's groups (tasks of the stream), then the extra tasks of attempts 2, 3, ... in place
+    of the groups without signal, until the bound (2 groups) is spent."""
+    from prl.orchestrator.loop import generate_step
+
+    sched, env, server = scheduler(tmp_path, k=4, max_off_policy=0, extra=DYNAMIC, signal=set())
+    stream, cfg = sched.stream, sched.cfg
+    picked = iter(range(100, 200))
+    stream.extra = lambda step, attempt, n: [SimpleNamespace(key=next(picked)) for _ in range(n)]
+    env.signal = {1, 100}
+    batch, ran, _ = asyncio.run(generate_step(sched.gen, stream, cfg, 1))
+    # Round 1 replaces task 0 (no signal) by 100 (signal); task 1 has signal.
+    assert batch.resampled_groups == 1 and batch.groups_used == 2 and ran == 6, batch
+    env.signal, server.version = set(), 1  # step 2 takes weights >= 1
+    batch, ran, _ = asyncio.run(generate_step(sched.gen, stream, cfg, 2))
+    # Round 1 replaces both groups (the bound: 2), their replacements lack signal too and stay.
+    assert batch.resampled_groups == 2 and batch.zero_groups == 2 and ran == 8, batch
+    assert len(batch.rewards) == 8
+
+
 def test_a_resumed_scheduler_relaunches_the_unused_tasks_first(tmp_path):
     """The data order says tasks 2 and 4 were launched but never used: they go first, then 6, 7, ..."""
     sched, env, server = scheduler(tmp_path, k=2, max_off_policy=0, order=DataOrder(2, {3, 5}, [3], [5]))
 
-    async def run():
-        one = await asyncio.wait_for(sched.make(1), 60)
-        sched.published_step(1, one.order)
-        server.version = 1
-        two = await asyncio.wait_for(sched.make(2), 60)
-        await sched.close()
-        return one, two
-
-    one, two = asyncio.run(run())
+    one, two = asyncio.run(two_steps(sched, server))
     assert sorted(one.order.used) == [2, 4] and sorted(two.order.used) == [6, 7] and env.started[:2] == [2, 4]
     assert (two.order.below, two.order.done) == (8, set())
 

@@ -293,6 +293,18 @@ def test_check_training_refuses_gspo_with_context_parallelism():
     P.check_training(checker(), topo(training={"loss": {"kind": "gspo"}}), derive_mesh(16, 1, -1, 1, 1))
 
 
+@pytest.mark.parametrize("update, text", [
+    ({"rollouts_per_example": 1, "advantage": {"dynamic_sampling": 2}},
+     r"rollouts_per_example\(1\) every group does; use at least 2 rollouts per example"),
+    ({"max_tokens": 64, "advantage": {"overlong_buffer": 64}}, r"overlong_buffer\(64\) must be below max_tokens\(64\)"),
+])
+def test_check_training_refuses_dapo_settings_that_cannot_work(update, text):
+    with pytest.raises(PlanError, match=text):
+        P.check_training(checker(), topo(training=update), derive_mesh(16, 1, -1, 1, 1))
+    ok = {**update, "rollouts_per_example": 2, "max_tokens": 65}
+    P.check_training(checker(), topo(training=ok), derive_mesh(16, 1, -1, 1, 1))
+
+
 def test_check_training_refuses_leave_one_out_without_a_group():
     with pytest.raises(PlanError, match=r"rollouts_per_example\(1\) leaves none; use at least 2"):
         P.check_training(checker(), topo(training={"rollouts_per_example": 1, "advantage": {"baseline": "leave_one_out"}}),

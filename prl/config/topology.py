@@ -391,8 +391,19 @@ class Advantage(Strict, kw_only=True):
     """Divide by the group's reward std (GRPO); off: mean-centring only (Dr.GRPO)."""
     length_penalty: Annotated[float, Meta(ge=0)] = 0.0
     """Subtract length_penalty * completion_tokens / max_tokens from each reward before centring."""
+    overlong_buffer: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] = 0
+    """DAPO's soft overlong punishment (Yu et al. 2025): a completion longer than max_tokens - overlong_buffer
+    tokens loses overlong_penalty x (L - (max_tokens - overlong_buffer)) / overlong_buffer of its reward, the
+    whole overlong_penalty at max_tokens (0: off; must be below max_tokens)."""
+    overlong_penalty: Annotated[float, Meta(ge=0)] = 1.0
+    """The most reward a completion loses to the soft overlong punishment."""
     drop_zero_groups: bool = False
     """Leave groups whose advantages are all zero out of the batch."""
+    dynamic_sampling: Annotated[int, Meta(ge=0, le=64)] = 0
+    """DAPO's dynamic sampling (Yu et al. 2025): a group whose advantages are all zero (every rollout scored the
+    same: no learning signal) is replaced by a fresh task's group, at most `dynamic_sampling` x the step's
+    groups replacements per step (0: off). Replaced groups count in the reward statistics (`resampled_groups`),
+    never in the batch; a step still short of signal once the bound is spent trains on what it has."""
     eps: Annotated[float, Meta(gt=0)] = 1e-6
     """Added to the std before dividing."""
 

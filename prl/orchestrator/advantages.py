@@ -3,6 +3,8 @@
 For a group of n rollouts with rewards r_i and completion lengths L_i (sampled tokens):
 
     r'_i = r_i - length_penalty * L_i / max_tokens      (optional length penalty)
+    r'_i -= overlong_penalty * clip((L_i - (max_tokens - B)) / B, 0, 1)
+                                                        (optional soft overlong punishment, DAPO; B = overlong_buffer)
     baseline "group_mean" (GRPO, Dr.GRPO):
       a_i  = r'_i - mean(r')
     baseline "leave_one_out" (RLOO, Ahmadian et al. 2024): the mean of the group's other rollouts,
@@ -40,6 +42,12 @@ def group_advantages(
         if lengths is None or len(lengths) != n:
             raise ValueError(f"length penalty needs one length per reward, got {lengths!r} for {n} rewards")
         adjusted = [r - cfg.length_penalty * L / max(1, max_tokens) for r, L in zip(adjusted, lengths)]
+    if cfg.overlong_buffer:
+        if lengths is None or len(lengths) != n:
+            raise ValueError(f"overlong punishment needs one length per reward, got {lengths!r} for {n} rewards")
+        start = max_tokens - cfg.overlong_buffer
+        adjusted = [r - cfg.overlong_penalty * min(1.0, max(0.0, (L - start) / cfg.overlong_buffer))
+                    for r, L in zip(adjusted, lengths)]
     mean = sum(adjusted) / n
     centred = [r - mean for r in adjusted]
     if cfg.baseline == "leave_one_out":

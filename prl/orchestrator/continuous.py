@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from prl.errors import PrlError, StepTimeout
 from prl.orchestrator.config import OrchestratorConfig
-from prl.orchestrator.rollouts import Generator, Rollout, StepBatch, TaskStream, build_samples
+from prl.orchestrator.rollouts import Generator, Rollout, StepBatch, TaskStream, build_samples, has_signal
 from prl.run.batch import read_meta
 from prl.run.rundir import RunDir
 
@@ -104,6 +104,19 @@ class Group:
 
 
 @dataclass
+class Dropped:
+    """The groups a step left out, each counted: failed, stale (older than the bound), resampled (no signal)."""
+
+    failed: list[Group] = field(default_factory=list)
+    stale: list[Group] = field(default_factory=list)
+    resampled: list[Group] = field(default_factory=list)
+
+    @property
+    def all(self) -> list[Group]:
+        return self.failed + self.stale + self.resampled
+
+
+@dataclass
 class StepRollouts:
     """One step's rollouts, as either mode made them."""
 
@@ -170,12 +183,26 @@ class Scheduler:
             self.finished.set()
         self.tick()
 
-    async def take(self, step: int) -> tuple[list[Group], list[Group], list[Group], float]:
-        """The first k groups to finish new enough for `step`, and the failed and stale ones dropped on the way,
-        and the seconds spent with no rollout running (waiting for weights)."""
+    def _sort(self, g: Group, min_v: int, dropped: Dropped) -> None:
+        """Into the step's groups, or one of the dropped lists: failed, stale, or without signal while the
+        step's dynamic sampling budget lasts."""
+        advantage, budget = self.cfg.training.advantage, self.cfg.training.advantage.dynamic_sampling
+        if not g.ok:
+            dropped.failed.append(g)
+        elif g.version < min_v:
+            dropped.stale.append(g)
+        elif len(dropped.resampled) < budget * self.cfg.examples_per_step and not has_signal(
+                g.rollouts, advantage, self.cfg.training.max_tokens):
+            dropped.resampled.append(g)
+        else:
+            self.taken.append(g)
+
+    async def take(self, step: int) -> tuple[list[Group], Dropped, float]:
+        """The first k groups to finish new enough for `step` (with signal, under dynamic sampling), the ones
+        dropped on the way, and the seconds spent with no rollout running (waiting for weights)."""
         k, min_v = self.cfg.examples_per_step, self.cfg.min_version(step)
-        failed: list[Group] = []
-        stale: list[Group] = []
+        dropped = Dropped()
+        failed = dropped.failed
         idle = 0.0
         phase = "generating"
         self.show(step, phase, phase)
@@ -183,11 +210,10 @@ class Scheduler:
             if self.errors:
                 raise self.errors[0]
             while self.fifo and len(self.taken) < k:
-                g = self.fifo.popleft()
-                (failed if not g.ok else stale if g.version < min_v else self.taken).append(g)
+                self._sort(self.fifo.popleft(), min_v, dropped)
             if len(self.taken) == k:
                 taken, self.taken = self.taken, []
-                return taken, failed, stale, idle
+                return taken, dropped, idle
             if len(failed) >= 2 * k and not self.taken:
                 # A step's worth of groups and as many replacements failed, none succeeded: not transient.
                 first = next(r.error for r in failed[0].rollouts if not r.ok)
@@ -219,13 +245,14 @@ class Scheduler:
         """Step `step`'s batch from the groups that finish first."""
         t0 = time.monotonic()
         self._launch()
-        taken, failed, stale, idle = await self.take(step)
+        taken, dropped, idle = await self.take(step)
         training = self.cfg.training
-        batch = build_samples([g.rollouts for g in taken + failed], training.advantage, max_tokens=training.max_tokens,
-                              min_version=self.cfg.min_version(step))
-        batch.stale_groups = len(stale)
-        order = self.order.after([g.index for g in taken], [g.index for g in failed + stale])
-        ran = sum(len(g.rollouts) for g in taken + failed + stale)
+        batch = build_samples([g.rollouts for g in taken + dropped.failed], training.advantage,
+                              max_tokens=training.max_tokens, min_version=self.cfg.min_version(step),
+                              resampled=[g.rollouts for g in dropped.resampled])
+        batch.stale_groups = len(dropped.stale)
+        order = self.order.after([g.index for g in taken], [g.index for g in dropped.all])
+        ran = sum(len(g.rollouts) for g in taken + dropped.all)
         return StepRollouts(batch, ran, time.monotonic() - t0, idle, order)
 
     def published_step(self, step: int, order: DataOrder) -> None:

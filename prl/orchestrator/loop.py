@@ -43,7 +43,7 @@ from prl.orchestrator.continuous import DataOrder, Scheduler, StepRollouts
 from prl.orchestrator.display import PlainDisplay, make_display
 from prl.orchestrator.env import load_env
 from prl.orchestrator.eval import evaluate
-from prl.orchestrator.rollouts import Generator, StepBatch, TaskStream, build_samples, then
+from prl.orchestrator.rollouts import Generator, StepBatch, TaskStream, build_samples, has_signal, then
 from prl.orchestrator.sync import (Fleet, ServerPool, WeightWatcher, discover, served_model, server_client,
                                    standalone)
 from prl.orchestrator.workers import EnvWorkers, check_env_id
@@ -99,9 +99,35 @@ async def generate_step(
         # A few groups lost to errors: replace them once with fresh tasks so the batch keeps its size.
         groups += await asyncio.gather(*(gen.group(t, n, min_v) for t in stream.extra(step, 1, failed)))
         ran += failed * n
+    resampled = await resample_zero_groups(gen, stream, cfg, step, groups)
+    ran += len(resampled) * n
     # build_samples leaves failed groups out (and counts them).
-    batch = build_samples(groups, cfg.training.advantage, max_tokens=cfg.training.max_tokens, min_version=min_v)
+    batch = build_samples(groups, cfg.training.advantage, max_tokens=cfg.training.max_tokens, min_version=min_v,
+                          resampled=resampled)
     return batch, ran, time.monotonic() - t0
+
+
+async def resample_zero_groups(gen: Generator, stream: TaskStream, cfg: OrchestratorConfig, step: int,
+                               groups: list) -> list:
+    """Dynamic sampling (`advantage.dynamic_sampling`): replace the groups without signal in `groups` by fresh
+    tasks' groups, round after round, until every group has signal or the step's budget of replacements
+    (dynamic_sampling x its groups) is spent; the replaced groups."""
+    training = cfg.training
+    budget = training.advantage.dynamic_sampling * cfg.examples_per_step
+    replaced: list = []
+    attempt = 2  # attempt 1 of the step's extra tasks replaces failed groups
+    while budget > 0:
+        zero = [g for g in groups if not has_signal(g, training.advantage, training.max_tokens)][:budget]
+        if not zero:
+            break
+        gone = {id(g) for g in zero}
+        groups[:] = [g for g in groups if id(g) not in gone]
+        replaced += zero
+        budget -= len(zero)
+        groups += await asyncio.gather(*(gen.group(t, training.rollouts_per_example, cfg.min_version(step))
+                                         for t in stream.extra(step, attempt, len(zero))))
+        attempt += 1
+    return replaced
 
 
 class StepMode:
@@ -153,6 +179,7 @@ def step_metrics(step: int, made: StepRollouts, pool: ServerPool) -> dict:
         "dropped_groups": batch.dropped_zero_groups,
         "failed_rollouts": batch.failed_rollouts,
         "stale_groups": batch.stale_groups,
+        "resampled_groups": batch.resampled_groups,
         "mid_rollout_updates": batch.mid_rollout_updates,
         "rollouts_per_s": ran / max(gen_s, 1e-9),
         "generate_s": gen_s,

@@ -256,6 +256,16 @@ class StepBatch:
     """Kept rollouts during which their server loaded newer weights."""
     stale_groups: int = 0
     """Finished groups left out because they became older than the staleness bound (continuous mode)."""
+    resampled_groups: int = 0
+    """Groups without signal replaced by fresh ones (`advantage.dynamic_sampling`): in the stats, not trained."""
+
+
+def has_signal(group: Sequence[Rollout], cfg: Advantage, max_tokens: int) -> bool:
+    """A group that scored and whose advantages are not all zero: what dynamic sampling keeps."""
+    if not all(r.ok for r in group):
+        return True  # failed groups are not its business (they are replaced or counted as failed)
+    adv = group_advantages([r.reward for r in group], [r.completion_tokens for r in group], cfg, max_tokens)
+    return not is_zero_group(adv)
 
 
 def build_samples(
@@ -264,9 +274,11 @@ def build_samples(
     *,
     max_tokens: int,
     min_version: int,
+    resampled: Sequence[Sequence[Rollout]] = (),
 ) -> StepBatch:
-    """Advantages per group, then samples; drop failed groups (and all-zero ones when asked)."""
-    out = StepBatch([], [], [], [], 0, 0, 0, 0, 0, {})
+    """Advantages per group, then samples; drop failed groups (and all-zero ones when asked). `resampled`:
+    groups dynamic sampling replaced, in the reward statistics only."""
+    out = StepBatch([], [], [], [], 0, 0, 0, 0, 0, {}, resampled_groups=len(resampled))
     kept: list[tuple[Sequence[Rollout], list[float]]] = []
     zero: list[tuple[Sequence[Rollout], list[float]]] = []
     for group in groups:
@@ -288,7 +300,7 @@ def build_samples(
     else:
         # Nothing informative left: keep the all-zero groups (a no-op step) rather than an empty batch.
         kept += zero
-    for group, _ in [*kept, *(zero if out.dropped_zero_groups else [])]:
+    for group in [*(g for g, _ in kept), *(g for g, _ in zero if out.dropped_zero_groups), *resampled]:
         # Stats cover every scored rollout, dropped zero groups too (else dropping would bias the mean).
         for r in group:
             out.rewards.append(r.reward)

@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from prl.config.cluster import ClusterProfile
 from prl.config.loader import Source
-from prl.config.topology import InferenceGroup, Topology
+from prl.config.topology import InferenceGroup, Topology, Training
 from prl.errors import PlanError
 from prl.planner.capabilities import ModelConfig, trainer_refusals
 from prl.planner.settings import RunSettings
@@ -518,10 +518,24 @@ def check_training(check: Checker, topo: Topology, mesh: Mesh) -> None:
         raise check.fail(("training", "loss", "kind"), (
             f"kind gspo takes one ratio per sample, but trainer.cp({mesh.cp}) splits samples over ranks; "
             f"use cp: 1 or another loss kind"))
-    if t.advantage.baseline == "leave_one_out" and t.rollouts_per_example < 2:
+    check_advantage(check, t)
+
+
+def check_advantage(check: Checker, t: Training) -> None:
+    """Advantage settings that cannot do what they say with this batch shape."""
+    a = t.advantage
+    if a.baseline == "leave_one_out" and t.rollouts_per_example < 2:
         raise check.fail(("training", "advantage", "baseline"), (
             f"leave_one_out compares each rollout with the others of its group, but rollouts_per_example"
             f"({t.rollouts_per_example}) leaves none; use at least 2"))
+    if a.dynamic_sampling and t.rollouts_per_example < 2:
+        raise check.fail(("training", "advantage", "dynamic_sampling"), (
+            f"dynamic sampling replaces groups whose rollouts all scored the same, and with rollouts_per_example"
+            f"({t.rollouts_per_example}) every group does; use at least 2 rollouts per example"))
+    if a.overlong_buffer >= t.max_tokens:
+        raise check.fail(("training", "advantage", "overlong_buffer"), (
+            f"overlong_buffer({a.overlong_buffer}) must be below max_tokens({t.max_tokens}): the punishment "
+            f"ramps up over the last overlong_buffer tokens"))
 
 
 def check_ports(check: Checker, topo: Topology, servers: list[Server], router_port: Optional[int],
