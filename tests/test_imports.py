@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "vllm", "transformers", "verifiers", "safetensors", "numpy", "matplotlib", "wandb")
 LAYER = {
     "prl.errors": 0, "prl.log": 0, "prl.states": 0, "prl": 0,
-    "prl.config": 1, "prl.run": 2, "prl.planner": 3,
+    "prl.config": 1, "prl.plugins": 1, "prl.run": 2, "prl.planner": 3,
     "prl.ops": 4, "prl.job": 4, "prl.inference": 4, "prl.orchestrator": 4, "prl.trainer": 4,
     "prl.cli": 5,
 }

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from prl.config.topology import Advantage
+from prl.config.topology import Advantage, Shaping
 from prl.errors import ConfigError, PlanError, StepTimeout
 from prl.orchestrator.config import OrchestratorConfig
 from prl.orchestrator.rollouts import Branch, Rollout, TaskStream, build_samples
@@ -64,6 +64,41 @@ def rollout(reward: float, version: int = 0, n_prompt: int = 3, n_completion: in
     mask = [0] * n_prompt + [1] * n_completion
     lp = [0.0] * n_prompt + [-0.5] * n_completion
     return Rollout(reward, version, [Branch(ids, mask, lp)] if error is None else [], n_completion, error=error)
+
+
+def shaping(import_path: str, **args) -> Advantage:
+    return Advantage(shaping=Shaping(import_path=import_path, args=args))
+
+
+def test_shipped_shaping_functions_give_per_token_and_per_sample_advantages():
+    """token_length_penalty: sampled tokens after the first `free_tokens` lose coef (prompt tokens keep theirs,
+    untrained anyway); metric_bonus: the rollout's metric times coef on the whole sample."""
+    groups = [[rollout(1.0, n_completion=4), rollout(0.0, n_completion=4)]]
+    b = build_samples(groups, shaping("prl.orchestrator.shaping:token_length_penalty", coef=0.25, free_tokens=2),
+                      max_tokens=8, min_version=0)
+    assert [s.advantage for s in b.samples] == [[0.5, 0.5, 0.5, 0.5, 0.5, 0.25, 0.25],
+                                                [-0.5, -0.5, -0.5, -0.5, -0.5, -0.75, -0.75]]
+    one, two = rollout(1.0), rollout(0.0)
+    one.metrics, two.metrics = {"format": 1.0}, {"format": 0.0}
+    b = build_samples([[one, two]], shaping("prl.orchestrator.shaping:metric_bonus", metric="format", coef=0.1),
+                      max_tokens=8, min_version=0)
+    assert [s.advantage for s in b.samples] == [0.6, -0.5]
+    with pytest.raises(ConfigError, match=r"shaping.args.metric: the rollout has no metric 'fmt' \(it has: format\)"):
+        build_samples([[one, two]], shaping("prl.orchestrator.shaping:metric_bonus", metric="fmt", coef=0.1),
+                      max_tokens=8, min_version=0)
+
+
+@pytest.mark.parametrize("import_path, args, says", [
+    ("prl_nowhere.shape:fn", {}, r"shaping.import_path \(prl_nowhere.shape:fn\): cannot import prl_nowhere.shape"),
+    ("prl.orchestrator.shaping:nothing", {}, r"module prl.orchestrator.shaping has no nothing"),
+    ("prl.orchestrator.shaping:token_length_penalty", {"cof": 1}, r"shaping.args: .* cannot be called as "
+                                                                   r"fn\(inputs, advantage, \*\*args\)"),
+    ("math:pi", {}, r"pi is a float, not a function"),
+    ("operator:is_", {}, r"returned bool: return a number or one per token \(5\)"),
+])
+def test_a_shaping_function_that_cannot_work_is_a_one_line_error_naming_the_setting(import_path, args, says):
+    with pytest.raises(ConfigError, match=says):
+        build_samples([[rollout(1.0), rollout(0.0)]], shaping(import_path, **args), max_tokens=8, min_version=0)
 
 
 def test_build_samples_advantages_versions_and_failures():

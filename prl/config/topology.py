@@ -383,6 +383,22 @@ class Loss(Strict, kw_only=True):
                 DPPO_PROB_DELTA if self.prob_delta_high is None else self.prob_delta_high)
 
 
+class Shaping(Strict, kw_only=True):
+    """A per-token advantage shaping function (docs/orchestrator.md, Advantages)."""
+
+    import_path: Annotated[str, Meta(max_length=300)]
+    """`package.module:function`, imported by the orchestrator at start, called for every trained sample as
+    fn(inputs, advantage, **args): a per-token list of advantages, or one for the whole sample. Shipped:
+    `prl.orchestrator.shaping:token_length_penalty`, `prl.orchestrator.shaping:metric_bonus`."""
+    args: Annotated[dict[str, Any], Meta(max_length=MAX_ITEMS)] = {}
+    """Keyword arguments for the function."""
+
+    def __post_init__(self) -> None:
+        if not _IMPORT_PATH.search(self.import_path):
+            raise FieldValueError("import_path", f"import_path must read package.module:function, not "
+                                                 f"{shown(self.import_path)}")
+
+
 class Advantage(Strict, kw_only=True):
     baseline: Literal["group_mean", "leave_one_out"] = "group_mean"
     """What each rollout's reward is compared with: its group's mean reward (GRPO, Dr.GRPO), or the mean reward
@@ -406,6 +422,9 @@ class Advantage(Strict, kw_only=True):
     never in the batch; a step still short of signal once the bound is spent trains on what it has."""
     eps: Annotated[float, Meta(gt=0)] = 1e-6
     """Added to the std before dividing."""
+    shaping: Optional[Shaping] = None
+    """Per-token shaping of each trained sample's advantage, after the group's (None: every sampled token of a
+    sample gets its rollout's advantage)."""
 
 
 class Training(Strict, kw_only=True):

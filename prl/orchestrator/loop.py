@@ -44,6 +44,7 @@ from prl.orchestrator.display import PlainDisplay, make_display
 from prl.orchestrator.env import load_env
 from prl.orchestrator.eval import evaluate
 from prl.orchestrator.rollouts import Generator, StepBatch, TaskStream, build_samples, has_signal, then
+from prl.orchestrator.shaping import shaper
 from prl.orchestrator.sync import (Fleet, ServerPool, WeightWatcher, discover, served_model, server_client,
                                    standalone)
 from prl.orchestrator.workers import EnvWorkers, check_env_id
@@ -290,6 +291,7 @@ async def assemble(run: RunDir, cfg: OrchestratorConfig, fleet: Fleet, beat: Bea
     make_ctx = train_contexts(cfg, model)
     env, eval_env = load_envs(cfg)
     t = cfg.training
+    shaper(t.advantage.shaping)  # a shaping function that does not load stops the run here, not at step 1
 
     def generator(e: Any) -> Generator:
         return Generator(e, pool, make_ctx, max_concurrent=t.max_concurrent_rollouts, retries=t.rollout_retries)

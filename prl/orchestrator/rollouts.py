@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 from prl.run.batch import Sample
 from prl.config.topology import Advantage
 from prl.orchestrator.advantages import group_advantages, is_zero_group
+from prl.orchestrator.shaping import ShapingInputs, shape, shaper
 from prl.orchestrator.sync import Server, ServerPool
 
 T = TypeVar("T")
@@ -309,12 +310,16 @@ def build_samples(
             out.truncated += int(r.truncated)
             for name, value in r.metrics.items():
                 out.metrics.setdefault(name, []).append(value)
+    fn = shaper(cfg.shaping)
     for group, adv in kept:
         out.groups_used += 1
         for r, a in zip(group, adv):
             out.versions.append(r.version)
             out.mid_rollout_updates += int(r.version_end > r.version)
             for b in r.branches:
-                out.samples.append(Sample(b.token_ids, b.mask, b.logprobs, a, policy_version=r.version,
+                shaped = a if fn is None else shape(fn, ShapingInputs(
+                    b.token_ids, b.mask, r.reward, r.completion_tokens, r.truncated, r.metrics, max_tokens),
+                    a, cfg.shaping)
+                out.samples.append(Sample(b.token_ids, b.mask, b.logprobs, shaped, policy_version=r.version,
                                           policy_version_end=r.version_end))
     return out

@@ -51,8 +51,6 @@ they can be reduced across micro-batches and ranks.
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,6 +58,7 @@ import torch
 
 from prl.config.topology import Loss
 from prl.errors import ConfigError
+from prl.plugins import load_function
 
 
 @dataclass(frozen=True)
@@ -222,25 +221,7 @@ def load_custom_loss(cfg: Loss) -> CustomLoss | None:
     """
     if cfg.import_path is None:
         return None
-    module_name, _, attr = cfg.import_path.partition(":")
-    where = f"training.loss.import_path ({cfg.import_path})"
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"{where}: cannot import {module_name}: {e}; install it where the trainer runs") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ConfigError(f"{where}: module {module_name} has no {attr}")
-    if not callable(fn):
-        raise ConfigError(f"{where}: {attr} is a {type(fn).__name__}, not a function")
-    try:
-        inspect.signature(fn).bind(None, **cfg.args)
-    except TypeError as e:
-        raise ConfigError(f"training.loss.args: {cfg.import_path} cannot be called as fn(inputs, **args) with "
-                          f"args {sorted(cfg.args)}: {e}") from None
-    except ValueError:
-        pass  # no signature to check (a builtin): the first call tells
-    return fn
+    return load_function(cfg.import_path, "training.loss.import_path", cfg.args, ("inputs",), "trainer")
 
 
 def custom_loss(fn: CustomLoss, inputs: LossInputs, cfg: Loss, entropy: torch.Tensor | None = None
