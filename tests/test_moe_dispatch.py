@@ -14,7 +14,9 @@ from torch import nn
 
 
 class _Experts(nn.Module):
-    """transformers' fused-expert parameters, as ExpertParallelExperts takes them apart."""
+    """transformers' fused-expert parameters and layout flags, as ExpertParallelExperts takes them apart."""
+
+    has_gate, has_bias, is_transposed, is_concatenated = True, False, False, True
 
     def __init__(self, num_experts: int, hidden: int, inter: int):
         super().__init__()
@@ -23,6 +25,10 @@ class _Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.randn(num_experts, 2 * inter, hidden) * 0.1)
         self.down_proj = nn.Parameter(torch.randn(num_experts, hidden, inter) * 0.1)
         self.act_fn = nn.SiLU()
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
 
 
 def _worker(rank: int, store: str, out: dict) -> None:
