@@ -88,8 +88,10 @@ def test_ep_must_divide_dp_shard_times_cp():
                                             "sharded over the dp_shard x cp ranks")]
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "ok"), [(6, 2, True), (6, 1, False), (5, 5, False), (8, 4, True)])
-def test_cp_must_divide_attention_and_kv_heads(heads, kv_heads, ok):
+@pytest.mark.parametrize(("heads", "kv_heads", "ok"), [(6, 2, True), (6, 1, True), (5, 5, False), (8, 4, True),
+                                                       (4, 4, True), (3, 1, False)])
+def test_cp_must_divide_the_attention_heads_not_the_kv_heads(heads, kv_heads, ok):
+    """Fewer key/value heads than cp are repeated (prl/trainer/context_parallel.py); the query heads must divide."""
     config = {"architectures": ["Qwen3ForCausalLM"], "num_attention_heads": heads, "num_key_value_heads": kv_heads}
     refusals = trainer_refusals(config, 1, 1, 2, 1)
     if ok:
@@ -97,8 +99,9 @@ def test_cp_must_divide_attention_and_kv_heads(heads, kv_heads, ok):
     else:
         [(field, msg)] = refusals
         assert field == ("trainer", "cp")
-        assert msg.startswith(f"trainer.cp(2) must divide num_attention_heads({heads}) and "
-                              f"num_key_value_heads({kv_heads})") and "Ulysses" in msg
+        assert msg == (f"trainer.cp(2) must divide num_attention_heads({heads}): context parallelism (Ulysses) "
+                       f"splits the heads over the cp ranks (key/value heads, {kv_heads} here, are repeated when "
+                       f"fewer); use a cp that divides {heads}")
 
 
 @pytest.mark.parametrize(("arch", "layer_types", "kinds"), [
@@ -115,7 +118,7 @@ def test_cp_is_refused_on_layers_ulysses_does_not_split(arch, layer_types, kinds
 
 
 def test_several_problems_are_all_reported():
-    fields = [f for f, _ in trainer_refusals({**LLAMA, "num_key_value_heads": 1}, 1, 2, 2, 2)]
+    fields = [f for f, _ in trainer_refusals({**LLAMA, "num_attention_heads": 5, "num_key_value_heads": 1}, 1, 2, 2, 2)]
     assert fields == [("trainer", "ep"), ("trainer", "cp")]
 
 

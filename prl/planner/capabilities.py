@@ -8,7 +8,8 @@ its field. Keep it in step with the trainer:
 - expert parallelism: prl/trainer/moe.py (any transformers fused-experts module), for the
   architectures in `EP_ARCHITECTURES` (each has a tiny model in tests/tiny_model.py and an EP
   equivalence test, tests/test_moe_families.py);
-- context parallelism: prl/trainer/context_parallel.py (Ulysses: the heads are split over cp).
+- context parallelism: prl/trainer/context_parallel.py (Ulysses: the heads are split over cp, key/value
+  heads repeated when there are fewer than cp).
 """
 
 from __future__ import annotations
@@ -110,10 +111,10 @@ def cp_refusals(model_config: ModelConfig | None, cp: int) -> list[tuple[Field, 
     if not isinstance(heads, int) or not isinstance(kv_heads, int):
         return [(field, f"trainer.cp({cp}): the model's config.json has no num_attention_heads; "
                         f"context parallelism needs it; use cp: 1")]
-    if heads % cp or kv_heads % cp:
-        return [(field, f"trainer.cp({cp}) must divide num_attention_heads({heads}) and "
-                        f"num_key_value_heads({kv_heads}): context parallelism (Ulysses) splits the heads "
-                        f"over the cp ranks; use a cp that divides both")]
+    if heads % cp:
+        return [(field, f"trainer.cp({cp}) must divide num_attention_heads({heads}): context parallelism "
+                        f"(Ulysses) splits the heads over the cp ranks (key/value heads, {kv_heads} here, are "
+                        f"repeated when fewer); use a cp that divides {heads}")]
     if text.use_sliding_window and text.sliding_window:
         return [(field, f"trainer.cp({cp}): sliding-window attention is not supported with context "
                         f"parallelism (the full-sequence mask is block-causal only); use cp: 1")]
