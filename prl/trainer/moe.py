@@ -73,11 +73,16 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
+LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+"""What transformers' `use_experts_implementation` records on an experts module (module doc)."""
+
+
 def is_fused_experts(module: nn.Module) -> bool:
     """A transformers experts module of the layout in the module doc (or this module's EP version of one)."""
     if isinstance(module, ExpertParallelExperts):
         return True
-    flags = all(hasattr(module, f) for f in (*LAYOUT_FLAGS[:3], "num_experts"))
+    # is_concatenated only matters for splitting gate/up on disk (`disk_layout`); older classes may lack it.
+    flags = all(hasattr(module, f) for f in ("has_gate", "has_bias", "is_transposed", "num_experts"))
     proj = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
     return flags and all(isinstance(getattr(module, p, None), nn.Parameter) and getattr(module, p).dim() == 3
                          for p in (proj, "down_proj"))
@@ -88,10 +93,6 @@ def expert_param_names(module: nn.Module) -> tuple[str, ...]:
     proj = "gate_up_proj" if module.has_gate else "up_proj"
     names = (proj, "down_proj")
     return names + tuple(f"{n}_bias" for n in names) if module.has_bias else names
-
-
-LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
-"""What transformers' `use_experts_implementation` records on an experts module (module doc)."""
 
 
 def _layout_attributes(experts: nn.Module) -> dict:
