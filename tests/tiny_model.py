@@ -105,6 +105,10 @@ def _moe_config(family: str, common: dict, *, num_experts: int, top_k: int, moe_
     import transformers
 
     experts = {"num_experts_per_tok": top_k}
+
+    def alternate(kind: str) -> list[str]:
+        """`kind` layers with full attention every second layer, as Qwen3.5's and GPT-OSS's checkpoints mix them."""
+        return [kind if i % 2 == 0 else "full_attention" for i in range(common["num_hidden_layers"])]
     # Group-limited routing (DeepSeek-V3, GLM-4.5): 2 groups, the best 1 of them; layer 0 dense, as the
     # families' first_k_dense_replace layers are; one shared expert.
     grouped = {"n_routed_experts": num_experts, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
@@ -117,7 +121,7 @@ def _moe_config(family: str, common: dict, *, num_experts: int, top_k: int, moe_
         "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(
             **common, **experts, num_experts=num_experts, moe_intermediate_size=moe_intermediate_size,
             shared_expert_intermediate_size=moe_intermediate_size,
-            layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=2,
+            layer_types=alternate("linear_attention"), linear_num_key_heads=2, linear_num_value_heads=2,
             linear_key_head_dim=16, linear_value_head_dim=16,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                              "mrope_section": [2, 1, 1]}),
@@ -128,7 +132,7 @@ def _moe_config(family: str, common: dict, *, num_experts: int, top_k: int, moe_
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         "gpt_oss": lambda: transformers.GptOssConfig(
             **common, **experts, num_local_experts=num_experts, intermediate_size=moe_intermediate_size,
-            sliding_window=128, layer_types=["sliding_attention", "full_attention"],
+            sliding_window=128, layer_types=alternate("sliding_attention"),
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         "mixtral": lambda: transformers.MixtralConfig(
             **common, **experts, num_local_experts=num_experts, intermediate_size=moe_intermediate_size),
