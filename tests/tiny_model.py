@@ -126,8 +126,10 @@ def _moe_config(family: str, common: dict, *, num_experts: int, top_k: int, moe_
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                              "mrope_section": [2, 1, 1]}),
         "glm4_moe": lambda: transformers.Glm4MoeConfig(**common, **experts, **grouped),
+        # MLA: one key/value head per attention head (the kv_b_proj output), head sizes of its own.
         "deepseek_v3": lambda: transformers.DeepseekV3Config(
-            **{k: v for k, v in common.items() if k != "head_dim"}, **experts, **grouped,
+            **{k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads")}, **experts, **grouped,
+            num_key_value_heads=common["num_attention_heads"],
             q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
         "gpt_oss": lambda: transformers.GptOssConfig(
