@@ -1,9 +1,9 @@
 """Expert parallelism throughput: the trainer with ep=2 vs the same MoE without EP, on the same 2 CPU ranks.
 
-    python bench/bench_moe.py [--steps 4] [--hidden 256] [--layers 4] [--experts 8] [--top-k 2]
-                              [--samples 16] [--len 256] [--micro-batch-tokens 1024]
+    python bench/bench_moe.py [--family qwen3_moe] [--steps 4] [--hidden 256] [--layers 4] [--experts 8]
+                              [--top-k 2] [--samples 16] [--len 256] [--micro-batch-tokens 1024]
 
-Builds a Qwen3-MoE in-process, publishes `--steps` rollout batches, runs `python -m prl.trainer`
+Builds an MoE of `--family` (tests/tiny_model.py MOE_FAMILIES) in-process, publishes `--steps` rollout batches, runs `python -m prl.trainer`
 twice under torchrun with 2 gloo ranks: ep=1 (every rank holds every expert, FSDP-sharded) and
 ep=2 (each rank holds half of the experts; tokens move with all-to-all). Reads tokens/s
 (training compute: forward, loss, backward, optimizer) from metrics.jsonl, median over steps
@@ -25,7 +25,7 @@ from bench.bench_trainer import samples  # noqa: E402
 from prl.run.batch import publish_batch  # noqa: E402
 from prl.run.rundir import RunDir  # noqa: E402
 from tests.plans import write_plan  # noqa: E402
-from tests.tiny_model import build_tiny_moe  # noqa: E402
+from tests.tiny_model import MOE_FAMILIES, build_tiny_moe  # noqa: E402
 from tests.trainer_helpers import launch, make_plan  # noqa: E402
 
 
@@ -44,6 +44,7 @@ def run_once(tmp: Path, model: Path, ep: int, args, vocab: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--family", choices=MOE_FAMILIES, default="qwen3_moe")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
@@ -55,14 +56,14 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model = build_tiny_moe(tmp / "model", hidden_size=args.hidden, num_layers=args.layers,
+        model = build_tiny_moe(tmp / "model", family=args.family, hidden_size=args.hidden, num_layers=args.layers,
                                num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 128), head_dim=64,
                                num_experts=args.experts, top_k=args.top_k, moe_intermediate_size=args.hidden * 2)
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         rates = {ep: run_once(tmp, model, ep, args, vocab) for ep in (1, 2)}
     tps = {ep: statistics.median(r["tokens_per_s"] for r in m) for ep, m in rates.items()}
     step = {ep: statistics.median(r["tokens"] / r["step_s"] for r in m) for ep, m in rates.items()}
-    print(f"Qwen3-MoE hidden {args.hidden} x {args.layers} layers, {args.experts} experts top-{args.top_k}; "
+    print(f"{args.family} hidden {args.hidden} x {args.layers} layers, {args.experts} experts top-{args.top_k}; "
           f"{args.samples} samples/step of <= {args.len} tokens; 2 CPU ranks (gloo); median over steps 2..{args.steps}")
     for ep in (1, 2):
         print(f"  ep={ep}: train compute {tps[ep]:8.0f} tokens/s, whole step {step[ep]:8.0f} tokens/s")

@@ -34,14 +34,28 @@ def test_a_mesh_the_trainer_runs_has_no_refusal():
 def test_ep_on_a_dense_model_is_refused_with_the_fix():
     [(field, msg)] = trainer_refusals(LLAMA, 1, 2, 1, 2)
     assert field == ("trainer", "ep")
-    assert msg == ("trainer.ep(2) needs an MoE model with an EP implementation (Qwen3MoeForCausalLM has one); "
+    assert msg == (f"trainer.ep(2) needs an MoE model with an EP implementation ({', '.join(EP_ARCHITECTURES)}); "
                    "LlamaForCausalLM is dense: use ep: 1")
 
 
 def test_ep_on_an_moe_without_an_ep_implementation_is_refused():
-    [(field, msg)] = trainer_refusals(MIXTRAL, 1, 8, 1, 8)
-    assert field == ("trainer", "ep") and "MixtralForCausalLM is an MoE model without an EP implementation" in msg
-    assert trainer_refusals(MIXTRAL, 1, 8, 1, 1) == [], "ep 1 trains it (experts FSDP-sharded like any weight)"
+    qwen2_moe = {**MIXTRAL, "architectures": ["Qwen2MoeForCausalLM"], "num_experts": 8}
+    [(field, msg)] = trainer_refusals(qwen2_moe, 1, 8, 1, 8)
+    assert field == ("trainer", "ep") and "Qwen2MoeForCausalLM is an MoE model without an EP implementation" in msg
+    assert trainer_refusals(qwen2_moe, 1, 8, 1, 1) == [], "ep 1 trains it (experts FSDP-sharded like any weight)"
+
+
+@pytest.mark.parametrize(("config", "key"), [
+    (MIXTRAL, "num_local_experts"),
+    ({"architectures": ["DeepseekV3ForCausalLM"], "n_routed_experts": 8, "num_attention_heads": 4}, "n_routed_experts"),
+    ({"architectures": ["Glm4MoeForCausalLM"], "n_routed_experts": 8, "num_attention_heads": 4}, "n_routed_experts"),
+    ({"architectures": ["GptOssForCausalLM"], "num_local_experts": 8, "num_attention_heads": 4}, "num_local_experts"),
+    ({"architectures": ["Qwen3_5MoeForCausalLM"], "num_experts": 8, "num_attention_heads": 4}, "num_experts"),
+])
+def test_ep_families_read_their_own_expert_count(config, key):
+    assert trainer_refusals(config, 1, 8, 1, 8) == []
+    [(field, msg)] = trainer_refusals(config, 1, 16, 1, 16)
+    assert field == ("trainer", "ep") and f"must divide the model's {key}(8)" in msg
 
 
 def test_ep_must_divide_the_experts():
@@ -74,8 +88,10 @@ def test_ep_must_divide_dp_shard_times_cp():
                                             "sharded over the dp_shard x cp ranks")]
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "ok"), [(6, 2, True), (6, 1, False), (5, 5, False), (8, 4, True)])
-def test_cp_must_divide_attention_and_kv_heads(heads, kv_heads, ok):
+@pytest.mark.parametrize(("heads", "kv_heads", "ok"), [(6, 2, True), (6, 1, True), (5, 5, False), (8, 4, True),
+                                                       (4, 4, True), (3, 1, False)])
+def test_cp_must_divide_the_attention_heads_not_the_kv_heads(heads, kv_heads, ok):
+    """Fewer key/value heads than cp are repeated (prl/trainer/context_parallel.py); the query heads must divide."""
     config = {"architectures": ["Qwen3ForCausalLM"], "num_attention_heads": heads, "num_key_value_heads": kv_heads}
     refusals = trainer_refusals(config, 1, 1, 2, 1)
     if ok:
@@ -83,12 +99,26 @@ def test_cp_must_divide_attention_and_kv_heads(heads, kv_heads, ok):
     else:
         [(field, msg)] = refusals
         assert field == ("trainer", "cp")
-        assert msg.startswith(f"trainer.cp(2) must divide num_attention_heads({heads}) and "
-                              f"num_key_value_heads({kv_heads})") and "Ulysses" in msg
+        assert msg == (f"trainer.cp(2) must divide num_attention_heads({heads}): context parallelism (Ulysses) "
+                       f"splits the heads over the cp ranks (key/value heads, {kv_heads} here, are repeated when "
+                       f"fewer); use a cp that divides {heads}")
+
+
+@pytest.mark.parametrize(("arch", "layer_types", "kinds"), [
+    ("Qwen3_5MoeForCausalLM", ["linear_attention", "full_attention"], "linear_attention"),
+    ("GptOssForCausalLM", ["sliding_attention", "full_attention"], "sliding_attention"),
+])
+def test_cp_is_refused_on_layers_ulysses_does_not_split(arch, layer_types, kinds):
+    config = {"architectures": [arch], "num_attention_heads": 4, "num_key_value_heads": 2, "layer_types": layer_types}
+    [(field, msg)] = trainer_refusals(config, 1, 1, 2, 1)
+    assert field == ("trainer", "cp")
+    assert msg == (f"trainer.cp(2): {arch} has {kinds} layers (config.json layer_types); context parallelism "
+                   "(Ulysses) splits full-attention layers only; use cp: 1")
+    assert trainer_refusals({**config, "layer_types": ["full_attention"] * 2}, 1, 1, 2, 1) == []
 
 
 def test_several_problems_are_all_reported():
-    fields = [f for f, _ in trainer_refusals({**LLAMA, "num_key_value_heads": 1}, 1, 2, 2, 2)]
+    fields = [f for f, _ in trainer_refusals({**LLAMA, "num_attention_heads": 5, "num_key_value_heads": 1}, 1, 2, 2, 2)]
     assert fields == [("trainer", "ep"), ("trainer", "cp")]
 
 
@@ -98,10 +128,21 @@ def test_multimodal_configs_are_read_from_text_config():
 
 
 def test_the_trainer_implements_what_the_planner_allows():
-    """EP_ARCHITECTURES matches the fused-expert classes prl/trainer/moe.py knows."""
-    from prl.trainer.moe import FUSED_EXPERT_CLASSES
+    """Every EP architecture is a family of tests/tiny_model.py (which tests/test_moe_families.py trains with ep=2)
+    whose experts the trainer's EP layer takes."""
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    assert {a.removesuffix("ForCausalLM") + "Experts" for a in EP_ARCHITECTURES} == set(FUSED_EXPERT_CLASSES)
+    from prl.trainer.moe import expert_modules
+    from tests.tiny_model import MOE_FAMILIES, tiny_moe_config
+
+    archs = set()
+    for family in MOE_FAMILIES:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(tiny_moe_config(family))
+        archs.add(type(model).__name__)
+        assert expert_modules(model), family
+    assert archs == set(EP_ARCHITECTURES)
 
 
 def test_capabilities_import_no_torch():

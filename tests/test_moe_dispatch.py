@@ -1,6 +1,11 @@
-"""The EP dispatch on 2 gloo ranks when one rank's experts receive no token: forward and backward
-must still run the same collectives on every rank (a rank whose output did not depend on its received
-rows skipped the dispatch all-to-all's backward, and the other rank waited in it forever)."""
+"""The EP dispatch on 2 gloo ranks (one spawn for both tests):
+
+- when one rank's experts receive no token, forward and backward must still run the same collectives on
+  every rank (a rank whose output did not depend on its received rows skipped the dispatch all-to-all's
+  backward, and the other rank waited in it forever);
+- on GPT-OSS's experts (transposed weights, biases, clamped SwiGLU on interleaved gate/up columns), the
+  layout furthest from Qwen3's, ep=2 gives transformers' own outputs and gradients.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,9 @@ from torch import nn
 
 
 class _Experts(nn.Module):
-    """transformers' fused-expert parameters, as ExpertParallelExperts takes them apart."""
+    """transformers' fused-expert parameters and layout flags, as ExpertParallelExperts takes them apart."""
+
+    has_gate, has_bias, is_transposed, is_concatenated = True, False, False, True
 
     def __init__(self, num_experts: int, hidden: int, inter: int):
         super().__init__()
@@ -24,29 +31,82 @@ class _Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.randn(num_experts, hidden, inter) * 0.1)
         self.act_fn = nn.SiLU()
 
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
 
-def _worker(rank: int, store: str, out: dict) -> None:
+
+def _starved(rank: int) -> tuple:
     from prl.trainer.moe import ExpertParallelExperts
 
+    experts = ExpertParallelExperts(_Experts(4, 8, 16), ep=2, ep_rank=rank, group=dist.group.WORLD)
+    hidden = torch.randn(5, 8, requires_grad=True)
+    # Every token of both ranks goes to experts 0 and 1: rank 1's experts (2, 3) receive nothing.
+    index = torch.tensor([[0, 1]] * 5)
+    weights = torch.full((5, 2), 0.5)
+    y = experts(hidden, index, weights)
+    y.sum().backward()
+    return tuple(y.shape), float(hidden.grad.abs().sum()), experts.gate_up_proj.grad is not None
+
+
+def _gpt_oss(rank: int) -> dict[str, float]:
+    """Largest differences between ep=2 and transformers' GptOssExperts on this rank's own tokens."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from prl.trainer.moe import ExpertParallelExperts
+    from tests.tiny_model import tiny_moe_config
+
+    torch.manual_seed(0)  # the same experts on both ranks
+    ref = GptOssExperts(tiny_moe_config("gpt_oss", hidden_size=16, moe_intermediate_size=8))
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    ep = ExpertParallelExperts(ref, ep=2, ep_rank=rank, group=dist.group.WORLD)
+    torch.manual_seed(1 + rank)  # each rank its own tokens and routes
+    hidden = torch.randn(7, 16)
+    index = torch.stack([torch.randperm(4)[:2] for _ in range(7)])
+    weights = torch.softmax(torch.randn(7, 2), dim=-1)
+    x_ref, x_ep = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    y_ref, y_ep = ref(x_ref, index, weights), ep(x_ep, index, weights)
+    (y_ref ** 2).sum().backward()
+    (y_ep ** 2).sum().backward()
+    out = {"output": float((y_ref - y_ep).abs().max()), "input grad": float((x_ref.grad - x_ep.grad).abs().max())}
+    local = slice(ep.first, ep.first + ep.num_local)
+    for name in ep.param_names:  # an expert's gradient is the sum over both ranks' tokens
+        grad = getattr(ref, name).grad
+        dist.all_reduce(grad)
+        out[name] = float((grad[local] - getattr(ep, name).grad).abs().max())
+    out["moved"] = float(y_ref.abs().max())
+    return out
+
+
+def _worker(rank: int, store: str, out: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        experts = ExpertParallelExperts(_Experts(4, 8, 16), ep=2, ep_rank=rank, group=dist.group.WORLD)
-        hidden = torch.randn(5, 8, requires_grad=True)
-        # Every token of both ranks goes to experts 0 and 1: rank 1's experts (2, 3) receive nothing.
-        index = torch.tensor([[0, 1]] * 5)
-        weights = torch.full((5, 2), 0.5)
-        y = experts(hidden, index, weights)
-        y.sum().backward()
-        out[rank] = (tuple(y.shape), float(hidden.grad.abs().sum()), experts.gate_up_proj.grad is not None)
+        out[rank] = {"starved": _starved(rank), "gpt_oss": _gpt_oss(rank)}
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.timeout(120)
-def test_a_rank_whose_experts_get_no_token_still_joins_the_backward(tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
     out = mp.Manager().dict()
-    store = str(tmp_path / "store")
+    store = str(tmp_path_factory.mktemp("dispatch") / "store")
     mp.spawn(_worker, args=(store, out), nprocs=2, join=True)
+    return dict(out)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_whose_experts_get_no_token_still_joins_the_backward(two_ranks):
     for rank in (0, 1):
-        shape, grad, expert_grad = out[rank]
-        assert shape == (5, 8) and grad > 0 and expert_grad, (rank, out[rank])
+        shape, grad, expert_grad = two_ranks[rank]["starved"]
+        assert shape == (5, 8) and grad > 0 and expert_grad, (rank, two_ranks[rank])
+
+
+@pytest.mark.timeout(120)
+def test_ep2_on_gpt_oss_experts_is_transformers_own_forward_and_backward(two_ranks):
+    for rank in (0, 1):
+        diffs = two_ranks[rank]["gpt_oss"]
+        assert diffs.pop("moved") > 0.1, "the experts produce a real output"
+        assert set(diffs) == {"output", "input grad", "gate_up_proj", "down_proj", "gate_up_proj_bias",
+                              "down_proj_bias"}
+        assert max(diffs.values()) < 1e-5, (rank, diffs)

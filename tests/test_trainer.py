@@ -41,8 +41,9 @@ def run_a(tiny, tmp_path_factory):
     return run
 
 
-def _reference(model_dir, vocab, steps):
-    """Plain transformers, one process, no packing: per-step losses and the final model."""
+def _reference(model_dir, vocab, steps, grad_norms: list[float] | None = None):
+    """Plain transformers, one process, no packing: per-step losses and the final model (and each step's gradient
+    norm before clipping appended to `grad_norms`, when given)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -68,7 +69,9 @@ def _reference(model_dir, vocab, steps):
             )
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), training.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), training.max_grad_norm)
+        if grad_norms is not None:
+            grad_norms.append(float(norm))
         opt.step()
         opt.zero_grad()
         losses.append(total)

@@ -1,5 +1,5 @@
 """The tests' tiny models: prl.trainer.tiny_model (which `model.build_tiny` runs), under the name the tests
-import. `python tests/tiny_model.py DIR [--moe]` still builds one."""
+import. `python tests/tiny_model.py DIR [--moe | --family F]` still builds one."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prl.trainer.tiny_model import build_tiny_model, build_tiny_moe, build_tokenizer, main  # noqa: E402
+from prl.trainer.tiny_model import (MOE_FAMILIES, build_tiny_model, build_tiny_moe, build_tokenizer,  # noqa: E402
+                                    main, tiny_moe_config)
 
-__all__ = ["build_tiny_model", "build_tiny_moe", "build_tokenizer"]
+__all__ = ["MOE_FAMILIES", "build_tiny_model", "build_tiny_moe", "build_tokenizer", "tiny_moe_config"]
 
 if __name__ == "__main__":
     main()

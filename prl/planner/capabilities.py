@@ -5,9 +5,11 @@ parsed config.json of the model directory when it exists locally (None otherwise
 the model-independent checks run) and turns each refusal into a PlanError at the YAML line of
 its field. Keep it in step with the trainer:
 
-- expert parallelism: prl/trainer/moe.py (`FUSED_EXPERT_CLASSES`), for the architectures in
-  `EP_ARCHITECTURES`;
-- context parallelism: prl/trainer/context_parallel.py (Ulysses: the heads are split over cp).
+- expert parallelism: prl/trainer/moe.py (any transformers fused-experts module), for the
+  architectures in `EP_ARCHITECTURES` (each has a tiny model in tests/tiny_model.py and an EP
+  equivalence test, tests/test_moe_families.py);
+- context parallelism: prl/trainer/context_parallel.py (Ulysses: the heads are split over cp, key/value
+  heads repeated when there are fewer than cp).
 """
 
 from __future__ import annotations
@@ -26,9 +28,13 @@ class TextConfig(msgspec.Struct):
     num_experts: int | None = None
     """The expert count as hub checkpoints write it."""
     num_local_experts: int | None = None
-    """The same count as transformers 5's save_pretrained writes it."""
+    """The same count as transformers 5's save_pretrained writes it (and Mixtral's, GPT-OSS's own name)."""
+    n_routed_experts: int | None = None
+    """DeepSeek-V3's and GLM-4.5's name for it (shared experts not counted)."""
     use_sliding_window: bool | None = None
     sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    """Per-layer kind (transformers 5): full_attention, sliding_attention, linear_attention, ..."""
 
 
 class ModelConfig(TextConfig):
@@ -50,6 +56,11 @@ class ModelConfig(TextConfig):
 EP_ARCHITECTURES: dict[str, tuple[str, ...]] = {
     # Hub checkpoints write num_experts; transformers 5 saves the same count as num_local_experts.
     "Qwen3MoeForCausalLM": ("num_experts", "num_local_experts"),
+    "Qwen3_5MoeForCausalLM": ("num_experts", "num_local_experts"),
+    "Glm4MoeForCausalLM": ("n_routed_experts", "num_local_experts"),
+    "DeepseekV3ForCausalLM": ("n_routed_experts", "num_local_experts"),
+    "GptOssForCausalLM": ("num_local_experts",),
+    "MixtralForCausalLM": ("num_local_experts",),
 }
 """Architectures with an expert-parallel implementation -> config keys of their expert count."""
 
@@ -75,7 +86,7 @@ def ep_refusals(model_config: ModelConfig | None, ep: int) -> list[tuple[Field, 
         kind = "an MoE model without an EP implementation in the trainer" if arch in KNOWN_MOE_ARCHITECTURES \
             else "dense"
         supported = ", ".join(EP_ARCHITECTURES)
-        return [(field, f"trainer.ep({ep}) needs an MoE model with an EP implementation ({supported} has one); "
+        return [(field, f"trainer.ep({ep}) needs an MoE model with an EP implementation ({supported}); "
                         f"{arch} is {kind}: use ep: 1")]
     text = model_config.text
     key = next((k for k in EP_ARCHITECTURES[arch] if isinstance(getattr(text, k), int)), EP_ARCHITECTURES[arch][0])
@@ -100,13 +111,18 @@ def cp_refusals(model_config: ModelConfig | None, cp: int) -> list[tuple[Field, 
     if not isinstance(heads, int) or not isinstance(kv_heads, int):
         return [(field, f"trainer.cp({cp}): the model's config.json has no num_attention_heads; "
                         f"context parallelism needs it; use cp: 1")]
-    if heads % cp or kv_heads % cp:
-        return [(field, f"trainer.cp({cp}) must divide num_attention_heads({heads}) and "
-                        f"num_key_value_heads({kv_heads}): context parallelism (Ulysses) splits the heads "
-                        f"over the cp ranks; use a cp that divides both")]
+    if heads % cp:
+        return [(field, f"trainer.cp({cp}) must divide num_attention_heads({heads}): context parallelism "
+                        f"(Ulysses) splits the heads over the cp ranks (key/value heads, {kv_heads} here, are "
+                        f"repeated when fewer); use a cp that divides {heads}")]
     if text.use_sliding_window and text.sliding_window:
         return [(field, f"trainer.cp({cp}): sliding-window attention is not supported with context "
                         f"parallelism (the full-sequence mask is block-causal only); use cp: 1")]
+    other = sorted(set(text.layer_types or ()) - {"full_attention"})
+    if other:
+        return [(field, f"trainer.cp({cp}): {model_config.architecture} has {', '.join(other)} layers "
+                        f"(config.json layer_types); context parallelism (Ulysses) splits full-attention layers "
+                        f"only; use cp: 1")]
     return []
 
 

@@ -7,8 +7,16 @@ rank runs ordinary attention over the full sequence for its heads, and a second 
 turns the result back. So any mask works unchanged, in particular the block-diagonal causal
 mask of packed samples (position ids restart at 0 per sample): ring attention would have to
 re-derive it per block pair and skip blocks, and it needs its own kernel. The costs: cp must
-divide the number of attention heads and of key/value heads (checked at plan time,
-prl/planner/capabilities.py), and two all-to-alls of activations per layer.
+divide the number of attention heads (checked at plan time, prl/planner/capabilities.py), and
+two all-to-alls of activations per layer.
+
+Fewer key/value heads than cp (one KV head and cp=2; Qwen3-30B-A3B's 4 and cp=8): before the
+all-to-all each KV head is repeated `kv_repeat` times, the fewest copies that make their count a
+multiple of cp while every copy still serves whole groups of query heads (r divides
+heads / kv_heads; r = heads / kv_heads, plain multi-head attention, always does). Copy j*r + i
+of KV head j serves the i-th 1/r of its query group, so each rank's query heads find their KV
+heads on that rank. The repeat is an autograd expand: the copies' gradients sum back into the
+one KV head. It costs r times the KV all-to-all traffic, nothing else.
 
 Everything outside attention is per-position (projections, RoPE with each rank's own position
 ids, norms, MLP/MoE, logits, loss), so each rank computes it on its own positions only. The
@@ -58,6 +66,20 @@ def _heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     return recv.permute(1, 0, 2, 3, 4).reshape(b, h * cp, t // cp, d)
 
 
+def kv_repeat(heads: int, kv_heads: int, cp: int) -> int:
+    """Copies of each KV head so that cp divides their count and each copy serves whole query-head groups."""
+    group = heads // kv_heads
+    return next(r for r in range(1, group + 1) if group % r == 0 and (kv_heads * r) % cp == 0)
+
+
+def _repeat_heads(x: torch.Tensor, r: int) -> torch.Tensor:
+    """[B, H, T, D] -> [B, H*r, T, D], head j becoming heads j*r .. j*r + r - 1 (transformers' repeat_kv)."""
+    if r == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, r, t, d).reshape(b, h * r, t, d)
+
+
 def ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention interface: q/k/v [B, heads, T/cp, D] in, [B, T/cp, heads, D] out.
 
@@ -67,6 +89,8 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
     if not _active:
         raise RuntimeError("ulysses_attention called outside ulysses_context (the trainer sets it per micro-batch)")
     group, cp, mask = _active["group"], _active["cp"], _active["mask"]
+    r = kv_repeat(query.shape[1], key.shape[1], cp)
+    key, value = _repeat_heads(key, r), _repeat_heads(value, r)
     q, k, v = (_seq_to_heads(t, group, cp) for t in (query, key, value))
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
@@ -77,7 +101,7 @@ def ulysses_attention(module, query, key, value, attention_mask, scaling=None, d
 def install_ulysses(model: torch.nn.Module, cp: int) -> None:
     """Register and select the Ulysses attention on `model` (all its attention layers).
 
-    Refuses (ConfigError) a cp that does not divide the attention and key/value heads.
+    Refuses (ConfigError) a cp that does not divide the attention heads (KV heads are repeated, `kv_repeat`).
     """
     from transformers import AttentionInterface
 
@@ -86,10 +110,10 @@ def install_ulysses(model: torch.nn.Module, cp: int) -> None:
     text = model.config.get_text_config()
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    if heads % cp or kv_heads % cp:
+    if heads % cp or heads % kv_heads:
         raise ConfigError(
-            f"trainer.cp({cp}) must divide num_attention_heads({heads}) and num_key_value_heads({kv_heads}) "
-            f"(Ulysses splits the heads over the cp ranks); use a cp that divides both"
+            f"trainer.cp({cp}) must divide num_attention_heads({heads}) (Ulysses splits the heads over the cp "
+            f"ranks; num_key_value_heads({kv_heads}) must divide it too); use a cp that divides {heads}"
         )
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 

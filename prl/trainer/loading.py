@@ -9,7 +9,10 @@ Peak host memory per rank is about its shard (plus one tensor slice when the fil
 differs), not the model; tests/test_trainer_parallel.py measures it.
 
 Non-persistent buffers (rotary `inv_freq`) are not in the checkpoint: their modules are
-rebuilt from the config on the device after `to_empty`.
+rebuilt from the config on the device after `to_empty`. Persistent ones (DeepSeek-V3's router
+score-correction bias) are read whole on every rank, like the parameters they sit beside.
+Checkpoint names follow the family's layout (`disk_layout` in prl/trainer/moe.py: Mixtral's
+`block_sparse_moe`, per-expert or fused experts).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from torch import nn
 
 from prl.errors import ConfigError
-from prl.trainer.moe import ExpertParallelExperts, is_fused_experts
+from prl.trainer.moe import DiskLayout, ExpertParallelExperts, disk_keys, disk_layout, disk_name, is_fused_experts
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -121,16 +124,28 @@ def _local_box(param: torch.Tensor) -> tuple[torch.Size, tuple[int, ...]]:
     return torch.Size(shape), tuple(offset)
 
 
-def _fill_experts(reader: _Reader, prefix: str, leaf: str, first: int, dest: torch.Tensor) -> None:
-    """Fill a fused expert shard (experts first, first+1, ...) from the per-expert on-disk tensors."""
+def _fill_experts(reader: _Reader, layout: DiskLayout, prefix: str, leaf: str, first: int, dest: torch.Tensor) -> None:
+    """Fill a fused expert shard (experts first, first+1, ...) from the checkpoint: rows of the fused tensor when
+    the checkpoint has one, else the per-expert tensors of the family's layout."""
+    fused = disk_name(layout, f"{prefix}.{leaf}")
+    if fused in reader.where:
+        reader.read_into(fused, first, dest)
+        return
+    keys = iter(disk_keys(layout, prefix, leaf, first, dest.shape[0]))
     for i in range(dest.shape[0]):
-        e = first + i
-        if leaf == "gate_up_proj":
-            gate, up = dest[i].chunk(2, dim=0)
-            reader.read_into(f"{prefix}.{e}.gate_proj.weight", 0, gate)
-            reader.read_into(f"{prefix}.{e}.up_proj.weight", 0, up)
-        else:
-            reader.read_into(f"{prefix}.{e}.down_proj.weight", 0, dest[i])
+        parts = dest[i].chunk(2, dim=0) if leaf == "gate_up_proj" else (dest[i],)
+        for part in parts:
+            reader.read_into(next(keys), 0, part)
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Buffers saved with the weights (DeepSeek-V3's and GLM-4.5's router score-correction bias), by name."""
+    out = []
+    for prefix, module in model.named_modules():
+        for n, b in module.named_buffers(recurse=False):
+            if b is not None and n not in module._non_persistent_buffers_set:
+                out.append((f"{prefix}.{n}" if prefix else n, b))
+    return out
 
 
 def rebuild_nonpersistent_buffers(model: nn.Module, device: torch.device) -> None:
@@ -149,8 +164,10 @@ def rebuild_nonpersistent_buffers(model: nn.Module, device: torch.device) -> Non
 
 @torch.no_grad()
 def load_shards(model: nn.Module, model_path: str | Path) -> int:
-    """Fill every parameter's local shard from the safetensors of `model_path`; return bytes filled."""
+    """Fill every parameter's local shard, and every persistent buffer, from the safetensors of `model_path`;
+    return bytes filled."""
     reader = _Reader(model_path)
+    layout = disk_layout(model)
     fused = {name: m for name, m in model.named_modules() if is_fused_experts(m)}
     total = 0
     for name, param in model.named_parameters():
@@ -163,10 +180,13 @@ def load_shards(model: nn.Module, model_path: str | Path) -> int:
         prefix, _, leaf = name.rpartition(".")
         if prefix in fused:
             first = fused[prefix].first if isinstance(fused[prefix], ExpertParallelExperts) else 0
-            _fill_experts(reader, prefix, leaf, first + offset[0], local)
+            _fill_experts(reader, layout, prefix, leaf, first + offset[0], local)
         else:
-            reader.read_into(name, offset[0] if local.dim() else 0, local)
+            reader.read_into(disk_name(layout, name), offset[0] if local.dim() else 0, local)
         total += local.numel() * local.element_size()
+    for name, buf in persistent_buffers(model):
+        reader.read_into(disk_name(layout, name), 0, buf)
+        total += buf.numel() * buf.element_size()
     return total
 
 

@@ -1,30 +1,46 @@
-"""Expert parallelism (EP) for transformers' fused-expert MoE blocks (Qwen3-MoE).
+"""Expert parallelism (EP) for transformers 5's fused-expert MoE blocks, every family with one layer.
 
-transformers 5 stores a MoE layer's experts as two 3-D parameters of one module
-(`Qwen3MoeExperts`): `gate_up_proj` [E, 2I, H] (gate rows first, then up) and `down_proj`
-[E, H, I], called as `experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])` by the
-sparse MoE block after its router. `install_expert_parallel` swaps each of those modules for an
-`ExpertParallelExperts` that keeps only this EP rank's E/ep experts (same parameter names, so
-state-dict keys do not change) and moves tokens to them:
+transformers 5 stores a MoE layer's experts as 3-D parameters of one module (`Qwen3MoeExperts`,
+`MixtralExperts`, `DeepseekV3Experts`, `Glm4MoeExperts`, `Qwen3_5MoeExperts`, `GptOssExperts`, ...),
+called as `experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])` by the family's sparse
+MoE block after its router. Each such class is decorated with transformers'
+`use_experts_implementation`, which records its layout on the instance, and that is all this
+module reads (no per-family code):
+
+- `has_gate`: an input projection `gate_up_proj` whose output goes through the class's
+  `_apply_gate` (SiLU(gate) * up by default; GPT-OSS's clamped SwiGLU on interleaved columns),
+  else `up_proj` and `act_fn`;
+- `is_transposed`: weights stored [E, in, out] (GPT-OSS: `x @ W`) instead of [E, out, in]
+  (`F.linear(x, W)`);
+- `has_bias`: per-expert biases `<proj>_bias` [E, out].
+
+`install_expert_parallel` swaps each of those modules for an `ExpertParallelExperts` that keeps
+only this EP rank's E/ep experts (same parameter names, so state-dict keys do not change) and
+moves tokens to them:
 
     1. sort the (token, k) pairs by expert; all-to-all the per-expert counts (so every rank
        knows what it will receive) and then the hidden states, to the rank owning each expert;
-    2. run each local expert on its rows (SiLU-gated MLP, as transformers does);
+    2. run each local expert on its rows (the family's own gate function);
     3. all-to-all the outputs back (the reverse splits), weight them by the router's top-k
        weights and sum each token's k rows.
 
 Both all-to-alls are `torch.distributed.all_to_all_single` with uneven splits (gloo and NCCL
 support it), wrapped in an autograd function whose backward is the reverse all-to-all.
 Every rank runs the same layers in the same order (padding micro-batches included), so the
-collectives always match. The router, its softmax/top-k and any shared expert stay dense
-(replicated over the EP group, FSDP-sharded like every other dense weight).
+collectives always match. The router (softmax top-k, GPT-OSS's top-k softmax, DeepSeek-V3's and
+GLM-4.5's group-limited sigmoid routing with its score-correction bias) and any shared expert stay
+dense: replicated over the EP group, FSDP-sharded like every other dense weight.
 
-On disk (Hugging Face layout, what vLLM reads) experts are per-expert 2-D tensors
-`...experts.{e}.gate_proj.weight` [I, H], `up_proj.weight` [I, H], `down_proj.weight` [H, I];
-`expert_keys` / `split_experts` map between the two (loading and publishing use them).
+On disk (Hugging Face layout, what vLLM and `from_pretrained` read) families differ, as
+`DiskLayout` records: most store per-expert 2-D tensors `...experts.{e}.gate_proj.weight` [I, H],
+`up_proj.weight`, `down_proj.weight` [H, I]; Mixtral names them w1 / w3 / w2 under
+`block_sparse_moe` instead of `mlp`; GPT-OSS stores the fused tensors as they are in memory.
+`disk_keys` / `split_experts` / `disk_name` map between the two (loading and publishing use them).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -32,9 +48,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from prl.errors import ConfigError
-
-# transformers classes with the fused-expert layout and call convention above.
-FUSED_EXPERT_CLASSES = ("Qwen3MoeExperts",)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -60,22 +73,56 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
+LAYOUT_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+"""What transformers' `use_experts_implementation` records on an experts module (module doc)."""
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """A transformers experts module of the layout in the module doc (or this module's EP version of one)."""
+    if isinstance(module, ExpertParallelExperts):
+        return True
+    # is_concatenated only matters for splitting gate/up on disk (`disk_layout`); older classes may lack it.
+    flags = all(hasattr(module, f) for f in ("has_gate", "has_bias", "is_transposed", "num_experts"))
+    proj = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
+    return flags and all(isinstance(getattr(module, p, None), nn.Parameter) and getattr(module, p).dim() == 3
+                         for p in (proj, "down_proj"))
+
+
+def expert_param_names(module: nn.Module) -> tuple[str, ...]:
+    """The per-expert parameters of a fused experts module: input projection, down projection, their biases."""
+    proj = "gate_up_proj" if module.has_gate else "up_proj"
+    names = (proj, "down_proj")
+    return names + tuple(f"{n}_bias" for n in names) if module.has_bias else names
+
+
+def _layout_attributes(experts: nn.Module) -> dict:
+    """The plain settings of an experts module (flags, sizes, GPT-OSS's alpha and limit) that its gate reads."""
+    out = {k: v for k, v in vars(experts).items()
+           if not k.startswith("_") and k != "training" and isinstance(v, (bool, int, float, str))}
+    return out | {f: bool(getattr(experts, f)) for f in LAYOUT_FLAGS if hasattr(experts, f)}
+
+
 class ExpertParallelExperts(nn.Module):
-    """This EP rank's experts of one MoE layer; a drop-in for transformers' fused experts module."""
+    """This EP rank's experts of one MoE layer; a drop-in for a transformers fused experts module."""
 
     def __init__(self, experts: nn.Module, ep: int, ep_rank: int, group) -> None:
         super().__init__()
+        for k, v in _layout_attributes(experts).items():
+            setattr(self, k, v)
         self.num_experts = int(experts.num_experts)
         if self.num_experts % ep:
-            raise ConfigError(f"ep({ep}) must divide num_experts({self.num_experts})")
+            raise ConfigError(f"trainer.ep({ep}) must divide num_experts({self.num_experts})")
         self.ep, self.group = ep, group
         self.num_local = self.num_experts // ep
         self.first = ep_rank * self.num_local
         local = slice(self.first, self.first + self.num_local)
+        self.param_names = expert_param_names(experts)
         # On the meta device these are shapes only; the loader fills this rank's slice.
-        self.gate_up_proj = nn.Parameter(experts.gate_up_proj.data[local].clone())
-        self.down_proj = nn.Parameter(experts.down_proj.data[local].clone())
-        self.act_fn = experts.act_fn
+        for name in self.param_names:
+            setattr(self, name, nn.Parameter(getattr(experts, name).data[local].clone()))
+        if hasattr(experts, "act_fn"):
+            self.act_fn = experts.act_fn
+        self._gate_fn = type(experts)._apply_gate if self.has_gate else None
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         T, k = top_k_index.shape
@@ -101,27 +148,31 @@ class ExpertParallelExperts(nn.Module):
         final = torch.zeros_like(hidden)
         return final.index_add(0, order // k, weighted.to(final.dtype))
 
+    def _project(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+        """Expert `e`'s projection `name` of rows `x`, in the module's storage layout, plus its bias."""
+        w = getattr(self, name)[e]
+        y = x @ w if self.is_transposed else F.linear(x, w)
+        return y + getattr(self, f"{name}_bias")[e] if self.has_bias else y
+
     def _run_experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         """Each local expert on its consecutive block of rows."""
         outs = []
         for e, chunk in enumerate(torch.split(rows, per_expert)):
             if chunk.shape[0] == 0:
                 continue
-            gate, up = F.linear(chunk, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
-        out = torch.cat(outs) if outs else rows.new_zeros((0, self.down_proj.shape[1]))
+            h = self._project(chunk, self.param_names[0], e)
+            h = self._gate_fn(self, h) if self.has_gate else self.act_fn(h)
+            outs.append(self._project(h, "down_proj", e))
+        out = torch.cat(outs) if outs else rows.new_zeros((0, rows.shape[-1]))
         # Every expert weight must get a gradient (zero if it saw no token): FSDP reduce-scatters
         # the same parameters on every rank. And the output must depend on the received rows even
         # when none came: otherwise this rank's autograd never runs the dispatch all-to-all's
         # backward while the others wait in it (a deadlock seen in the local-moe run at step 3).
-        return out + 0.0 * (self.gate_up_proj.sum() + self.down_proj.sum() + rows.sum())
+        anchor = sum(getattr(self, n).sum() for n in self.param_names) + rows.sum()
+        return out + 0.0 * anchor
 
     def extra_repr(self) -> str:
         return f"experts {self.first}..{self.first + self.num_local - 1} of {self.num_experts} (ep {self.ep})"
-
-
-def is_fused_experts(module: nn.Module) -> bool:
-    return type(module).__name__ in FUSED_EXPERT_CLASSES or isinstance(module, ExpertParallelExperts)
 
 
 def expert_modules(root: nn.Module) -> list[nn.Module]:
@@ -134,11 +185,11 @@ def install_expert_parallel(model: nn.Module, ep: int, ep_rank: int, group) -> i
 
     Refuses (ConfigError) a model with no expert module of a known layout: ep > 1 needs one.
     """
-    targets = [(name, m) for name, m in model.named_modules() if type(m).__name__ in FUSED_EXPERT_CLASSES]
+    targets = [(name, m) for name, m in model.named_modules() if is_fused_experts(m)]
     if not targets:
         raise ConfigError(
-            f"trainer.ep({ep}) needs an MoE model with an EP implementation (experts classes "
-            f"{', '.join(FUSED_EXPERT_CLASSES)}); {type(model).__name__} has none: use ep: 1"
+            f"trainer.ep({ep}) needs an MoE model whose experts are transformers' fused experts modules; "
+            f"{type(model).__name__} has none: use ep: 1"
         )
     for name, m in targets:
         parent_name, _, attr = name.rpartition(".")
@@ -146,17 +197,65 @@ def install_expert_parallel(model: nn.Module, ep: int, ep_rank: int, group) -> i
     return len(targets)
 
 
-def expert_keys(prefix: str, param: str, first: int, count: int) -> list[str]:
-    """On-disk keys of experts first..first+count-1 of fused parameter `prefix.param`, in split order."""
+@dataclass(frozen=True)
+class DiskLayout:
+    """How a family's Hugging Face checkpoints store the experts of one MoE layer (module doc)."""
+
+    split: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")
+    """Per-expert tensors `experts.{e}.{name}.weight` for (gate, up, down); None: the fused tensors as in memory."""
+    rename: tuple[str, str] | None = None
+    """(in memory, on disk): a part of the keys that the family's checkpoints spell differently."""
+
+
+FUSED_ON_DISK = DiskLayout(split=None)
+DISK_LAYOUTS: dict[str, DiskLayout] = {
+    # transformers' conversion mapping for mixtral: `.block_sparse_moe.` -> `.mlp.`, experts w1 / w3 -> gate_up_proj.
+    "mixtral": DiskLayout(split=("w1", "w3", "w2"), rename=(".mlp.", ".block_sparse_moe.")),
+}
+"""model_type -> layout, where it is not the default (per-expert gate_proj / up_proj / down_proj)."""
+
+
+def disk_layout(model: nn.Module) -> DiskLayout:
+    """The on-disk layout of `model`'s experts: its family's, or fused for experts that have no per-expert form.
+
+    Experts stored transposed, with biases or with interleaved gate/up columns (GPT-OSS) are written
+    fused, as transformers holds and saves them.
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", "")
+    if model_type in DISK_LAYOUTS:
+        return DISK_LAYOUTS[model_type]
+    for m in expert_modules(model):
+        if m.is_transposed or m.has_bias or not m.has_gate or not getattr(m, "is_concatenated", True):
+            return FUSED_ON_DISK
+    return DiskLayout()
+
+
+def disk_name(layout: DiskLayout, name: str) -> str:
+    """The checkpoint's name of in-memory tensor `name` (not a per-expert one)."""
+    return name.replace(*layout.rename) if layout.rename else name
+
+
+def disk_keys(layout: DiskLayout, prefix: str, param: str, first: int, count: int) -> list[str]:
+    """On-disk keys of experts first..first+count-1 of fused parameter `prefix.param`, in split order.
+
+    A fused-on-disk layout has one key, the whole [E, ...] tensor (count must then be all experts).
+    """
+    if layout.split is None:
+        return [disk_name(layout, f"{prefix}.{param}")]
+    base, (gate, up, down) = disk_name(layout, prefix), layout.split
+    experts = range(first, first + count)
     if param == "gate_up_proj":
-        return [f"{prefix}.{e}.{p}.weight" for e in range(first, first + count) for p in ("gate_proj", "up_proj")]
+        return [f"{base}.{e}.{p}.weight" for e in experts for p in (gate, up)]
     if param == "down_proj":
-        return [f"{prefix}.{e}.down_proj.weight" for e in range(first, first + count)]
-    raise ValueError(f"not a fused expert parameter: {prefix}.{param}")
+        return [f"{base}.{e}.{down}.weight" for e in experts]
+    raise ValueError(f"no per-expert checkpoint name for {prefix}.{param}")
 
 
-def split_experts(prefix: str, param: str, tensor: torch.Tensor, first: int) -> dict[str, torch.Tensor]:
-    """Fused [E_local, ...] tensor -> per-expert on-disk tensors (views), experts numbered from `first`."""
-    keys = expert_keys(prefix, param, first, tensor.shape[0])
+def split_experts(layout: DiskLayout, prefix: str, param: str, tensor: torch.Tensor, first: int
+                  ) -> dict[str, torch.Tensor]:
+    """Fused [E_local, ...] tensor -> on-disk tensors (views), experts numbered from `first`."""
+    keys = disk_keys(layout, prefix, param, first, tensor.shape[0])
+    if layout.split is None:
+        return {keys[0]: tensor}
     parts = [half for t in tensor for half in t.chunk(2, dim=0)] if param == "gate_up_proj" else list(tensor)
     return dict(zip(keys, parts, strict=True))

@@ -8,6 +8,7 @@ backend refuses head sizes below 32.
     from prl.trainer.tiny_model import build_tiny_model     # tests: from tests.tiny_model import ...
     path = build_tiny_model(tmp_path / "model")
     moe = build_tiny_moe(tmp_path / "moe")       # Qwen3-MoE: 4 experts, top-2
+    glm = build_tiny_moe(tmp_path / "glm", family="glm4_moe")   # any of MOE_FAMILIES
 """
 
 from __future__ import annotations
@@ -99,9 +100,56 @@ def build_tiny_model(
     return out
 
 
-def build_tiny_moe(
-    out_dir: str | Path,
+def _moe_config(family: str, common: dict, *, num_experts: int, top_k: int, moe_intermediate_size: int):
+    """The transformers config of a tiny MoE of `family` (a key of MOE_FAMILIES)."""
+    import transformers
+
+    experts = {"num_experts_per_tok": top_k}
+
+    def alternate(kind: str) -> list[str]:
+        """`kind` layers with full attention every second layer, as Qwen3.5's and GPT-OSS's checkpoints mix them."""
+        return [kind if i % 2 == 0 else "full_attention" for i in range(common["num_hidden_layers"])]
+    # Group-limited routing (DeepSeek-V3, GLM-4.5): 2 groups, the best 1 of them; layer 0 dense, as the
+    # families' first_k_dense_replace layers are; one shared expert.
+    grouped = {"n_routed_experts": num_experts, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+               "n_shared_experts": 1, "moe_intermediate_size": moe_intermediate_size, "norm_topk_prob": True,
+               "routed_scaling_factor": 2.5, "intermediate_size": 2 * common["hidden_size"]}
+    configs = {
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **common, **experts, num_experts=num_experts, moe_intermediate_size=moe_intermediate_size,
+            intermediate_size=2 * common["hidden_size"], norm_topk_prob=True),
+        "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(
+            **common, **experts, num_experts=num_experts, moe_intermediate_size=moe_intermediate_size,
+            shared_expert_intermediate_size=moe_intermediate_size,
+            layer_types=alternate("linear_attention"), linear_num_key_heads=2, linear_num_value_heads=2,
+            linear_key_head_dim=16, linear_value_head_dim=16,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                             "mrope_section": [2, 1, 1]}),
+        "glm4_moe": lambda: transformers.Glm4MoeConfig(**common, **experts, **grouped),
+        # MLA: one key/value head per attention head (the kv_b_proj output), head sizes of its own.
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(
+            **{k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads")}, **experts, **grouped,
+            num_key_value_heads=common["num_attention_heads"],
+            q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "gpt_oss": lambda: transformers.GptOssConfig(
+            **common, **experts, num_local_experts=num_experts, intermediate_size=moe_intermediate_size,
+            sliding_window=128, layer_types=alternate("sliding_attention"),
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        "mixtral": lambda: transformers.MixtralConfig(
+            **common, **experts, num_local_experts=num_experts, intermediate_size=moe_intermediate_size),
+    }
+    return configs[family]()
+
+
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "mixtral")
+"""Families `build_tiny_moe` builds (transformers model_type names)."""
+
+
+def tiny_moe_config(
+    family: str = "qwen3_moe",
     *,
+    vocab_size: int = 512,
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 2,
@@ -110,46 +158,54 @@ def build_tiny_moe(
     num_experts: int = 4,
     top_k: int = 2,
     moe_intermediate_size: int = 64,
+    **tokens,
+):
+    """The transformers config of a tiny MoE of `family` (MOE_FAMILIES); `tokens`: eos/pad/bos token ids."""
+    common = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+        max_position_embeddings=2048, tie_word_embeddings=True, **tokens,
+    )
+    return _moe_config(family, common, num_experts=num_experts, top_k=top_k,
+                       moe_intermediate_size=moe_intermediate_size)
+
+
+def build_tiny_moe(
+    out_dir: str | Path,
+    *,
+    family: str = "qwen3_moe",
     vocab_size: int = 512,
     seed: int = 0,
     dtype: str = "float32",
     router_std: float = 0.5,
+    **sizes,
 ) -> Path:
-    """Build, save and return the directory of a random tiny Qwen3-MoE model + tokenizer.
+    """Build, save and return the directory of a random tiny MoE of `family` (MOE_FAMILIES) + tokenizer.
 
-    The router gets a larger init (`router_std`) than transformers' 0.02 so routing is not a
-    coin toss between near-equal logits: tests compare routed runs across process layouts.
+    `sizes` are `tiny_moe_config`'s (hidden_size, num_experts, num_kv_heads, ...). The router gets a
+    larger init (`router_std`) than transformers' 0.02 so routing is not a coin toss between
+    near-equal logits: tests compare routed runs across process layouts. A group-limited router's
+    score-correction bias (a buffer) is random too, so loading it is checked.
     """
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(vocab_size)
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        moe_intermediate_size=moe_intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        num_experts=num_experts,
-        num_experts_per_tok=top_k,
-        norm_topk_prob=True,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
+    config = tiny_moe_config(
+        family, vocab_size=len(tokenizer), eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **sizes,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 p.normal_(0.0, router_std)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -161,10 +217,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Build a tiny random model + tokenizer into DIR.")
     ap.add_argument("dir", nargs="?", default="/tmp/tiny-model")
     ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE (4 experts, top-2) instead of dense Qwen3")
+    ap.add_argument("--family", choices=MOE_FAMILIES, default=None, help="an MoE of this family (implies --moe)")
     ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (cp must divide them)")
     args = ap.parse_args(argv)
     kw = {} if args.kv_heads is None else {"num_kv_heads": args.kv_heads}
-    print((build_tiny_moe if args.moe else build_tiny_model)(args.dir, **kw))
+    if args.family:
+        kw["family"] = args.family
+    print((build_tiny_moe if args.moe or args.family else build_tiny_model)(args.dir, **kw))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,11 @@ marker of the step (every file and its size) into it and renames it: files and m
 rename, so a crash (or a full disk) anywhere leaves no accepted partial step.
 A world of one writes a single `model.safetensors`.
 
-Experts (fused [E, ...] parameters in memory, prl/trainer/moe.py) are written per expert, the
-layout vLLM and `from_pretrained` read; a tied lm_head is stored once (as HF does).
+Experts (fused [E, ...] parameters in memory, prl/trainer/moe.py) are written in their family's
+checkpoint layout (`disk_layout`: per expert for most, Mixtral's names, fused for GPT-OSS, whose
+EP ranks' experts are then gathered over the EP group into one tensor), the layout vLLM and
+`from_pretrained` read; persistent buffers (a router's score-correction bias) go with the
+parameters; a tied lm_head is stored once (as HF does).
 
 Publishing does not overlap the next step: the step's weights are on disk and marked before
 the next step's optimizer changes them, so staleness accounting stays exact.
@@ -34,7 +37,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from prl.run.rundir import MARKER, RunDir
-from prl.trainer.moe import ExpertParallelExperts, expert_keys, is_fused_experts, split_experts
+from prl.trainer.loading import persistent_buffers
+from prl.trainer.moe import ExpertParallelExperts, disk_keys, disk_layout, disk_name, is_fused_experts, split_experts
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -63,12 +67,13 @@ def drop_tied(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[st
 
 
 def to_hf_layout(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Full state dict -> on-disk HF names: fused experts split per expert, tied keys dropped."""
+    """Full state dict -> on-disk HF names: experts in the family's layout, tied keys dropped."""
     fused = {n for n, m in model.named_modules() if is_fused_experts(m)}
+    layout = disk_layout(model)
     out = {}
     for k, v in drop_tied(model, state).items():
         prefix, _, leaf = k.rpartition(".")
-        out.update(split_experts(prefix, leaf, v, 0) if prefix in fused else {k: v})
+        out.update(split_experts(layout, prefix, leaf, v, 0) if prefix in fused else {disk_name(layout, k): v})
     return out
 
 
@@ -123,14 +128,28 @@ def write_hf_dir(
 
 @dataclass(frozen=True)
 class Unit:
-    """One in-memory parameter (or one EP rank's part of a fused expert parameter) to publish."""
+    """One in-memory parameter or persistent buffer (or one EP rank's part of a fused expert parameter) to publish."""
 
     name: str
     ep_index: int | None
-    """EP rank whose experts these are; None for a dense parameter."""
+    """EP rank whose experts these are; None for a dense tensor, or experts gathered over the EP group."""
     keys: tuple[str, ...]
     """Its on-disk tensor names."""
     nbytes: int
+
+
+def _units_of(name: str, p: torch.Tensor, owner, layout, itemsize: int) -> list[Unit]:
+    """The units of one tensor: per EP index for experts stored per expert, else one."""
+    prefix, _, leaf = name.rpartition(".")
+    nbytes = p.numel() * itemsize
+    if isinstance(owner, ExpertParallelExperts):
+        if layout.split is None:  # one fused tensor on disk: every EP rank's experts gathered into it
+            return [Unit(name, None, tuple(disk_keys(layout, prefix, leaf, 0, owner.num_experts)), nbytes * owner.ep)]
+        return [Unit(name, e, tuple(disk_keys(layout, prefix, leaf, e * owner.num_local, owner.num_local)), nbytes)
+                for e in range(owner.ep)]
+    if owner is not None and is_fused_experts(owner):
+        return [Unit(name, None, tuple(disk_keys(layout, prefix, leaf, 0, p.shape[0])), nbytes)]
+    return [Unit(name, None, (disk_name(layout, name),), nbytes)]
 
 
 def publish_plan(model: torch.nn.Module, d, dtype: torch.dtype) -> tuple[list[Unit], dict[Unit, int]]:
@@ -142,21 +161,11 @@ def publish_plan(model: torch.nn.Module, d, dtype: torch.dtype) -> tuple[list[Un
     itemsize = torch.empty((), dtype=dtype).element_size()
     tied = tied_keys(model)
     modules = dict(model.named_modules())
+    layout = disk_layout(model)
     units: list[Unit] = []
-    for name, p in model.named_parameters():
-        if name in tied:
-            continue
-        prefix, _, leaf = name.rpartition(".")
-        owner = modules.get(prefix)
-        nbytes = p.numel() * itemsize
-        if isinstance(owner, ExpertParallelExperts):
-            for e in range(owner.ep):
-                keys = expert_keys(prefix, leaf, e * owner.num_local, owner.num_local)
-                units.append(Unit(name, e, tuple(keys), nbytes))
-        elif owner is not None and is_fused_experts(owner):
-            units.append(Unit(name, None, tuple(expert_keys(prefix, leaf, 0, p.shape[0])), nbytes))
-        else:
-            units.append(Unit(name, None, (name,), nbytes))
+    for name, p in [*model.named_parameters(), *persistent_buffers(model)]:
+        if name not in tied:
+            units += _units_of(name, p, modules.get(name.rpartition(".")[0]), layout, itemsize)
     writers = list(range(d.world_size // d.dp_replicate))
     load = dict.fromkeys(writers, 0)
     owners: dict[Unit, int] = {}
@@ -176,26 +185,36 @@ def file_names(owners: dict[Unit, int]) -> dict[int, str]:
     return {r: f"model-{i:05d}-of-{len(ranks):05d}.safetensors" for i, r in enumerate(ranks, 1)}
 
 
+def _gather_ep(local: torch.Tensor, d) -> torch.Tensor:
+    """Collective over the EP group: every EP rank's experts of one fused parameter, in expert order."""
+    parts = [torch.empty_like(local) for _ in range(d.ep)]
+    dist.all_gather(parts, local.contiguous(), group=d.ep_group)
+    return torch.cat(parts)
+
+
 def gather_owned(model: torch.nn.Module, d, dtype: torch.dtype, units: list[Unit], owners: dict[Unit, int]):
     """Collective: the on-disk tensors of the units this rank writes (full, on CPU, in `dtype`)."""
     modules = dict(model.named_modules())
-    params = dict(model.named_parameters())
+    tensors = {**dict(model.named_parameters()), **dict(persistent_buffers(model))}
+    layout = disk_layout(model)
     mine: dict[str, torch.Tensor] = {}
     for u in units:
         if u.ep_index is not None and u.ep_index != d.ep_rank:
             continue  # gathered (and written) by the ranks of that EP index
-        p = params[u.name].detach().to(dtype)
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        if owners[u] != d.rank:
-            continue
         prefix, _, leaf = u.name.rpartition(".")
         owner = modules.get(prefix)
+        p = tensors[u.name].detach().to(dtype)
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        if isinstance(owner, ExpertParallelExperts) and u.ep_index is None:
+            full = _gather_ep(full, d)
+        if owners[u] != d.rank:
+            continue
         full = full.cpu()
         if owner is not None and is_fused_experts(owner):
-            first = owner.first if isinstance(owner, ExpertParallelExperts) else 0
-            mine.update({k: v.contiguous() for k, v in split_experts(prefix, leaf, full, first).items()})
+            first = owner.first if u.ep_index is not None else 0
+            mine.update({k: v.contiguous() for k, v in split_experts(layout, prefix, leaf, full, first).items()})
         else:
-            mine[u.name] = full.contiguous()
+            mine[disk_name(layout, u.name)] = full.contiguous()
     return mine
 
 
