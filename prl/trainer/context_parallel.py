@@ -16,30 +16,22 @@ trainer shifts labels on the whole sequence before splitting (`prepare` in prl/t
 pads the sequence to a multiple of cp with masked positions, and counts loss tokens per position once,
 so the loss normalisation N is unchanged.
 
-Use: `install_ulysses(model, cp)` once (registers the attention function with transformers and
-selects it), then run each micro-batch's forward and backward inside
-`ulysses_context(group, full_position_ids)`.
+Use: `install_ulysses(model, cp, group)` once (registers the attention function with transformers and
+selects it), then pass the full row's boundaries (`prl.trainer.attention.boundary_kwargs` of the full position
+ids) to every forward: after the all-to-all each rank attends over the whole sequence for its heads with the
+packed kernel (prl/trainer/attention.py), so no [T, T] mask is built.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import functools
 
 import torch
-import torch.nn.functional as F
 
+from prl.trainer.attention import packed_attention
 from prl.trainer.moe import all_to_all
 
 ATTN_NAME = "prl_ulysses"
-_active: dict = {}
-
-
-def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """[T, T] bool: i attends to j iff j <= i and both are in the same packed sample (positions restart at 0)."""
-    sample = torch.cumsum((position_ids == 0).long(), dim=0)
-    idx = torch.arange(position_ids.shape[0], device=position_ids.device)
-    return (sample[:, None] == sample[None, :]) & (idx[None, :] <= idx[:, None])
 
 
 def _seq_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
@@ -58,23 +50,24 @@ def _heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     return recv.permute(1, 0, 2, 3, 4).reshape(b, h * cp, t // cp, d)
 
 
-def ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, group, cp: int,
+                      **kwargs):
     """transformers attention interface: q/k/v [B, heads, T/cp, D] in, [B, T/cp, heads, D] out.
 
-    The mask transformers built for the local positions is ignored: the full sequence's
-    block-causal mask comes from `ulysses_context`.
+    The mask transformers would build for the local positions is not built (see `install_ulysses`); the
+    boundaries are the full row's (`cu_seq_lens_k`, `max_length_k` in the forward's kwargs).
     """
-    if not _active:
-        raise RuntimeError("ulysses_attention called outside ulysses_context (the trainer sets it per micro-batch)")
-    group, cp, mask = _active["group"], _active["cp"], _active["mask"]
+    if kwargs.get("cu_seq_lens_k") is None:
+        raise ValueError("ulysses attention needs the full row's cu_seq_lens_k/max_length_k in the forward's kwargs "
+                         "(prl.trainer.attention.boundary_kwargs of the full position ids)")
+    if dropout:
+        raise ValueError("ulysses attention does not apply attention dropout; train with attention_dropout 0")
     q, k, v = (_seq_to_heads(t, group, cp) for t in (query, key, value))
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    out = packed_attention(q, k, v, kwargs["cu_seq_lens_k"], int(kwargs["max_length_k"]), scaling)
     return _heads_to_seq(out, group, cp).transpose(1, 2).contiguous(), None
 
 
-def install_ulysses(model: torch.nn.Module, cp: int) -> None:
+def install_ulysses(model: torch.nn.Module, cp: int, group) -> None:
     """Register and select the Ulysses attention on `model` (all its attention layers).
 
     Refuses (ConfigError) a cp that does not divide the attention and key/value heads.
@@ -93,20 +86,10 @@ def install_ulysses(model: torch.nn.Module, cp: int) -> None:
         )
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    AttentionInterface.register(ATTN_NAME, ulysses_attention)
-    # No per-rank mask: ulysses_attention builds the full sequence's own.
+    AttentionInterface.register(ATTN_NAME, functools.partial(ulysses_attention, group=group, cp=cp))
+    # No per-rank mask: the full row's boundaries replace it.
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, lambda *args, **kwargs: None)
     model.set_attn_implementation(ATTN_NAME)
-
-
-@contextlib.contextmanager
-def ulysses_context(group, cp: int, full_position_ids: torch.Tensor) -> Iterator[None]:
-    """Within: attention layers use the full sequence's mask (forward, and recomputation in backward)."""
-    _active.update(group=group, cp=cp, mask=block_causal_mask(full_position_ids))
-    try:
-        yield
-    finally:
-        _active.clear()
 
 
 def split_for_cp(t: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
