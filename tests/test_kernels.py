@@ -162,3 +162,47 @@ def test_a_packed_row_through_the_model_matches_transformers_dense_mask_losses_a
     ref_loss.backward()
     for (name, p), r in zip(packed.named_parameters(), dense.parameters(), strict=True):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _fsdp_grads_and_layer_calls(model, checkpointing: bool, mesh) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """One forward/backward of `model` under FSDP2 (prl's apply_fsdp) on one packed row; each layer's MLP runs."""
+    from prl.trainer.attention import install_packed
+    from prl.trainer.engine import forward_logprobs
+    from prl.trainer.parallel import apply_fsdp
+
+    install_packed(model)
+    cfg = types.SimpleNamespace(activation_checkpointing=checkpointing, precision="fp32")
+    apply_fsdp(model, cfg, types.SimpleNamespace(device=torch.device("cpu"), mesh=mesh, expert_mesh=None))
+    calls = [0] * len(model.model.layers)
+    for i, layer in enumerate(model.model.layers):
+        # A pre-hook: the recomputation stops as soon as the last saved tensor is back (torch's early stop).
+        layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    model.train()
+    pos = _row()
+    ids = torch.randint(0, 96, (pos.shape[0],), generator=torch.Generator().manual_seed(3))
+    x = {"input_ids": ids, "position_ids": pos, "full_position_ids": pos, "targets": torch.roll(ids, -1)}
+    _, logp, ent = forward_logprobs(model, x, 0.0)
+    (-logp.sum() + 0.1 * ent.sum()).backward()
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters()}, calls
+
+
+def test_activation_checkpointing_recomputes_every_layer_under_fsdp2_with_the_same_gradients(tmp_path):
+    """trainer.activation_checkpointing: each transformer block's forward runs again in the backward (its
+    activations were not kept), under FSDP2 and packed attention, and the gradients are unchanged."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cpu", torch.arange(1), mesh_dim_names=("dp_shard_cp",))
+        model = _tiny_qwen3()
+        plain_grads, plain_calls = _fsdp_grads_and_layer_calls(copy.deepcopy(model), False, mesh)
+        ac_grads, ac_calls = _fsdp_grads_and_layer_calls(model, True, mesh)
+    finally:
+        dist.destroy_process_group()
+    assert plain_calls == [1, 1] and ac_calls == [2, 2]
+    assert ac_grads.keys() == plain_grads.keys()
+    for name, g in ac_grads.items():
+        torch.testing.assert_close(g, plain_grads[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")

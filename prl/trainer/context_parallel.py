@@ -3,10 +3,10 @@
 Why Ulysses and not ring attention: the only sequence-mixing op is attention, and Ulysses keeps
 it whole. Each cp rank holds T/cp consecutive positions; inside every attention layer an
 all-to-all turns [heads, T/cp] into [heads/cp, T] (all positions, a slice of the heads), the
-rank runs ordinary attention over the full sequence for its heads, and a second all-to-all
-turns the result back. So any mask works unchanged, in particular the block-diagonal causal
-mask of packed samples (position ids restart at 0 per sample): ring attention would have to
-re-derive it per block pair and skip blocks, and it needs its own kernel. The costs: cp must
+rank runs the packed attention kernel (prl/trainer/attention.py) over the full sequence for its
+heads, with the packed samples' boundaries (position ids restart at 0 per sample), and a second
+all-to-all turns the result back. Ring attention would have to re-derive the samples' block-diagonal
+causal pattern per block pair and skip blocks, and it needs its own kernel. The costs: cp must
 divide the number of attention heads and of key/value heads (checked at plan time,
 prl/planner/capabilities.py), and two all-to-alls of activations per layer.
 

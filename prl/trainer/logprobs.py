@@ -105,7 +105,8 @@ def logprob_head(model: torch.nn.Module, targets: torch.Tensor) -> Iterator[None
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         logp, entropy = chunked_logprobs_and_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, targets)
-        return torch.stack([logp, entropy], dim=-1).reshape(*hidden.shape[:-1], 2)
+        # Stacked last: a new tensor, not a view (FSDP2 warns of a root output that is a view).
+        return torch.stack([t.reshape(hidden.shape[:-1]) for t in (logp, entropy)], dim=-1)
 
     head.forward = forward
     try:
