@@ -34,8 +34,9 @@ calls them, with the variant each one is for:
 - `inputs(mb, d)`: the tensors of one micro-batch (default `prepare`: this rank's positions, labels
   shifted). Distillation passes more label-side arrays (`prepare(mb, d, labels=LABELS + ("teacher_logprobs",))`,
   shifted and cp-split like the others); a VLM adds its per-micro-batch pixel tensors to the dict.
-- `micro_loss(model, x, n_loss_tokens, aux_weight)`: the spec owns the forward (`forward`, or its own
-  call with extra inputs) and the loss: one micro-batch's share of the step's token-mean loss and its
+- `micro_loss(model, x, n_loss_tokens, aux_weight)`: the spec owns the forward (`forward_logprobs`: the
+  targets' logprobs and entropy without the [T, V] logits; `forward` for the logits; or its own call with extra
+  inputs, passing the packed row's `attention.boundary_kwargs`) and the loss: one micro-batch's share of the step's token-mean loss and its
   statistics (sums). A loss by import path is a spec whose `micro_loss` calls the imported function.
 - `summarize(stats, grad_norm)`: the step's metrics from the statistics summed over micro-batches and ranks.
 - `publishes(step, last)` / `publish(eng, step)`: when and what to publish (default: the full model as an
