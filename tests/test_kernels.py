@@ -99,6 +99,13 @@ def test_each_kernel_matches_the_dense_mask_outputs_and_gradients(kernel, gpu_ke
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
 
 
+def test_a_row_of_one_sample_is_plain_causal_attention():
+    q, k, v = _qkv()
+    cu = torch.tensor([0, q.shape[2]], dtype=torch.int32)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(packed_attention(q, k, v, cu, q.shape[2], kernel="per_sample"), want)
+
+
 def test_the_kernel_follows_device_dtype_and_what_is_installed(gpu_kernels_on_cpu, monkeypatch):
     choose = attention.choose_kernel.__wrapped__
     assert choose("cpu", torch.float32) == "per_sample"

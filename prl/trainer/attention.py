@@ -78,7 +78,7 @@ def _per_sample(q, k, v, cu_seqlens, max_len, scale):
     parts = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True, scale=scale,
                                             enable_gqa=gqa)
              for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-    return torch.cat(parts, dim=2)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # one sample: no copy
 
 
 def _dense(q, k, v, cu_seqlens, max_len, scale):
