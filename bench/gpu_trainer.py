@@ -1,12 +1,16 @@
 """The trainer's step on one GPU: tokens/s and MFU for a Qwen3-0.6B-shaped dense model and a small Qwen3-MoE.
 
-    python bench/gpu_trainer.py [--tokens 16384] [--steps 5] [--models dense moe] [--peak-tflops 989]
+    python bench/gpu_trainer.py [--tokens 16384 65536] [--steps 5] [--models dense moe] [--peak-tflops 989]
+                                [--attention packed|sdpa] [--ac]
     python bench/gpu_trainer.py --smoke        # tiny models on CPU (gloo, fp32): checks the code path
 
 One process, one GPU: NCCL process group of one rank, the trainer's own FSDP2 wrapping
 (prl.trainer.parallel.apply_fsdp: bf16 compute, fp32 master weights and reduction) and its own
 `train_step` (packed micro-batch, importance-ratio loss, backward, clipping, AdamW) on a packed
-micro-batch of `--tokens` tokens (8 samples). Models are built from a config with random
+micro-batch of `--tokens` tokens (8 samples; each value of `--tokens` is a run). Attention is the trainer's
+packed kernel (prl/trainer/attention.py: flash-attn varlen, else torch's varlen_attn; `--attention sdpa` keeps
+transformers' sdpa with its dense [T, T] block mask, the path before it), logprobs the chunked head
+(prl/trainer/logprobs.py). Models are built from a config with random
 weights (no download): meta device, sharded, `to_empty` on the GPU, initialised in place.
 Step 1 warms up; the median of the next `--steps` is reported.
 
@@ -69,16 +73,19 @@ def active_params(model, config) -> tuple[int, int]:
     return total, active
 
 
-def build(config, cfg, d):
+def build(config, cfg, d, attention: str):
     """Random-initialised, FSDP2-wrapped model on d.device, built through the meta device."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from prl.trainer.attention import install_packed
     from prl.trainer.loading import rebuild_nonpersistent_buffers
     from prl.trainer.parallel import apply_fsdp
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    if attention == "packed":
+        install_packed(model)
     model.config.use_cache = False
     model.train()
     apply_fsdp(model, cfg, d)
@@ -107,7 +114,7 @@ def micro_batch(tokens: int, vocab: int, samples: int = 8):
                       inference_logprobs=np.full(tokens, -5.0, dtype="float32")), n
 
 
-def bench(name: str, config, args, d) -> dict:
+def bench(name: str, config, args, d, tokens: int) -> dict:
     import torch
 
     from prl.config.topology import Loss
@@ -119,9 +126,9 @@ def bench(name: str, config, args, d) -> dict:
     cfg = SimpleNamespace(mesh=Mesh(dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=1),
                           activation_checkpointing=args.ac, precision="fp32" if args.smoke else "bf16", training=training)
     spec = RLSpec(cfg)
-    model = build(config, cfg, d)
+    model = build(config, cfg, d, args.attention)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    mb, sample_len = micro_batch(args.tokens, config.vocab_size)
+    mb, sample_len = micro_batch(tokens, config.vocab_size)
     times = []
     for _ in range(args.steps + 1):
         if d.device.type == "cuda":
@@ -132,7 +139,7 @@ def bench(name: str, config, args, d) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     total, active = active_params(model, config)
-    tps = args.tokens / statistics.median(times[1:])
+    tps = tokens / statistics.median(times[1:])
     width = config.num_attention_heads * config.head_dim
     flops_per_token = 6 * active + 6 * config.num_hidden_layers * width * sample_len
     mem = torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else float("nan")
@@ -143,7 +150,10 @@ def bench(name: str, config, args, d) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=16384, help="tokens per step (one packed micro-batch)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536],
+                    help="tokens per step (one packed micro-batch); one run per value")
+    ap.add_argument("--attention", choices=["packed", "sdpa"], default="packed",
+                    help="the trainer's packed kernel, or transformers' sdpa with its dense block mask")
     ap.add_argument("--steps", type=int, default=5, help="timed steps after one warm-up step")
     ap.add_argument("--models", nargs="+", default=["dense", "moe"], choices=["dense", "moe"])
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H200: 989)")
@@ -151,7 +161,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU (gloo, fp32), to check the code path")
     args = ap.parse_args()
     if args.smoke:
-        args.tokens, args.steps = min(args.tokens, 256), min(args.steps, 2)
+        args.tokens, args.steps = [min(t, 256) for t in args.tokens[:1]], min(args.steps, 2)
 
     import torch
     import torch.distributed as dist
@@ -171,14 +181,17 @@ def main() -> None:
     one = SimpleNamespace(mesh=Mesh(dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=1))
     d = build_dist(one, 0, 1, 0, device)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke)"
-    print(f"{gpu}; {args.tokens} tokens/step in one packed micro-batch of 8 samples; median of {args.steps} steps")
-    for name in args.models:
-        r = bench(name, configs(args.smoke)[name], args, d)
-        print(f"  {r['name']:5s} {r['params_b']:.2f}B params ({r['active_b']:.2f}B active, no embeddings): "
-              f"{r['tokens_per_s']:9.0f} tokens/s  MFU {100 * r['mfu']:5.1f}%  max mem {r['max_mem_gib']:.1f} GiB")
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+    print(f"{gpu}; one packed micro-batch of 8 samples per step, {args.attention} attention; "
+          f"median of {args.steps} steps")
+    for tokens in args.tokens:
+        for name in args.models:
+            r = bench(name, configs(args.smoke)[name], args, d, tokens)
+            print(f"  {tokens:6d} tokens {r['name']:5s} {r['params_b']:.2f}B params ({r['active_b']:.2f}B active, "
+                  f"no embeddings): {r['tokens_per_s']:9.0f} tokens/s  MFU {100 * r['mfu']:5.1f}%  "
+                  f"max mem {r['max_mem_gib']:.1f} GiB")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
     dist.destroy_process_group()
 
 

@@ -279,10 +279,12 @@ def test_the_rl_step_hands_a_custom_loss_its_inputs_and_uses_its_loss():
     spec = RLSpec(cfg)
     logits = torch.zeros(5, 4, requires_grad=True)  # uniform: every logprob is log(1/4)
 
-    def model(input_ids, position_ids, use_cache):
+    def model(input_ids, position_ids, use_cache, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k):
+        assert cu_seq_lens_k.tolist() == [0, 3, 5] and max_length_k == 3  # the packed samples' boundaries
         return types.SimpleNamespace(logits=logits[None])
 
     x = {"input_ids": torch.tensor([1, 2, 3, 1, 2]), "position_ids": torch.tensor([0, 1, 2, 0, 1]),
+         "full_position_ids": torch.tensor([0, 1, 2, 0, 1]),
          "targets": torch.tensor([2, 3, 0, 2, 0]), "inference_logprobs": torch.full((5,), math.log(0.25)),
          "advantages": torch.tensor([1.0, 1.0, 0.0, -1.0, 0.0]), "loss_mask": torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0])}
     loss, stats = spec.micro_loss(model, x, n_loss_tokens=6, aux_weight=0.0)

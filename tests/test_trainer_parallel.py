@@ -180,7 +180,9 @@ def test_context_parallel_cp2_matches_cp1(tmp_path):
     wa, wb = _files_state(one.weights(2)), _files_state(two.weights(2))
     assert wa.keys() == wb.keys()
     for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-4, msg=lambda m: f"{k}: {m}")
+        # 2e-4: after 2 Adam steps at lr 5e-3, the per-sample attention kernel's sums over another split of the
+        # heads move single weights by up to ~1.3e-4 (one of 8192 in one run); a wrong split moves them by 1e-3+.
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=2e-4, msg=lambda m: f"{k}: {m}")
 
 
 @pytest.mark.slow

@@ -242,7 +242,8 @@ class Trainer(Strict, kw_only=True):
     ep: Annotated[int, Meta(ge=1, le=MAX_DEGREE)] = 1
     """Expert-parallel degree (MoE), carved out of dp_shard * cp as in torchtitan."""
     activation_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
+    """Keep only each transformer block's input and recompute the block in the backward pass: less activation
+    memory for about one more forward per step (docs/trainer.md, Attention and memory)."""
     precision: Literal["bf16", "fp32"] = "bf16"
     """Parameter/compute dtype of the FSDP mixed-precision policy (reduction in fp32)."""
     env: Env = {}

@@ -3,10 +3,10 @@
 Why Ulysses and not ring attention: the only sequence-mixing op is attention, and Ulysses keeps
 it whole. Each cp rank holds T/cp consecutive positions; inside every attention layer an
 all-to-all turns [heads, T/cp] into [heads/cp, T] (all positions, a slice of the heads), the
-rank runs ordinary attention over the full sequence for its heads, and a second all-to-all
-turns the result back. So any mask works unchanged, in particular the block-diagonal causal
-mask of packed samples (position ids restart at 0 per sample): ring attention would have to
-re-derive it per block pair and skip blocks, and it needs its own kernel. The costs: cp must
+rank runs the packed attention kernel (prl/trainer/attention.py) over the full sequence for its
+heads, with the packed samples' boundaries (position ids restart at 0 per sample), and a second
+all-to-all turns the result back. Ring attention would have to re-derive the samples' block-diagonal
+causal pattern per block pair and skip blocks, and it needs its own kernel. The costs: cp must
 divide the number of attention heads (checked at plan time, prl/planner/capabilities.py), and
 two all-to-alls of activations per layer.
 
@@ -24,30 +24,22 @@ trainer shifts labels on the whole sequence before splitting (`prepare` in prl/t
 pads the sequence to a multiple of cp with masked positions, and counts loss tokens per position once,
 so the loss normalisation N is unchanged.
 
-Use: `install_ulysses(model, cp)` once (registers the attention function with transformers and
-selects it), then run each micro-batch's forward and backward inside
-`ulysses_context(group, full_position_ids)`.
+Use: `install_ulysses(model, cp, group)` once (registers the attention function with transformers and
+selects it), then pass the full row's boundaries (`prl.trainer.attention.boundary_kwargs` of the full position
+ids) to every forward: after the all-to-all each rank attends over the whole sequence for its heads with the
+packed kernel (prl/trainer/attention.py), so no [T, T] mask is built.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import functools
 
 import torch
-import torch.nn.functional as F
 
+from prl.trainer.attention import packed_attention
 from prl.trainer.moe import all_to_all
 
 ATTN_NAME = "prl_ulysses"
-_active: dict = {}
-
-
-def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """[T, T] bool: i attends to j iff j <= i and both are in the same packed sample (positions restart at 0)."""
-    sample = torch.cumsum((position_ids == 0).long(), dim=0)
-    idx = torch.arange(position_ids.shape[0], device=position_ids.device)
-    return (sample[:, None] == sample[None, :]) & (idx[None, :] <= idx[:, None])
 
 
 def _seq_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
@@ -80,25 +72,26 @@ def _repeat_heads(x: torch.Tensor, r: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, r, t, d).reshape(b, h * r, t, d)
 
 
-def ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def ulysses_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, group, cp: int,
+                      **kwargs):
     """transformers attention interface: q/k/v [B, heads, T/cp, D] in, [B, T/cp, heads, D] out.
 
-    The mask transformers built for the local positions is ignored: the full sequence's
-    block-causal mask comes from `ulysses_context`.
+    The mask transformers would build for the local positions is not built (see `install_ulysses`); the
+    boundaries are the full row's (`cu_seq_lens_k`, `max_length_k` in the forward's kwargs).
     """
-    if not _active:
-        raise RuntimeError("ulysses_attention called outside ulysses_context (the trainer sets it per micro-batch)")
-    group, cp, mask = _active["group"], _active["cp"], _active["mask"]
+    if kwargs.get("cu_seq_lens_k") is None:
+        raise ValueError("ulysses attention needs the full row's cu_seq_lens_k/max_length_k in the forward's kwargs "
+                         "(prl.trainer.attention.boundary_kwargs of the full position ids)")
+    if dropout:
+        raise ValueError("ulysses attention does not apply attention dropout; train with attention_dropout 0")
     r = kv_repeat(query.shape[1], key.shape[1], cp)
     key, value = _repeat_heads(key, r), _repeat_heads(value, r)
     q, k, v = (_seq_to_heads(t, group, cp) for t in (query, key, value))
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    out = packed_attention(q, k, v, kwargs["cu_seq_lens_k"], int(kwargs["max_length_k"]), scaling)
     return _heads_to_seq(out, group, cp).transpose(1, 2).contiguous(), None
 
 
-def install_ulysses(model: torch.nn.Module, cp: int) -> None:
+def install_ulysses(model: torch.nn.Module, cp: int, group) -> None:
     """Register and select the Ulysses attention on `model` (all its attention layers).
 
     Refuses (ConfigError) a cp that does not divide the attention heads (KV heads are repeated, `kv_repeat`).
@@ -117,20 +110,10 @@ def install_ulysses(model: torch.nn.Module, cp: int) -> None:
         )
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    AttentionInterface.register(ATTN_NAME, ulysses_attention)
-    # No per-rank mask: ulysses_attention builds the full sequence's own.
+    AttentionInterface.register(ATTN_NAME, functools.partial(ulysses_attention, group=group, cp=cp))
+    # No per-rank mask: the full row's boundaries replace it.
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, lambda *args, **kwargs: None)
     model.set_attn_implementation(ATTN_NAME)
-
-
-@contextlib.contextmanager
-def ulysses_context(group, cp: int, full_position_ids: torch.Tensor) -> Iterator[None]:
-    """Within: attention layers use the full sequence's mask (forward, and recomputation in backward)."""
-    _active.update(group=group, cp=cp, mask=block_causal_mask(full_position_ids))
-    try:
-        yield
-    finally:
-        _active.clear()
 
 
 def split_for_cp(t: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:

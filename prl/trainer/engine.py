@@ -34,8 +34,9 @@ calls them, with the variant each one is for:
 - `inputs(mb, d)`: the tensors of one micro-batch (default `prepare`: this rank's positions, labels
   shifted). Distillation passes more label-side arrays (`prepare(mb, d, labels=LABELS + ("teacher_logprobs",))`,
   shifted and cp-split like the others); a VLM adds its per-micro-batch pixel tensors to the dict.
-- `micro_loss(model, x, n_loss_tokens, aux_weight)`: the spec owns the forward (`forward`, or its own
-  call with extra inputs) and the loss: one micro-batch's share of the step's token-mean loss and its
+- `micro_loss(model, x, n_loss_tokens, aux_weight)`: the spec owns the forward (`forward_logprobs`: the
+  targets' logprobs and entropy without the [T, V] logits; `forward` for the logits; or its own call with extra
+  inputs, passing the packed row's `attention.boundary_kwargs`) and the loss: one micro-batch's share of the step's token-mean loss and its
   statistics (sums). A loss by import path is a spec whose `micro_loss` calls the imported function.
 - `summarize(stats, grad_norm)`: the step's metrics from the statistics summed over micro-batches and ranks.
 - `publishes(step, last)` / `publish(eng, step)`: when and what to publish (default: the full model as an
@@ -55,7 +56,6 @@ durable record: checkpoint steps, the last step and a SIGTERM's step are publish
 
 from __future__ import annotations
 
-import contextlib
 import os
 import resource
 import signal
@@ -75,7 +75,9 @@ from prl.run.feed import FeedServer
 from prl.run.rundir import RunDir, current_attempt
 from prl.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from prl.trainer.config import TrainerConfig
-from prl.trainer.loss import merge_stats
+from prl.trainer.attention import boundary_kwargs
+from prl.trainer.logprobs import logprob_head, supports_chunked_head
+from prl.trainer.loss import merge_stats, token_logprobs_and_entropy
 from prl.trainer.parallel import Dist, all_reduce_stats, apply_fsdp, clip_grad_norm, init_distributed
 from prl.trainer.weights import publish_to_feed, publish_weights
 
@@ -229,6 +231,7 @@ def load_model(cfg: TrainerConfig, d: Dist, transform: Callable[[torch.nn.Module
     No rank reads the whole checkpoint (prl/trainer/loading.py); fp32 master weights. Returns the
     model and how far loading raised this rank's peak RSS above its RSS before (MiB).
     """
+    from prl.trainer.attention import install_packed
     from prl.trainer.context_parallel import install_ulysses
     from prl.trainer.loading import build_meta_model, load_model as load_shards_into
     from prl.trainer.moe import install_expert_parallel
@@ -237,7 +240,9 @@ def load_model(cfg: TrainerConfig, d: Dist, transform: Callable[[torch.nn.Module
     if d.ep > 1:
         install_expert_parallel(model, d.ep, d.ep_rank, d.ep_group)
     if d.cp > 1:
-        install_ulysses(model, d.cp)
+        install_ulysses(model, d.cp, d.cp_group)
+    else:
+        install_packed(model)
     model = transform(model, d)
     apply_fsdp(model, cfg, d)
     before = current_rss_mb()
@@ -286,13 +291,29 @@ def prepare(mb: MicroBatch | None, d: Dist, labels: tuple[str, ...] = LABELS) ->
 
 
 def forward(model, x: dict[str, torch.Tensor], aux_coef: float):
-    """The model on one prepared micro-batch; with the router's logits when its aux loss is on."""
+    """The model on one prepared micro-batch; with the router's logits when its aux loss is on.
+
+    The packed row's sample boundaries (of the full row: with cp, every rank's attention sees all of it after
+    the all-to-all) go to attention as transformers' packed-sequence kwargs (prl/trainer/attention.py).
+    """
     return model(
         input_ids=x["input_ids"][None],
         position_ids=x["position_ids"][None],
         use_cache=False,
+        **boundary_kwargs(x["full_position_ids"]),
         **({"output_router_logits": True} if aux_coef > 0 else {}),
     )
+
+
+def forward_logprobs(model, x: dict[str, torch.Tensor], aux_coef: float):
+    """`forward`, then the targets' logprobs and the entropy [T] in fp32, without the [T, V] logits where the
+    model allows (prl/trainer/logprobs.py); returns (model output, logp, entropy)."""
+    if not supports_chunked_head(model):
+        out = forward(model, x, aux_coef)
+        return (out, *token_logprobs_and_entropy(out.logits[0], x["targets"]))
+    with logprob_head(model, x["targets"]):
+        out = forward(model, x, aux_coef)
+    return out, out.logits[0, :, 0], out.logits[0, :, 1]
 
 
 def add_router_aux(loss: torch.Tensor, stats: dict[str, float], out, aux_coef: float, aux_weight: float
@@ -311,8 +332,6 @@ def accumulate_step(model, optim, micro_batches: list[MicroBatch | None], spec: 
 
     Returns the statistics summed over micro-batches and ranks, and the gradient norm before clipping.
     """
-    from prl.trainer.context_parallel import ulysses_context
-
     xs = [spec.inputs(mb, d) for mb in micro_batches]
     counts = all_reduce_stats(
         {"n": float(sum(float(x["loss_mask"].sum()) for x in xs)), "t": float(sum(int(x["real"].sum()) for x in xs))},
@@ -321,11 +340,9 @@ def accumulate_step(model, optim, micro_batches: list[MicroBatch | None], spec: 
     n_total, t_total = int(counts["n"]), max(counts["t"], 1.0)
     parts = []
     for x in xs:
-        ctx = ulysses_context(d.cp_group, d.cp, x["full_position_ids"]) if d.cp > 1 else contextlib.nullcontext()
-        with ctx:
-            loss, stats = spec.micro_loss(model, x, n_total, float(x["real"].sum()) / t_total)
-            # Gradients are summed over ranks (divide factor 1): each loss is already its share of the mean.
-            loss.backward()
+        loss, stats = spec.micro_loss(model, x, n_total, float(x["real"].sum()) / t_total)
+        # Gradients are summed over ranks (divide factor 1): each loss is already its share of the mean.
+        loss.backward()
         parts.append(stats | {"tokens": float(x["real"].sum())})
     max_norm = cfg.training.max_grad_norm if cfg.training.max_grad_norm > 0 else float("inf")
     grad_norm = clip_grad_norm(model, max_norm, d)

@@ -21,9 +21,8 @@ from prl.errors import StepTimeout
 from prl.run.batch import BatchError, read_batch
 from prl.run.rundir import RunDir
 from prl.trainer.config import TrainerConfig
-from prl.trainer.engine import Engine, Spec, StepData, StopFlag, add_router_aux, forward
-from prl.trainer.loss import (LossInputs, custom_loss, load_custom_loss, policy_loss, sample_ids_of,
-                              token_logprobs_and_entropy)
+from prl.trainer.engine import Engine, Spec, StepData, StopFlag, add_router_aux, forward_logprobs
+from prl.trainer.loss import LossInputs, custom_loss, load_custom_loss, policy_loss, sample_ids_of
 
 
 def wait_rollouts(run: RunDir, step: int, cfg: TrainerConfig, stop: StopFlag, heartbeat) -> Path | None:
@@ -93,8 +92,7 @@ class RLSpec(Spec):
     def micro_loss(self, model, x: dict[str, torch.Tensor], n_loss_tokens: int, aux_weight: float):
         """Loss share and stats of this rank's positions of one micro-batch (see `engine.prepare`)."""
         coef = self.cfg.training.router_aux_loss_coef
-        out = forward(model, x, coef)
-        logp, entropy = token_logprobs_and_entropy(out.logits[0], x["targets"])
+        out, logp, entropy = forward_logprobs(model, x, coef)
         inputs = LossInputs(logp, x["inference_logprobs"], x["advantages"], x["loss_mask"],
                             sample_ids_of(x["position_ids"]), n_loss_tokens)
         if self.custom_loss is not None:

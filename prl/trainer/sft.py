@@ -27,8 +27,8 @@ from prl.errors import ConfigError
 from prl.log import get_logger
 from prl.run.batch import MicroBatch, RolloutBatch, Sample, to_arrays
 from prl.trainer.config import TrainerConfig
-from prl.trainer.engine import ROLE, Engine, Spec, StepData, add_router_aux, forward
-from prl.trainer.loss import nll_loss, token_logprobs_and_entropy
+from prl.trainer.engine import ROLE, Engine, Spec, StepData, add_router_aux, forward_logprobs
+from prl.trainer.loss import nll_loss
 from prl.trainer.parallel import Dist
 from prl.trainer.sft_data import read_conversations, tokenize_conversation
 
@@ -117,8 +117,7 @@ class SFTSpec(Spec):
         """This micro-batch's share of the step's token-mean NLL (plus the MoE router's load-balancing loss
         when `training.router_aux_loss_coef` > 0, as in RL)."""
         coef = self.cfg.training.router_aux_loss_coef
-        out = forward(model, x, coef)
-        logp, entropy = token_logprobs_and_entropy(out.logits[0], x["targets"])
+        out, logp, entropy = forward_logprobs(model, x, coef)
         loss, stats = nll_loss(logp, x["loss_mask"], n_loss_tokens, entropy=entropy)
         return add_router_aux(loss, stats, out, coef, aux_weight), stats
 
