@@ -151,3 +151,25 @@ def test_end_versions_and_metadata_round_trip(tmp_path):
     samples[1].policy_version_end = 0  # sample 1 started on version 1
     with pytest.raises(BatchError, match="policy_version_end"):
         write_batch(tmp_path / "bad", samples, step=2, dp_size=1, micro_batch_tokens=16)
+
+
+def test_scored_samples_carry_each_scorers_logprobs_into_the_micro_batches(tmp_path):
+    samples = [Sample([1, 2, 3], [0, 1, 1], [0, -0.5, -0.25], 1.0, scores={"teacher": [0, -1.0, -2.0]}),
+               Sample([4, 5], [0, 1], [0, -0.75], -1.0, scores={"teacher": [0, -3.0]})]
+    write_batch(tmp_path, samples, step=1, dp_size=1, micro_batch_tokens=16)
+    batch = read_batch(tmp_path)
+    assert batch.arrays["teacher_logprobs"].tolist() == [0, -1.0, -2.0, 0, -3.0]
+    (mb,) = batch.micro_batches(0, 1, 16)
+    assert mb.teacher_logprobs.tolist() == [0, -1.0, -2.0, 0, -3.0] and mb.reference_logprobs is None
+    unscored = [Sample([1, 2], [0, 1], [0, -0.5], 1.0)]
+    write_batch(tmp_path, unscored, step=1, dp_size=1, micro_batch_tokens=16)
+    assert "teacher_logprobs" not in read_batch(tmp_path).arrays
+
+
+def test_samples_scored_by_different_roles_or_lengths_are_refused(tmp_path):
+    a = Sample([1, 2], [0, 1], [0, -0.5], 1.0, scores={"teacher": [0, -1.0]})
+    with pytest.raises(BatchError, match=r"sample 1 is scored by \[\], sample 0 by \['teacher'\]"):
+        write_batch(tmp_path, [a, Sample([1, 2], [0, 1], [0, -0.5], 1.0)], step=1, dp_size=1, micro_batch_tokens=16)
+    with pytest.raises(BatchError, match="field lengths {'teacher_logprobs': 1}"):
+        write_batch(tmp_path, [Sample([1, 2], [0, 1], [0, -0.5], 1.0, scores={"teacher": [0]})], step=1, dp_size=1,
+                    micro_batch_tokens=16)

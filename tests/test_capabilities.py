@@ -110,11 +110,19 @@ def test_cp_must_divide_the_attention_heads_not_the_kv_heads(heads, kv_heads, ok
 ])
 def test_cp_is_refused_on_layers_ulysses_does_not_split(arch, layer_types, kinds):
     config = {"architectures": [arch], "num_attention_heads": 4, "num_key_value_heads": 2, "layer_types": layer_types}
-    [(field, msg)] = trainer_refusals(config, 1, 1, 2, 1)
+    [(field, msg)] = [r for r in trainer_refusals(config, 1, 1, 2, 1) if r[0][0] == "trainer"]
     assert field == ("trainer", "cp")
     assert msg == (f"trainer.cp(2): {arch} has {kinds} layers (config.json layer_types); context parallelism "
                    "(Ulysses) splits full-attention layers only; use cp: 1")
     assert trainer_refusals({**config, "layer_types": ["full_attention"] * 2}, 1, 1, 2, 1) == []
+
+
+def test_linear_attention_is_refused_because_packed_samples_would_see_each_other():
+    config = {"architectures": ["Qwen3_5MoeForCausalLM"], "num_experts": 8, "num_attention_heads": 4,
+              "layer_types": ["linear_attention", "full_attention"]}
+    [(field, msg)] = trainer_refusals(config, 1, 2, 1, 1)
+    assert field == ("model", "path") and "linear_attention layers" in msg and "cannot train it correctly" in msg
+    assert trainer_refusals({**config, "layer_types": ["full_attention"] * 2}, 1, 2, 1, 1) == []
 
 
 def test_several_problems_are_all_reported():

@@ -272,8 +272,10 @@ def test_the_rl_step_hands_a_custom_loss_its_inputs_and_uses_its_loss():
 
     CALLS.clear()
     cfg = types.SimpleNamespace(training=types.SimpleNamespace(
-        loss=Loss(import_path="tests.custom_loss:scaled_pg", args={"scale": 0.5}), router_aux_loss_coef=0.0))
-    bad = types.SimpleNamespace(training=types.SimpleNamespace(loss=Loss(import_path="tests.custom_loss:nothing")))
+        loss=Loss(import_path="tests.custom_loss:scaled_pg", args={"scale": 0.5}), router_aux_loss_coef=0.0),
+        scorers=("teacher",))
+    bad = types.SimpleNamespace(training=types.SimpleNamespace(loss=Loss(import_path="tests.custom_loss:nothing")),
+                                scorers=())
     with pytest.raises(ConfigError, match=r"training\.loss\.import_path .*has no nothing"):
         RLSpec(bad)  # the trainer refuses it at start, before any model is loaded
     spec = RLSpec(cfg)
@@ -286,12 +288,90 @@ def test_the_rl_step_hands_a_custom_loss_its_inputs_and_uses_its_loss():
     x = {"input_ids": torch.tensor([1, 2, 3, 1, 2]), "position_ids": torch.tensor([0, 1, 2, 0, 1]),
          "full_position_ids": torch.tensor([0, 1, 2, 0, 1]),
          "targets": torch.tensor([2, 3, 0, 2, 0]), "inference_logprobs": torch.full((5,), math.log(0.25)),
-         "advantages": torch.tensor([1.0, 1.0, 0.0, -1.0, 0.0]), "loss_mask": torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0])}
+         "advantages": torch.tensor([1.0, 1.0, 0.0, -1.0, 0.0]), "loss_mask": torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0]),
+         "teacher_logprobs": torch.tensor([-1.0, -2.0, 0.0, -3.0, 0.0])}
+    assert spec.labels[-1] == "teacher_logprobs"  # a run with a teacher: its logprobs are a label array
     loss, stats = spec.micro_loss(model, x, n_loss_tokens=6, aux_weight=0.0)
     ((inputs, args),) = CALLS
     assert args == {"scale": 0.5} and inputs.total_loss_tokens == 6
+    assert inputs.teacher_logprobs.tolist() == [-1.0, -2.0, 0.0, -3.0, 0.0] and inputs.reference_logprobs is None
     assert inputs.sample_ids.tolist() == [0, 0, 0, 1, 1]
     assert inputs.logprobs.tolist() == pytest.approx([math.log(0.25)] * 5)
     # -0.5 * (1 + 1 - 1) * log(1/4) / 6
     assert loss.item() == pytest.approx(0.5 * math.log(4) / 6)
     assert stats["loss_tokens"] == 3 and stats["mismatch_ratio_sum"] == pytest.approx(3.0)
+
+
+def _teacher_case():
+    # the teacher's logprobs of the same tokens; the last (not a loss token) is never read
+    return torch.log(torch.tensor([0.25, 0.5, 0.25, 0.9], dtype=torch.float64))
+
+
+def test_distillation_trains_on_the_teachers_reverse_kl_reward():
+    logp, q, adv, mask = _case()
+    cfg = Loss(ratio_high=100.0, distill_coef=1.0, reward_coef=0.0)
+    loss, stats = policy_loss(logp, q, adv, mask, cfg, 3, teacher_logprobs=_teacher_case())
+    # A'_t = T_t - q_t = [log .5, log 1, log 5]; r = [1, .5, 10]; pg = -r A'
+    assert loss.item() == pytest.approx(-(math.log(0.5) + 0.0 + 10 * math.log(5)) / 3)
+    loss.backward()
+    assert logp.grad.tolist() == pytest.approx([-math.log(0.5) / 3, 0.0, -10 * math.log(5) / 3, 0.0])
+    # sum of logp - T over loss tokens: log 2 + log .5 + log 2
+    assert stats["teacher_kl_sum"] == pytest.approx(math.log(2))
+
+
+def test_distillation_mixes_with_the_reward_advantage():
+    logp, q, adv, mask = _case()
+    cfg = Loss(ratio_high=100.0, distill_coef=0.5)  # reward_coef 1
+    loss, _ = policy_loss(logp, q, adv, mask, cfg, 3, teacher_logprobs=_teacher_case())
+    shaped = [1 + 0.5 * math.log(0.5), 2.0, 3 + 0.5 * math.log(5)]
+    assert loss.item() == pytest.approx(-(1 * shaped[0] + 0.5 * shaped[1] + 10 * shaped[2]) / 3)
+
+
+def test_distillation_gradient_is_the_reverse_kl_gradient_in_expectation():
+    # Over a 5-token vocabulary, the pi-weighted sum of the per-token distillation losses (on-policy: q = logp)
+    # has the gradient of KL(pi || teacher).
+    torch.manual_seed(0)
+    theta = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    teacher = torch.log_softmax(torch.randn(5, dtype=torch.float64), -1)
+    logp_all = torch.log_softmax(theta, -1)
+    cfg = Loss(distill_coef=1.0, reward_coef=0.0)
+    total = 0.0
+    for x in range(5):
+        lp = logp_all[x:x + 1]
+        loss, _ = policy_loss(lp, lp.detach(), torch.zeros(1, dtype=torch.float64), torch.ones(1), cfg, 1,
+                              teacher_logprobs=teacher[x:x + 1])
+        total = total + logp_all[x].exp().detach() * loss
+    (grad,) = torch.autograd.grad(total, theta, retain_graph=True)
+    kl = (logp_all.exp() * (logp_all - teacher)).sum()
+    (expected,) = torch.autograd.grad(kl, theta)
+    assert grad.tolist() == pytest.approx(expected.tolist(), abs=1e-12)
+    assert float(expected.abs().max()) > 0.01
+
+
+def test_reference_kl_is_k3_with_its_gradient():
+    logp, q, _, mask = _case()
+    ref = torch.log(torch.tensor([0.25, 0.5, 0.5, 0.9], dtype=torch.float64))
+    zero = torch.zeros(4, dtype=torch.float64)
+    loss, stats = policy_loss(logp, q, zero, mask, Loss(ratio_high=100.0, kl_ref_coef=2.0), 3,
+                              reference_logprobs=ref)
+    # d = R - logp = [log .5, log 2, 0]: exp(d) - d - 1 = [log 2 - .5, 1 - log 2, 0], sum 0.5
+    assert stats["ref_kl_sum"] == pytest.approx(0.5)
+    assert loss.item() == pytest.approx(2.0 * 0.5 / 3)
+    loss.backward()
+    # d/dlogp of exp(d) - d - 1 = 1 - exp(d): [.5, -1, 0]
+    assert logp.grad.tolist() == pytest.approx([2 * 0.5 / 3, -2 / 3, 0.0, 0.0])
+
+
+def test_scored_losses_refuse_a_batch_without_the_scores():
+    logp, q, adv, mask = _case()
+    with pytest.raises(ValueError, match="distill_coef needs the teacher"):
+        policy_loss(logp, q, adv, mask, Loss(distill_coef=1.0), 3)
+    with pytest.raises(ValueError, match="kl_ref_coef needs the reference"):
+        policy_loss(logp, q, adv, mask, Loss(kl_ref_coef=1.0), 3)
+
+
+def test_reward_coef_without_distillation_is_refused():
+    with pytest.raises(msgspec.ValidationError, match="reward_coef"):
+        msgspec.convert({"reward_coef": 0.5}, Loss)
+    with pytest.raises(msgspec.ValidationError, match="distill_coef"):
+        msgspec.convert({"import_path": "a.b:c", "distill_coef": 1.0}, Loss)

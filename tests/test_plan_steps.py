@@ -431,3 +431,34 @@ def test_nixl_side_channels_pick_around_the_users_router_port():
     sides = {port for s in plan.servers for port in plan.side_channel_ports(s)}
     assert plan.router_port == first + 1
     assert plan.router_port not in sides and min(sides) == first + 2
+
+
+def test_scoring_groups_are_placed_after_inference_and_serve_their_own_model():
+    t = topo(teacher={"path": "/teacher", "nodes": 1, "tp": 4, "dp": 2}, reference={"nodes": 1, "tp": 8},
+             training={"loss": {"distill_coef": 1.0, "kl_ref_coef": 0.1}})
+    layout = P.Layout()
+    roles, servers = P.place_inference(checker(), t, layout, {}, "/shared/run")
+    assert [(r.name, r.group, r.replicas) for r in roles] == [("inference", 0, 4), ("teacher", 1, 1),
+                                                               ("reference", 2, 1)]
+    teacher = next(s for s in servers if s.role == "teacher")
+    args = dict(zip(teacher.args[::2], teacher.args[1::2]))
+    assert (args["--model"], args["--served-model-name"], args["--max-model-len"]) == ("/teacher", "teacher", "4097")
+    assert args["--tensor-parallel-size"] == "4" and args["--data-parallel-size"] == "2"
+    reference = next(s for s in servers if s.role == "reference")
+    assert reference.args[reference.args.index("--model") + 1] == "/m"  # the student's initial model
+    orchestrator = P.place_orchestrator(checker(), t, layout, {}, tuple(s.name for s in layout.steps))
+    assert layout.steps[-1].start_after == ("inference", "teacher", "reference") and orchestrator.group == 3
+    P.check_scorers(checker(), t)
+
+
+def test_check_scorers_warns_about_a_teacher_nothing_reads():
+    check = checker()
+    P.check_scorers(check, topo(teacher={"path": "/teacher", "nodes": 1}))
+    assert check.warnings == ["teacher: its servers score every rollout but training.loss.distill_coef is 0 and "
+                              "no loss of your own reads them"]
+
+
+def test_scoring_sections_are_refused_in_an_sft_topology():
+    data = {k: v for k, v in TOPO.items() if k not in ("inference", "environment")}
+    with pytest.raises(msgspec.ValidationError, match="runs the trainer alone: remove teacher"):
+        as_topology({**data, "sft": {"data": "/d.jsonl"}, "teacher": {"path": "/t", "nodes": 1}})

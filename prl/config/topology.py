@@ -148,6 +148,25 @@ class OnFailure(Strict, kw_only=True):
     """Restarts of this role allowed in one attempt of the job; one more failure ends the job."""
 
 
+class Scorer(InferenceGroup, kw_only=True):
+    """vLLM servers that score the student's sampled tokens (a `teacher:` or a `reference:`): the orchestrator
+    sends each finished rollout's token ids and reads back the logprob of every model token. They generate
+    nothing and never load the trainer's weights. Same placement fields as an inference group."""
+
+    path: Optional[PathText] = None
+    """Model directory (or hub id the nodes have cached). `teacher:` needs one; `reference:` defaults to the
+    student's initial model (`model.path`, or the weights `model.from_run` resolves to)."""
+    tokenizer: Optional[PathText] = None
+    """Tokenizer directory when it differs from `path`; it must be the student's tokenizer (checked when planned)."""
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = "bfloat16"
+    """Weights dtype of these servers."""
+    max_model_len: Optional[Annotated[int, Meta(ge=17, le=MAX_TOKENS + 1)]] = None
+    """Longest sequence scored; must exceed the student's `model.max_model_len` (vLLM scores a prompt with a
+    completion of at least one token). None: the student's + 1."""
+    on_failure: OnFailure = OnFailure()
+    """Failure policy of these servers: restarted by default (on the same model)."""
+
+
 class EndsTheJob(Strict, kw_only=True):
     """Failure policy of the trainer and the orchestrator: a failure ends the job (requeue resumes it)."""
 
@@ -331,6 +350,13 @@ class Loss(Strict, kw_only=True):
     None: 0.2."""
     kl_coef: Annotated[float, Meta(ge=0)] = 0.0
     """Weight of a KL term against the sampling policy (0: off): k3 per token, `dppo`: squared log ratio."""
+    distill_coef: Annotated[float, Meta(ge=0)] = 0.0
+    """On-policy distillation (0: off): add this times the per-token reverse KL reward (the `teacher:`'s
+    logprob of each sampled token minus the sampler's) to the advantage. Needs a `teacher:` section."""
+    reward_coef: Annotated[float, Meta(ge=0)] = 1.0
+    """With `distill_coef`: weight of the environment reward's advantage (0: pure distillation)."""
+    kl_ref_coef: Annotated[float, Meta(ge=0)] = 0.0
+    """Weight of a k3 KL term against a frozen reference model (0: off), scored by the `reference:` servers."""
     import_path: Optional[Annotated[str, Meta(max_length=300)]] = None
     """A loss of your own instead of the built-ins: `package.module:function`, imported by the trainer at
     start (signature in docs/trainer.md, Loss)."""
@@ -343,6 +369,9 @@ class Loss(Strict, kw_only=True):
             return
         if self.args:
             raise FieldValueError("args", "args go to a loss of your own: set import_path too, or remove args")
+        if self.reward_coef != 1.0 and self.distill_coef == 0:
+            raise FieldValueError("reward_coef", "reward_coef weighs the reward against distillation: set "
+                                                 "distill_coef too, or remove reward_coef")
         if self.mode != "mask" and self.kind != "token":
             raise FieldValueError("mode", f"mode applies to kind token; kind {self.kind} has its own clipping: "
                                           f"remove mode")
@@ -366,7 +395,8 @@ class Loss(Strict, kw_only=True):
                                                  f"{shown(self.import_path)}")
         written = [name for name, default in (("kind", "token"), ("mode", "mask"), ("ratio_low", None),
                                               ("ratio_high", None), ("prob_delta_low", None),
-                                              ("prob_delta_high", None), ("kl_coef", 0.0))
+                                              ("prob_delta_high", None), ("kl_coef", 0.0),
+                                              ("distill_coef", 0.0), ("reward_coef", 1.0), ("kl_ref_coef", 0.0))
                    if getattr(self, name) != default]
         if written:
             raise FieldValueError(written[0], f"import_path replaces the built-in losses, which {written[0]} "
@@ -537,6 +567,10 @@ class Topology(Strict, kw_only=True):
     model: Model
     inference: Optional[Inference] = None
     """RL only: the vLLM servers."""
+    teacher: Optional[Scorer] = None
+    """RL only: on-policy distillation's teacher servers (`training.loss.distill_coef` uses their logprobs)."""
+    reference: Optional[Scorer] = None
+    """RL only: servers of a frozen reference model (`training.loss.kl_ref_coef` uses their logprobs)."""
     trainer: Trainer
     orchestrator: Union[Orchestrator, UnsetType] = UNSET
     """RL only: where the orchestrator runs (unset: the defaults below). Always an Orchestrator once loaded."""
@@ -552,9 +586,14 @@ class Topology(Strict, kw_only=True):
     """Log metrics to W&B during the run (None: `prl wandb RUN` when you want). Nodes without internet:
     export WANDB_MODE=offline before submitting and `wandb sync RUN/wandb/offline-run-*` later."""
 
+    def scorers(self) -> dict[str, Scorer]:
+        """The scoring server groups written (`teacher`, `reference`), by role, in het-group order."""
+        return {name: group for name in SCORER_ROLES if (group := getattr(self, name)) is not None}
+
     def __post_init__(self) -> None:
         if self.sft is not None:
             given = {"inference": self.inference is not None, "environment": self.environment is not None,
+                     "teacher": self.teacher is not None, "reference": self.reference is not None,
                      "orchestrator": not (self.orchestrator is UNSET or self.orchestrator is DEFAULT_ORCHESTRATOR)}
             stray = [name for name in _RL_ONLY if given[name]]
             if stray:
@@ -567,6 +606,10 @@ class Topology(Strict, kw_only=True):
                 if getattr(self, name) is None:
                     raise FieldValueError(name, "missing: an RL topology needs inference: and environment: "
                                                 "(or give sft: for supervised fine-tuning)")
+        if self.teacher is not None and self.teacher.path is None:
+            # A teacher of the student's own initial weights is a reference: say so rather than guess.
+            raise FieldValueError("teacher", "teacher needs a model: set teacher.path (the student's own initial "
+                                             "model is a reference: use a reference: section and kl_ref_coef)")
         if self.orchestrator is UNSET:  # unset only to tell a written one from the default (frozen: force)
             msgspec.structs.force_setattr(self, "orchestrator", DEFAULT_ORCHESTRATOR)
         if self.run_dir is None:
@@ -578,7 +621,9 @@ class Topology(Strict, kw_only=True):
             raise FieldValueError("run_dir", f"run_dir must name a directory of its own, not {shown(self.run_dir)}")
 
 
-_RL_ONLY = ("inference", "orchestrator", "environment")
+SCORER_ROLES = ("teacher", "reference")
+"""Topology sections (and server roles) of the scoring servers, in het-group order."""
+_RL_ONLY = ("inference", "orchestrator", "environment", "teacher", "reference")
 
 
 def load_topology(path: Path, overrides: Sequence[str] = ()) -> tuple[Topology, Source]:

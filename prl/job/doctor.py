@@ -29,6 +29,8 @@ ROLE_PACKAGES = {
     "inference": ("vllm",),
     "prefill": ("vllm",),
     "decode": ("vllm",),
+    "teacher": ("vllm",),
+    "reference": ("vllm",),
     "orchestrator": ("verifiers",),
     "router": (),
 }

@@ -66,7 +66,7 @@ class Stopped(Exception):
     pass
 
 
-SERVER_ROLES = ("inference", "prefill", "decode")
+SERVER_ROLES = ("inference", "prefill", "decode", "teacher", "reference")
 HANG_ROLES = ("trainer", "orchestrator")
 """Roles whose main loop heartbeats in state/<role>.json; the launcher watches its age."""
 

@@ -32,7 +32,7 @@ from prl.run.rundir import RunDir, atomic_write_json, current_attempt
 log = get_logger(__name__)
 
 HEARTBEAT_SECONDS = 5.0
-SERVER_ROLES = ("inference", "prefill", "decode")
+SERVER_ROLES = ("inference", "prefill", "decode", "teacher", "reference")
 
 
 class _Stop:

@@ -3,6 +3,7 @@
 Called by `prl.job.role` after the preflight. Each role's runtime is a child process:
 
     inference / prefill / decode   python -m prl.inference   ready when /health answers 200
+    teacher / reference            python -m prl.inference   (scoring servers) the same; never load new weights
     router                         python -m prl.inference.router  (P/D)  ready on /health
     orchestrator                   python -m prl.orchestrator         ready when it heartbeats
     trainer                        torchrun -m prl.trainer            ready at once (it runs last)
@@ -143,7 +144,7 @@ def run_server(run: RunDir, plan: Plan, role: str, task: int, stop: Any) -> int:
         args += ["--data-parallel-address", head["host"]]
     restart = int(os.environ.get("PRL_RESTART", "0") or 0)
     holder = f"{role}.{task}"
-    if restart:
+    if restart and role not in ("teacher", "reference"):  # a scorer's model never changes
         args = latest_weights_args(run, args, holder)
     env[API_KEY_VAR] = run.read_api_key()
     argv = [sys.executable, "-m", "prl.inference", "--run-dir", str(run.root), "--api-key-env", API_KEY_VAR,
@@ -233,6 +234,6 @@ RUNTIMES: dict[str, Callable[..., int]] = {
 
 
 def run_role(run: RunDir, plan: Plan, role: str, task: int, stop: Any) -> int:
-    if role in ("inference", "prefill", "decode"):
+    if role in ("inference", "prefill", "decode", "teacher", "reference"):
         return run_server(run, plan, role, task, stop)
     return RUNTIMES[role](run, plan, task, stop)

@@ -33,6 +33,8 @@ class OrchestratorConfig:
     """`model.renderer`: the `renderers` config of the train client (None: chosen from the tokenizer)."""
     env_workers: int = 0
     """`orchestrator.env_workers`: processes that run the environment's rollouts (0: this process)."""
+    scorers: tuple[str, ...] = ()
+    """The scoring roles (`teacher`, `reference`) whose logprobs every sample gets (prl/orchestrator/scoring.py)."""
 
     @classmethod
     def from_plan(cls, plan: Plan) -> OrchestratorConfig:
@@ -40,7 +42,8 @@ class OrchestratorConfig:
         return cls(training=settings.training, environment=settings.environment,
                    model_path=settings.model.tokenizer or settings.model.path, dp_size=plan.trainer.mesh.dp,
                    served_model_name=plan.served_model_name, renderer=settings.model.renderer,
-                   env_workers=plan.orchestrator.env_workers if plan.orchestrator else 0)
+                   env_workers=plan.orchestrator.env_workers if plan.orchestrator else 0,
+                   scorers=plan.scorer_roles())
 
     @property
     def examples_per_step(self) -> int:

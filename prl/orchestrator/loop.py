@@ -6,7 +6,8 @@
             continuous (default): the first groups to finish of those kept in flight across steps
                 (prl/orchestrator/continuous.py); stale and failed groups dropped and counted
             step: wait until every server serves those weights, then run the step's groups alone
-        group-relative advantages, pack, publish rollouts/step_N (STABLE) with its data order
+        group-relative advantages; the scoring servers' logprobs of the sampled tokens (teacher:, reference:,
+            prl/orchestrator/scoring.py); pack, publish rollouts/step_N (STABLE) with its data order
         metrics to metrics.jsonl, heartbeat; eval on the eval split every `eval.every` steps
     meanwhile, the weight watcher loads every newly published weights/step_K on every server,
     while rollouts run
@@ -44,9 +45,10 @@ from prl.orchestrator.display import PlainDisplay, make_display
 from prl.orchestrator.env import load_env
 from prl.orchestrator.eval import evaluate
 from prl.orchestrator.rollouts import Generator, StepBatch, TaskStream, build_samples, has_signal, then
+from prl.orchestrator.scoring import Scorers, ScoreStats
 from prl.orchestrator.shaping import shaper
-from prl.orchestrator.sync import (Fleet, ServerPool, WeightWatcher, discover, served_model, server_client,
-                                   standalone)
+from prl.orchestrator.sync import (Fleet, ServerPool, WeightWatcher, discover, read_endpoints, served_model,
+                                   server_client, standalone)
 from prl.orchestrator.workers import EnvWorkers, check_env_id
 from prl.planner.model import Plan
 from prl.run.batch import publish_batch
@@ -155,7 +157,20 @@ class StepMode:
         pass
 
 
-def step_metrics(step: int, made: StepRollouts, pool: ServerPool) -> dict:
+def score_metrics(scored: ScoreStats | None, generate_s: float, tokens: int) -> dict[str, float]:
+    """Per scoring role: seconds, tokens scored per second, and that rate over the step's generation rate
+    (all of a sample's tokens over `generate_s`): above 1 the scorers keep up with the student."""
+    if scored is None:
+        return {}
+    gen_rate = tokens / max(generate_s, 1e-9)
+    out: dict[str, float] = {}
+    for role, seconds in scored.seconds.items():
+        rate = scored.tokens[role] / max(seconds, 1e-9)
+        out |= {f"{role}_score_s": seconds, f"{role}_tokens_per_s": rate, f"{role}_vs_generate": rate / gen_rate}
+    return out
+
+
+def step_metrics(step: int, made: StepRollouts, pool: ServerPool, scored: ScoreStats | None = None) -> dict:
     batch, ran, gen_s = made.batch, made.ran, made.generate_s
     rewards = reward_stats(batch.rewards)
     lags = [step - v for v in batch.versions]
@@ -188,6 +203,7 @@ def step_metrics(step: int, made: StepRollouts, pool: ServerPool) -> dict:
         "weights_version": pool.version,
         "servers_failing": sum(1 for s in pool.admin if s.error),
     }
+    m |= score_metrics(scored, gen_s, sum(len(s.token_ids) for s in batch.samples))
     for name, vals in sorted(batch.metrics.items()):
         m[f"metric/{name}"] = sum(vals) / len(vals)
     return m
@@ -211,6 +227,8 @@ class Orchestrator:
     """Where each step's rollouts come from (`training.rollout_mode`)."""
     beat: Beat
     display: PlainDisplay
+    scorers: Scorers | None = None
+    """The teacher / reference servers that score every sample (None: the run has none)."""
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -241,6 +259,13 @@ class Orchestrator:
             raise PrlError(f"step {step}: every rollout failed ({batch.failed_rollouts} after retries); "
                            f"first error: {batch.first_error}")
 
+    async def score(self, step: int, made: StepRollouts) -> ScoreStats | None:
+        """The scoring servers' logprobs on every sample of the step (before it is published)."""
+        if self.scorers is None:
+            return None
+        show_phase(self.beat, self.display, step, "scoring", f"scoring by {', '.join(self.scorers.roles)}")
+        return await self.scorers.score(made.batch.samples)
+
     async def publish(self, step: int, made: StepRollouts) -> None:
         """rollouts/step_N (STABLE) packed for the trainer's dp ranks, with the data order after it."""
         await asyncio.to_thread(publish_batch, self.run, step, made.batch.samples, dp_size=self.cfg.dp_size,
@@ -248,9 +273,9 @@ class Orchestrator:
                                 meta={"data_order": made.order.to_json()})
         self.source.published_step(step, made.order)
 
-    def record(self, step: int, made: StepRollouts) -> None:
+    def record(self, step: int, made: StepRollouts, scored: ScoreStats | None = None) -> None:
         """The step's metrics record, heartbeat and progress line."""
-        m = step_metrics(step, made, self.pool)
+        m = step_metrics(step, made, self.pool, scored)
         self.run.append_metrics(m)
         # step_s: this step's longest stretch between heartbeats, at most; the launcher's hang bound grows with it.
         self.beat(step=step, phase="published", published=step, weights_version=self.pool.version,
@@ -306,7 +331,21 @@ async def assemble(run: RunDir, cfg: OrchestratorConfig, fleet: Fleet, beat: Bea
                   tick=beat.tick, show=show)
         if t.rollout_mode == "continuous" else StepMode(gen, stream, cfg, pool, watcher.error, beat, show))
     return Orchestrator(run, cfg, pool, env, eval_env, generator(eval_env) if eval_env is not None else None, watcher,
-                        source, beat, display)
+                        source, beat, display, scorers(run, cfg, fleet))
+
+
+def scorers(run: RunDir, cfg: OrchestratorConfig, fleet: Fleet) -> Scorers | None:
+    """The scoring roles' clients: their servers as the run's endpoint files list them at each step (a restarted
+    server publishes its new address), or as given to a standalone orchestrator."""
+    if not cfg.scorers:
+        return None
+    t = cfg.training
+
+    def urls(role: str) -> list[str]:
+        return read_endpoints(run).get(role, []) if fleet.follow_endpoints else fleet.scorers.get(role, [])
+
+    return Scorers(cfg.scorers, urls, server_client, max_concurrent=t.max_concurrent_rollouts,
+                   retries=t.rollout_retries)
 
 
 async def orchestrate(run: RunDir, cfg: OrchestratorConfig, fleet: Fleet, beat: Beat) -> int:
@@ -322,8 +361,9 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, fleet: Fleet, beat: 
         for step in range(start + 1, max_steps + 1):
             made = await o.source.make(step)
             o.check(step, made.batch)
+            scored = await o.score(step, made)
             await o.publish(step, made)
-            o.record(step, made)
+            o.record(step, made, scored)
             if o.eval_due(step):
                 await o.evaluate(step)
     return 0

@@ -91,6 +91,8 @@ class Fleet:
     """Who loads weights (every inference / prefill / decode server)."""
     follow_endpoints: bool = False
     """Found in the run's endpoint files (`discover`): follow them as servers die and restart."""
+    scorers: dict[str, list[str]] = field(default_factory=dict)
+    """Scoring role -> its servers (`teacher`, `reference`; prl/orchestrator/scoring.py)."""
 
 
 @dataclass
@@ -203,7 +205,8 @@ def discover(run: RunDir, plan: Plan, timeout: float) -> Fleet:
     gen = [Server(u, "router") for u in found.get("router", [])] or [s for s in admin if s.role == "inference"]
     if not gen:
         raise PrlError(f"endpoints {found} have neither a router nor an inference server to generate with")
-    return Fleet(generate=gen, admin=admin, follow_endpoints=True)
+    return Fleet(generate=gen, admin=admin, follow_endpoints=True,
+                 scorers={role: found[role] for role in plan.scorer_roles() if role in found})
 
 
 def endpoint_starts(run: RunDir) -> dict[str, float | None]:

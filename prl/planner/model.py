@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 PLAN_FORMAT = "prl.plan/2"
 """Bumped whenever a field changes meaning: a role refuses a plan.json of another format."""
 
-ServerRole = Literal["inference", "prefill", "decode"]
-RoleName = Literal["inference", "prefill", "decode", "router", "orchestrator", "trainer"]
+ServerRole = Literal["inference", "prefill", "decode", "teacher", "reference"]
+RoleName = Literal["inference", "prefill", "decode", "teacher", "reference", "router", "orchestrator", "trainer"]
 
 
 def node_address(plan: Plan) -> str:
@@ -368,6 +368,10 @@ class Plan(Frozen, kw_only=True):
     @property
     def role_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.steps)
+
+    def scorer_roles(self) -> tuple[str, ...]:
+        """The scoring server roles this run has (`teacher`, `reference`), in order."""
+        return tuple(r.name for r in self.inference if r.name in ("teacher", "reference"))
 
     def role_servers(self, role: str) -> tuple[Server, ...]:
         return tuple(s for s in self.servers if s.role == role)

@@ -8,10 +8,11 @@ and the roles only read a Plan.
 Layout of a job (one het group per role kind, in start order):
 
     inference (or prefill + decode)   vLLM servers, one per replica and node
+    teacher, reference                scoring servers (on-policy distillation, a frozen reference), when written
     orchestrator                      when `orchestrator.placement: own`
     trainer                           torchrun, one task per node
 
-Start order: every inference server healthy (router after prefill + decode)
+Start order: every inference and scoring server healthy (router after prefill + decode)
 -> orchestrator healthy -> trainer. An SFT topology (`sft:`) plans the trainer alone:
 one group, one step, the same launcher, heartbeats and state files.
 
@@ -30,7 +31,7 @@ from typing import Any, Optional
 
 from prl.config.cluster import ClusterProfile
 from prl.config.loader import Source
-from prl.config.topology import InferenceGroup, Topology, Training
+from prl.config.topology import InferenceGroup, Scorer, Topology, Training
 from prl.errors import PlanError
 from prl.planner.capabilities import ModelConfig, trainer_refusals
 from prl.planner.settings import RunSettings
@@ -143,7 +144,7 @@ def check_run_dir(check: Checker, run_dir: str) -> None:
 def check_node_budget(check: Checker, topo: Topology) -> None:
     """Node totals against max_nodes before anything is expanded per node (a typo of 10**9 fails at once)."""
     cluster = check.cluster
-    counts = {role: g.nodes for role, g in topo.inference.groups().items()} if topo.inference else {}
+    counts = {role: g.nodes for role, g in server_groups(topo).items()}
     if topo.inference and topo.orchestrator.placement == "own":
         counts["orchestrator"] = 1
     counts["trainer"] = topo.trainer.nodes
@@ -160,20 +161,19 @@ def check_derived_totals(check: Checker, topo: Topology) -> None:
     """Bound what the counts multiply into (servers, tasks, GPUs) before any of it is expanded: every count may be
     legal and their product still millions of records."""
     gpn = check.cluster.gpu_node.gpus
-    groups = topo.inference.groups() if topo.inference else {}
+    groups = server_groups(topo)
     servers = {role: (g.nodes, max(1, gpn // (g.tp * g.dp)) if gpn else 1) for role, g in groups.items()}
     total = sum(nodes * per_node for nodes, per_node in servers.values())
     if total > MAX_SERVERS:
         role = max(servers, key=lambda r: servers[r][0] * servers[r][1])
         nodes, per_node = servers[role]
         g = groups[role]
-        raise check.fail(("inference", role, "nodes") if topo.inference.disaggregated else ("inference", "nodes"), (
+        raise check.fail(group_field(topo, role) + ("nodes",), (
             f"{role} would start nodes({nodes}) x {per_node} servers per node ({gpn} GPUs / tp({g.tp}) * dp({g.dp})) "
             f"= {nodes * per_node} servers ({total} in all), over the {MAX_SERVERS} one plan may hold; "
             f"use fewer nodes or a larger tp or dp"))
     tr = topo.trainer
-    fields = {("inference", role, "nodes") if len(groups) > 1 else ("inference", "nodes"): (role, g.nodes, gpn)
-              for role, g in groups.items()}
+    fields = {group_field(topo, role) + ("nodes",): (role, g.nodes, gpn) for role, g in groups.items()}
     fields[("trainer", "nodes")] = ("trainer", tr.nodes, tr.gpus_per_node or gpn)
     gpus = sum(nodes * per_node for _, nodes, per_node in fields.values())
     if gpus > MAX_JOB_GPUS:
@@ -232,15 +232,32 @@ def check_extra_args(check: Checker, field: tuple[str, ...], group: InferenceGro
                 f"change that field instead of passing it in extra_args"))
 
 
+def served_model(topo: Topology, role: str) -> list[str]:
+    """The model arguments of a role's servers: the student's model (served as the topology's name), or a scoring
+    group's own (served as `teacher` / `reference`; a reference without a path serves the student's model)."""
+    m = topo.model
+    scorer = topo.scorers().get(role)
+    if scorer is None:
+        args = ["--model", m.path, "--served-model-name", topo.name, "--dtype", m.dtype,
+                "--max-model-len", str(m.max_model_len)]
+        tokenizer = m.tokenizer
+    else:
+        args = ["--model", scorer.path or m.path, "--served-model-name", role, "--dtype", scorer.dtype,
+                "--max-model-len", str(scorer_max_len(topo, scorer))]
+        tokenizer = scorer.tokenizer or (None if scorer.path else m.tokenizer)
+    return args + (["--tokenizer", tokenizer] if tokenizer else [])
+
+
+def scorer_max_len(topo: Topology, scorer: Scorer) -> int:
+    """A scoring server's context: as written, else the student's + 1 (vLLM completes at least one token)."""
+    return scorer.max_model_len or topo.model.max_model_len + 1
+
+
 def server_args(topo: Topology, group: InferenceGroup, port: Optional[int], dp_local: int, dp_start: int,
                 nodes_per_replica: int, rpc_port: Optional[int], kv_role: Optional[str],
-                run_dir: str) -> tuple[str, ...]:
-    """`vllm serve` arguments of one server process."""
-    m = topo.model
-    args = ["--model", m.path, "--served-model-name", topo.name, "--dtype", m.dtype,
-            "--max-model-len", str(m.max_model_len), "--tensor-parallel-size", str(group.tp)]
-    if m.tokenizer:
-        args += ["--tokenizer", m.tokenizer]
+                run_dir: str, role: str = "inference") -> tuple[str, ...]:
+    """`vllm serve` arguments of one server process of `role`."""
+    args = served_model(topo, role) + ["--tensor-parallel-size", str(group.tp)]
     if port is not None:
         args += ["--port", str(port)]
     if group.dp > 1:
@@ -258,7 +275,7 @@ def server_args(topo: Topology, group: InferenceGroup, port: Optional[int], dp_l
     if kv_role is not None:
         config = kv_transfer_config(topo, kv_role, run_dir)
         args += ["--kv-transfer-config", json.dumps(config, sort_keys=True, separators=(",", ":"))]
-    elif off.backend != "none":
+    elif off.backend != "none" and role not in topo.scorers():  # scoring reads each prompt once
         args += ["--kv-offloading-backend", off.backend, "--kv-offloading-size", f"{off.cpu_gb:g}"]
     args += group.extra_args
     return tuple(args)
@@ -312,7 +329,7 @@ def side_channel_base(check: Checker, topo: Topology) -> int:
 
 def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: dict[str, str], run_dir: str
                     ) -> tuple[list[InferenceRole], list[Server]]:
-    """One het group per inference role, one server per replica and node, ports per node."""
+    """One het group per inference role (then per scoring role), one server per replica and node, ports per node."""
     cluster = check.cluster
     gpn = cluster.gpu_node.gpus
     roles: list[InferenceRole] = []
@@ -321,21 +338,22 @@ def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: 
     nixl = disagg and topo.inference.kv_connector.name == "NixlConnector"
     side_ranks = 0  # data-parallel ranks given a side channel so far (job-wide ports: every node is one host)
     side_base = side_channel_base(check, topo) if nixl else 0
-    for role, group in topo.inference.groups().items():
+    for role, group in server_groups(topo).items():
         task = 0
-        field = ("inference", role) if disagg else ("inference",)
+        field = group_field(topo, role)
         per_replica, nodes_per_replica, per_node = inference_layout(check, role, field, group, gpn)
         check_extra_args(check, field, group)
         cpus = max(1, cluster.gpu_node.cpus // per_node)
         g = layout.add_group(cluster, role, cluster.partitions.inference, group.nodes, per_node, cpus, gpn)
         kv_role = KV_ROLES.get(role) if disagg else None
+        side_channel = nixl and kv_role is not None
         dp_local = per_replica // group.tp if nodes_per_replica == 1 else gpn // group.tp
         replicas = group.nodes // nodes_per_replica * per_node
         for replica in range(replicas):
             first_node, slot = replica // per_node * nodes_per_replica, replica % per_node
             # vLLM adds each data-parallel rank's index to the side-channel port: replicas are dp ports apart.
-            side = side_base + (side_ranks if shared_host(cluster) else slot * group.dp) if nixl else None
-            side_ranks += group.dp if nixl else 0
+            side = side_base + (side_ranks if shared_host(cluster) else slot * group.dp) if side_channel else None
+            side_ranks += group.dp if side_channel else 0
             for k in range(nodes_per_replica):
                 head = k == 0
                 # Slurm: each node has its own ports. Local runs (and single_host profiles) put every "node" on
@@ -346,7 +364,7 @@ def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: 
                 gpus = (tuple(range(slot * per_replica, (slot + 1) * per_replica)) if per_replica and nodes_per_replica == 1
                         else tuple(range(gpn)))
                 args = server_args(topo, group, port, dp_local, k * dp_local, nodes_per_replica, rpc_port, kv_role,
-                                   run_dir)
+                                   run_dir, role)
                 servers.append(Server(role=role, replica=replica, group=g.index, node=first_node + k, task=task,
                                       gpus=gpus, port=port, rpc_port=rpc_port, side_channel_port=side, head=head,
                                       address_from_head=nodes_per_replica > 1, args=args))
@@ -538,6 +556,30 @@ def check_advantage(check: Checker, t: Training) -> None:
             f"ramps up over the last overlong_buffer tokens"))
 
 
+SCORED_LOSSES = {"distill_coef": "teacher", "kl_ref_coef": "reference"}
+"""Loss settings that need a scoring section: a setting above 0 without its section is refused at its line."""
+
+
+def check_scorers(check: Checker, topo: Topology) -> None:
+    """A loss that reads a teacher's or reference's logprobs has its servers, which can score whole sequences."""
+    loss = topo.training.loss
+    for setting, role in SCORED_LOSSES.items():
+        if getattr(loss, setting) > 0 and role not in topo.scorers():
+            raise check.fail(("training", "loss", setting), (
+                f"{setting}({getattr(loss, setting):g}) needs the {role}'s logprobs of the sampled tokens, but the "
+                f"topology has no {role}: section; add one (its model and nodes) or set {setting}: 0"))
+    for role, scorer in topo.scorers().items():
+        if scorer.max_model_len is not None and scorer.max_model_len <= topo.model.max_model_len:
+            raise check.fail((role, "max_model_len"), (
+                f"{role}.max_model_len({scorer.max_model_len}) must exceed the student's model.max_model_len"
+                f"({topo.model.max_model_len}): it scores whole student sequences and vLLM completes at least one "
+                f"token after them; use {topo.model.max_model_len + 1} or more"))
+        setting = next(k for k, v in SCORED_LOSSES.items() if v == role)
+        if getattr(loss, setting) == 0 and loss.import_path is None:
+            check.warnings.append(f"{role}: its servers score every rollout but training.loss.{setting} is 0 and no "
+                                  f"loss of your own reads them")
+
+
 def check_ports(check: Checker, topo: Topology, servers: list[Server], router_port: Optional[int],
                 trainer: TrainerPlan) -> None:
     """Every port a process listens on is <= 65535 and used once per node (once per host, locally)."""
@@ -557,7 +599,7 @@ def check_ports(check: Checker, topo: Topology, servers: list[Server], router_po
         taken[key] = what
 
     replicas: dict[tuple[str, int], list[Server]] = {}
-    dps = {role: group.dp for role, group in topo.inference.groups().items()} if topo.inference else {}
+    dps = {role: group.dp for role, group in server_groups(topo).items()}
     for s in servers:
         replicas.setdefault((s.role, s.replica), []).append(s)
     for s in servers:
@@ -695,6 +737,7 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
     check_trainer_can_run(check, model_config, trainer.mesh)
     check_single_allocation(check, layout)
     check_training(check, topo, trainer.mesh)
+    check_scorers(check, topo)
     check_ports(check, topo, servers, router_port, trainer)
     check_shared_root(check, run_dir)
     batch, common = job_directives(check, topo, run_dir)
@@ -735,7 +778,10 @@ def failure_policies(topo: Topology, steps: list[Step]) -> tuple[FailurePolicy, 
     """Each role's `on_failure`: the inference one for every server role; the router and the rest fail."""
     out = []
     for step in steps:
-        if step.name in ("inference", "prefill", "decode") and topo.inference is not None:
+        if step.name in topo.scorers():
+            p = topo.scorers()[step.name].on_failure
+            out.append(FailurePolicy(role=step.name, policy=p.policy, max_restarts=p.max_restarts))
+        elif step.name in ("inference", "prefill", "decode") and topo.inference is not None:
             p = topo.inference.on_failure
             out.append(FailurePolicy(role=step.name, policy=p.policy, max_restarts=p.max_restarts))
         else:
@@ -744,6 +790,18 @@ def failure_policies(topo: Topology, steps: list[Step]) -> tuple[FailurePolicy, 
 
 
 # ----------------------------------------------------------------------------- small pieces
+
+
+def server_groups(topo: Topology) -> dict[str, InferenceGroup]:
+    """Every vLLM server group by role, in het-group order: inference (or prefill, decode), then the scorers."""
+    return {**(topo.inference.groups() if topo.inference else {}), **topo.scorers()}
+
+
+def group_field(topo: Topology, role: str) -> tuple[str, ...]:
+    """Where a server group's fields are written: `inference`, `inference.prefill`, `teacher`, ..."""
+    if role in topo.scorers():
+        return (role,)
+    return ("inference", role) if topo.inference.disaggregated else ("inference",)
 
 
 def role_env(cluster: ClusterProfile, run_dir: str) -> dict[str, str]:

@@ -16,6 +16,7 @@ from prl.config.cluster import CLUSTERS_DIR, ClusterProfile, load_profile, profi
 from prl.errors import ConfigError
 from prl.config.loader import Source, load_document, validate
 from prl.planner.plan import Plan, make_plan
+from prl.planner.tokenizers import tokenizer_difference
 from prl.config.topology import Topology, cluster_overrides
 
 
@@ -63,6 +64,10 @@ def _absolute_model_paths(topo: Topology, cwd: Path) -> Topology:
     update = {key: new for key in ("path", "tokenizer") if (new := found(getattr(topo.model, key)))}
     if update:
         topo = msgspec.structs.replace(topo, model=msgspec.structs.replace(topo.model, **update))
+    scorers = {role: msgspec.structs.replace(group, **new) for role, group in topo.scorers().items()
+               if (new := {key: p for key in ("path", "tokenizer") if (p := found(getattr(group, key)))})}
+    if scorers:
+        topo = msgspec.structs.replace(topo, **scorers)
     if topo.sft is not None and (data := found(topo.sft.data)):
         topo = msgspec.structs.replace(topo, sft=msgspec.structs.replace(topo.sft, data=data))
     return topo
@@ -90,6 +95,21 @@ def _weights_of_run(topo: Topology, source: Source, cwd: Path) -> Topology:
     # The plan names the weights directory itself (RUN/topology.yaml keeps `from_run` as written).
     return msgspec.structs.replace(topo, model=msgspec.structs.replace(m, path=str(run.weights(step)),
                                                                        from_run=None, from_step=None))
+
+
+def check_scorer_tokenizers(topo: Topology, source: Source) -> None:
+    """A teacher or reference scores the student's token ids: its tokenizer must be the student's (compared from
+    the files, prl/planner/tokenizers.py, when this machine sees both directories)."""
+    student = topo.model.tokenizer or topo.model.path
+    for role, scorer in topo.scorers().items():
+        if scorer.path is None and scorer.tokenizer is None:
+            continue  # a reference of the student's own model
+        own = scorer.tokenizer or scorer.path
+        why = tokenizer_difference(student, own)
+        if why:
+            field = "tokenizer" if scorer.tokenizer else "path"
+            raise source.error((role, field), f"{role} tokenizer ({own}) is not the student's ({student}): {why}; "
+                                              f"the {role} scores the student's token ids, so both must tokenize alike")
 
 
 MAX_MODEL_CONFIG_BYTES = 4 << 20
@@ -129,6 +149,7 @@ def prepare(topology_path: Path, overrides: Sequence[str] = (), cwd: Path | None
             raise source.error(("training", stray[0]), f"{stray[0]} is an RL setting (rollouts, the policy loss, the "
                                                        f"weight sync); an SFT run would ignore it: remove it")
     topo = _weights_of_run(_absolute_model_paths(topo, cwd), source, cwd)
+    check_scorer_tokenizers(topo, source)
     if not profile_path(topo.cluster, topology_path.parent).exists():
         known = ", ".join(sorted(p.stem for p in CLUSTERS_DIR.glob("*.yaml")))
         raise source.error(("cluster",), f"no cluster profile {topo.cluster!r} ({profile_path(topo.cluster, topology_path.parent)}); "

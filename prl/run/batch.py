@@ -13,6 +13,9 @@ tokens of all samples together, S the number of samples:
     inference_logprobs  float32 [T]    logprob of the token under the engine's sampling
                                        policy; 0 where loss_mask is 0
     position_ids        int32   [T]    positions inside each sample, from 0
+    teacher_logprobs    float32 [T]    (with a `teacher:`) the teacher's logprob of each sampled token, 0
+                                       where loss_mask is 0: on-policy distillation
+    reference_logprobs  float32 [T]    (with a `reference:`) the frozen reference model's, likewise
     sample_offsets      int64   [S+1]  sample i is tokens [off[i], off[i+1])
     policy_version      int32   [S]    weights step that generated sample i (when its rollout started)
     policy_version_end  int32   [S]    weights step the server served when the rollout finished: newer
@@ -65,6 +68,8 @@ _DTYPES = {
     "position_ids": "int32",
 }
 TOKEN_FIELDS = tuple(_DTYPES)
+SCORE_FIELDS = {"teacher": "teacher_logprobs", "reference": "reference_logprobs"}
+"""Per-token logprobs of the scoring servers (by role), present when the run has them."""
 
 
 class BatchError(RunDirError):
@@ -89,6 +94,8 @@ class Sample:
     """Weights step the server served when the rollout finished (None: `policy_version`)."""
     position_ids: Sequence[int] | None = None
     """Defaults to 0..len-1."""
+    scores: dict[str, Sequence[float]] = field(default_factory=dict)
+    """Scoring role (`teacher`, `reference`) -> its logprob of each token (0 where loss_mask is 0)."""
 
 
 def pack(lengths: Sequence[int], dp_size: int, micro_batch_tokens: int) -> list[list[list[int]]]:
@@ -130,6 +137,8 @@ class MicroBatch:
     loss_mask: np.ndarray
     advantages: np.ndarray
     inference_logprobs: np.ndarray
+    teacher_logprobs: np.ndarray | None = None
+    reference_logprobs: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -180,7 +189,8 @@ class RolloutBatch:
                 out.append(None)
                 continue
             spans = [slice(int(self.offsets[i]), int(self.offsets[i + 1])) for i in ids]
-            cat = {k: np.concatenate([self.arrays[k][s] for s in spans]) for k in TOKEN_FIELDS}
+            fields = TOKEN_FIELDS + tuple(k for k in SCORE_FIELDS.values() if k in self.arrays)
+            cat = {k: np.concatenate([self.arrays[k][s] for s in spans]) for k in fields}
             out.append(MicroBatch(sample_ids=list(ids), **cat))
         return out
 
@@ -189,7 +199,8 @@ def to_arrays(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
     """Flatten samples into the file's arrays, checking each one."""
     import numpy as np
 
-    cols: dict[str, list] = {k: [] for k in TOKEN_FIELDS}
+    scored = sorted(samples[0].scores) if samples else []
+    cols: dict[str, list] = {k: [] for k in (*TOKEN_FIELDS, *(SCORE_FIELDS[r] for r in scored))}
     offsets, versions, ends = [0], [], []
     for i, s in enumerate(samples):
         n = len(s.token_ids)
@@ -202,6 +213,9 @@ def to_arrays(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
             "inference_logprobs": list(s.inference_logprobs),
             "position_ids": pos,
         }
+        if sorted(s.scores) != scored:
+            raise BatchError(f"sample {i} is scored by {sorted(s.scores)}, sample 0 by {scored}")
+        fields |= {SCORE_FIELDS[role]: list(values) for role, values in s.scores.items()}
         bad = {k: len(v) for k, v in fields.items() if len(v) != n}
         if n == 0 or bad:
             raise BatchError(f"sample {i}: {n} token ids but field lengths {bad}" if bad else f"sample {i} is empty")
@@ -210,7 +224,7 @@ def to_arrays(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
         offsets.append(offsets[-1] + n)
         versions.append(int(s.policy_version))
         ends.append(int(s.policy_version if s.policy_version_end is None else s.policy_version_end))
-    arrays = {k: np.asarray(v, dtype=_DTYPES[k]) for k, v in cols.items()}
+    arrays = {k: np.asarray(v, dtype=_DTYPES.get(k, "float32")) for k, v in cols.items()}
     arrays["sample_offsets"] = np.asarray(offsets, dtype="int64")
     arrays["policy_version"] = np.asarray(versions, dtype="int32")
     arrays["policy_version_end"] = np.asarray(ends, dtype="int32")
@@ -234,13 +248,13 @@ def validate(arrays: dict[str, np.ndarray]) -> None:
     end = arrays.get("policy_version_end")
     if end is not None and (end.shape != arrays["policy_version"].shape or np.any(end < arrays["policy_version"])):
         raise BatchError("policy_version_end needs one entry per sample, none older than its policy_version")
-    for k in TOKEN_FIELDS:
+    for k in (*TOKEN_FIELDS, *(f for f in SCORE_FIELDS.values() if f in arrays)):
         if arrays[k].shape != (total,):
             raise BatchError(f"{k} has shape {arrays[k].shape}, expected ({total},) tokens")
     if np.any(arrays["loss_mask"][off[:-1]] != 0):
         first = int(np.flatnonzero(arrays["loss_mask"][off[:-1]])[0])
         raise BatchError(f"sample {first}: its first token has loss_mask 1, but nothing predicts a first token")
-    for k in ("advantages", "inference_logprobs"):
+    for k in ("advantages", "inference_logprobs", *(f for f in SCORE_FIELDS.values() if f in arrays)):
         if not np.all(np.isfinite(arrays[k])):
             raise BatchError(f"{k} contains NaN or inf")
     if np.any(arrays["input_ids"] < 0) or np.any(arrays["position_ids"] < 0):

@@ -68,7 +68,7 @@ from prl.run import records
 from prl.run.records import JobRecord, LauncherRecord, RankBeat, RoleStateRecord, TaskExit
 from prl.states import Backend, RoleState
 
-ROLES = ("inference", "orchestrator", "trainer", "prefill", "decode", "router")
+ROLES = ("inference", "orchestrator", "trainer", "prefill", "decode", "router", "teacher", "reference")
 """Roles that may write state, logs and checkpoints under a run."""
 
 KINDS = ("rollouts", "weights", "checkpoints")

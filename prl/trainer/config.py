@@ -40,6 +40,8 @@ class TrainerConfig:
     """`weights.transport: memory`: each rank's weight-feed port, by global rank (empty: weights go by disk)."""
     feed_host: str = ""
     """The address this node's feeds listen on (the servers' workers connect to it)."""
+    scorers: tuple[str, ...] = ()
+    """The scoring roles of the run (`teacher`, `reference`): their logprobs come in every batch."""
 
     @classmethod
     def from_plan(cls, plan: Plan) -> TrainerConfig:
@@ -51,4 +53,5 @@ class TrainerConfig:
                    master_port=tr.master_port, training=settings.training,
                    tokenizer_path=settings.model.tokenizer or settings.model.path,
                    max_model_len=settings.model.max_model_len, sft=settings.sft,
-                   feed_ports=tr.feed_ports, feed_host=node_address(plan) if tr.feed_ports else "")
+                   feed_ports=tr.feed_ports, feed_host=node_address(plan) if tr.feed_ports else "",
+                   scorers=plan.scorer_roles())

@@ -27,7 +27,18 @@ ratio bounds (`Loss.bounds()`):
           pg_t   = -m_t (1 - masked_t) r_t A_t
           kl_t   = m_t (log r_t)^2                                (prime-rl's KL term)
 
-    L      = (1 / N) * sum_t (pg_t + kl_coef * kl_t)
+    L      = (1 / N) * sum_t (pg_t + kl_coef * kl_t + kl_ref_coef * kr_t)
+
+On-policy distillation and a frozen reference (the logprobs of the sampled tokens come in the batch,
+scored by the `teacher:` / `reference:` servers, docs/orchestrator.md):
+
+    distillation (`distill_coef` c > 0): every kind above trains on the advantage
+          A_t <- reward_coef * A_t + c * m_t (T_t - q_t)            T_t: the teacher's logprob of the token
+          the per-token reverse KL to the teacher as a reward (Agarwal et al. 2024, GKD; Thinking Machines'
+          "On-Policy Distillation", 2025): at r_t = 1 the gradient is that of c * KL(pi_theta || pi_teacher)
+    reference KL (`kl_ref_coef` > 0): d_t = R_t - logp_t          R_t: the reference model's logprob
+          kr_t   = m_t (exp(d_t) - d_t - 1)                       k3 estimate of KL(pi_theta || pi_ref)
+                                                                  (DeepSeekMath's GRPO), gradient m_t (1 - exp(d_t))
 
 N is the number of loss tokens (m_t = 1) of the whole step, summed over all
 micro-batches and all data-parallel ranks, counted before ratio masking:
@@ -78,6 +89,10 @@ class LossInputs:
     parallelism, within this rank's chunk of it)."""
     total_loss_tokens: float
     """N: loss tokens of the whole step, all micro-batches and ranks."""
+    teacher_logprobs: torch.Tensor | None = None
+    """The teacher's logprob of the same token (0 where loss_mask is 0); None without a `teacher:`."""
+    reference_logprobs: torch.Tensor | None = None
+    """The frozen reference model's logprob of the same token; None without a `reference:`."""
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,17 +123,20 @@ def policy_loss(
     total_loss_tokens: int | float,
     entropy: torch.Tensor | None = None,
     sample_ids: torch.Tensor | None = None,
+    teacher_logprobs: torch.Tensor | None = None,
+    reference_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """This micro-batch's share of L (see module doc) and its statistics (sums, min, max).
 
     All inputs are [T] tensors over the same tokens; `total_loss_tokens` is N; `sample_ids` (kind gspo)
-    says which sample each token belongs to.
+    says which sample each token belongs to; `teacher_logprobs` (`distill_coef` > 0) and
+    `reference_logprobs` (`kl_ref_coef` > 0) are the scoring servers' logprobs of the same tokens.
     """
     m = loss_mask.to(logp.dtype)
     is_loss = loss_mask.bool()
     log_ratio = masked_log_ratio(logp, inference_logprobs, loss_mask)
     ratio = torch.exp(log_ratio)
-    adv = advantages.to(logp.dtype)
+    adv, scored = scored_advantages(advantages.to(logp.dtype), logp, inference_logprobs, m, cfg, teacher_logprobs)
     if cfg.kind == "gspo":
         if sample_ids is None:
             raise ValueError("kind gspo needs sample_ids: which sample each token belongs to")
@@ -132,12 +150,40 @@ def policy_loss(
     excluded = excluded & is_loss
     n = float(max(total_loss_tokens, 1))
     total = pg.sum() + cfg.kl_coef * kl.sum()
+    if cfg.kl_ref_coef > 0:
+        kr = reference_kl(logp, reference_logprobs, m)
+        total = total + cfg.kl_ref_coef * kr.sum()
+        scored["ref_kl_sum"] = float(kr.detach().sum())
     return total / n, {
         "loss_sum": float(total.detach()),
         "masked_tokens": float(excluded.sum()),
         "kl_sum": float((kl.detach() * m).sum()),
+        **scored,
         **_token_stats(shown_ratio, loss_mask, entropy),
     }
+
+
+def scored_advantages(adv: torch.Tensor, logp: torch.Tensor, inference_logprobs: torch.Tensor, m: torch.Tensor,
+                      cfg: Loss, teacher_logprobs: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The advantage every kind trains on: the reward's, plus `distill_coef` times the teacher's per-token
+    reverse-KL reward T_t - q_t (module doc); with the statistic `teacher_kl_sum`, sum of logp_t - T_t (the
+    trainer's own estimate of KL(pi_theta || pi_teacher) on the sampled tokens)."""
+    if cfg.distill_coef <= 0:
+        return adv, {}
+    if teacher_logprobs is None:
+        raise ValueError("training.loss.distill_coef needs the teacher's logprobs: the batch has none")
+    teacher = teacher_logprobs.to(logp.dtype)
+    q = inference_logprobs.to(logp.dtype)
+    shaped = cfg.reward_coef * adv + cfg.distill_coef * m * (teacher - q)
+    return shaped, {"teacher_kl_sum": float(((logp.detach() - teacher) * m).sum())}
+
+
+def reference_kl(logp: torch.Tensor, reference_logprobs: torch.Tensor | None, m: torch.Tensor) -> torch.Tensor:
+    """k3 estimate of KL(pi_theta || pi_ref) per loss token: exp(d) - d - 1 with d = R_t - logp_t (module doc)."""
+    if reference_logprobs is None:
+        raise ValueError("training.loss.kl_ref_coef needs the reference model's logprobs: the batch has none")
+    d = torch.where(m.bool(), reference_logprobs.to(logp.dtype) - logp, torch.zeros_like(logp))
+    return m * (torch.exp(d) - d - 1.0)
 
 
 def _token(ratio, log_ratio, m, adv, cfg: Loss):

@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 
 from prl.errors import StepTimeout
-from prl.run.batch import BatchError, read_batch
+from prl.run.batch import SCORE_FIELDS, BatchError, MicroBatch, read_batch
 from prl.run.rundir import RunDir
 from prl.trainer.config import TrainerConfig
-from prl.trainer.engine import Engine, Spec, StepData, StopFlag, add_router_aux, forward_logprobs
+from prl.trainer.engine import LABELS, Engine, Spec, StepData, StopFlag, add_router_aux, forward_logprobs, prepare
 from prl.trainer.loss import LossInputs, custom_loss, load_custom_loss, policy_loss, sample_ids_of
+from prl.trainer.parallel import Dist
 
 
 def wait_rollouts(run: RunDir, step: int, cfg: TrainerConfig, stop: StopFlag, heartbeat) -> Path | None:
@@ -70,6 +71,8 @@ class RLSpec(Spec):
     def __init__(self, cfg: TrainerConfig) -> None:
         super().__init__(cfg)
         self.custom_loss = load_custom_loss(cfg.training.loss)  # at start: a bad import_path fails here
+        self.labels = LABELS + tuple(SCORE_FIELDS[role] for role in cfg.scorers)
+        """The label-side arrays of a micro-batch: the scoring servers' logprobs with the sampling ones."""
 
     def last_step(self) -> int:
         return self.cfg.training.max_steps
@@ -80,6 +83,9 @@ class RLSpec(Spec):
 
     def load(self, eng: Engine, step: int, ready: Path) -> StepData:
         batch = read_batch(ready)
+        missing = [k for k in self.labels if k not in batch.arrays]
+        if missing:
+            raise BatchError(f"{ready}: the run's scoring servers' {', '.join(missing)} are missing from the batch")
         vocab_size = eng.model.get_input_embeddings().num_embeddings
         if batch.num_tokens and int(batch.arrays["input_ids"].max()) >= vocab_size:
             raise BatchError(
@@ -89,18 +95,23 @@ class RLSpec(Spec):
         return StepData(batch.micro_batches(eng.d.dp_rank, eng.d.dp_size, self.cfg.training.micro_batch_tokens),
                         source=batch)
 
+    def inputs(self, mb: MicroBatch | None, d: Dist) -> dict[str, torch.Tensor]:
+        return prepare(mb, d, self.labels)
+
     def micro_loss(self, model, x: dict[str, torch.Tensor], n_loss_tokens: int, aux_weight: float):
         """Loss share and stats of this rank's positions of one micro-batch (see `engine.prepare`)."""
         coef = self.cfg.training.router_aux_loss_coef
         out, logp, entropy = forward_logprobs(model, x, coef)
         inputs = LossInputs(logp, x["inference_logprobs"], x["advantages"], x["loss_mask"],
-                            sample_ids_of(x["position_ids"]), n_loss_tokens)
+                            sample_ids_of(x["position_ids"]), n_loss_tokens,
+                            teacher_logprobs=x.get("teacher_logprobs"), reference_logprobs=x.get("reference_logprobs"))
         if self.custom_loss is not None:
             loss, stats = custom_loss(self.custom_loss, inputs, self.cfg.training.loss, entropy)
         else:
             loss, stats = policy_loss(logp, inputs.inference_logprobs, inputs.advantages, inputs.loss_mask,
                                       self.cfg.training.loss, n_loss_tokens, entropy=entropy,
-                                      sample_ids=inputs.sample_ids)
+                                      sample_ids=inputs.sample_ids, teacher_logprobs=inputs.teacher_logprobs,
+                                      reference_logprobs=inputs.reference_logprobs)
         stats |= mismatch_stats(logp, x["inference_logprobs"], x["loss_mask"])
         return add_router_aux(loss, stats, out, coef, aux_weight), stats
 
@@ -111,6 +122,8 @@ class RLSpec(Spec):
             "loss": s.get("loss_sum", 0.0) / n,
             "entropy": s.get("entropy_sum", 0.0) / n,
             "kl": s.get("kl_sum", 0.0) / n,
+            **({"teacher_kl": s["teacher_kl_sum"] / n} if "teacher_kl_sum" in s else {}),
+            **({"ref_kl": s["ref_kl_sum"] / n} if "ref_kl_sum" in s else {}),
             "ratio_mean": s.get("ratio_sum", 0.0) / n,
             "ratio_min": s.get("ratio_min", 1.0) if has else None,
             "ratio_max": s.get("ratio_max", 1.0) if has else None,

@@ -211,6 +211,35 @@ def build_tiny_moe(
     return out
 
 
+def build_tiny_teacher(out_dir: str | Path, student_dir: str | Path, *, reply: str = "a a a a a a a a",
+                       steps: int = 10, lr: float = 1e-2) -> Path:
+    """A teacher for on-policy distillation tests: the student at `student_dir` after `steps` AdamW steps of SFT
+    on always answering `reply` (same tokenizer, a peaked and learnable difference). Two random tiny models are
+    both near uniform over the vocabulary: too little for a sampled reverse KL to pull a student toward."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(student_dir)
+    model = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        for question in ("Write the letter a.", "Say something."):
+            prompt = [{"role": "user", "content": question}]
+            start = len(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=True)["input_ids"])
+            ids = tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": reply}], tokenize=True,
+                                                return_tensors="pt", return_dict=True)["input_ids"][0]
+            logits = model(input_ids=ids[None]).logits[0]
+            torch.nn.functional.cross_entropy(logits[start - 1:-1], ids[start:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
@@ -219,7 +248,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE (4 experts, top-2) instead of dense Qwen3")
     ap.add_argument("--family", choices=MOE_FAMILIES, default=None, help="an MoE of this family (implies --moe)")
     ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (cp must divide them)")
+    ap.add_argument("--teacher-of", default=None, metavar="STUDENT",
+                    help="a distillation teacher instead: the tiny model in STUDENT after a little SFT")
     args = ap.parse_args(argv)
+    if args.teacher_of:
+        print(build_tiny_teacher(args.dir, args.teacher_of))
+        return
     kw = {} if args.kv_heads is None else {"num_kv_heads": args.kv_heads}
     if args.family:
         kw["family"] = args.family
