@@ -8,8 +8,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prl.trainer.tiny_model import (MOE_FAMILIES, build_tiny_model, build_tiny_moe, build_tokenizer,  # noqa: E402
-                                    main, tiny_moe_config)
+from prl.trainer.tiny_model import (  # noqa: E402
+    MOE_FAMILIES,
+    build_tiny_model,
+    build_tiny_moe,
+    build_tokenizer,
+    main,
+    tiny_moe_config,
+)
 
 __all__ = ["MOE_FAMILIES", "build_tiny_model", "build_tiny_moe", "build_tokenizer", "tiny_moe_config"]
 

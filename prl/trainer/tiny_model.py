@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("dir", nargs="?", default="/tmp/tiny-model")
     ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE (4 experts, top-2) instead of dense Qwen3")
     ap.add_argument("--family", choices=MOE_FAMILIES, default=None, help="an MoE of this family (implies --moe)")
-    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (cp must divide them)")
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads")
     args = ap.parse_args(argv)
     kw = {} if args.kv_heads is None else {"num_kv_heads": args.kv_heads}
     if args.family:
