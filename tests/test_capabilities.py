@@ -136,8 +136,8 @@ def test_multimodal_configs_are_read_from_text_config():
 
 
 def test_the_trainer_implements_what_the_planner_allows():
-    """Every EP architecture is a family of tests/tiny_model.py (which tests/test_moe_families.py trains with ep=2)
-    whose experts the trainer's EP layer takes."""
+    """Every EP architecture is a family of prl/trainer/tiny_model.py (which tests/test_moe_families.py trains
+    with ep=2) whose experts the trainer's EP layer takes."""
     import torch
     from transformers import AutoModelForCausalLM
 

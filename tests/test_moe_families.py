@@ -1,5 +1,5 @@
-"""Expert parallelism on every MoE family of tests/tiny_model.py beyond Qwen3-MoE (tests/test_trainer_parallel.py
-has Qwen3-MoE's): the trainer with ep=2 against a single-process transformers loop.
+"""Expert parallelism on every MoE family of prl/trainer/tiny_model.py beyond Qwen3-MoE
+(tests/test_trainer_parallel.py has Qwen3-MoE's): the trainer with ep=2 against a single-process transformers loop.
 
 One torchrun job per mesh trains every family in turn (tests/moe_family_worker.py, the trainer's own
 load / train_step / publish): 2 ranks with ep=2 (each rank holds 2 of the 4 experts), and 4 ranks with

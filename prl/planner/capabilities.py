@@ -6,7 +6,7 @@ the model-independent checks run) and turns each refusal into a PlanError at the
 its field. Keep it in step with the trainer:
 
 - expert parallelism: prl/trainer/moe.py (any transformers fused-experts module), for the
-  architectures in `EP_ARCHITECTURES` (each has a tiny model in tests/tiny_model.py and an EP
+  architectures in `EP_ARCHITECTURES` (each has a tiny model in prl/trainer/tiny_model.py and an EP
   equivalence test, tests/test_moe_families.py);
 - context parallelism: prl/trainer/context_parallel.py (Ulysses: the heads are split over cp, key/value
   heads repeated when there are fewer than cp).
