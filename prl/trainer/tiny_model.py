@@ -247,13 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("dir", nargs="?", default="/tmp/tiny-model")
     ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE (4 experts, top-2) instead of dense Qwen3")
     ap.add_argument("--family", choices=MOE_FAMILIES, default=None, help="an MoE of this family (implies --moe)")
-<<<<<<< HEAD
-    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads (cp must divide them)")
+    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads")
     ap.add_argument("--teacher-of", default=None, metavar="STUDENT",
                     help="a distillation teacher instead: the tiny model in STUDENT after a little SFT")
-=======
-    ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads")
->>>>>>> moe-families
     args = ap.parse_args(argv)
     if args.teacher_of:
         print(build_tiny_teacher(args.dir, args.teacher_of))
