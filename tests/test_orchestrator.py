@@ -214,7 +214,7 @@ def test_module_entry_point_with_explicit_servers(tmp_path, tokenizer_dir):
     with FakeEngine(model="local-tiny", token_ids=range(3, 400), stop_id=2) as eng:
         proc = subprocess.run(
             [sys.executable, "-m", "prl.orchestrator", "--run-dir", str(run.root), "--server", eng.url],
-            capture_output=True, text=True, timeout=120, cwd=REPO,
+            capture_output=True, text=True, timeout=400, cwd=REPO,  # a hang guard: 27 s alone, over 120 on CI
         )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "step 1/1" in proc.stdout and run.stable_steps("rollouts") == [1]
