@@ -46,7 +46,9 @@ def test_a_student_distilled_from_a_teacher_in_the_same_job_moves_toward_it(tmp_
     student = build_tiny_model(tmp_path / "student")
     teacher = build_tiny_teacher(tmp_path / "teacher", student)
     run = tmp_path / "run"
-    steps = 10
+    # The sampled-token KL stays near its start for about 7 steps, then falls (measured: 4.8 for steps 1-7, 3.5 from
+    # step 8); 10 steps passed by a hair and failed once on CI's loaded cores, 14 leave room.
+    steps = 14
     result = subprocess.run(
         [sys.executable, "-m", "prl.cli", "submit", "configs/local-distill.yaml", f"model.path={student}",
          f"teacher.path={teacher}", f"run_dir={run}", f"training.max_steps={steps}", "cluster.port_base=18940",
