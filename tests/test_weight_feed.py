@@ -18,11 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from prl.inference.worker import iter_safetensors
 from prl.run.feed import FeedServer, mac
 from prl.run.rundir import API_KEY_VAR, RunDir
 from tests.test_inference import assert_serves, prompts_for, publish_perturbed, served
 from tests.vllm_fixtures import HTTPFailure, http_json, server_fixture, start_inference
+
+
+def iter_safetensors(path):
+    """The worker's reader, imported when a test runs: prl.inference.worker imports vLLM, which collecting
+    this module (in every xdist worker, and in the inner loop) would otherwise pay for."""
+    from prl.inference.worker import iter_safetensors as read
+
+    return read(path)
+
 
 KEY = "feed-test-key"
 
