@@ -1,8 +1,9 @@
 """The in-process fast path: what the `prl` harness saves of verifiers' per-model-call CPU.
 
-A single-turn rollout through verifiers 0.4.0 as shipped cost the orchestrator about 20 ms of CPU
-(`bench/bench_rollout_cpu.py`). Three costs in it are not the work itself, and prl removes them in every
-process that runs its harness (the orchestrator, and each env worker of `orchestrator.env_workers`):
+A single-turn rollout through verifiers 0.4.0 as shipped cost the orchestrator 13-20 ms of CPU, 0.35x of
+that with these (`bench/bench_rollout_cpu.py`, docs/orchestrator.md). Three costs in it are not the work
+itself, and prl removes them in every process that runs its harness (the orchestrator, and each env worker
+of `orchestrator.env_workers`):
 
     pydantic default factories   verifiers builds each trace node with `model_construct`; pydantic 2.13/2.14
                                  then asks `inspect.signature` of every unset field's `default_factory`
