@@ -87,6 +87,8 @@ class FakeEngine:
         self.feed_step: int | None = None
         """The step the trainer's feeds hold, as this server would find them (None: whatever it is asked)."""
         self.generate_bodies: list[dict] = []
+        self.generate_clients: set[str] = set()
+        """The User-Agent products that sent generate requests (aiohttp: prl's fast path; AsyncOpenAI: the SDK)."""
         self.port = port
         """Port to listen on (0: any free one; a restarted server comes back on its old port)."""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -114,6 +116,7 @@ class FakeEngine:
             return web.json_response({"error": "injected failure"}, status=503)
         body = await request.json()
         self.generate_bodies.append(body)
+        self.generate_clients.add(request.headers.get("User-Agent", "").split("/")[0])
         prompt = list(body["token_ids"])
         start, weights = time.time(), self.weights_step
         extra = self.delay(prompt) if self.delay else 0.0

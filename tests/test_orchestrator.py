@@ -104,6 +104,8 @@ def test_steps_respect_the_staleness_bound_and_weights_reach_the_server(tmp_path
     # 2 evaluations of 4 run here; the 4 steps' 32 rollouts (and any replacing stale groups) here or in workers.
     assert len(here) == 8 if env_workers else len(here) >= 8 + 32, len(here)
     assert len(children) >= (env_workers + 1 if env_workers else 0), children
+    # The engine heard only prl's fast path (fastpath.py), in the workers too: aiohttp, never the OpenAI SDK.
+    assert eng.generate_clients == {"Python"}, eng.generate_clients
     assert run.stable_steps("rollouts") == [1, 2, 3, 4]
     for step in (1, 2, 3, 4):
         b = read_batch(run.rollouts(step))

@@ -5,6 +5,10 @@
     config.py       settings from plan.json
     env.py          loading a verifiers v1 environment offline (subprocess runtime, prl harness)
     harness.py      the in-process `prl` harness (tokens + logprobs via the train client)
+    fastpath.py     what the harness saves per model call: no HTTP hop to the in-process interception,
+                    the engine called over aiohttp (`engine_client.py`), pydantic's factory check cached
+    engine_client.py  verifiers' train client with its engine calls over aiohttp, not the OpenAI SDK
+    pooled.py       one pooled aiohttp session per event loop
     rollouts.py     groups of rollouts on the server pool -> samples
     continuous.py   continuous rollouts: groups in flight across steps; the data order a batch records
     advantages.py   group-relative advantages (pure)

@@ -6,8 +6,10 @@ one Python process and runs `uv sync` at run time, which fails offline; about
 in-process loop as long as every model call goes to the rollout's
 interception `endpoint` with its `secret`: the interception server then
 records the call on the trace, and with the train client the engine's token
-ids, sampled mask and logprobs. This harness does exactly that over a shared
-HTTP connection pool, and returns a synthetic successful `ProgramResult`.
+ids, sampled mask and logprobs. This harness does exactly that, and returns a
+synthetic successful `ProgramResult`. The server runs in this process, so the
+call goes straight to its handler (prl/orchestrator/fastpath.py: no localhost
+HTTP); a server elsewhere is reached over one pooled HTTP client.
 
 Tools: a task's MCP toolsets (`Task.toolsets`, `Taskset.toolsets`) arrive as
 `mcp_urls`; their schemas go to the model as the request's `tools` (the
@@ -36,6 +38,9 @@ from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.harnesses.utils.mcp import connect_mcp, mcp_content_to_chat_content
 from verifiers.v1.runtimes import ProgramResult
 
+from prl.orchestrator import fastpath
+from prl.orchestrator.pooled import session
+
 __all__ = ["PrlHarness", "PrlHarnessConfig"]
 
 HARNESS_ID = "prl_harness"
@@ -51,36 +56,6 @@ class PrlHarnessConfig(vf.HarnessConfig):
 MCP_CONNECT_TIMEOUT = 60.0
 """Seconds to connect to a rollout's tool servers and list their tools."""
 
-_sessions: dict[int, tuple[aiohttp.ClientSession, Any]] = {}
-"""Per event loop: its pooled session and the async generator that closes it when the loop ends."""
-
-
-async def _session() -> aiohttp.ClientSession:
-    """One pooled session per event loop (a session is bound to its loop). aiohttp, not httpx:
-    httpcore's pool rescans every connection on each request event, which at a few hundred
-    concurrent rollouts cost more CPU than the rest of the orchestrator.
-
-    The session closes when its loop ends, wherever the loop is ours or not (an env worker process of
-    `orchestrator.env_workers` runs verifiers' server loop): `asyncio.run` finalizes the loop's async
-    generators before it closes, and one of them owns the session."""
-    key = id(asyncio.get_running_loop())
-    session, _ = _sessions.get(key, (None, None))
-    if session is None or session.closed:
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
-        session = aiohttp.ClientSession(connector=connector)
-        owner = _closes_at_loop_end(key, session)
-        await owner.__anext__()  # now suspended; the loop's shutdown_asyncgens resumes it into `finally`
-        _sessions[key] = (session, owner)  # held here: a collected generator would close the session at once
-    return session
-
-
-async def _closes_at_loop_end(key: int, session: aiohttp.ClientSession):
-    try:
-        yield
-    finally:
-        _sessions.pop(key, None)
-        await session.close()
-
 
 class PrlHarness(vf.Harness[PrlHarnessConfig]):
     APPENDS_SYSTEM_PROMPT = True
@@ -88,6 +63,10 @@ class PrlHarness(vf.Harness[PrlHarnessConfig]):
     SUPPORTS_MCP = True
     EXECUTES_CODE = False
     NEEDS_CONTAINER = False
+
+    def __init__(self, config: PrlHarnessConfig):
+        super().__init__(config)
+        fastpath.install()  # before the env serves: its interception servers take the fast path's client
 
     async def launch(
         self,
@@ -139,21 +118,30 @@ class PrlHarness(vf.Harness[PrlHarnessConfig]):
         body: dict = {"model": ctx.model, "messages": messages}
         if tools:
             body["tools"] = tools
-        async with (await _session()).post(
+        status, payload = await self._post(endpoint, secret, body)
+        if status >= 400:
+            # A refused turn (limit, @stop) is an expected end; the trace records why.
+            if trace.stop_condition is not None:
+                return ProgramResult(exit_code=0, stdout="", stderr="")
+            text = payload.decode(errors="replace")
+            return ProgramResult(exit_code=1, stdout="", stderr=f"model call failed: HTTP {status}: {text[:500]}")
+        choice = (json.loads(payload).get("choices") or [{}])[0]
+        return {"role": "assistant", **(choice.get("message") or {})}
+
+    async def _post(self, endpoint: str, secret: str, body: dict) -> tuple[int, bytes]:
+        """POST `body` to the interception's chat route: (status, response body). In-process when the server
+        is this process's (`fastpath.local_call`), else over HTTP."""
+        server = fastpath.local_server(endpoint)
+        if server is not None:
+            async with asyncio.timeout(self.config.request_timeout):
+                return await fastpath.local_call(server, secret, body)
+        async with (await session()).post(
             f"{endpoint.rstrip('/')}/chat/completions",
             headers={"Authorization": f"Bearer {secret}"},
             json=body,
             timeout=aiohttp.ClientTimeout(total=self.config.request_timeout),
         ) as resp:
-            if resp.status >= 400:
-                # A refused turn (limit, @stop) is an expected end; the trace records why.
-                if trace.stop_condition is not None:
-                    return ProgramResult(exit_code=0, stdout="", stderr="")
-                text = await resp.text()
-                return ProgramResult(exit_code=1, stdout="", stderr=f"model call failed: HTTP {resp.status}: {text[:500]}")
-            payload = await resp.json(content_type=None)
-        choice = (payload.get("choices") or [{}])[0]
-        return {"role": "assistant", **(choice.get("message") or {})}
+            return resp.status, await resp.read()
 
     async def _call_tool(self, name: str, arguments: Any, dispatch: dict, servers: dict) -> str | list:
         """A tool's result, or "error: ..." for the model to read: a bad call or a failing tool is the

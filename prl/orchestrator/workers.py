@@ -5,8 +5,8 @@
         routing, retries, version stamps  <-trace--    rendering, scoring (verifiers' code)
       advantages, packing, publishing
 
-One rollout costs the orchestrator's process about 24 ms of CPU, and prl's own code is
-1.9 ms of it (`bench/bench_orchestrator.py --profile`): the rest is verifiers' and renderers'.
+One rollout costs the orchestrator's process about 5-7 ms of CPU with prl's fast path
+(`bench/bench_rollout_cpu.py`), and prl's own code is a small part of it: the rest is verifiers' and renderers'.
 So the way past one core is to run episodes elsewhere. `EnvWorkers` does that with
 verifiers' own serving stack (`verifiers.v1.serve`). `serve_env` runs in a spawned process: a
 ZMQ broker over N pre-spawned `EnvServer` processes (one `EnvServer` when N is 1). Each
