@@ -122,16 +122,33 @@ def test_two_ranks_train_only_the_adapter_and_resume_it_exactly(tiny, tmp_path):
     assert len(losses) == 3
 
 
-def test_a_merged_adapter_is_the_base_plus_its_scaled_product(tmp_path):
+def test_the_trainer_s_adapted_forward_equals_the_merged_model(tiny, tmp_path):
+    """The hook's W x + (alpha / r) B A x (the trainer) against W + (alpha / r) B A (`prl export --merged`), on
+    an adapter published in PEFT's layout with B off zero."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from prl.config.topology import Lora
+    from prl.trainer.lora import adapter_config, adapter_state, attach, merged_state
+
+    lora = Lora(rank=4, alpha=12.0, target_modules=["q_proj", "o_proj", "up_proj"])
+    trained = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    modules = attach(trained, lora, seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if name.endswith(("lora_A", "lora_B")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
     from safetensors.torch import save_file
 
-    from prl.trainer.lora import merged_state
-
-    w = torch.randn(6, 4)
-    a, b = torch.randn(2, 4), torch.randn(6, 2)
-    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 6}))
-    save_file({"base_model.model.layer.q_proj.lora_A.weight": a, "base_model.model.layer.q_proj.lora_B.weight": b},
-              str(tmp_path / "adapter_model.safetensors"))
-    out = merged_state({"layer.q_proj.weight": w, "other": torch.ones(1)}, tmp_path)
-    torch.testing.assert_close(out["layer.q_proj.weight"], w + 3 * b @ a)
-    assert torch.equal(out["other"], torch.ones(1))
+    save_file(adapter_state(trained, torch.float32), str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(adapter_config(lora, modules, str(tiny))))
+    merged = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    state = merged_state(dict(merged.state_dict()), tmp_path)
+    merged.load_state_dict(state)
+    ids = torch.arange(3, 40)[None]
+    trained.eval()
+    torch.testing.assert_close(trained(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    assert (base(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max() > 1e-2, "the adapter matters"
+    assert len(load_file(str(tmp_path / "adapter_model.safetensors"))) == 2 * 2 * 3

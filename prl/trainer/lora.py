@@ -147,3 +147,37 @@ def merged_state(base: dict[str, torch.Tensor], adapter_dir: str | Path) -> dict
         w = out[f"{module}.weight"]
         out[f"{module}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
     return out
+
+
+def export(run: RunDir, step: int | None, out: Path, merged: bool) -> Path:
+    """Write a published weights step to `out` as a model of its own: as published (an adapter, or a whole model),
+    or with `merged` a LoRA step merged into its base model (a plain Hugging Face directory that transformers and
+    vLLM load). `step` None: the newest. ConfigError when there is no such step or `out` exists."""
+    import shutil
+
+    from prl.planner.model import Plan
+    from prl.run.rundir import MARKER, is_stable
+    from prl.trainer.loading import weight_map
+    from prl.trainer.weights import write_hf_dir
+
+    step = run.latest_stable("weights") if step is None else step
+    if step is None or not is_stable(run.weights(step)):
+        raise ConfigError(f"{run.root} has no published weights step {'' if step is None else step} "
+                          f"(published: {run.stable_steps('weights') or 'none'})")
+    if out.exists():
+        raise ConfigError(f"{out} exists; export writes a new directory")
+    src = run.weights(step)
+    if not merged:
+        shutil.copytree(src, out, ignore=shutil.ignore_patterns(MARKER))
+        return out
+    if not is_adapter_dir(src):
+        raise ConfigError(f"{src} is a whole model (the run has no model.lora): export it without --merged")
+    from safetensors.torch import load_file
+
+    base = Plan.read(run).settings().model.path
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(set(weight_map(base).values())):
+        state.update(load_file(str(file)))
+    dtype = next(iter(state.values())).dtype
+    write_hf_dir(out, merged_state(state, src), base, dtype)
+    return out
