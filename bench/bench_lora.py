@@ -57,10 +57,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--samples", type=int, default=16)
-    ap.add_argument("--len", type=int, default=256)
-    ap.add_argument("--micro-batch-tokens", type=int, default=1024)
     args = ap.parse_args()
+    args.samples, args.len, args.micro_batch_tokens = 16, 256, 1024  # bench_trainer.py's defaults
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model_dir = build_tiny_model(tmp / "model", hidden_size=args.hidden, num_layers=args.layers,

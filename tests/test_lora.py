@@ -17,7 +17,6 @@ import torch
 
 from prl.planner.capabilities import ModelConfig, lora_refusals, served_lora_rank
 from tests.plans import REPO, local_plan
-from tests.tiny_model import build_tiny_model
 from tests.trainer_helpers import launch, setup_run
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.target_modules=[q_proj,v_proj,down_proj]"]
@@ -49,9 +48,10 @@ def test_the_served_rank_is_the_smallest_vllm_accepts():
     assert [served_lora_rank(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+@pytest.fixture
+def tiny(tiny_model_dir):
+    """The session's tiny Qwen3 (tests/vllm_fixtures.py), built once for every test that needs one."""
+    return tiny_model_dir
 
 
 def test_the_plan_renders_lora_serving_and_refuses_what_cannot_work(tiny, tmp_path):
@@ -73,6 +73,16 @@ def test_the_plan_renders_lora_serving_and_refuses_what_cannot_work(tiny, tmp_pa
         local_plan(tmp_path / "run", tiny, ["weights.transport=memory"], topology="local-lora")
     with pytest.raises(ConfigError, match=r"\(model.lora.rank\): Input should be greater than or equal to 1"):
         local_plan(tmp_path / "run", tiny, ["model.lora.rank=0"], topology="local-lora")
+
+    # A LoRA run's step is an adapter: starting another run from it asks for the merged export.
+    from prl.run.rundir import RunDir
+    from tests.plans import write_plan
+
+    lora_run = write_plan(RunDir(tmp_path / "lora-run"), plan)
+    lora_run.publish_dir(lora_run.weights(3), lambda d: (d / "adapter_config.json").write_text("{}"), step=3)
+    with pytest.raises(ConfigError, match=r"\(model.from_run\): .*step_3 is a LoRA adapter .* merge it first, "
+                                          r"`prl export .* --step 3 --merged -o DIR`"):
+        local_plan(tmp_path / "run", tiny, ["model.path=null", f"model.from_run={lora_run.root}"])
 
 
 def adapter_tensors(step_dir) -> dict[str, torch.Tensor]:
