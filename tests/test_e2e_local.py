@@ -60,8 +60,11 @@ def test_local_lora_run_learns_and_serves_each_adapter_as_trained(tmp_path, env)
     publishes the adapter alone, the server hot-loads it under the run's model name, rollouts carry the adapter
     version that made them, and where a step's rollouts all came from the trainer's current adapter the
     served logprobs equal the trainer's (the mismatch metrics). Then `prl export --merged` on the last step
-    gives a plain HF model that transformers loads."""
-    model = build_tiny_model(tmp_path / "model")
+    gives a plain HF model that transformers loads. The model is `build_tiny: dense-lora`'s (8x embeddings: on
+    the default tiny model no adapter can move the output distribution, prl/trainer/tiny_model.py)."""
+    from prl.trainer.tiny_model import LORA_EMBED_SCALE
+
+    model = build_tiny_model(tmp_path / "model", embed_scale=LORA_EMBED_SCALE)
     run = tmp_path / "run"
     records = submit_local(env, "configs/local-lora.yaml", model, run, "cluster.port_base=18940")
     steps = 8

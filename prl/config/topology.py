@@ -72,9 +72,10 @@ class Model(Strict, kw_only=True):
     """Weights dtype for inference and published weights."""
     max_model_len: Annotated[int, Meta(ge=16, le=MAX_TOKENS)] = 4096
     """Longest prompt + completion, in tokens."""
-    build_tiny: Optional[Literal["dense", "moe"]] = None
+    build_tiny: Optional[Literal["dense", "moe", "dense-lora"]] = None
     """Demo and test topologies: when `path` holds no model yet, `prl submit` builds a tiny random one there
-    first, with its tokenizer (`dense`: a Qwen3, `moe`: a Qwen3-MoE with 4 experts; the models the tests use,
+    first, with its tokenizer (`dense`: a Qwen3, `moe`: a Qwen3-MoE with 4 experts, `dense-lora`: the Qwen3 with
+    8x embeddings, which a LoRA adapter can move: the default's logits stay near uniform; the models the tests use,
     prl.trainer.tiny_model; needs the `train` extra). It learns toy tasks in minutes on CPUs; not for real runs.
     Nothing is built for `from_run`."""
     renderer: Optional[Annotated[dict[str, Any], Meta(max_length=MAX_ITEMS)]] = None
