@@ -14,6 +14,7 @@ saves on a GPU, where the optimizer state and gradients of the frozen weights ar
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -37,7 +38,7 @@ def run_trainer(root: Path, model_dir: Path, args, overrides: list[str]) -> dict
     run = write_plan(RunDir(root), make_plan(model_dir, root, world_size=args.nproc, max_steps=args.steps,
                                              checkpoint_interval=0, micro_batch_tokens=args.micro_batch_tokens,
                                              lr=1e-4, max_off_policy_steps=args.steps, overrides=overrides))
-    vocab = 512
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     for s in range(1, args.steps + 1):
         publish_batch(run, s, samples(s, args.samples, args.len, vocab), dp_size=args.nproc,
                       micro_batch_tokens=args.micro_batch_tokens)

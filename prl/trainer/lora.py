@@ -44,7 +44,9 @@ def is_adapter(name: str) -> bool:
 
 
 def _delta(module: nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    x = F.dropout(args[0], module.lora_dropout, module.training)
+    x = args[0]
+    if module.lora_dropout > 0:
+        x = F.dropout(x, module.lora_dropout, module.training)
     return output + F.linear(F.linear(x, module.lora_A), module.lora_B) * module.lora_scale
 
 
