@@ -66,7 +66,7 @@ def test_local_lora_run_learns_and_serves_each_adapter_as_trained(tmp_path, env)
 
     model = build_tiny_model(tmp_path / "model", embed_scale=LORA_EMBED_SCALE)
     run = tmp_path / "run"
-    records = submit_local(env, "configs/local-lora.yaml", model, run, "cluster.port_base=18940")
+    records = submit_local(env, "configs/local-lora.yaml", model, run, "cluster.port_base=19600")
     steps = 12
     assert_reward_rises(records, steps, 0.05)
     assert sorted(p.name for p in (run / "weights" / f"step_{steps}").iterdir()) == [
