@@ -207,6 +207,15 @@ def trainer(a: argparse.Namespace) -> None:
         raise Exit(code)
 
 
+def export(a: argparse.Namespace) -> None:
+    """Write a run's published weights step as a model of its own (--merged: a LoRA adapter merged in)."""
+    from prl.ops.status import resolve_run
+    from prl.trainer.lora import export as do_export
+
+    out = do_export(resolve_run(a.run), a.step, Path(a.output).expanduser().resolve(), a.merged)
+    print(f"wrote {out}")
+
+
 def orchestrator(a: argparse.Namespace) -> None:
     """Run the orchestrator: environments -> rollouts -> batches; new weights -> every server."""
     from prl.orchestrator import main as orchestrate
@@ -361,6 +370,14 @@ def _trainer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", default="latest", help="latest, none, or a checkpoint step.")
 
 
+def _export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", nargs="?", help=RUN_HELP)
+    p.add_argument("--step", type=int, help="Published weights step (default: the newest).")
+    p.add_argument("--merged", action="store_true", help="A LoRA run: merge the adapter into the base model, "
+                                                         "writing a plain Hugging Face model.")
+    p.add_argument("--output", "-o", required=True, help="Directory to write (must not exist).")
+
+
 def _orchestrator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", required=True, help="The run directory (holds plan.json).")
     p.add_argument("--server", action="append", help="Inference server URL (repeatable); default: the run's endpoints.")
@@ -389,6 +406,7 @@ COMMANDS: dict[str, Command] = {
     "logs": (logs, _logs_args), "cancel": (cancel, _cancel_args), "doctor": (doctor, _doctor_args),
     "trainer": (trainer, _trainer_args), "orchestrator": (orchestrator, _orchestrator_args),
     "eval": (evaluate, _eval_args), "plot": (plot, _plot_args), "wandb": (wandb, _wandb_args),
+    "export": (export, _export_args),
 }
 
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import REPO
 from tests.tiny_model import build_tiny_model
@@ -52,3 +53,38 @@ def test_local_rl_run_learns_the_multi_turn_guessing_game(tmp_path, env):
     assert_reward_rises(records, 20, 0.15)
     orchestrator = [r for r in records if r["role"] == "orchestrator" and not r.get("eval")]
     assert all(r["turns_mean"] > 1.0 for r in orchestrator)  # the environment's turns happened
+
+
+def test_local_lora_run_learns_and_serves_each_adapter_as_trained(tmp_path, env):
+    """configs/local-lora.yaml: a rank-8 adapter on the frozen tiny model learns prl_letters; every step
+    publishes the adapter alone, the server hot-loads it under the run's model name, rollouts carry the adapter
+    version that made them, and where a step's rollouts all came from the trainer's current adapter the
+    served logprobs equal the trainer's (the mismatch metrics). Then `prl export --merged` on the last step
+    gives a plain HF model that transformers loads. The model is `build_tiny: dense-lora`'s (8x embeddings: on
+    the default tiny model no adapter can move the output distribution, prl/trainer/tiny_model.py)."""
+    from prl.trainer.tiny_model import LORA_EMBED_SCALE
+
+    model = build_tiny_model(tmp_path / "model", embed_scale=LORA_EMBED_SCALE)
+    run = tmp_path / "run"
+    records = submit_local(env, "configs/local-lora.yaml", model, run, "cluster.port_base=19600")
+    steps = 12
+    assert_reward_rises(records, steps, 0.05)
+    assert sorted(p.name for p in (run / "weights" / f"step_{steps}").iterdir()) == [
+        "STABLE", "adapter_config.json", "adapter_model.safetensors"]
+    loads = [r for r in records if r.get("event") == "weights_loaded"]
+    assert {r["step"] for r in loads} >= set(range(1, steps)), "the server hot-loaded every adapter it was sent"
+    trainer = [r for r in records if r["role"] == "trainer"]
+    assert [r["max_policy_lag"] for r in trainer] == [1] * steps, "on-policy: step N trains on adapter N-1's rollouts"
+    for r in trainer:  # served with adapter N-1, scored by the trainer holding adapter N-1
+        assert r["mismatch_kl"] < 1e-4 and 0.99 < r["mismatch_ratio_mean"] < 1.01, r
+
+    out = tmp_path / "merged"
+    done = subprocess.run([sys.executable, "-m", "prl.cli", "export", str(run), "--step", str(steps), "--merged",
+                           "-o", str(out)], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    base = AutoModelForCausalLM.from_pretrained(model)
+    changed = [n for n, p in merged.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])]
+    assert changed and all(n.endswith("_proj.weight") for n in changed), changed

@@ -35,6 +35,28 @@ def _class_name(value: str) -> str:
     return "must be a class name: letters, digits, '_' and '.' only"
 
 
+class Lora(Strict, kw_only=True):
+    """Train a low-rank adapter instead of every weight (prl/trainer/lora.py): the base model stays frozen,
+    each target linear layer W gets W + (alpha / rank) * B @ A, and only A and B are trained, checkpointed and
+    sent to the inference servers (in PEFT's layout, hot-loaded by vLLM's LoRA support)."""
+
+    rank: Annotated[int, Meta(ge=1, le=512)]
+    """The adapter's rank r (A is r x in, B is out x r). vLLM serves ranks up to 512."""
+    alpha: Optional[Annotated[float, Meta(gt=0, le=MAX_COUNT)]] = None
+    """Scale numerator: the update is (alpha / rank) * B @ A (None: alpha = rank, a scale of 1)."""
+    dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    """Dropout on the adapter's input while training (0: off; in RL it widens the trainer/inference mismatch)."""
+    target_modules: Annotated[list[Name], Meta(min_length=1, max_length=MAX_ITEMS)] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Names of the linear layers that get an adapter (the last part of their module name, as in PEFT): the
+    default is every attention and MLP projection of Llama/Qwen-style models. Checked against the model's
+    architecture when planned."""
+
+    @property
+    def scale(self) -> float:
+        return (self.alpha if self.alpha is not None else self.rank) / self.rank
+
+
 class Model(Strict, kw_only=True):
     path: Optional[PathText] = None
     """Local directory of a Hugging Face model, or a hub id the nodes have cached. Or `from_run`."""
@@ -50,9 +72,10 @@ class Model(Strict, kw_only=True):
     """Weights dtype for inference and published weights."""
     max_model_len: Annotated[int, Meta(ge=16, le=MAX_TOKENS)] = 4096
     """Longest prompt + completion, in tokens."""
-    build_tiny: Optional[Literal["dense", "moe"]] = None
+    build_tiny: Optional[Literal["dense", "moe", "dense-lora"]] = None
     """Demo and test topologies: when `path` holds no model yet, `prl submit` builds a tiny random one there
-    first, with its tokenizer (`dense`: a Qwen3, `moe`: a Qwen3-MoE with 4 experts; the models the tests use,
+    first, with its tokenizer (`dense`: a Qwen3, `moe`: a Qwen3-MoE with 4 experts, `dense-lora`: the Qwen3 with
+    8x embeddings, which a LoRA adapter can move: the default's logits stay near uniform; the models the tests use,
     prl.trainer.tiny_model; needs the `train` extra). It learns toy tasks in minutes on CPUs; not for real runs.
     Nothing is built for `from_run`."""
     renderer: Optional[Annotated[dict[str, Any], Meta(max_length=MAX_ITEMS)]] = None
@@ -62,6 +85,8 @@ class Model(Strict, kw_only=True):
     SmolLM2; Hermes tool calls). A renderer that bridges turns keeps a multi-turn rollout one exact token
     sequence. None: chosen from the tokenizer's name; an unknown model gets the template-driven default,
     which re-renders every turn (a multi-turn rollout then trains as several sequences)."""
+    lora: Optional[Lora] = None
+    """Train a LoRA adapter on the frozen model instead of every weight (None: full fine-tuning)."""
 
     def __post_init__(self) -> None:
         if self.renderer is not None and not (isinstance(name := self.renderer.get("name"), str) and name):
@@ -606,6 +631,9 @@ class Topology(Strict, kw_only=True):
                 if getattr(self, name) is None:
                     raise FieldValueError(name, "missing: an RL topology needs inference: and environment: "
                                                 "(or give sft: for supervised fine-tuning)")
+        if self.model.lora is not None and self.weights.transport != "filesystem":
+            raise FieldValueError("weights", "model.lora sends only the adapter, through the run directory (a few MB): "
+                                             "remove weights.transport: memory, which streams whole models")
         if self.teacher is not None and self.teacher.path is None:
             # A teacher of the student's own initial weights is a reference: say so rather than guess.
             raise FieldValueError("teacher", "teacher needs a model: set teacher.path (the student's own initial "

@@ -87,6 +87,8 @@ class AdminState:
     last_update: dict | None = None
     broken: str | None = None
     """Why the served weights are unknown after a failed update and a failed rollback."""
+    lora: bool = False
+    """Started with `--enable-lora`: updates are adapters (`model.lora`), served under the model's name."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -175,10 +177,13 @@ def checked_target(state, body: dict) -> tuple[WeightsTarget | FeedTarget, str]:
     if "feeds" in body:
         return resolve_feeds(body), mode
     target = resolve_weights_dir(state.run, body)
-    if state.layout is not None:
+    if target.adapter != state.lora:
+        raise UpdateRefused(409, f"{target.path} is {'a LoRA adapter' if target.adapter else 'a whole model'}; this "
+                                 f"server {'serves adapters (--enable-lora)' if state.lora else 'runs without --enable-lora'}")
+    if state.layout is not None and not target.adapter:
         compare_layouts(state.layout, checkpoint_layout(target.path), target.path)
     else:
-        checkpoint_layout(target.path)  # at least readable safetensors
+        checkpoint_layout(target.path)  # at least readable safetensors (vLLM checks an adapter's names as it loads)
     return target, mode
 
 
@@ -200,7 +205,10 @@ async def update_weights(request: Request):
         await engine.pause_generation(mode=mode, clear_cache=False)
         pause_seconds = time.perf_counter() - t_pause
         try:
-            load_seconds = await load(engine, target)
+            if isinstance(target, WeightsTarget) and target.adapter:
+                load_seconds = await load_adapter(request, state, target)
+            else:
+                load_seconds = await load(engine, target)
         except Exception as e:  # noqa: BLE001 - any worker failure: roll back, then report
             return await recover(state, engine, target, f"loading {target.path} failed: {type(e).__name__}: {e}")
         finally:
@@ -217,7 +225,7 @@ async def update_weights(request: Request):
 
         seconds = time.perf_counter() - t0
         state.weights_path, state.weights_step = str(target.path), target.step
-        if isinstance(target, WeightsTarget):
+        if isinstance(target, WeightsTarget) and not target.adapter:
             state.disk = (str(target.path), target.step)
         state.updates += 1
         state.last_update = {
@@ -249,6 +257,19 @@ async def load(engine, target: WeightsTarget | FeedTarget) -> float:
     return max(r["seconds"] for r in await engine.collective_rpc("prl_feed_report"))
 
 
+async def load_adapter(request: Request, state: AdminState, target: WeightsTarget) -> float:
+    """Load a published LoRA adapter under the served model's name: every request for that name (OpenAI routes
+    and prl's generate route) then runs with it. Each version gets a new LoRA id, so no KV or cached adapter of
+    an older one is reused; requests already running keep the adapter they started with."""
+    from vllm.lora.request import LoRARequest
+
+    t0 = time.perf_counter()
+    lora = LoRARequest(state.model_name, state.updates + 1, str(target.path))
+    await _engine(request).add_lora(lora)
+    request.app.state.openai_serving_models.lora_requests[state.model_name] = lora
+    return time.perf_counter() - t0
+
+
 async def recover(state: AdminState, engine, target: WeightsTarget | FeedTarget, error: str) -> JSONResponse:
     """The answer to a failed load. A feed update refused before any worker touched its model keeps the
     old weights (502); otherwise the last disk weights are loaded again, or the server is marked broken. A
@@ -258,6 +279,8 @@ async def recover(state: AdminState, engine, target: WeightsTarget | FeedTarget,
             await engine.collective_rpc("prl_end_weight_update")
     if isinstance(target, FeedTarget) and not await _feed_touched(engine):
         return _error(502, f"{error}; nothing was loaded, still serving {state.weights_path}")
+    if isinstance(target, WeightsTarget) and target.adapter:  # the engine refused it whole: the old one serves
+        return _error(502, f"{error}; still serving {state.weights_path}")
     if state.disk is None:
         state.broken = f"{error}; the server has no weights on disk to roll back to"
         return _error(500, state.broken)
@@ -379,7 +402,7 @@ def _record_metrics(state: AdminState, request: Request) -> None:
         pass
 
 
-def initial_state(run: RunDir, model: str, model_name: str) -> AdminState:
+def initial_state(run: RunDir, model: str, model_name: str, lora: bool = False) -> AdminState:
     """AdminState for a server that just loaded `model` (a local dir or a hub id)."""
     path = Path(model)
     layout = None
@@ -392,4 +415,4 @@ def initial_state(run: RunDir, model: str, model_name: str) -> AdminState:
     step = step_of(path) if path.is_dir() and path.resolve().parent == run.weights_root() else None
     weights_path = str(path.resolve()) if path.is_dir() else model
     return AdminState(run=run, model_name=model_name, weights_path=weights_path, layout=layout, weights_step=step,
-                      disk=(weights_path, step) if path.is_dir() else None)
+                      disk=(weights_path, step) if path.is_dir() else None, lora=lora)

@@ -58,6 +58,8 @@ class WeightsTarget:
     """Resolved (realpath) directory under RUN/weights/."""
     step: int | None
     """Policy version, from the directory name step_N (None for another name)."""
+    adapter: bool = False
+    """A LoRA adapter (PEFT's adapter_config.json + adapter_model.safetensors), not a whole model."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,11 @@ def resolve_weights_dir(run: RunDir, body: Any) -> WeightsTarget:
     for f in weight_files(real):
         if not _inside(Path(os.path.realpath(f)), root):
             raise UpdateRefused(403, f"refused: weight file {f} links outside {root}")
-    return WeightsTarget(real, step_of(real))
+    return WeightsTarget(real, step_of(real), adapter=(real / ADAPTER_CONFIG).is_file())
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+"""The file that makes a published step a LoRA adapter (what prl/trainer/lora.py writes; vLLM reads it)."""
 
 
 def weight_files(path: str | Path) -> list[Path]:

@@ -298,6 +298,7 @@ async def generate(request: GenerateRequest, raw_request: Request):
     final = None
     try:
         async for out in engine.generate(prompt, params, request_id, priority=request.priority,
+                                         lora_request=served_adapter(raw_request, request.model),
                                          session_id=raw_request.headers.get(SESSION_HEADER)):
             final = out
     except (ValueError, VLLMClientError) as e:  # vLLM's input validation (token ids out of vocab, too long, ...)
@@ -318,6 +319,12 @@ async def generate(request: GenerateRequest, raw_request: Request):
                   "total_tokens": len(request.token_ids) + completion_tokens},
         "kv_transfer_params": final.kv_transfer_params,
     })
+
+
+def served_adapter(raw_request: Request, model: str | None):
+    """The LoRA adapter loaded under `model`'s name (`model.lora` runs, prl/inference/admin.py), else None."""
+    models = getattr(raw_request.app.state, "openai_serving_models", None)
+    return models.lora_requests.get(model) if models is not None and model else None
 
 
 async def _release_remote_kv(engine, request_id: str, kv_transfer_params: dict[str, Any] | None) -> None:

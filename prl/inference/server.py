@@ -234,7 +234,7 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
         add_prl_routes(app, engine.model_config)
         await init_app_state(engine, app.state, args, supported)
         served = (args.served_model_name or [args.model])[0]
-        app.state.prl_admin = admin.initial_state(run, args.model, served)
+        app.state.prl_admin = admin.initial_state(run, args.model, served, lora=bool(args.enable_lora))
         log.info("prl inference: run dir %s, serving %s on %s", run.root, served, listen_address)
 
         uvicorn_kwargs = {}

@@ -108,7 +108,8 @@ def latest_weights_args(run: RunDir, args: list[str], holder: str) -> list[str]:
     rejoins on the weights the others serve instead of the base model. The step is held for `holder`
     (cleanup keeps it) until `run.release_weights(holder)`: vLLM reads `--model` as long as it runs."""
     step = run.latest_stable("weights")
-    if step is None or "--model" not in args:
+    # A LoRA server starts on the base model: its steps are adapters, which the weight watcher loads once it is up.
+    if step is None or "--model" not in args or "--enable-lora" in args:
         return args
     run.hold_weights(holder, step)
     if not is_stable(run.weights(step)):  # a cleanup took it between the look and the hold: look again

@@ -159,3 +159,79 @@ def packing_refusals(model_config: ModelConfig | None) -> list[tuple[Field, str]
     return [(("model", "path"), f"{model_config.architecture} has linear_attention layers (config.json layer_types), "
                                 f"whose state runs across the packed samples of a row: prl cannot train it correctly "
                                 f"yet (docs/trainer.md, MoE families)")]
+
+
+VLLM_LORA_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The `--max-lora-rank` values vLLM 0.32 accepts (vllm/config/lora.py `MaxLoRARanks`)."""
+
+VLLM_NO_LORA_ARCHITECTURES: frozenset[str] = frozenset({
+    "BailingMoeV2_5ForCausalLM",
+    "BailingMoeV3ForCausalLM",
+    "BloomForCausalLM",
+    "Cohere2MoeForCausalLM",
+    "DbrxForCausalLM",
+    "DeepseekV32ForCausalLM",
+    "DeepseekV4ForCausalLM",
+    "FalconForCausalLM",
+    "FalconMambaForCausalLM",
+    "GPT2LMHeadModel",
+    "GPTJForCausalLM",
+    "Gemma3nForCausalLM",
+    "Glm5NextForCausalLM",
+    "HCXVisionV2ForCausalLM",
+    "HYV4ForCausalLM",
+    "HrmTextForCausalLM",
+    "IQuestLoopCoderForCausalLM",
+    "InklingForCausalLM",
+    "InklingForConditionalGeneration",
+    "KimiLinearForCausalLM",
+    "Mamba2ForCausalLM",
+    "MambaForCausalLM",
+    "MiMoV2FlashForCausalLM",
+    "MiMoV2ForCausalLM",
+    "MiniMaxM3SparseForCausalLM",
+    "OrionForCausalLM",
+    "Qwen4ExpForCausalLM",
+    "StableLmForCausalLM",
+    "Step1ForCausalLM",
+    "Step3TextForCausalLM",
+    "Step3p5ForCausalLM",
+    "Zamba2ForCausalLM",
+})
+"""Text-generation architectures vLLM 0.32 serves without LoRA support (their model class does not implement
+`SupportsLoRA`; listed from vllm/model_executor/models/registry.py, checked by tests/test_capabilities.py)."""
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+LORA_MODULES: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM"), ATTENTION + MLP),
+    **dict.fromkeys(("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM",
+                     "Glm4MoeForCausalLM", "OlmoeForCausalLM"), ATTENTION),
+    "DeepseekV3ForCausalLM": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+}
+"""The linear layers (last name part) prl's LoRA can adapt in each architecture it knows. MoE experts are fused
+[E, ...] parameters in transformers 5, not linear layers: an MoE model's adapter covers its attention."""
+
+
+def lora_refusals(model_config: ModelConfig | None, rank: int, target_modules: list[str]) -> list[tuple[Field, str]]:
+    """Refusals of `model.lora` for this model: a family vLLM serves without adapters, or target modules the
+    architecture does not have (an architecture not in LORA_MODULES is checked by the trainer when it starts)."""
+    if model_config is None:
+        return []
+    arch = model_config.architecture
+    if arch in VLLM_NO_LORA_ARCHITECTURES:
+        return [(("model", "lora"), f"vLLM cannot serve {arch} with LoRA adapters (its model class has no LoRA "
+                                    f"support): train it without model.lora")]
+    known = LORA_MODULES.get(arch)
+    unknown = [m for m in target_modules if known is not None and m not in known]
+    if unknown:
+        return [(("model", "lora", "target_modules"),
+                 f"{arch} has no linear layer named {', '.join(unknown)}; "
+                 f"it has {', '.join(known)}")]
+    return []
+
+
+def served_lora_rank(rank: int) -> int:
+    """vLLM's `--max-lora-rank` for an adapter of rank `rank`: the smallest value it accepts that holds it."""
+    return next(r for r in VLLM_LORA_MAX_RANKS if r >= rank)

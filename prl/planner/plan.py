@@ -31,9 +31,9 @@ from typing import Any, Optional
 
 from prl.config.cluster import ClusterProfile
 from prl.config.loader import Source
-from prl.config.topology import InferenceGroup, Scorer, Topology, Training
+from prl.config.topology import InferenceGroup, Lora, Scorer, Topology, Training
 from prl.errors import PlanError
-from prl.planner.capabilities import ModelConfig, trainer_refusals
+from prl.planner.capabilities import ModelConfig, lora_refusals, served_lora_rank, trainer_refusals
 from prl.planner.settings import RunSettings
 from prl.run.rundir import RunDir
 from prl.planner.model import (
@@ -75,7 +75,8 @@ PLANNED_SERVER_OPTIONS = frozenset({
     "--port", "--host", "--api-key", "--data-parallel-size", "-dp", "--data-parallel-rpc-port",
     "--data-parallel-size-local", "-dpl", "--data-parallel-start-rank", "-dpr", "--data-parallel-address", "-dpa",
     "--headless", "--enable-expert-parallel", "--gpu-memory-utilization", "--kv-transfer-config",
-    "--kv-offloading-backend", "--kv-offloading-size"})
+    "--kv-offloading-backend", "--kv-offloading-size", "--enable-lora", "--max-lora-rank", "--max-loras",
+    "--max-cpu-loras"})
 """`vllm serve` options the plan (or the role runner) sets: an `extra_args` item naming one would contradict it."""
 LAYOUT_DIRECTIVES = frozenset({
     "--job-name", "--output", "--error", "--open-mode", "--signal", "--requeue", "--no-requeue", "--time",
@@ -239,13 +240,26 @@ def served_model(topo: Topology, role: str) -> list[str]:
     scorer = topo.scorers().get(role)
     if scorer is None:
         args = ["--model", m.path, "--served-model-name", topo.name, "--dtype", m.dtype,
-                "--max-model-len", str(m.max_model_len)]
+                "--max-model-len", str(m.max_model_len)] + lora_args(m.lora)
         tokenizer = m.tokenizer
     else:
         args = ["--model", scorer.path or m.path, "--served-model-name", role, "--dtype", scorer.dtype,
                 "--max-model-len", str(scorer_max_len(topo, scorer))]
         tokenizer = scorer.tokenizer or (None if scorer.path else m.tokenizer)
     return args + (["--tokenizer", tokenizer] if tokenizer else [])
+
+
+LORA_SLOTS = 2
+"""Adapters a server holds at once (`--max-loras`): the version serving and the one replacing it, so requests
+still on the old one finish on it while the new one loads."""
+
+
+def lora_args(lora: Optional[Lora]) -> list[str]:
+    """The policy servers' LoRA arguments: adapters on, room for the run's rank (none without `model.lora`)."""
+    if lora is None:
+        return []
+    return ["--enable-lora", "--max-lora-rank", str(served_lora_rank(lora.rank)), "--max-loras", str(LORA_SLOTS),
+            "--max-cpu-loras", str(LORA_SLOTS)]
 
 
 def scorer_max_len(topo: Topology, scorer: Scorer) -> int:
@@ -492,9 +506,11 @@ def feed_ports(cluster, nodes: int, procs: int) -> tuple[int, ...]:
     return tuple(base + (rank if shared_host(cluster) else rank % procs) for rank in range(nodes * procs))
 
 
-def check_trainer_can_run(check: Checker, model_config: Optional[ModelConfig], mesh: Mesh) -> None:
+def check_trainer_can_run(check: Checker, topo: Topology, model_config: Optional[ModelConfig], mesh: Mesh) -> None:
     """Refuse, before any allocation, what the trainer cannot execute on this model (prl/planner/capabilities.py)."""
     refusals = trainer_refusals(model_config, mesh.dp_replicate, mesh.dp_shard, mesh.cp, mesh.ep)
+    if topo.model.lora is not None:
+        refusals += lora_refusals(model_config, topo.model.lora.rank, topo.model.lora.target_modules)
     if refusals:
         field, message = refusals[0]
         raise check.fail(field, message)
@@ -734,7 +750,7 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
     layout = Layout()
     roles, servers, router_port, orchestrator = place_rl_roles(check, topo, layout, common_env, run_dir)
     trainer = place_trainer(check, topo, layout, common_env, orchestrator)
-    check_trainer_can_run(check, model_config, trainer.mesh)
+    check_trainer_can_run(check, topo, model_config, trainer.mesh)
     check_single_allocation(check, layout)
     check_training(check, topo, trainer.mesh)
     check_scorers(check, topo)

@@ -92,6 +92,10 @@ def _weights_of_run(topo: Topology, source: Source, cwd: Path) -> Topology:
         shown_steps = ", ".join(map(str, published[-10:]))
         raise source.error(("model", "from_step"), f"{run.root} has no published weights step {step} "
                                                    f"(published: {shown_steps})")
+    if (run.weights(step) / "adapter_config.json").is_file():
+        raise source.error(("model", "from_run"), f"{run.weights(step)} is a LoRA adapter (model.lora), not a model: "
+                                                  f"merge it first, `prl export {run.root} --step {step} --merged -o "
+                                                  f"DIR`, and use model.path: DIR")
     # The plan names the weights directory itself (RUN/topology.yaml keeps `from_run` as written).
     return msgspec.structs.replace(topo, model=msgspec.structs.replace(m, path=str(run.weights(step)),
                                                                        from_run=None, from_step=None))

@@ -1,7 +1,8 @@
 """Trainer checkpoints: checkpoints/step_N/trainer/ + STABLE.
 
     dcp/                       model + optimizer, torch.distributed.checkpoint (sharded;
-                               loads on any number of ranks: DCP reshards DTensors)
+                               loads on any number of ranks: DCP reshards DTensors); trainable
+                               parameters only (with `model.lora`: the adapters and their AdamW state)
     rng/rank_K.safetensors     each rank's torch CPU (and CUDA) RNG state
     trainer_state.json         step, next rollout step, world size, seed
 
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -76,8 +78,26 @@ def _renamed(state: dict, names: dict[str, str]) -> dict:
     }
 
 
+TRAINED = StateDictOptions(ignore_frozen_params=True)
+"""Checkpoints hold what training changes: with `model.lora` the adapters (the base model is its own files)."""
+
+
+def _load_trained(model: torch.nn.Module, state: dict, path: Path) -> None:
+    """Set the trainable parameters from a checkpoint's; the frozen ones (a LoRA run's base model) stay as loaded.
+    `strict=False` lets the frozen keys be absent: every trainable one must still be there."""
+    result = set_model_state_dict(model, state, options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(trainable & set(result.missing_keys)) + sorted(result.unexpected_keys)
+    if missing:
+        raise RunDirError(f"{path} does not hold this model's trainable parameters (e.g. {missing[0]}); was it "
+                          f"saved with another model.lora?")
+
+
 def _state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict:
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+    # A tied lm_head is another name of the frozen embedding, which `ignore_frozen_params` keeps: drop it too.
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    trained = {k: v for k, v in get_model_state_dict(model, options=TRAINED).items() if k not in frozen}
+    return {"model": trained, "optim": get_optimizer_state_dict(model, optim, options=TRAINED)}
 
 
 def save_checkpoint(
@@ -153,8 +173,8 @@ def load_checkpoint(
     dcp.load(state, checkpoint_id=str(path / "dcp"))
     back = {v: k for k, v in names.items()}
     state = _renamed(state, back)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optim, state["optim"])
+    _load_trained(model, state["model"], path)
+    set_optimizer_state_dict(model, optim, state["optim"], options=TRAINED)
     rng_file = path / "rng" / f"rank_{d.rank}.safetensors"
     if progress.get("world_size") == d.world_size and rng_file.is_file():
         rng = load_file(str(rng_file))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from typing import Optional
 
-from prl.config.topology import SFT, Training
+from prl.config.topology import SFT, Lora, Training
 from prl.planner.model import Mesh, Plan, node_address
 
 
@@ -42,6 +42,8 @@ class TrainerConfig:
     """The address this node's feeds listen on (the servers' workers connect to it)."""
     scorers: tuple[str, ...] = ()
     """The scoring roles of the run (`teacher`, `reference`): their logprobs come in every batch."""
+    lora: Optional[Lora] = None
+    """`model.lora`: train and publish an adapter on the frozen model (None: every weight)."""
 
     @classmethod
     def from_plan(cls, plan: Plan) -> TrainerConfig:
@@ -54,4 +56,4 @@ class TrainerConfig:
                    tokenizer_path=settings.model.tokenizer or settings.model.path,
                    max_model_len=settings.model.max_model_len, sft=settings.sft,
                    feed_ports=tr.feed_ports, feed_host=node_address(plan) if tr.feed_ports else "",
-                   scorers=plan.scorer_roles())
+                   scorers=plan.scorer_roles(), lora=settings.model.lora)

@@ -22,10 +22,11 @@ The engine imports neither. torchtitan's `TrainSpec` is the anchor: the loop is 
 A spec subclasses `Spec` and gets the `TrainerConfig` in its constructor. Hooks, in the order the engine
 calls them, with the variant each one is for:
 
-- `transform_model(model, d)`: the meta-device model after EP/Ulysses, before FSDP2 shards it. LoRA wraps
-  its target layers here (parameters it adds are not in the safetensors: it initialises them itself).
-- `parameters(model)`: what the optimizer steps (default: all). LoRA: the adapter's parameters only; it
-  also sets `requires_grad=False` on the rest in `transform_model`.
+- `transform_model(model, d)`: the meta-device model after EP/Ulysses, before FSDP2 shards it. The default
+  adds `model.lora`'s adapters to the target layers (prl/trainer/lora.py; parameters a transform adds are not
+  in the safetensors: their module's `fresh_parameters` gives the loader their initial values) and freezes
+  the rest.
+- `parameters(model)`: what the optimizer steps (default: all; with `model.lora` the adapters only).
 - `setup(eng)`: once the model is loaded and resumed (SFT reads its conversations and tokenizer here).
 - `last_step()`: the run's last step (RL: `training.max_steps`; SFT: fewer when `sft.epochs` end first).
 - `wait(eng, step)` / `load(eng, step, ready)`: what a step trains on, as `StepData` (this rank's
@@ -40,7 +41,7 @@ calls them, with the variant each one is for:
   statistics (sums). A loss by import path is a spec whose `micro_loss` calls the imported function.
 - `summarize(stats, grad_norm)`: the step's metrics from the statistics summed over micro-batches and ranks.
 - `publishes(step, last)` / `publish(eng, step)`: when and what to publish (default: the full model as an
-  HF directory, weights/step_N). LoRA publishes the adapter alone.
+  HF directory, weights/step_N; with `model.lora` the adapter alone, in PEFT's layout).
 - `checkpoints(step, last)`, `cleanup(eng, step)` (rank 0): checkpoint cadence and what old steps go.
 - `record(step, data, data_s)`, `progress(record)`: extra metrics-record fields and log-line text.
 
@@ -77,6 +78,7 @@ from prl.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpo
 from prl.trainer.config import TrainerConfig
 from prl.trainer.attention import boundary_kwargs
 from prl.trainer.logprobs import logprob_head, supports_chunked_head
+from prl.trainer.lora import adapter_parameters, attach, publish_adapter
 from prl.trainer.loss import merge_stats, token_logprobs_and_entropy
 from prl.trainer.parallel import Dist, all_reduce_stats, apply_fsdp, clip_grad_norm, init_distributed
 from prl.trainer.weights import publish_to_feed, publish_weights
@@ -150,12 +152,15 @@ class Spec(ABC):
         self.cfg = cfg
 
     def transform_model(self, model: torch.nn.Module, d: Dist) -> torch.nn.Module:
-        """The meta-device model before FSDP2 shards it (LoRA wraps layers here); default unchanged."""
+        """The meta-device model before FSDP2 shards it; default: with `model.lora`, adapters on the target
+        layers and the rest frozen (prl/trainer/lora.py), else unchanged."""
+        if self.cfg.lora is not None:
+            attach(model, self.cfg.lora, self.cfg.training.seed)
         return model
 
     def parameters(self, model: torch.nn.Module) -> Iterable[torch.nn.Parameter]:
-        """The parameters the optimizer steps; default all."""
-        return model.parameters()
+        """The parameters the optimizer steps; default all (with `model.lora`: the adapters)."""
+        return adapter_parameters(model) if self.cfg.lora is not None else model.parameters()
 
     def setup(self, eng: Engine) -> None:
         """Once the model is loaded and resumed: read what the steps need."""
@@ -190,8 +195,13 @@ class Spec(ABC):
         """Whether step `step` publishes weights."""
 
     def publish(self, eng: Engine, step: int) -> None:
-        """Collective: publish weights/step_N; default the whole model as a Hugging Face directory."""
-        publish_weights(eng.run, step, eng.model, eng.cfg.model_path, getattr(torch, eng.cfg.model_dtype), eng.d)
+        """Collective: publish weights/step_N; default the whole model as a Hugging Face directory (with
+        `model.lora`: the adapter alone, in PEFT's layout)."""
+        dtype = getattr(torch, eng.cfg.model_dtype)
+        if eng.cfg.lora is not None:
+            publish_adapter(eng.run, step, eng.model, eng.cfg.lora, eng.cfg.model_path, dtype, eng.d.is_main)
+        else:
+            publish_weights(eng.run, step, eng.model, eng.cfg.model_path, dtype, eng.d)
 
     @abstractmethod
     def checkpoints(self, step: int, last: int) -> bool:
@@ -420,7 +430,7 @@ def start_feed(run: RunDir, cfg: TrainerConfig, d: Dist, spec: Spec) -> tuple[Fe
     """Collective: this rank's weight feed and every rank's address (none with weights by disk)."""
     if not cfg.feed_ports:
         return None, ()
-    if type(spec).publish is not Spec.publish:
+    if type(spec).publish is not Spec.publish or cfg.lora is not None:
         raise ConfigError(f"weights.transport: memory sends the whole model; {type(spec).__name__} publishes "
                           "weights of its own: use weights.transport: filesystem")
     feed = FeedServer(cfg.feed_host, cfg.feed_ports[d.rank], run.read_api_key().encode())

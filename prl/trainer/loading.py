@@ -169,6 +169,7 @@ def load_shards(model: nn.Module, model_path: str | Path) -> int:
     reader = _Reader(model_path)
     layout = disk_layout(model)
     fused = {name: m for name, m in model.named_modules() if is_fused_experts(m)}
+    modules = dict(model.named_modules())
     total = 0
     for name, param in model.named_parameters():
         shape, offset = _local_box(param)
@@ -178,7 +179,10 @@ def load_shards(model: nn.Module, model_path: str | Path) -> int:
         if local.numel() == 0:
             continue
         prefix, _, leaf = name.rpartition(".")
-        if prefix in fused:
+        fresh = getattr(modules.get(prefix), "fresh_parameters", {})
+        if leaf in fresh:  # added by a transform (LoRA's adapters): not in the checkpoint, its module says how
+            local.copy_(fresh[leaf](name, tuple(param.shape))[offset[0]:offset[0] + local.shape[0]])
+        elif prefix in fused:
             first = fused[prefix].first if isinstance(fused[prefix], ExpertParallelExperts) else 0
             _fill_experts(reader, layout, prefix, leaf, first + offset[0], local)
         else:
