@@ -199,7 +199,8 @@ VLLM_NO_LORA_ARCHITECTURES: frozenset[str] = frozenset({
     "Zamba2ForCausalLM",
 })
 """Text-generation architectures vLLM 0.32 serves without LoRA support (their model class does not implement
-`SupportsLoRA`; listed from vllm/model_executor/models/registry.py, checked by tests/test_capabilities.py)."""
+`SupportsLoRA`; listed by hand from vllm/model_executor/models/registry.py and each class's bases: refresh
+it when vLLM's pin moves)."""
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
