@@ -50,6 +50,20 @@ def test_doctor_with_a_topology_says_what_it_lacks_here(env):
     assert "not built yet: prl submit builds it (model.build_tiny: dense)" in ok.stdout
 
 
+def test_doctor_checks_a_teacher_and_a_reference_model_like_the_students(env, tmp_path):
+    (tmp_path / "teacher").mkdir()
+    scored = ["reference.nodes=1", "training.loss.kl_ref_coef=0.1", "model.path=/nonexistent/tiny"]
+    done = prl_cli(env, "doctor", "configs/local-distill.yaml", f"teacher.path={tmp_path / 'teacher'}", *scored,
+                   check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"teacher          {tmp_path / 'teacher'} has no config.json" in done.stdout, done.stdout
+    assert "fix: set teacher.path to a Hugging Face model directory" in done.stdout
+    assert "reference        serves the student's initial model (no path)" in done.stdout
+    (tmp_path / "teacher" / "config.json").write_text("{}")
+    ok = prl_cli(env, "doctor", "configs/local-distill.yaml", f"teacher.path={tmp_path / 'teacher'}", *scored)
+    assert f"[     ok] teacher          {tmp_path / 'teacher'}" in ok.stdout, ok.stdout
+
+
 def test_doctor_refuses_a_role_without_a_run_and_a_run_without_a_role(env, tmp_path):
     done = prl_cli(env, "doctor", "--role", "trainer", check=False)
     assert done.returncode == 2 and "--role goes with a run directory" in done.stderr

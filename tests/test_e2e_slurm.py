@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tests.helpers import REPO, prl_cli as prl, run_to_the_end
-from tests.tiny_model import build_tiny_model
+from tests.tiny_model import build_tiny_model, build_tiny_teacher
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.slow]
 
@@ -34,9 +34,10 @@ def test_lab_hetjob_runs_the_rl_loop(tmp_path, env, slurm_cluster):
     assert len({nodes["inference"], nodes["orchestrator"], nodes["trainer"]}) == 3, nodes
 
 
-def pd_topology(tmp_path, model, connector: str) -> tuple:
-    """configs/lab.yaml split into a prefill node and a decode node (router on the prefill node), the
-    orchestrator on a third node and a one-node trainer: on a copy of the lab profile with one (count-only)
+def pd_topology(tmp_path, model, connector: str, teacher) -> tuple:
+    """configs/lab.yaml split into a prefill node and a decode node (router on the prefill node), a one-node
+    trainer with the orchestrator beside it, and a distillation teacher (the `teacher` model directory) on a
+    fourth node with `distill_coef: 1` beside the reward. On a copy of the lab profile with one (count-only)
     GPU per node, so each inference node runs one server."""
     import yaml
 
@@ -48,28 +49,34 @@ def pd_topology(tmp_path, model, connector: str) -> tuple:
     server = {"nodes": 1, "extra_args": unified["extra_args"], "env": unified["env"]}
     topo.update(name="lab-pd", cluster=str(tmp_path / "lab-1gpu.yaml"), run_dir=str(tmp_path / "run"),
                 model={**topo["model"], "path": str(model)}, trainer={**topo["trainer"], "nodes": 1},
-                inference={"prefill": server, "decode": server, "kv_connector": {"name": connector}})
+                inference={"prefill": server, "decode": server, "kv_connector": {"name": connector}},
+                orchestrator={"placement": "trainer"},
+                teacher={"path": str(teacher), "nodes": 1, "dtype": "float32", **server})
+    topo["training"]["loss"] = {"distill_coef": 1.0}
     (tmp_path / "lab-pd.yaml").write_text(yaml.safe_dump(topo, sort_keys=False))
     return tmp_path / "lab-pd.yaml", tmp_path / "run"
 
 
 def test_lab_pd_hetjob_runs_the_rl_loop(tmp_path, env, slurm_cluster):
     """Prefill and decode servers on their own nodes, the router in front, through `prl submit` and the
-    launcher: every step trains exactly once on real completions, both servers load every update.
+    launcher: every step trains exactly once on real completions, both servers load every update. The same job
+    distills from a teacher on a node of its own (the student after a little SFT, `build_tiny_teacher`): the
+    teacher scores every P/D-made sample and the trainer reads its logprobs.
 
     ExampleConnector, not NIXL: on these two shared cores the decode server's first NIXL handshakes (it
     asks the prefill server's side channel for its block layout; vLLM waits 5 s) timed out for all of
     step 1's requests, which vLLM then ended with no tokens; later steps moved KV by NIXL but decoded at
     0.1-0.3 rollouts/s against about 3 here (docs/inference.md). tests/test_pd.py runs NIXL for real.
     The letters prompts are shorter than one 128-token KV block: ExampleConnector stores none of them."""
-    topo, run = pd_topology(tmp_path, build_tiny_model(tmp_path / "model"), "ExampleConnector")
+    model = build_tiny_model(tmp_path / "model")
+    topo, run = pd_topology(tmp_path, model, "ExampleConnector", build_tiny_teacher(tmp_path / "teacher", model))
     prl(env, "submit", topo, "training.max_steps=3", "training.max_off_policy_steps=0")
     final = run_to_the_end(env, run, timeout=900)
     assert final["state"] == "COMPLETED", (final, prl(env, "logs", run, "-n", "40", check=False).stdout)
     roles = {r["role"]: r for r in final["roles"]}
-    assert set(roles) == {"prefill", "decode", "router", "orchestrator", "trainer"}, roles
+    assert set(roles) == {"prefill", "decode", "router", "teacher", "orchestrator", "trainer"}, roles
     assert all(r["exit_code"] == 0 for r in roles.values()), roles
-    assert len({roles["prefill"]["nodes"], roles["decode"]["nodes"], roles["trainer"]["nodes"]}) == 3, roles
+    assert len({roles[r]["nodes"] for r in ("prefill", "decode", "teacher", "trainer")}) == 4, roles
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["role"] == "trainer"] == [1, 2, 3]
     generated = [r for r in records if r["role"] == "orchestrator" and "completion_len_mean" in r]
@@ -78,3 +85,24 @@ def test_lab_pd_hetjob_runs_the_rl_loop(tmp_path, env, slurm_cluster):
     loaded = {(r["server"].rsplit(":", 1)[1], r["step"]) for r in records if r.get("event") == "weights_loaded"}
     want = {(port, step) for port in ("18000", "18001") for step in (1, 2)}  # prefill, decode (single_host ports)
     assert want <= loaded, f"prefill and decode must each load the weights of steps 1 and 2: {sorted(loaded)}"
+    teacher_scored(run, generated, [r for r in records if r["role"] == "trainer"])
+
+
+def teacher_scored(run, generated: list[dict], trained: list[dict]) -> None:
+    """The teacher scored every step's samples; its logprobs reached the trainer, whose `teacher_kl` (the reverse
+    KL on the sampled tokens) reads a peaked teacher against a near-uniform student."""
+    import math
+
+    import numpy as np
+
+    from prl.run.batch import read_batch
+    from prl.run.rundir import RunDir
+
+    assert all(r["teacher_tokens_per_s"] > 0 for r in generated), generated
+    assert all(math.isfinite(r["teacher_kl"]) and r["teacher_kl"] > 0.5 for r in trained), trained
+    newest = RunDir(run).latest_stable("rollouts")  # the cleanup keeps the newest step's batch
+    arrays = read_batch(RunDir(run).rollouts(newest)).arrays
+    mask = arrays["loss_mask"].astype(bool)
+    teacher, sampled = arrays["teacher_logprobs"], arrays["inference_logprobs"]
+    assert mask.any() and np.all(teacher[~mask] == 0) and np.all(teacher[mask] < 0), (newest, teacher)
+    assert np.abs(teacher[mask] - sampled[mask]).mean() > 0.1, (newest, teacher[mask], sampled[mask])

