@@ -54,11 +54,13 @@ def test_a_student_distilled_from_a_teacher_in_the_same_job_moves_toward_it(tmp_
     # step 8); 10 steps passed by a hair and failed once on CI's loaded cores, 14 leave room. Not always: without
     # the reference, 14 steps failed once in two runs at load 7-14 (the KL 4.8 -> 5.1; the trainer's mismatch_kl
     # jumped to 1.7 at step 7, a big update on stale samples at lr 2e-2). With it, 2 of 2 passed (4.7 -> 0.06,
-    # 4.8 -> -0.08): too few runs to credit the KL term.
+    # 4.8 -> -0.08): too few runs to credit the KL term. So the run is on-policy (max_off_policy_steps 0): each step
+    # trains on samples of the weights it updates, as on-policy distillation means.
     steps = 14
     result = subprocess.run(
         [sys.executable, "-m", "prl.cli", "submit", "configs/local-distill.yaml", f"model.path={student}",
-         f"teacher.path={teacher}", f"run_dir={run}", f"training.max_steps={steps}", "cluster.port_base=18940",
+         f"teacher.path={teacher}", f"run_dir={run}", f"training.max_steps={steps}", "training.max_off_policy_steps=0",
+         "cluster.port_base=18940",
          *REFERENCE, "--local"],
         capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr + (run / "logs" / "launcher.log").read_text()
