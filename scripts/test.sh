@@ -24,7 +24,7 @@ fi
 ./scripts/slurm-cluster.sh start
 
 code=0
-python3 -m pytest -n 3 --dist loadgroup "$@" || code=$?  # 5 (no test collected) stays a failure like any other
+python3 -m pytest -n 2 --dist loadgroup "$@" || code=$?  # 5 (no test collected) stays a failure like any other
 total=$SECONDS
 echo "scripts/test.sh: $((total / 60)) min $((total % 60)) s in all, pytest exit code $code"
 if ((total > LIMIT_MIN * 60)); then
