@@ -17,7 +17,7 @@ def local_plan(run_dir: str | Path, model_dir: str | Path, overrides: Sequence[s
     """The plan of configs/TOPOLOGY.yaml with `run_dir`, `model.path` and `overrides` applied. Weights go through
     the filesystem unless `overrides` say otherwise: these plans drive roles directly, without `prl submit` and
     the run key a weight feed needs (local-tiny itself moves them in memory)."""
-    items = [f"run_dir={run_dir}", f"model.path={model_dir}", "weights.transport=filesystem", *overrides]
+    items = [f"run_dir={run_dir}", f"model.path={model_dir}", "weights.transport=filesystem", "weights.delta=false", *overrides]
     return prepare(REPO / "configs" / f"{topology}.yaml", items, cwd=REPO).plan
 
 

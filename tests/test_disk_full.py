@@ -27,7 +27,7 @@ def test_a_full_disk_fails_the_run_clearly_and_resume_loses_no_step(tmp_path, en
     with tmpfs(tmp_path / "disk", "64m") as disk:
         run = disk / "run"
         args = ["configs/local-tiny.yaml", f"run_dir={run}", f"model.path={model}", "training.max_steps=6",
-                "training.checkpoint_interval=2", "weights.transport=filesystem", "cluster.port_base=19300"]
+                "training.checkpoint_interval=2", "weights.transport=filesystem", "weights.delta=false", "cluster.port_base=19300"]
         prl(env, "submit", "--local", "--detach", *args)
         try:
             wait_for("trainer step 2", lambda: trained(run) >= 2, timeout=400, interval=1)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from prl.errors import FeedError
-from prl.run.feed import FeedServer, fetch
+from prl.run.feed import Base, FeedReader, FeedServer, fetch, read_concurrently
 
 KEY = b"run-key"
 
@@ -156,3 +156,119 @@ def test_publish_refuses_what_a_feed_cannot_carry(feed):
 def test_feed_error_survives_pickling():
     e = pickle.loads(pickle.dumps(FeedError("h:1", "gone")))
     assert str(e) == "weight feed h:1: gone" and e.address == "h:1"
+
+
+def test_read_concurrently_hands_over_every_feed_whole_each_in_its_order():
+    parts = [[(f"f{i}.t{j}", torch.full((100 + j,), float(10 * i + j))) for j in range(6)] for i in range(3)]
+    servers = [FeedServer("127.0.0.1", 0, KEY) for _ in parts]
+    try:
+        for server, tensors in zip(servers, parts):
+            server.publish(2, tensors)
+        readers = [FeedReader(s.address, 2, KEY, timeout=10) for s in servers]
+        # a bound smaller than one tensor: the pumps hand over one tensor at a time and still finish
+        got = list(read_concurrently(readers, ahead_bytes=16))
+    finally:
+        for server in servers:
+            server.close()
+    assert sorted(n for n, _ in got) == sorted(n for tensors in parts for n, _ in tensors)
+    for i, tensors in enumerate(parts):
+        assert [n for n, _ in got if n.startswith(f"f{i}.")] == [n for n, _ in tensors]
+    sent = dict(t for tensors in parts for t in tensors)
+    assert all(torch.equal(sent[n], t) for n, t in got)
+
+
+def test_read_concurrently_raises_a_cut_feed_and_stops_the_others():
+    header = {"step": 1, "tensors": [["a", "float32", [4], 16], ["b", "float32", [1000], 4000]]}
+    address, thread = fake_feed(lambda conn: conn.sendall(json.dumps(header).encode() + b"\n" + bytes(16) + bytes(100)))
+    with FeedServer("127.0.0.1", 0, KEY) as healthy:
+        healthy.publish(1, [(f"big{j}", torch.zeros(50_000)) for j in range(40)])
+        readers = [FeedReader(address, 1, KEY, timeout=10), FeedReader(healthy.address, 1, KEY, timeout=10)]
+        before = threading.active_count()
+        with pytest.raises(FeedError, match=r"closed the stream during tensor 2 of 2 \(b\)"):
+            for _ in read_concurrently(readers, ahead_bytes=400_000):
+                pass
+        # every pump thread has ended: nothing keeps reading the healthy feed
+        assert threading.active_count() <= before
+    thread.join(5)
+
+
+def test_leaving_read_concurrently_early_closes_every_reader():
+    with FeedServer("127.0.0.1", 0, KEY) as a, FeedServer("127.0.0.1", 0, KEY) as b:
+        for server in (a, b):
+            server.publish(3, [(f"{server.address}.{j}", torch.zeros(100_000)) for j in range(20)])
+        readers = [FeedReader(s.address, 3, KEY, timeout=10) for s in (a, b)]
+        before = threading.active_count()
+        stream = read_concurrently(readers, ahead_bytes=400_000)
+        next(stream)
+        stream.close()
+        assert threading.active_count() <= before
+        assert all(r._sock.fileno() == -1 for r in readers)
+
+
+def read_step(feed: FeedServer, step: int, base: Base | None = None) -> tuple[FeedReader, dict[str, torch.Tensor]]:
+    reader = FeedReader(feed.address, step, KEY, timeout=10, base=base)
+    return reader, dict(reader)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                      b.reshape(-1).view(torch.uint8))
+
+
+def test_a_reader_holding_the_previous_step_gets_only_what_changed():
+    gen = torch.Generator().manual_seed(1)
+    step1 = {"w": torch.randn(256, 64, generator=gen).to(torch.bfloat16), "norm": torch.zeros(64),
+             "same": torch.randn(32, generator=gen), "ids": torch.arange(10), "mask": torch.tensor([True, False] * 8),
+             "dense": torch.randn(1000, generator=gen)}
+    step2 = {name: t.clone() for name, t in step1.items()}
+    step2["w"].view(-1)[torch.tensor([0, 77, 16383])] = torch.tensor([1.5, -2.0, 3.0], dtype=torch.bfloat16)
+    step2["norm"][3] = -0.0                      # bitwise a change, numerically equal
+    step2["norm"][5] = float("nan")
+    step2["ids"] = torch.arange(10) * 7 + 1      # all changed: sent whole
+    step2["mask"][1] = True
+    step2["dense"][::3] += 1.0                   # a third changed: a bit mask is smaller than the indices
+    with FeedServer("127.0.0.1", 0, KEY, delta=True) as feed:
+        feed.publish(1, sorted(step1.items()))
+        first, got1 = read_step(feed, 1)
+        assert first.keep and not first.delta
+        base = Base(first.id, got1)
+        feed.publish(2, sorted(step2.items()))
+        whole, _ = read_step(feed, 2)
+        second, got2 = read_step(feed, 2, base)
+    assert second.delta and not whole.delta
+    assert set(got2) == set(step2) and all(same_bits(got2[n], step2[n]) for n in step2)
+    assert all(same_bits(got1[n], step1[n]) for n in step1)        # the base was copied, never written
+    changed = {m.name: (m.changed, m.form) for m in second.tensors}
+    assert changed == {"w": (3, "index"), "norm": (2, "index"), "same": (0, "index"), "ids": (-1, ""),
+                       "mask": (1, "mask"), "dense": (334, "mask")}
+    assert second.received < whole.received / 20
+
+
+def test_a_reader_whose_base_is_not_the_feeds_previous_snapshot_gets_the_whole_step():
+    with FeedServer("127.0.0.1", 0, KEY, delta=True) as feed:
+        feed.publish(1, [("a", torch.zeros(1000))])
+        old, got = read_step(feed, 1)
+        feed.publish(2, [("a", torch.ones(1000))])
+        feed.publish(3, [("a", torch.ones(1000))])
+        reader, got3 = read_step(feed, 3, Base(old.id, got))      # holds step 1; the delta is from step 2
+        assert not reader.delta and torch.equal(got3["a"], torch.ones(1000))
+        restarted = Base("not-this-feeds", {"a": torch.ones(1000)})  # another trainer attempt's "step 2"
+        assert not read_step(feed, 3, restarted)[0].delta
+
+
+def test_a_feed_without_deltas_ignores_a_base():
+    with FeedServer("127.0.0.1", 0, KEY) as feed:
+        feed.publish(1, [("a", torch.zeros(10))])
+        first, got = read_step(feed, 1)
+        feed.publish(2, [("a", torch.zeros(10))])
+        second, _ = read_step(feed, 2, Base(first.id, got))
+    assert not first.keep and not second.keep and not second.delta
+
+
+def test_a_delta_for_a_tensor_the_reader_does_not_hold_is_refused():
+    with FeedServer("127.0.0.1", 0, KEY, delta=True) as feed:
+        feed.publish(1, [("a", torch.zeros(100)), ("b", torch.zeros(100))])
+        first, got = read_step(feed, 1)
+        feed.publish(2, [("a", torch.zeros(100)), ("b", torch.zeros(100))])
+        with pytest.raises(FeedError, match="b: a delta for a tensor this reader does not hold as float32 \\[100\\]"):
+            FeedReader(feed.address, 2, KEY, timeout=10, base=Base(first.id, {"a": got["a"]}))

@@ -152,5 +152,9 @@ def check_memory_weights(records: list[dict], run: Path) -> None:
     from_memory = {r["step"] for r in loaded if str(r["weights_path"]).startswith("memory:")}
     assert len(from_memory) >= STEPS // 4 and not from_memory & checkpoints, loaded
     assert {r["step"] for r in loaded} - from_memory <= checkpoints, loaded
+    # weights.delta: a server that loaded the feeds' previous step gets what changed (float32 at lr 5e-3 moves
+    # nearly every element, so most tensors still come whole); the reward rising shows what it rebuilt is right
+    deltas = [r for r in loaded if r.get("delta")]
+    assert deltas and all(r["received_bytes"] > 0 for r in deltas), loaded
     on_disk = {int(p.name.removeprefix("step_")) for p in (run / "weights").glob("step_*")}
     assert STEPS in on_disk and on_disk <= checkpoints, on_disk

@@ -183,6 +183,8 @@ CASES = [
      "prof.yaml:16 (hetjob)", "allows no hetjobs"),
     ("profile-time", "profile", ("max_nodes: 16", "max_nodes: 16\ndefault_time: soon"), [],
      "prof.yaml:16 (default_time)", "time must look like"),
+    ("delta-without-memory", "topo", ("slurm:\n", "weights:\n  delta: true\nslurm:\n"), [],
+     "topo.yaml:26 (weights.delta)", "set weights.transport: memory"),
     ("profile-override", "topo", None, ["cluster.max_nodes=0"], "override 'max_nodes=0' (max_nodes)",
      "greater than or equal to 1"),
 ]

@@ -63,13 +63,39 @@ def perturbed(tmp_path: Path, model_dir: Path, step: int) -> Path:
     return publish_perturbed(RunDir(tmp_path / f"ref-{step}").create(), step, model_dir)
 
 
-def feeds_of(ref: Path, step: int, ranks: int = 2, key: str = KEY) -> list[FeedServer]:
+def feeds_of(ref: Path, step: int, ranks: int = 2, key: str = KEY, delta: bool = False) -> list[FeedServer]:
     """`ranks` feeds holding `ref`'s tensors as `step`, dealt round-robin as ranks own them."""
-    tensors = list(iter_safetensors(ref))
-    feeds = [FeedServer("127.0.0.1", 0, key.encode()) for _ in range(ranks)]
-    for rank, feed in enumerate(feeds):
-        feed.publish(step, tensors[rank::ranks])
+    feeds = [FeedServer("127.0.0.1", 0, key.encode(), delta) for _ in range(ranks)]
+    deal(feeds, step, ref)
     return feeds
+
+
+def deal(feeds: list[FeedServer], step: int, ref: Path) -> list[str]:
+    """Publish `ref`'s tensors as `step`, round-robin over `feeds`; their addresses."""
+    tensors = list(iter_safetensors(ref))
+    for rank, feed in enumerate(feeds):
+        feed.publish(step, tensors[rank::len(feeds)])
+    return [f.address for f in feeds]
+
+
+def sparsely_changed(ref: Path, dest: Path, fraction: float, seed: int) -> Path:
+    """A copy of the model directory `ref` with `fraction` of every tensor's elements moved (what a small
+    bf16 update leaves changed), the rest bit for bit the same."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(ref, dest)
+    gen = torch.Generator().manual_seed(seed)
+    for path in dest.glob("*.safetensors"):
+        tensors = load_file(path)
+        for t in tensors.values():
+            flat = t.view(-1)
+            picked = torch.rand(flat.numel(), generator=gen) < fraction
+            flat[picked] += 0.5 * float(flat.float().std()) * torch.randn(int(picked.sum()), generator=gen).to(t.dtype)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return dest
 
 
 def refused(server, body: dict) -> HTTPFailure:
@@ -167,6 +193,43 @@ def test_a_stream_cut_part_way_rolls_back_to_the_disk_weights(keyed_server, tmp_
     try:
         assert server.post("/prl/weights", {"step": 10, "feeds": [f.address for f in feeds]})["step"] == 10
         assert_serves(server, ref, prompts_for(server.model_dir))
+    finally:
+        for feed in feeds:
+            feed.close()
+
+
+def test_deltas_move_only_what_changed_and_serve_what_whole_steps_would(keyed_server, tmp_path):
+    """`weights.delta`: the first step from feeds comes whole and the workers keep it; the next comes as the
+    elements that changed, rebuilt on the kept step, and serves exactly what transformers computes on
+    the whole step. A disk update between two steps from memory changes nothing of that: the delta
+    applies to the kept step, not to what is served."""
+    server = keyed_server
+    prompts = prompts_for(server.model_dir)
+    ref20 = perturbed(tmp_path, server.model_dir, 20)
+    ref21 = sparsely_changed(ref20, tmp_path / "ref-21", fraction=0.01, seed=21)
+    ref22 = sparsely_changed(ref21, tmp_path / "ref-22", fraction=0.01, seed=22)
+    feeds = feeds_of(ref20, 20, delta=True)
+    try:
+        addresses = [f.address for f in feeds]
+        whole = server.post("/prl/weights", {"step": 20, "feeds": addresses})
+        assert whole["delta"] is False and whole["received_bytes"] > 0
+        assert_serves(server, ref20, prompts)
+
+        deal(feeds, 21, ref21)
+        delta = server.post("/prl/weights", {"step": 21, "feeds": addresses})
+        print(f"\ndelta update: {delta['received_bytes']} bytes received against {whole['received_bytes']} whole")
+        assert delta["delta"] is True and delta["received_bytes"] < whole["received_bytes"] / 5
+        assert server.get("/prl/live")["weights_path"] == "memory:step_21"
+        assert_serves(server, ref21, prompts)
+
+        run = RunDir(server.run_dir)
+        on_disk = publish_perturbed(run, (run.latest_stable("weights") or 0) + 1, server.model_dir)
+        server.post("/prl/weights", {"step": run.latest_stable("weights")})
+        assert_serves(server, on_disk, prompts)
+        deal(feeds, 22, ref22)
+        after_disk = server.post("/prl/weights", {"step": 22, "feeds": addresses})
+        assert after_disk["delta"] is True
+        assert_serves(server, ref22, prompts)
     finally:
         for feed in feeds:
             feed.close()

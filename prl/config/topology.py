@@ -139,6 +139,17 @@ class Weights(Strict, kw_only=True):
     """How each step's weights reach the inference servers: `filesystem` (every step published to
     RUN/weights/step_N and read back), or `memory` (each trainer rank serves its share over TCP to the
     servers' vLLM workers; only checkpoint steps and the last step are published to disk)."""
+    delta: bool = False
+    """With `memory`: a server that loaded the previous step from memory gets only the elements that
+    changed (int32 index + value each), a tensor whole where that is no smaller; any other server gets
+    the whole step. Costs an element-wise compare per step on the trainer and a model's worth of CPU
+    memory per inference worker (the base the deltas apply to). Pays off in bf16, where most elements
+    of a small update round to the same value (docs/weights.md)."""
+
+    def __post_init__(self):
+        if self.delta and self.transport != "memory":
+            raise FieldValueError("delta", "deltas are sent by the weight feeds: set weights.transport: memory, "
+                                           "or remove weights.delta")
 
 
 class KVOffload(Strict, kw_only=True):

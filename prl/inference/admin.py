@@ -205,10 +205,11 @@ async def update_weights(request: Request):
         await engine.pause_generation(mode=mode, clear_cache=False)
         pause_seconds = time.perf_counter() - t_pause
         try:
+            transfer = {}
             if isinstance(target, WeightsTarget) and target.adapter:
                 load_seconds = await load_adapter(request, state, target)
             else:
-                load_seconds = await load(engine, target)
+                load_seconds, transfer = await load(engine, target)
         except Exception as e:  # noqa: BLE001 - any worker failure: roll back, then report
             return await recover(state, engine, target, f"loading {target.path} failed: {type(e).__name__}: {e}")
         finally:
@@ -235,26 +236,30 @@ async def update_weights(request: Request):
             "pause_seconds": pause_seconds,
             "load_seconds": load_seconds,
             "kv_storage_cleared": cleared,
+            **transfer,
             "time": time.time(),
         }
     _record_metrics(state, request)
     return {"step": target.step, "path": str(target.path), "seconds": seconds,
             "pause_seconds": pause_seconds, "load_seconds": state.last_update["load_seconds"],
-            "kv_storage_cleared": cleared}
+            "kv_storage_cleared": cleared, **transfer}
 
 
-async def load(engine, target: WeightsTarget | FeedTarget) -> float:
-    """Load `target` in every worker; the slowest worker's seconds."""
+async def load(engine, target: WeightsTarget | FeedTarget) -> tuple[float, dict]:
+    """Load `target` in every worker: the slowest worker's seconds and, from feeds, what moved
+    (`received_bytes` off one worker's sockets, `delta`: every worker got only what changed)."""
     if isinstance(target, WeightsTarget):
         results = await engine.collective_rpc("prl_load_weights", args=(str(target.path),))
         await engine.update_weight_version(str(target.step or 0))  # vLLM's stamp on outputs, as a feed update sets it
-        return max(r["seconds"] for r in results)
+        return max(r["seconds"] for r in results), {}
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
     await engine.start_weight_update()
     await engine.update_weights(WeightTransferUpdateRequest({"step": target.step, "feeds": list(target.feeds)}))
     await engine.finish_weight_update(weight_version=str(target.step))
-    return max(r["seconds"] for r in await engine.collective_rpc("prl_feed_report"))
+    reports = await engine.collective_rpc("prl_feed_report")
+    return max(r["seconds"] for r in reports), {"received_bytes": max(r["received"] for r in reports),
+                                                 "delta": all(r["delta"] for r in reports)}
 
 
 async def load_adapter(request: Request, state: AdminState, target: WeightsTarget) -> float:
@@ -397,6 +402,7 @@ def _record_metrics(state: AdminState, request: Request) -> None:
             "role": "inference", "step": u.get("step"), "event": "weights_loaded",
             "server": f"{socket.gethostname()}:{request.url.port}",
             "weight_update_s": round(u.get("seconds", 0.0), 4), "weights_path": u.get("path"), "time": u.get("time"),
+            **{k: u[k] for k in ("received_bytes", "delta") if k in u},
         })
     except OSError:
         pass

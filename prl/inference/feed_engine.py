@@ -10,16 +10,20 @@ weight is touched, and the CPU repacks a reload leaves out (worker.py).
     update_info = {"step": N, "feeds": ["host:port", ...]}   one feed per trainer rank
 
 Each worker opens every feed (the run's key comes from API_KEY_VAR in its environment, inherited
-from the server process), checks that the feeds together hold exactly the served tensors, then
-streams them into `model.load_weights` one feed after another. Only then is the model touched, so
-a refused key or a wrong step leaves the old weights serving. `report` says what the last update
-did, so the server can tell an update refused before loading from one that failed part-way.
+from the server process) and checks that the feeds' headers together name exactly the served
+tensors; only then is the model touched, so a refused key or a wrong step leaves the old weights
+serving. The tensors then stream into `model.load_weights`, every feed read by a thread of its own
+while the reload works on what arrived (`read_concurrently`, at most READ_AHEAD_BYTES ahead).
+`report` says what the last update did, so the server can tell an update refused before loading
+from one that failed part-way.
 """
 
 from __future__ import annotations
 
 import os
 import time
+
+import torch
 from dataclasses import dataclass, field
 
 from vllm.distributed.weight_transfer.base import (
@@ -35,7 +39,7 @@ from vllm.model_executor.model_loader.reload import (
 
 from prl.inference.checks import UpdateRefused, checkpoint_layout, compare_layouts
 from prl.inference.worker import repack_after_reload
-from prl.run.feed import FeedReader
+from prl.run.feed import Base, FeedReader, read_concurrently
 from prl.run.rundir import API_KEY_VAR
 
 BACKEND = "prl_feed"
@@ -62,14 +66,20 @@ class FeedEngine(WeightTransferEngine[FeedInitInfo, FeedUpdateInfo]):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.report: dict = {}
-        """The last update: {"step", "touched", "tensors", "bytes", "seconds"[, "error"]}."""
+        """The last update: {"step", "touched", "tensors", "bytes", "received", "delta", "seconds"[, "error"]}:
+        `bytes` loaded, `received` read off the sockets (less with deltas)."""
         self._reloading = False
+        self._kept: dict[str, Base] = {}
+        """By feed address, the last snapshot loaded from it, kept whole where the feed computes deltas
+        (`weights.delta`): the next step then comes as what changed, rebuilt on copies of these. A
+        model's worth of CPU memory per worker; replaced only by a complete load."""
 
     def init_transfer_engine(self, init_info: FeedInitInfo) -> None:
         pass
 
     def start_weight_update(self) -> None:
-        self.report = {"step": None, "touched": False, "tensors": 0, "bytes": 0, "seconds": 0.0}
+        self.report = {"step": None, "touched": False, "tensors": 0, "bytes": 0, "received": 0, "delta": False,
+                       "seconds": 0.0}
 
     def update_weights(self, update_info: dict) -> None:
         """vLLM's update without its `torch.accelerator.synchronize()` (it raises on a CPU-only torch)."""
@@ -84,13 +94,18 @@ class FeedEngine(WeightTransferEngine[FeedInitInfo, FeedUpdateInfo]):
             if not key:
                 raise RuntimeError(f"{API_KEY_VAR} is not set in the worker's environment: "
                                    "start the server with --api-key-env to read weight feeds")
-            readers = [FeedReader(address, info.step, key.encode(), FEED_TIMEOUT_S) for address in info.feeds]
+            readers = [FeedReader(address, info.step, key.encode(), FEED_TIMEOUT_S, self._kept.get(address))
+                       for address in info.feeds]
+            self.report["delta"] = any(r.delta for r in readers)
             self._check_layout(readers, info)
             initialize_layerwise_reload(self.model)
             self._reloading = self.report["touched"] = True
+            got: dict[str, torch.Tensor] = {}
             with disable_mtp_completeness_check():
-                for reader in readers:
-                    self.model.load_weights(self._counted(reader))
+                self.model.load_weights(self._counted(read_concurrently(readers), got))
+            self._kept = {r.address: Base(r.id, {m.name: got[m.name] for m in r.tensors})
+                          for r in readers if r.keep}
+            self.report["received"] = sum(r.received for r in readers)
         except BaseException as e:
             self.report["error"] = f"{type(e).__name__}: {e}"
             for reader in readers:
@@ -114,10 +129,11 @@ class FeedEngine(WeightTransferEngine[FeedInitInfo, FeedUpdateInfo]):
         finalize_layerwise_reload(self.model, self.model_config)
         repack_after_reload(self.model)
 
-    def _counted(self, reader: FeedReader):
-        for name, tensor in reader:
+    def _counted(self, tensors, got: dict):
+        for name, tensor in tensors:
             self.report["tensors"] += 1
             self.report["bytes"] += tensor.numel() * tensor.element_size()
+            got[name] = tensor
             yield name, tensor
 
     def _check_layout(self, readers: list[FeedReader], info: FeedUpdateInfo) -> None:

@@ -12,10 +12,23 @@ record; a feed holds only the newest step, in memory.
 Protocol (one connection, one step):
 
     server -> client   prl-feed 1 <nonce hex>\\n
-    client -> server   {"step": N, "mac": hex HMAC-SHA256(key, nonce hex)}\\n
+    client -> server   {"step": N, "mac": hex HMAC-SHA256(key, nonce hex)[, "base": id]}\\n
     server -> client   {"error": "..."[, "step": held]}\\n            (wrong mac, or not step N; then closes)
-                   or  {"step": N, "tensors": [[name, dtype, shape, nbytes], ...]}\\n
+                   or  {"step": N, "id": id, "deltas": bool, "tensors": [[name, dtype, shape, nbytes], ...]}\\n
                        the tensors' raw bytes, in header order
+                   or  {"step": N, "id": id, "base": base id, "deltas": true,
+                        "tensors": [[name, dtype, shape, nbytes, changed, form], ...]}\\n
+                       per tensor, in header order: `changed` = -1, its raw bytes; else where the
+                       `changed` elements are (form "index": their int32 flat indices; "mask": a bit per
+                       element, numpy's packbits order), then their values
+
+Deltas (`FeedServer(..., delta=True)`, `weights.delta`): each publish also encodes what changed since the
+feed's previous snapshot, element by element (bitwise: -0.0, NaN and a value that rounds to the same
+bf16 all count right), a tensor sent whole where its delta would not be smaller. A reader holding the
+previous snapshot's tensors (it names that snapshot's `id`, which is random per publish, so a
+restarted trainer's step 7 is never taken for the old one's) gets the delta and rebuilds each tensor
+on its own copy; any other reader gets the whole step. `deltas` tells a reader whether keeping this
+step's tensors will pay off.
 
 The key is the run's API key, so only the run's own servers read its weights. A reader gets the
 snapshot that was current when it asked, whole: `publish` swaps in a new snapshot and never writes
@@ -33,7 +46,8 @@ import os
 import socket
 import socketserver
 import threading
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from prl.errors import FeedError
@@ -44,8 +58,8 @@ MAX_LINE_BYTES = 64 * 1024 * 1024
 MAX_REQUEST_BYTES = 4096
 """Longest client answer a server reads (a step and a mac)."""
 SEND_TIMEOUT_S = 600.0
-"""How long a server waits on one client's socket: a worker reads its feeds one after another, so a
-connection may idle while the feeds before it stream."""
+"""How long a server waits on one client's socket: a worker reads at most READ_AHEAD_BYTES ahead of
+its reload, so a connection may idle while the reload catches up."""
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
           "float8_e4m3fn", "float8_e5m2")
 """Tensor dtypes a feed carries (torch names)."""
@@ -61,19 +75,39 @@ class TensorMeta:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    changed: int = -1
+    """In a delta: how many elements changed (where, then their values, follow); -1: all bytes follow."""
+    form: str = ""
+    """How a delta says where: "index" (int32 flat indices) or "mask" (a bit per element)."""
 
 
 @dataclass(frozen=True)
 class Snapshot:
     step: int
+    id: str
+    """Random per publish: what a reader names as its base."""
     header: bytes
     """The header line, encoded once per publish."""
     tensors: tuple
     """The published (name, tensor) pairs; never written after publish."""
+    base: str | None = None
+    """The id of the snapshot `delta` is relative to (None: no delta)."""
+    delta_header: bytes = b""
+    delta: tuple = ()
+    """Per tensor, in header order: (form, where, values) where they are smaller than the tensor, else None."""
+
+    def payload(self, delta: bool):
+        """The raw byte buffers after the header, in order."""
+        for (_, t), change in zip(self.tensors, self.delta if delta else (None,) * len(self.tensors)):
+            for part in change[1:] if change is not None else (t,):
+                if part.numel():
+                    yield _bytes_of(part)
 
 
-def snapshot(step: int, tensors: Sequence[tuple[str, "torch.Tensor"]]) -> Snapshot:  # noqa: F821
-    """A step's tensors as a servable snapshot: checked names and dtypes, contiguous CPU tensors."""
+def snapshot(step: int, tensors: Sequence[tuple[str, "torch.Tensor"]], deltas: bool = False,  # noqa: F821
+             previous: Snapshot | None = None) -> Snapshot:
+    """A step's tensors as a servable snapshot: checked names and dtypes, contiguous CPU tensors; with
+    `previous`, also the delta from it. `deltas`: the feed computes deltas (said in the header)."""
     kept, metas, names = [], [], set()
     for name, t in tensors:
         dtype = str(t.dtype).removeprefix("torch.")
@@ -85,17 +119,55 @@ def snapshot(step: int, tensors: Sequence[tuple[str, "torch.Tensor"]]) -> Snapsh
         t = t.detach().to("cpu").contiguous()
         kept.append((name, t))
         metas.append([name, dtype, list(t.shape), t.numel() * t.element_size()])
-    header = json.dumps({"step": step, "tensors": metas}, separators=(",", ":")).encode() + b"\n"
-    return Snapshot(step, header, tuple(kept))
+    ident = os.urandom(8).hex()
+    header = _header({"step": step, "id": ident, "deltas": deltas, "tensors": metas})
+    if previous is None:
+        return Snapshot(step, ident, header, tuple(kept))
+    before = dict(previous.tensors)
+    delta = tuple(_delta(before.get(name), t) for name, t in kept)
+    entries = [meta + ([-1, ""] if d is None else [d[2].numel(), d[0]]) for meta, d in zip(metas, delta)]
+    delta_header = _header({"step": step, "id": ident, "base": previous.id, "deltas": True, "tensors": entries})
+    return Snapshot(step, ident, header, tuple(kept), previous.id, delta_header, delta)
+
+
+def _header(fields: dict) -> bytes:
+    return json.dumps(fields, separators=(",", ":")).encode() + b"\n"
+
+
+def _delta(old, new):
+    """(form, where, values) for the elements of `new` whose bits differ from `old`'s: `where` is their int32
+    flat indices or a bit mask, whichever is smaller; None where sending `new` whole is no larger (or `old`
+    is not the same kind of tensor)."""
+    import numpy as np
+    import torch
+
+    if old is None or old.dtype != new.dtype or old.shape != new.shape or new.numel() >= 2**31:
+        return None
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[new.element_size()]
+    flat_new, flat_old = new.reshape(-1), old.reshape(-1)
+    if new.dtype == torch.bool:
+        flat_new, flat_old = flat_new.view(torch.uint8), flat_old.view(torch.uint8)
+    moved = flat_new.view(bits) != flat_old.view(bits)
+    changed = int(moved.sum())
+    mask_bytes, index_bytes = (new.numel() + 7) // 8, 4 * changed
+    if min(mask_bytes, index_bytes) + changed * new.element_size() >= new.numel() * new.element_size():
+        return None
+    if index_bytes <= mask_bytes:
+        index = torch.nonzero(moved).reshape(-1)
+        return "index", index.to(torch.int32), new.reshape(-1)[index].contiguous()
+    return "mask", torch.from_numpy(np.packbits(moved.numpy())), new.reshape(-1)[moved].contiguous()
 
 
 class FeedServer:
     """A threaded TCP server handing its newest snapshot to every authenticated reader."""
 
-    def __init__(self, host: str, port: int, key: bytes):
+    def __init__(self, host: str, port: int, key: bytes, delta: bool = False):
+        """`delta`: each publish also encodes what changed since the previous one, for readers that
+        hold the previous step (the cost: comparing every element at publish, and the delta's bytes)."""
         if not key:
             raise ValueError("a weight feed needs a non-empty key")
         self._key = key
+        self._delta = delta
         self._snapshot: Snapshot | None = None
         self._lock = threading.Lock()
         feed = self
@@ -125,7 +197,7 @@ class FeedServer:
 
     def publish(self, step: int, tensors: Sequence[tuple[str, "torch.Tensor"]]) -> None:  # noqa: F821
         """Serve `tensors` as `step` from now on; readers already streaming finish on the old snapshot."""
-        new = snapshot(step, tensors)
+        new = snapshot(step, tensors, self._delta, self._snapshot if self._delta else None)
         with self._lock:
             self._snapshot = new
 
@@ -157,10 +229,10 @@ class FeedServer:
                 have = "no step yet" if held is None else f"step {held.step}"
                 return _send_line(sock, {"error": f"holds {have}, not step {request.get('step')}",
                                          "step": held.step if held else None})
-            sock.sendall(held.header)
-            for _, t in held.tensors:
-                if t.numel():
-                    sock.sendall(_bytes_of(t))
+            delta = held.base is not None and request.get("base") == held.base
+            sock.sendall(held.delta_header if delta else held.header)
+            for view in held.payload(delta):
+                sock.sendall(view)
         except (OSError, ValueError):
             return  # the reader went away or spoke nonsense: its fetch reports it
 
@@ -176,11 +248,25 @@ def _bytes_of(t) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-class FeedReader:
-    """One open, authenticated connection to a feed, its header read; iterate it for the tensors."""
+@dataclass(frozen=True)
+class Base:
+    """What a reader already holds from a feed: a snapshot's id and its tensors (by name)."""
+    id: str
+    tensors: Mapping[str, "torch.Tensor"]  # noqa: F821
 
-    def __init__(self, address: str, step: int, key: bytes, timeout: float):
+
+class FeedReader:
+    """One open, authenticated connection to a feed, its header read; iterate it for the tensors.
+
+    With `base` (what this reader kept of the feed's previous snapshot), a feed that computes deltas
+    sends only what changed, and each tensor is rebuilt on a copy of the base's: `delta` says whether it
+    did. `id` is the snapshot's, `keep` whether the feed computes deltas (keeping what was read pays off),
+    `received` the bytes read off the socket so far."""
+
+    def __init__(self, address: str, step: int, key: bytes, timeout: float, base: Base | None = None):
         self.address = address
+        self.received = 0
+        self._base = base
         host, sep, port = address.rpartition(":")
         if not (sep and host and port.isdigit()):
             raise FeedError(address, "not a host:port address")
@@ -202,20 +288,32 @@ class FeedReader:
         proto, _, nonce = greeting.rstrip(b"\n").rpartition(b" ")
         if proto != PROTOCOL or not nonce:
             raise FeedError(self.address, f"not a prl weight feed (it said {greeting[:40]!r})")
-        self._send({"step": step, "mac": mac(key, nonce)})
+        request = {"step": step, "mac": mac(key, nonce)}
+        if self._base is not None:
+            request["base"] = self._base.id
+        self._send(request)
         header = self._json(self._line())
         if "error" in header:
             raise FeedError(self.address, str(header["error"])[:300])
         if header.get("step") != step or not isinstance(header.get("tensors"), list):
             raise FeedError(self.address, f"answered step {header.get('step')!r} without a tensor list")
+        self.id = str(header.get("id", ""))
+        self.keep = header.get("deltas") is True
+        self.delta = header.get("base") is not None
+        if self.delta and (self._base is None or header["base"] != self._base.id):
+            raise FeedError(self.address, f"sent a delta from snapshot {header['base']!r}, which this reader "
+                                          "does not hold")
         return [self._meta(entry) for entry in header["tensors"]]
 
     def _meta(self, entry) -> TensorMeta:
         try:
-            name, dtype, shape, nbytes = entry
+            name, dtype, shape, nbytes, *rest = entry
+            changed, form = rest if self.delta and len(rest) == 2 else (-1, "")
             shape = tuple(shape)
             ok = (isinstance(name, str) and dtype in DTYPES and isinstance(nbytes, int)
-                  and all(isinstance(n, int) and n >= 0 for n in shape))
+                  and all(isinstance(n, int) and n >= 0 for n in shape) and len(rest) == 2 * self.delta
+                  and isinstance(changed, int) and -1 <= changed <= math.prod(shape)
+                  and form == ("" if changed < 0 else form) and form in ("", "index", "mask"))
         except (TypeError, ValueError):
             ok = False
         if not ok:
@@ -225,23 +323,59 @@ class FeedReader:
         if nbytes != math.prod(shape) * getattr(torch, dtype).itemsize:
             raise FeedError(self.address, f"{name}: {nbytes} bytes do not make a {dtype} tensor of shape "
                                           f"{list(shape)}")
-        return TensorMeta(name, dtype, shape, nbytes)
+        if changed >= 0:
+            held = self._base.tensors.get(name)
+            if held is None or tuple(held.shape) != shape or str(held.dtype).removeprefix("torch.") != dtype:
+                raise FeedError(self.address, f"{name}: a delta for a tensor this reader does not hold as "
+                                              f"{dtype} {list(shape)}")
+        return TensorMeta(name, dtype, shape, nbytes, changed, form)
 
     def __iter__(self) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821
         """Each tensor in fresh storage (never a reused buffer: vLLM's layerwise reload keeps what it is
-        handed until the layer is complete); FeedError if the stream ends or stalls early."""
+        handed until the layer is complete; a delta is applied to a copy of the base's tensor); FeedError
+        if the stream ends or stalls early."""
+        import numpy as np
         import torch
 
         try:
             for i, meta in enumerate(self.tensors):
-                raw = torch.empty(meta.nbytes, dtype=torch.uint8)
-                if meta.nbytes:
-                    self._read_into(memoryview(raw.numpy()), f"tensor {i + 1} of {len(self.tensors)} ({meta.name})")
-                yield meta.name, raw.view(getattr(torch, meta.dtype)).view(meta.shape)
+                what = f"tensor {i + 1} of {len(self.tensors)} ({meta.name})"
+                dtype = getattr(torch, meta.dtype)
+                if meta.changed < 0:
+                    yield meta.name, self._read(meta.nbytes, what).view(dtype).view(meta.shape)
+                    continue
+                numel = math.prod(meta.shape)
+                if meta.form == "index":
+                    where = self._read(4 * meta.changed, what).view(torch.int32).long()
+                    if meta.changed and not (0 <= int(where.min()) and int(where.max()) < numel):
+                        raise FeedError(self.address, f"{what}: a delta index out of range")
+                else:
+                    packed = self._read((numel + 7) // 8, what).numpy()
+                    where = torch.from_numpy(np.unpackbits(packed, count=numel).view(np.bool_))
+                    if int(where.sum()) != meta.changed:
+                        raise FeedError(self.address, f"{what}: the mask marks {int(where.sum())} elements, "
+                                                      f"the header {meta.changed}")
+                values = self._read(meta.nbytes // max(1, numel) * meta.changed, what).view(dtype)
+                tensor = self._base.tensors[meta.name].clone()
+                tensor.view(-1)[where] = values
+                yield meta.name, tensor
         finally:
             self.close()
 
+    def _read(self, nbytes: int, what: str) -> "torch.Tensor":  # noqa: F821
+        import torch
+
+        raw = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            self._read_into(memoryview(raw.numpy()), what)
+        return raw
+
     def close(self) -> None:
+        """Safe from another thread: a read blocked on this connection fails at once."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already closed, or never connected
         self._file.close()
         self._sock.close()
 
@@ -255,6 +389,7 @@ class FeedReader:
             if not n:
                 raise FeedError(self.address, f"closed the stream during {what} ({got} of {len(view)} bytes)")
             got += n
+            self.received += n
 
     def _line(self) -> bytes:
         try:
@@ -279,6 +414,71 @@ class FeedReader:
             _send_line(self._sock, message)
         except OSError as e:
             raise FeedError(self.address, f"cannot send: {e}") from None
+
+
+READ_AHEAD_BYTES = 512 * 1024 * 1024
+"""How many bytes `read_concurrently` holds that its caller has not taken yet (one tensor more when a
+single tensor is larger): the bound on the memory the overlap costs."""
+
+
+def read_concurrently(readers: Sequence[FeedReader],
+                      ahead_bytes: int = READ_AHEAD_BYTES) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821
+    """Every reader's tensors, each reader streamed by a thread of its own while the caller works on
+    what arrived: the socket reads overlap the caller's (a worker's reload) and each other, where
+    reading the feeds one after another leaves the reload waiting on the socket and the sockets on the
+    reload. Tensors come in arrival order (each feed's in its header order). The first error of any
+    reader is raised as soon as it happens (the update fails anyway); leaving the loop early, or an error,
+    closes every reader, which stops its thread."""
+    pending: deque[tuple[str, object, int]] = deque()
+    state = {"held": 0, "running": len(readers), "stop": False}
+    errors: list[BaseException] = []
+    changed = threading.Condition()
+
+    def pump(reader: FeedReader) -> None:
+        try:
+            for name, tensor in reader:
+                size = tensor.numel() * tensor.element_size()
+                with changed:
+                    while state["held"] and state["held"] + size > ahead_bytes and not state["stop"]:
+                        changed.wait()
+                    if state["stop"]:
+                        return
+                    pending.append((name, tensor, size))
+                    state["held"] += size
+                    changed.notify_all()
+        except BaseException as e:
+            with changed:
+                errors.append(e)
+        finally:
+            with changed:
+                state["running"] -= 1
+                changed.notify_all()
+
+    threads = [threading.Thread(target=pump, args=(r,), name=f"prl-feed-read-{r.address}", daemon=True)
+               for r in readers]
+    for t in threads:
+        t.start()
+    try:
+        while True:
+            with changed:
+                while not pending and not errors and state["running"]:
+                    changed.wait()
+                if errors:
+                    raise errors[0]
+                if not pending:
+                    return
+                name, tensor, size = pending.popleft()
+                state["held"] -= size
+                changed.notify_all()
+            yield name, tensor
+    finally:
+        with changed:
+            state["stop"] = True
+            changed.notify_all()
+        for reader in readers:
+            reader.close()
+        for t in threads:
+            t.join(timeout=10)
 
 
 def fetch(address: str, step: int, key: bytes, timeout: float = 60.0) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821

@@ -40,6 +40,8 @@ class TrainerConfig:
     """`weights.transport: memory`: each rank's weight-feed port, by global rank (empty: weights go by disk)."""
     feed_host: str = ""
     """The address this node's feeds listen on (the servers' workers connect to it)."""
+    feed_delta: bool = False
+    """`weights.delta`: the feeds also send what changed since their previous step."""
     scorers: tuple[str, ...] = ()
     """The scoring roles of the run (`teacher`, `reference`): their logprobs come in every batch."""
     lora: Optional[Lora] = None
@@ -56,4 +58,5 @@ class TrainerConfig:
                    tokenizer_path=settings.model.tokenizer or settings.model.path,
                    max_model_len=settings.model.max_model_len, sft=settings.sft,
                    feed_ports=tr.feed_ports, feed_host=node_address(plan) if tr.feed_ports else "",
+                   feed_delta=settings.weights.delta,
                    scorers=plan.scorer_roles(), lora=settings.model.lora)

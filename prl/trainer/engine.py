@@ -433,7 +433,7 @@ def start_feed(run: RunDir, cfg: TrainerConfig, d: Dist, spec: Spec) -> tuple[Fe
     if type(spec).publish is not Spec.publish or cfg.lora is not None:
         raise ConfigError(f"weights.transport: memory sends the whole model; {type(spec).__name__} publishes "
                           "weights of its own: use weights.transport: filesystem")
-    feed = FeedServer(cfg.feed_host, cfg.feed_ports[d.rank], run.read_api_key().encode())
+    feed = FeedServer(cfg.feed_host, cfg.feed_ports[d.rank], run.read_api_key().encode(), cfg.feed_delta)
     addresses = [None] * d.world_size
     dist.all_gather_object(addresses, feed.address)
     return feed, tuple(addresses)
