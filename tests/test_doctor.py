@@ -12,6 +12,7 @@ import pytest
 from prl.ops.progress import MetricsTail, Progress
 from prl.ops.submit import build_tiny_model
 from prl.config.topology import Model
+from prl.run.rundir import RunDir
 from tests.helpers import REPO, prl_cli
 
 
@@ -62,6 +63,30 @@ def test_doctor_checks_a_teacher_and_a_reference_model_like_the_students(env, tm
     (tmp_path / "teacher" / "config.json").write_text("{}")
     ok = prl_cli(env, "doctor", "configs/local-distill.yaml", f"teacher.path={tmp_path / 'teacher'}", *scored)
     assert f"[     ok] teacher          {tmp_path / 'teacher'}" in ok.stdout, ok.stdout
+
+
+def test_a_teacher_task_s_preflight_checks_the_teacher_s_own_model(tmp_path):
+    """On the node (`prl doctor RUN --role teacher`, what `--preflight` runs): a scoring server loads its own
+    model, so its preflight checks that directory, not the student's; a reference without a path loads the
+    student's."""
+    from prl.job.doctor import failed, preflight
+    from tests.plans import local_plan, write_plan
+
+    student, teacher = tmp_path / "student", tmp_path / "teacher"
+    for d in (student, teacher):
+        d.mkdir()
+    (student / "config.json").write_text("{}")
+    plan = local_plan(tmp_path / "run", student, [f"teacher.path={teacher}", "reference.nodes=1",
+                                                   "training.loss.kl_ref_coef=0.1"], topology="local-distill")
+    run = write_plan(RunDir(tmp_path / "run"), plan)
+    models = {role: [c for c in preflight(run, plan, role, 0, strict=False) if c.name == "model"]
+              for role in ("teacher", "reference", "trainer")}
+    assert [c.level for c in models["teacher"]] == ["error"] and str(teacher) in models["teacher"][0].detail
+    assert failed(models["teacher"])
+    assert [c.level for c in models["reference"]] == ["ok"] and str(student) in models["reference"][0].detail
+    assert [c.level for c in models["trainer"]] == ["ok"]
+    (teacher / "config.json").write_text("{}")
+    assert [c.level for c in preflight(run, plan, "teacher", 0, strict=False) if c.name == "model"] == ["ok"]
 
 
 def test_doctor_refuses_a_role_without_a_run_and_a_run_without_a_role(env, tmp_path):

@@ -105,9 +105,15 @@ def _ports(plan: Plan, role: str, task: int) -> list[Check]:
 
 
 def _model(plan: Plan, role: str) -> list[Check]:
-    if role not in MODEL_ROLES:
+    """The model directory this role loads: the student's (`model.path`), or a teacher's or reference's own
+    (the `--model` its servers were planned with)."""
+    if role in MODEL_ROLES:
+        path = plan.settings().model.path
+    elif role in plan.scorer_roles():
+        args = plan.role_servers(role)[0].args
+        path = args[args.index("--model") + 1]
+    else:
         return []
-    path = plan.settings().model.path
     local = path.startswith(("/", ".", "~")) or os.path.isdir(path)
     if not local:
         return [Check("model", "warn", f"{path!r} is not a local path: the nodes' hub cache must hold it")]
