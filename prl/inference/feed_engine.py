@@ -100,7 +100,9 @@ class FeedEngine(WeightTransferEngine[FeedInitInfo, FeedUpdateInfo]):
             self._check_layout(readers, info)
             initialize_layerwise_reload(self.model)
             self._reloading = self.report["touched"] = True
-            got: dict[str, torch.Tensor] = {}
+            # Keep what was read only where a feed sends deltas: otherwise each tensor is freed once its layer
+            # is reloaded, as before, instead of a model's worth staying alive until the update ends.
+            got: dict[str, torch.Tensor] | None = {} if any(r.keep for r in readers) else None
             with disable_mtp_completeness_check():
                 self.model.load_weights(self._counted(read_concurrently(readers), got))
             self._kept = {r.address: Base(r.id, {m.name: got[m.name] for m in r.tensors})
@@ -129,11 +131,12 @@ class FeedEngine(WeightTransferEngine[FeedInitInfo, FeedUpdateInfo]):
         finalize_layerwise_reload(self.model, self.model_config)
         repack_after_reload(self.model)
 
-    def _counted(self, tensors, got: dict):
+    def _counted(self, tensors, got: dict | None):
         for name, tensor in tensors:
             self.report["tensors"] += 1
             self.report["bytes"] += tensor.numel() * tensor.element_size()
-            got[name] = tensor
+            if got is not None:
+                got[name] = tensor
             yield name, tensor
 
     def _check_layout(self, readers: list[FeedReader], info: FeedUpdateInfo) -> None:

@@ -313,7 +313,7 @@ class FeedReader:
             ok = (isinstance(name, str) and dtype in DTYPES and isinstance(nbytes, int)
                   and all(isinstance(n, int) and n >= 0 for n in shape) and len(rest) == 2 * self.delta
                   and isinstance(changed, int) and -1 <= changed <= math.prod(shape)
-                  and form == ("" if changed < 0 else form) and form in ("", "index", "mask"))
+                  and (form == "" if changed < 0 else form in ("index", "mask")))
         except (TypeError, ValueError):
             ok = False
         if not ok:
