@@ -56,6 +56,7 @@ class FakeEngine:
         logprobs: Callable[[list[int]], list[float]] | None = None,
         chat: Callable[[dict], dict] | None = None,
         delay: Callable[[list[int]], float | Awaitable[None]] | None = None,
+        expand: Callable[[list[int]], tuple[list[int], dict]] | None = None,
         port: int = 0,
     ):
         self.model = model
@@ -89,6 +90,9 @@ class FakeEngine:
         self.generate_bodies: list[dict] = []
         self.generate_clients: set[str] = set()
         """The User-Agent products that sent generate requests (aiohttp: prl's fast path; AsyncOpenAI: the SDK)."""
+        self.expand = expand
+        """vLLM's multimodal expansion, for a request with `content_parts` (pictures): the renderer's prompt ids ->
+        the expanded ids and their `mm_placeholders`, answered as `prompt_token_ids` and `mm_placeholders`."""
         self.port = port
         """Port to listen on (0: any free one; a restarted server comes back on its old port)."""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -135,12 +139,13 @@ class FakeEngine:
         finish = "stop" if self.stop_id is not None and ids[-1] == self.stop_id else "length"
         values = self.logprobs(ids) if self.logprobs else [-math.log(len(self.token_ids))] * len(ids)
         logprobs = [{"token": f"token_id:{t}", "logprob": v} for t, v in zip(ids, values)]
-        return web.json_response(
-            {
-                "request_id": f"fake-{self.requests}",
-                "choices": [{"index": 0, "token_ids": ids, "finish_reason": finish, "logprobs": {"content": logprobs}}],
-            }
-        )
+        out = {
+            "request_id": f"fake-{self.requests}",
+            "choices": [{"index": 0, "token_ids": ids, "finish_reason": finish, "logprobs": {"content": logprobs}}],
+        }
+        if body.get("content_parts") and self.expand is not None:
+            out["prompt_token_ids"], out["mm_placeholders"] = self.expand(prompt)
+        return web.json_response(out)
 
     async def _chat(self, request: web.Request) -> web.Response:
         self.requests += 1

