@@ -9,7 +9,7 @@ It speaks the parts of the `prl inference` API the orchestrator uses:
     POST /prl/weights {"step": N}      "load" RUN/weights/step_N (checks the STABLE marker)
     POST /prl/weights {"step": N, "feeds": [...]}   "load" step N from memory (502 unless `feed_step` is N)
     GET  /prl/live                     {"weights_step": N, ...}
-    POST /prl/pause, /prl/resume
+    POST /pause, /resume               (vLLM's RL API, which prl servers mount)
 
 Generated tokens are random ids from `token_ids` (for a real tokenizer's
 vocabulary) with made-up logprobs; a stop token ends a reply with
@@ -193,11 +193,11 @@ class FakeEngine:
 
     async def _pause(self, request: web.Request) -> web.Response:
         self.paused = True
-        return web.json_response({"paused": True})
+        return web.json_response({"status": "paused"})
 
     async def _resume(self, request: web.Request) -> web.Response:
         self.paused = False
-        return web.json_response({"paused": False})
+        return web.json_response({"status": "resumed"})
 
     # -- lifecycle
     def start(self) -> FakeEngine:
@@ -212,8 +212,8 @@ class FakeEngine:
                     web.get("/v1/models", self._models),
                     web.post("/prl/weights", self._weights),
                     web.get("/prl/live", self._live),
-                    web.post("/prl/pause", self._pause),
-                    web.post("/prl/resume", self._resume),
+                    web.post("/pause", self._pause),
+                    web.post("/resume", self._resume),
                     web.get("/health", self._health),
                 ]
             )

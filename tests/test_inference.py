@@ -188,10 +188,10 @@ def test_layout_mismatch_is_422(run, tmp_path):
     for i, (words, tensors) in enumerate(cases.items()):
         with pytest.raises(UpdateRefused) as e:
             compare_layouts(base, checkpoint_layout(fake_checkpoint(tmp_path / f"c{i}", tensors)), tmp_path)
-        assert e.value.status == 422 and words in e.value.message, e.value.message
+        assert e.value.status == 400 and words in e.value.message, e.value.message
     with pytest.raises(UpdateRefused) as e:
         checkpoint_layout(tmp_path)
-    assert e.value.status == 422
+    assert e.value.status == 400
 
 
 def _header(obj: object) -> bytes:
@@ -409,41 +409,46 @@ def test_verifiers_train_client_parses_generate(tiny_server):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_pause_resume(tiny_server):
+    """Pausing and resuming are vLLM's own RL API routes, which prl mounts (vLLM does only in dev mode)."""
     prompt = prompts_for(tiny_server.model_dir)[0]
     body = {"token_ids": prompt, "sampling_params": {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}}
-    assert tiny_server.post("/prl/pause", {"mode": "keep"}) == {"paused": True, "mode": "keep"}
+    assert tiny_server.post("/pause?mode=keep") == {"status": "paused"}
     try:
-        assert tiny_server.get("/prl/live")["paused"] is True
+        assert tiny_server.get("/prl/live")["paused"] is True and tiny_server.get("/is_paused") == {"is_paused": True}
         result: dict = {}
         worker = threading.Thread(target=lambda: result.update(tiny_server.post("/inference/v1/generate", body)))
         worker.start()
         worker.join(3)
         assert worker.is_alive(), "a request finished while the server was paused"
     finally:
-        assert tiny_server.post("/prl/resume") == {"paused": False}
+        assert tiny_server.post("/resume") == {"status": "resumed"}
     worker.join(60)
     assert len(result["choices"][0]["token_ids"]) == 4
-    assert tiny_server.get("/prl/live")["paused"] is False
+    assert tiny_server.get("/prl/live")["paused"] is False and tiny_server.get("/is_paused") == {"is_paused": False}
 
     # abort: requests held by a pause end at once with finish_reason "abort"
     # (the tiny model finishes any request in well under a second, so hold it first)
     result.clear()
-    tiny_server.post("/prl/pause", {"mode": "keep"})
+    tiny_server.post("/pause?mode=keep")
     try:
         worker = threading.Thread(target=lambda: result.update(tiny_server.post("/inference/v1/generate", body)))
         worker.start()
         time.sleep(1.0)
-        tiny_server.post("/prl/pause", {"mode": "abort"})
+        tiny_server.post("/pause?mode=abort")
         worker.join(30)
         assert result["choices"][0]["finish_reason"] == "abort"
     finally:
-        tiny_server.post("/prl/resume")
+        tiny_server.post("/resume")
     with pytest.raises(HTTPFailure) as e:
-        tiny_server.post("/prl/pause", {"mode": "sideways"})
+        tiny_server.post("/pause?mode=sideways")
     assert e.value.status == 400
-    assert tiny_server.post("/prl/pause", {"mode": "wait"})["paused"] is True  # idle: returns at once
-    tiny_server.post("/prl/resume")
+    assert tiny_server.post("/pause?mode=wait") == {"status": "paused"}  # idle: returns at once
+    tiny_server.post("/resume")
     assert tiny_server.get("/prl/live")["paused"] is False
+    # vLLM's stamp on its outputs is the step prl loaded last ("default" before any update, "0" after weights
+    # from a directory not named step_N: other tests share this server)
+    step = tiny_server.get("/prl/live")["weights_step"]
+    assert tiny_server.get("/weight_info")["weight_version"] in (("default", "0") if step is None else (str(step),))
 
 
 @pytest.mark.vllm

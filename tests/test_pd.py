@@ -296,6 +296,25 @@ def test_without_the_handoff_decode_recomputes(pd):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_the_router_pauses_and_resumes_every_backend(pd):
+    """vLLM's RL API /pause and /resume (prl mounts them on every server) through the router reach the prefill and
+    the decode server alike, with the pause mode in the query."""
+    fanned = http_json("POST", pd.router + "/pause?mode=keep", {})["backends"]
+    try:
+        assert sorted(fanned) == sorted([pd.prefill.url, pd.decode.url]), fanned
+        assert all(answer == {"status": "paused"} for answer in fanned.values()), fanned
+        assert [http_json("GET", s.url + "/is_paused") for s in (pd.prefill, pd.decode)] == [{"is_paused": True}] * 2
+    finally:
+        resumed = http_json("POST", pd.router + "/resume", {})["backends"]
+    assert all(answer == {"status": "resumed"} for answer in resumed.values()), resumed
+    assert [http_json("GET", s.url + "/is_paused") for s in (pd.prefill, pd.decode)] == [{"is_paused": False}] * 2
+    with pytest.raises(HTTPFailure) as e:
+        http_json("POST", pd.router + "/pause?mode=sideways", {})
+    assert e.value.status == 400
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_weight_updates_invalidate_every_kv_copy(pd):
     """Two updates through the router's fan-out: a prompt served (and cached everywhere) before each update
     gives, after it, the logprobs of a unified server and of transformers on the new weights."""

@@ -1,8 +1,8 @@
-"""Admin endpoints of the inference server: liveness, pause/resume, weight updates.
+"""Admin endpoints of the inference server: liveness and weight updates. Pausing and resuming are vLLM's own
+RL API routes, which every prl server mounts behind the run's key (`POST /pause?mode=keep|wait|abort`,
+`POST /resume`, `GET /is_paused`, `GET /weight_info`: prl.inference.server.RL_API_ROUTES).
 
     GET  /prl/live     {"ok", "weights_step", "weights_path", "disk_step", "paused", "model", "updates", ...}
-    POST /prl/pause    {"mode": "keep"|"wait"|"abort"} (default "wait") -> {"paused": true, "mode"}
-    POST /prl/resume   -> {"paused": false}
     POST /prl/weights  {"step": N} | {"path": "/abs/dir"} | {"step": N, "feeds": ["host:port", ...]}
                        [, "mode": "keep"|"wait"|"abort"]
                        -> {"step", "path", "seconds", "load_seconds", "pause_seconds", "kv_storage_cleared"}
@@ -145,27 +145,6 @@ async def live(request: Request):
     if state.broken:
         body["error"] = state.broken
     return JSONResponse(body, status_code=200 if state.broken is None else 503)
-
-
-@router.post("/prl/pause")
-async def pause(request: Request):
-    try:
-        mode = _mode(await _body(request), "wait")
-    except UpdateRefused as e:
-        return _error(e.status, e.message)
-    # A pause is not a weight change: keep the prefix cache.
-    await _engine(request).pause_generation(mode=mode, clear_cache=False)
-    return {"paused": True, "mode": mode}
-
-
-@router.post("/prl/resume")
-async def resume(request: Request):
-    try:
-        await _body(request)
-    except UpdateRefused as e:
-        return _error(e.status, e.message)
-    await _engine(request).resume_generation()
-    return {"paused": False}
 
 
 def checked_target(state, body: dict) -> tuple[WeightsTarget | FeedTarget, str]:

@@ -36,7 +36,7 @@ bound) or `round_robin`.
 `GET /health` (open: the launcher's readiness probe) is 200 when every
 backend's `/health` is, else 503, and says nothing more; `GET /prl/health`
 (with the key) adds each backend's state. `GET /prl/live` gathers every backend's; `POST /prl/weights`,
-`/prl/pause` and `/prl/resume` go to every backend (prefill and decode must
+`/pause` and `/resume` (vLLM's RL API, with their query) go to every backend (prefill and decode must
 serve the same weights) and fail if any backend fails. `GET /prl/router`:
 requests sent to and in flight on each backend. Other paths (`/v1/models`,
 ...) go to a decode server.
@@ -63,7 +63,7 @@ from prl.log import get_logger, init_logging
 log = get_logger("prl.inference.router")
 
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
-FANOUT_PATHS = ("/prl/weights", "/prl/pause", "/prl/resume")
+FANOUT_PATHS = ("/prl/weights", "/pause", "/resume")
 FORWARD_HEADERS = ("authorization", "content-type", "x-session-id", "x-request-id", "accept")
 POLICIES = ("cache_aware", "round_robin")
 MAX_DEPTH = 64
@@ -300,7 +300,8 @@ class Proxy:
     async def fanout(self, request: Request, path: str) -> JSONResponse:
         """POST to every backend; the worst status code (200 when none is an error) and each answer."""
         body, headers = await request.body(), forwarded_headers(request)
-        results = await asyncio.gather(*(self.post_one(u + path, body, headers) for u in self.backends))
+        query = f"?{request.url.query}" if request.url.query else ""  # vLLM's /pause takes its mode there
+        results = await asyncio.gather(*(self.post_one(u + path + query, body, headers) for u in self.backends))
         worst = max(code for code, _ in results)
         return JSONResponse({"backends": {u: out for u, (_, out) in zip(self.backends, results)}},
                             status_code=worst if worst >= 400 else 200)

@@ -172,17 +172,38 @@ def replace_routes(app, router) -> None:
     app.include_router(router)
 
 
+RL_API_ROUTES = frozenset({("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"),
+                           ("POST", "/abort_requests"), ("GET", "/weight_info"), ("GET", "/get_world_size")})
+"""The routes of vLLM's RL API (`vllm/entrypoints/rl/online/api_router.py`) every prl server serves, behind the
+run's key like every route but /health. vLLM mounts them only with VLLM_SERVER_DEV_MODE, and then with its
+weight-transfer routes (`/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`,
+`/finish_weight_update`, ...), which prl does not mount: `/prl/weights` drives those same engine calls after
+checking the step, one update at a time, and drops the old weights' KV after them (prl/inference/admin.py)."""
+
+
+def rl_api_router():
+    """An APIRouter with vLLM's own handlers for RL_API_ROUTES."""
+    from fastapi import APIRouter
+    from vllm.entrypoints.rl.online.api_router import router as vllm_rl
+
+    chosen = APIRouter()
+    chosen.routes.extend(r for r in vllm_rl.routes if {(m, r.path) for m in getattr(r, "methods", ())} & RL_API_ROUTES)
+    return chosen
+
+
 def add_prl_routes(app, model_config) -> None:
-    """prl's generate route (in place of vLLM's) and admin routes on vLLM's app, and the generate route's
-    body bound for this model (BodyLimit)."""
+    """prl's generate route (in place of vLLM's), admin routes and vLLM's RL API routes on vLLM's app, and the
+    generate route's body bound for this model (BodyLimit)."""
     from prl.inference import admin, generate
 
     # vLLM 0.32 always mounts /inference/v1/generate: a 403 stub without --enable-scale-out,
     # else its own format, which the verifiers train client rejects. Ours must answer first.
     replace_routes(app, generate.router)
     app.include_router(admin.router)
+    replace_routes(app, rl_api_router())  # with VLLM_SERVER_DEV_MODE vLLM mounted them already: once is enough
     app.state.body_limits = {"/inference/v1/generate": generate.max_body_bytes(model_config.get_vocab_size(),
-                                                                               model_config.max_model_len)}
+                                                                               model_config.max_model_len),
+                             **{path: admin.MAX_BODY_BYTES for _, path in RL_API_ROUTES}}
 
 
 _API_KEY: str | None = None
