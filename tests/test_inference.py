@@ -188,10 +188,10 @@ def test_layout_mismatch_is_422(run, tmp_path):
     for i, (words, tensors) in enumerate(cases.items()):
         with pytest.raises(UpdateRefused) as e:
             compare_layouts(base, checkpoint_layout(fake_checkpoint(tmp_path / f"c{i}", tensors)), tmp_path)
-        assert e.value.status == 400 and words in e.value.message, e.value.message
+        assert e.value.status == 422 and words in e.value.message, e.value.message
     with pytest.raises(UpdateRefused) as e:
         checkpoint_layout(tmp_path)
-    assert e.value.status == 400
+    assert e.value.status == 422
 
 
 def _header(obj: object) -> bytes:
