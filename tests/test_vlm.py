@@ -291,3 +291,62 @@ def test_a_shapes_rollout_sends_one_image_token_and_the_picture_and_trains_the_e
     (branch,) = rollout_from_episode(episode, version=0).branches
     assert list(branch.token_ids) == expanded + reply
     assert [i for i, m in enumerate(branch.mask) if m] == list(range(len(expanded), len(expanded) + len(reply)))
+
+
+def test_a_shapes_rollout_on_the_served_vlm_trains_what_vllm_computed(vlm_server, vlm_dir, idefics3):
+    """The same rollout against the real server: prl's /inference/v1/generate hands the picture to vLLM, which
+    expands the renderer's one `<image>`; the answer's prompt ids are the processor's, the rollout trains on them +
+    the sampled reply, and the served logprobs of that reply equal transformers' on the expanded ids + pixels."""
+    import verifiers.v1 as vf
+
+    from prl.orchestrator.clients import renderer_config
+    from prl.orchestrator.env import load_env
+    from prl.orchestrator.idefics3 import IMPORT_PATH
+    from prl.orchestrator.rollouts import rollout_from_episode
+    from tests.helpers import run_one_episode
+
+    _, processor = idefics3
+    env = load_env("prl_shapes", args={"num_examples": 1}, split="eval")
+    task = next(iter(env.taskset))
+    messages, drawn = shapes_prompt()
+    client = vf.TrainClientConfig(base_url=vlm_server.url + "/v1", api_key_var="PRL_TEST_NO_KEY",
+                                  renderer_model_name=str(vlm_dir),
+                                  renderer=renderer_config({"name": "custom", "import_path": IMPORT_PATH}))
+    ctx = vf.ModelContext(model=str(vlm_dir), client=client,
+                          sampling=vf.SamplingConfig(temperature=1.0, max_tokens=6))
+    episode = run_one_episode(env, task, ctx)
+    assert episode.ok, episode.errors
+    (branch,) = rollout_from_episode(episode, version=0).branches
+    (expanded,) = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids, mask = list(branch.token_ids), list(branch.mask)
+    assert ids[:len(expanded)] == expanded and not any(mask[:len(expanded)]), "the prompt is not the processor's"
+    reply = ids[len(expanded):]
+    assert reply and all(mask[len(expanded):]), (len(ids), len(expanded))
+    inputs = processor(text=processor.apply_chat_template(messages, add_generation_prompt=True),
+                       images=[drawn.convert("RGB")], return_tensors="pt")
+    assert inputs["input_ids"][0].tolist() == expanded
+    reference = hf_logprobs(vlm_dir, inputs, reply)
+    served = list(branch.logprobs[len(expanded):])
+    assert max(abs(a - b) for a, b in zip(served, reference)) < LOGPROB_TOL, (served, reference)
+
+
+def test_generate_refuses_pictures_it_would_have_to_fetch_or_cannot_decode(vlm_server):
+    """Only data URLs of decodable pictures: a request naming a remote URL is refused (the server fetches
+    nothing), as are a broken base64 payload and a part that is not a picture; each says which part."""
+    from tests.vllm_fixtures import HTTPFailure
+
+    good = {"type": "image_url", "url": data_url(shapes_image())}
+    cases = [
+        ([{"type": "image_url", "url": "http://169.254.169.254/latest"}], "only data:image/"),
+        ([good, {"type": "image_url", "url": "data:image/png;base64,!!!"}], "content_parts[1]: not a picture"),
+        ([{"type": "image_url", "url": "data:image/png;base64," + base64.b64encode(b"not a png").decode()}],
+         "content_parts[0]: not a picture"),
+        ([{"type": "text", "text": "hi"}], "content_parts[0] must be"),
+        ("nope", "content_parts must be a list"),
+    ]
+    for parts, says in cases:
+        with pytest.raises(HTTPFailure) as e:
+            vlm_server.post("/inference/v1/generate", {"token_ids": [1, 2, 3], "content_parts": parts,
+                                                       "sampling_params": {"max_tokens": 1}})
+        assert e.value.status == 400 and says in str(e.value.body), (parts if isinstance(parts, str) else says,
+                                                                     e.value.body)

@@ -13,9 +13,17 @@ and `logprobs.content` with exactly one `{"token": "token_id:<id>",
 "logprob": x}` per sampled token (x finite, not vLLM's -9999 sentinel).
 vLLM 0.32 mounts a route of this name only with `--enable-scale-out` /
 `--tokens-only`, and its entries (`{"token_id": N, ...}`) fail that check,
-so prl serves its own. Text in and multimodal features are not supported
-here (use the OpenAI routes); sampling keys vLLM does not know are ignored
-(the client passes provider-specific extras through).
+so prl serves its own. Sampling keys vLLM does not know are ignored (the
+client passes provider-specific extras through).
+
+Pictures (a vision-language model): `content_parts` lists the prompt's
+pictures in order, `[{"type": "image_url", "url": "data:image/png;base64,..."}]`
+(the verifiers train client sends them so), and `token_ids` holds one image
+placeholder token per picture, which vLLM expands as its processor does. The
+answer then carries the expanded `prompt_token_ids` and `mm_placeholders`
+(`{"image": [{"offset", "length"}, ...]}`: where each picture's tokens lie in
+them), what the trainer recomputes. Only data URLs: the server fetches nothing
+a request names. Precomputed `features` are refused.
 
 Prefill/decode disaggregation (vLLM's protocol, as on its OpenAI routes): a
 top-level `kv_transfer_params` is handed to the engine's KV connector, and
@@ -71,11 +79,59 @@ STRINGS_JSON_BYTES = 1 << 20
 """Room in a request's JSON for everything but token ids (stop strings, bad words, ids, sampling values)."""
 
 
-def max_body_bytes(vocab: int, max_model_len: int) -> int:
+MAX_IMAGES = 64
+"""Most pictures one generate request may carry."""
+IMAGES_JSON_BYTES = 64 << 20
+"""Room in a multimodal model's request for its pictures (base64 data URLs)."""
+MAX_IMAGE_PIXELS = 64 << 20
+"""Largest picture (width x height) a request may carry: a small PNG may claim a huge canvas."""
+
+
+def max_body_bytes(vocab: int, max_model_len: int, multimodal: bool = False) -> int:
     """Largest body a generate request of this model can need: a prompt of max_model_len ids, and up to a
-    vocabulary of ids in each of stop_token_ids, allowed_token_ids and logit_bias. The server refuses a
-    larger one (413) before parsing it (`prl.inference.server.BodyLimit`)."""
-    return TOKEN_JSON_BYTES * (max_model_len + 3 * vocab) + STRINGS_JSON_BYTES
+    vocabulary of ids in each of stop_token_ids, allowed_token_ids and logit_bias (and IMAGES_JSON_BYTES of
+    pictures for a multimodal model). The server refuses a larger one (413) before parsing it
+    (`prl.inference.server.BodyLimit`)."""
+    return TOKEN_JSON_BYTES * (max_model_len + 3 * vocab) + STRINGS_JSON_BYTES + (IMAGES_JSON_BYTES if multimodal else 0)
+
+
+def decode_images(parts: Any) -> list:
+    """The pictures of a request's `content_parts`, decoded as vLLM decodes an `image_url` (RGB); BadRequest
+    naming the part for anything else."""
+    import base64
+    import binascii
+    import io
+
+    from PIL import Image
+
+    if not isinstance(parts, list) or len(parts) > MAX_IMAGES:
+        raise BadRequest(f"content_parts must be a list of at most {MAX_IMAGES} image_url parts")
+    images = []
+    for i, part in enumerate(parts):
+        url = part.get("url", (part.get("image_url") or {}).get("url")) if isinstance(part, dict) else None
+        if not isinstance(part, dict) or part.get("type") != "image_url" or not isinstance(url, str):
+            raise BadRequest(f"content_parts[{i}] must be {{\"type\": \"image_url\", \"url\": ...}}")
+        head, _, data = url.partition(",")
+        if not (head.startswith("data:image/") and head.endswith(";base64")):
+            raise BadRequest(f"content_parts[{i}]: only data:image/...;base64 URLs (the server fetches nothing), "
+                             f"got {url[:40]!r}")
+        try:
+            image = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
+            if image.width * image.height > MAX_IMAGE_PIXELS:
+                raise BadRequest(f"content_parts[{i}]: a {image.width}x{image.height} picture is over "
+                                 f"{MAX_IMAGE_PIXELS} pixels")
+            images.append(image.convert("RGB"))
+        except (binascii.Error, OSError, ValueError, Image.DecompressionBombError) as e:
+            if isinstance(e, BadRequest):
+                raise
+            raise BadRequest(f"content_parts[{i}]: not a picture PIL can decode: {str(e)[:200]}") from e
+    return images
+
+
+def placeholders(engine_input) -> dict[str, list[dict[str, int]]]:
+    """Where each picture's tokens lie in the expanded prompt (the `mm_placeholders` of vLLM's rendered input)."""
+    found = engine_input.get("mm_placeholders") or {} if engine_input.get("type") == "multimodal" else {}
+    return {kind: [{"offset": r.offset, "length": r.length} for r in ranges] for kind, ranges in found.items()}
 
 
 class BadRequest(ValueError):
@@ -276,8 +332,9 @@ async def generate(request: GenerateRequest, raw_request: Request):
     engine = raw_request.app.state.engine_client
     if request.stream:
         return _error(HTTPStatus.BAD_REQUEST, "stream=true is not supported by this endpoint")
-    if request.features is not None or request.content_parts:
-        return _error(HTTPStatus.BAD_REQUEST, "multimodal inputs are not supported by this endpoint")
+    if request.features is not None:
+        return _error(HTTPStatus.BAD_REQUEST, "precomputed multimodal features are not supported: send the "
+                                              "pictures as content_parts")
     model_config = engine.model_config
     try:
         room = check_request(request, model_config.get_vocab_size(), model_config.max_model_len,
@@ -291,9 +348,10 @@ async def generate(request: GenerateRequest, raw_request: Request):
     if request.kv_transfer_params:
         params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": request.kv_transfer_params}
 
-    prompt = TokensPrompt(prompt_token_ids=request.token_ids)
-    if request.cache_salt:
-        prompt["cache_salt"] = request.cache_salt
+    try:
+        prompt = await engine_prompt(request, raw_request)
+    except (BadRequest, ValueError, VLLMClientError) as e:
+        return _error(HTTPStatus.BAD_REQUEST, str(e))
     request_id = f"prl-gen-{request.request_id or random_uuid()}"
     final = None
     try:
@@ -307,18 +365,40 @@ async def generate(request: GenerateRequest, raw_request: Request):
     if final is None:
         return _error(HTTPStatus.INTERNAL_SERVER_ERROR, "the engine returned no output")
 
+    return JSONResponse(answer(request, request_id, prompt, final))
+
+
+async def engine_prompt(request: GenerateRequest, raw_request: Request):
+    """What the engine generates from: the request's ids, or with pictures the input vLLM's renderer makes of
+    them (each placeholder expanded as the model's processor does, and where: as vLLM's own token route does)."""
+    prompt = TokensPrompt(prompt_token_ids=request.token_ids)
+    if request.cache_salt:
+        prompt["cache_salt"] = request.cache_salt
+    if not request.content_parts:
+        return prompt
+    prompt["multi_modal_data"] = {"image": decode_images(request.content_parts)}
+    (rendered,) = await raw_request.app.state.online_renderer.renderer.render_cmpl_async([prompt])
+    return rendered
+
+
+def answer(request: GenerateRequest, request_id: str, prompt, final) -> dict[str, Any]:
+    """The response body: the choices, and the prompt the model saw (with pictures: vLLM's expanded ids)."""
     want_top = int(request.sampling_params.get("logprobs") or 0)
     choices = [_choice(i, c, want_top if want_top > 1 else 0) for i, c in enumerate(final.outputs)]
     completion_tokens = sum(len(c["token_ids"]) for c in choices)
-    return JSONResponse({
+    prompt_ids = list(prompt["prompt_token_ids"]) if request.content_parts else list(request.token_ids)
+    body = {
         "request_id": request_id,
         "model": request.model,
-        "prompt_token_ids": list(request.token_ids),
+        "prompt_token_ids": prompt_ids,
         "choices": choices,
-        "usage": {"prompt_tokens": len(request.token_ids), "completion_tokens": completion_tokens,
-                  "total_tokens": len(request.token_ids) + completion_tokens},
+        "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                  "total_tokens": len(prompt_ids) + completion_tokens},
         "kv_transfer_params": final.kv_transfer_params,
-    })
+    }
+    if request.content_parts:
+        body["mm_placeholders"] = placeholders(prompt)
+    return body
 
 
 def served_adapter(raw_request: Request, model: str | None):

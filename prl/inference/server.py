@@ -201,8 +201,9 @@ def add_prl_routes(app, model_config) -> None:
     replace_routes(app, generate.router)
     app.include_router(admin.router)
     replace_routes(app, rl_api_router())  # with VLLM_SERVER_DEV_MODE vLLM mounted them already: once is enough
-    app.state.body_limits = {"/inference/v1/generate": generate.max_body_bytes(model_config.get_vocab_size(),
-                                                                               model_config.max_model_len),
+    app.state.body_limits = {"/inference/v1/generate": generate.max_body_bytes(
+                                 model_config.get_vocab_size(), model_config.max_model_len,
+                                 multimodal=model_config.is_multimodal_model),
                              **{path: admin.MAX_BODY_BYTES for _, path in RL_API_ROUTES}}
 
 
