@@ -216,7 +216,8 @@ def fake_trace(reward: float, ids: list[int], *, trainable: bool = True, name: s
     from types import SimpleNamespace
 
     branch = SimpleNamespace(trainable=True, token_ids=ids, sampled_mask=[0] + [1] * (len(ids) - 1),
-                             logprobs=[0.0] + [-1.0] * (len(ids) - 1))
+                             logprobs=[0.0] + [-1.0] * (len(ids) - 1),
+                             messages=[SimpleNamespace(role="user", content="text only")])
     return SimpleNamespace(agent=SimpleNamespace(trainable=trainable, name=name), branches=[branch], errors=[],
                            metrics={f"{name}_turns": 2.0}, rewards={}, reward=reward, is_truncated=False,
                            num_turns=2)

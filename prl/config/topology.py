@@ -72,10 +72,11 @@ class Model(Strict, kw_only=True):
     """Weights dtype for inference and published weights."""
     max_model_len: Annotated[int, Meta(ge=16, le=MAX_TOKENS)] = 4096
     """Longest prompt + completion, in tokens."""
-    build_tiny: Optional[Literal["dense", "moe", "dense-lora"]] = None
+    build_tiny: Optional[Literal["dense", "moe", "dense-lora", "vlm"]] = None
     """Demo and test topologies: when `path` holds no model yet, `prl submit` builds a tiny random one there
     first, with its tokenizer (`dense`: a Qwen3, `moe`: a Qwen3-MoE with 4 experts, `dense-lora`: the Qwen3 with
-    8x embeddings, which a LoRA adapter can move: the default's logits stay near uniform; the models the tests use,
+    8x embeddings, which a LoRA adapter can move: the default's logits stay near uniform; `vlm`: an Idefics3
+    vision-language model with its processor, 56x56 pictures; the models the tests use,
     prl.trainer.tiny_model; needs the `train` extra). It learns toy tasks in minutes on CPUs; not for real runs.
     Nothing is built for `from_run`."""
     renderer: Optional[Annotated[dict[str, Any], Meta(max_length=MAX_ITEMS)]] = None
@@ -87,6 +88,9 @@ class Model(Strict, kw_only=True):
     which re-renders every turn (a multi-turn rollout then trains as several sequences)."""
     lora: Optional[Lora] = None
     """Train a LoRA adapter on the frozen model instead of every weight (None: full fine-tuning)."""
+    train_vision: bool = False
+    """Vision-language models: train the image encoder (vision tower and connector) too; by default it is frozen
+    and RL trains the language model and its output layer."""
 
     def __post_init__(self) -> None:
         if self.renderer is not None and not (isinstance(name := self.renderer.get("name"), str) and name):

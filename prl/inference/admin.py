@@ -10,7 +10,8 @@ RL API routes, which every prl server mounts behind the run's key (`POST /pause?
 A weight update is validated completely before any weight is touched (the
 directory is under RUN/weights/ and published, its tensors have the served
 names and shapes); then: pause generation (default "keep": in-flight requests
-freeze and continue on the new weights), load in every worker, drop every KV
+freeze and continue on the new weights; a multimodal model's finish first, "wait", since vLLM 0.32 cannot
+resume a preempted request with pictures), load in every worker, drop every KV
 computed with the old weights (`invalidate_kv`: the prefix cache, the KV
 connector's cache, and `ExampleConnector`'s storage, which vLLM does not
 reset), resume (unless the server was paused before the update). Updates are
@@ -181,6 +182,8 @@ async def update_weights(request: Request):
             return _error(503, f"server is broken, refusing updates: {state.broken}")
         was_paused = await engine.is_paused()
         t_pause = time.perf_counter()
+        if mode == "keep" and is_multimodal(engine):
+            mode = "wait"  # its in-flight requests finish first: they cannot be preempted (invalidate_kv)
         await engine.pause_generation(mode=mode, clear_cache=False)
         pause_seconds = time.perf_counter() - t_pause
         try:
@@ -288,6 +291,11 @@ async def _feed_touched(engine) -> bool:
     return any(r.get("touched", True) for r in reports)
 
 
+def is_multimodal(engine) -> bool:
+    """Whether the engine serves a model that takes pictures (its updates drain requests: `invalidate_kv`)."""
+    return bool(getattr(engine.vllm_config.model_config, "is_multimodal_model", False))
+
+
 async def invalidate_kv(engine, timeout: float | None = None) -> int:
     """Drop all KV of the old weights; return how many stored KV entries were deleted.
 
@@ -304,9 +312,15 @@ async def invalidate_kv(engine, timeout: float | None = None) -> int:
     timeout = reset_timeout(config) if timeout is None else timeout
     cleared = clear_connector_storage(config)
     deadline = time.monotonic() + timeout
+    # A multimodal engine's requests are not preempted: vLLM 0.32 resumes a preempted request with pictures
+    # without its encoder outputs and its engine core dies ("Encoder cache miss"). Its updates pause with
+    # "wait" instead of "keep", so none is running by now.
+    multimodal = is_multimodal(engine)
     while True:
         try:
-            if await engine.reset_prefix_cache(reset_running_requests=True, reset_connector=True):
+            if await engine.reset_prefix_cache(reset_running_requests=not multimodal, reset_connector=True):
+                if multimodal:
+                    await engine.reset_encoder_cache()  # features of the old weights' vision tower
                 return cleared
             why = "some KV blocks are still in use"
         except Exception as e:  # noqa: BLE001 - the engine's RuntimeError arrives as a plain Exception

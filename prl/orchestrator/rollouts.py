@@ -41,6 +41,27 @@ class Branch:
     token_ids: list[int]
     mask: list[int]
     logprobs: list[float]
+    images: list[bytes] = field(default_factory=list)
+    """The pictures of its prompt (encoded), in placeholder order: the trainer re-runs the image processor."""
+
+
+def pictures_of(messages: Sequence[Any]) -> list[bytes]:
+    """The encoded pictures of a chat's `image_url` parts, in order (data URLs: the server was sent nothing
+    else, `prl.inference.generate.decode_images`)."""
+    import base64
+
+    out = []
+    for message in messages:
+        content = getattr(message, "content", None)
+        for part in content if isinstance(content, list) else ():
+            url = getattr(getattr(part, "image_url", None), "url", None)
+            if url is None:
+                continue
+            head, _, data = url.partition(",")
+            if not (head.startswith("data:image/") and head.endswith(";base64")):
+                raise ValueError(f"a picture of the rollout is not a base64 data URL ({url[:40]!r})")
+            out.append(base64.b64decode(data))
+    return out
 
 
 @dataclass
@@ -68,6 +89,13 @@ class Rollout:
         return self.error is None
 
 
+def branch_of(b: Any) -> Branch:
+    """A trainable verifiers Branch with token ids as a training branch (ValueError: a picture is not data)."""
+    mask = [int(m) for m in b.sampled_mask]
+    mask[0] = 0  # nothing predicts a sample's first token
+    return Branch(list(b.token_ids), mask, list(b.logprobs), pictures_of(b.messages))
+
+
 def rollout_from_episode(episode: Any, version: int, *, need_tokens: bool = True) -> Rollout:
     """What training needs of a verifiers Episode (reward, token branches, metrics)."""
     traces = list(episode.traces)
@@ -84,16 +112,12 @@ def rollout_from_episode(episode: Any, version: int, *, need_tokens: bool = True
     completion = 0
     metrics: dict[str, float] = {}
     for trace in traces:
-        for b in trace.branches:
-            if not b.trainable:
-                continue
-            ids = list(b.token_ids)
-            if not ids:
-                continue
-            mask = [int(m) for m in b.sampled_mask]
-            mask[0] = 0  # nothing predicts a sample's first token
-            branches.append(Branch(ids, mask, list(b.logprobs)))
-            completion += sum(mask)
+        try:
+            trained = [branch_of(b) for b in trace.branches if b.trainable and b.token_ids]
+        except ValueError as e:
+            return Rollout(0.0, version, [], 0, error=str(e))
+        branches += trained
+        completion += sum(sum(b.mask) for b in trained)
         for name, value in trace.metrics.items():
             if value is not None:
                 metrics[name] = float(value)
@@ -321,5 +345,5 @@ def build_samples(
                     b.token_ids, b.mask, r.reward, r.completion_tokens, r.truncated, r.metrics, max_tokens),
                     a, cfg.shaping)
                 out.samples.append(Sample(b.token_ids, b.mask, b.logprobs, shaped, policy_version=r.version,
-                                          policy_version_end=r.version_end))
+                                          policy_version_end=r.version_end, images=b.images))
     return out

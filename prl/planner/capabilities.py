@@ -44,6 +44,8 @@ class ModelConfig(TextConfig):
     model_type: str = "unknown"
     text_config: TextConfig | None = None
     """Multimodal configs nest the language model's settings here."""
+    vision_config: dict | None = None
+    """A vision-language model's image encoder (only its presence is read)."""
 
     @property
     def architecture(self) -> str:
@@ -147,6 +149,22 @@ def trainer_refusals(
     out += cp_refusals(model_config, cp)
     out += packing_refusals(model_config)
     return out
+
+
+def vision_refusals(model_config: ModelConfig | None, cp: int, train_vision: bool) -> list[tuple[Field, str]]:
+    """A vision-language model trains with cp 1 (prl/trainer/vision.py: a cp rank would hold part of a row's
+    image tokens); `model.train_vision` needs one."""
+    if model_config is None:
+        return []
+    if model_config.vision_config is None:
+        return [(("model", "train_vision"), f"model.train_vision: {model_config.architecture} is not a "
+                                            f"vision-language model (its config.json has no vision_config)")
+                ] if train_vision else []
+    if cp > 1:
+        return [(("trainer", "cp"), f"trainer.cp({cp}): {model_config.architecture} is a vision-language model, "
+                                    f"which prl trains with cp 1 (its pictures' features are not split over cp "
+                                    f"ranks yet); use cp: 1")]
+    return []
 
 
 def packing_refusals(model_config: ModelConfig | None) -> list[tuple[Field, str]]:

@@ -33,7 +33,8 @@ from prl.config.cluster import ClusterProfile
 from prl.config.loader import Source
 from prl.config.topology import InferenceGroup, Lora, Scorer, Topology, Training
 from prl.errors import PlanError
-from prl.planner.capabilities import ModelConfig, lora_refusals, served_lora_rank, trainer_refusals
+from prl.planner.capabilities import (ModelConfig, lora_refusals, served_lora_rank, trainer_refusals,
+                                     vision_refusals)
 from prl.planner.settings import RunSettings
 from prl.run.rundir import RunDir
 from prl.planner.model import (
@@ -511,6 +512,7 @@ def check_trainer_can_run(check: Checker, topo: Topology, model_config: Optional
     refusals = trainer_refusals(model_config, mesh.dp_replicate, mesh.dp_shard, mesh.cp, mesh.ep)
     if topo.model.lora is not None:
         refusals += lora_refusals(model_config, topo.model.lora.rank, topo.model.lora.target_modules)
+    refusals += vision_refusals(model_config, mesh.cp, topo.model.train_vision)
     if refusals:
         field, message = refusals[0]
         raise check.fail(field, message)

@@ -21,6 +21,11 @@ tokens of all samples together, S the number of samples:
     policy_version_end  int32   [S]    weights step the server served when the rollout finished: newer
                                        than policy_version when a weight update landed mid-rollout
                                        (absent in batches written before it existed)
+    images              uint8   [B]    (vision-language rollouts) every picture of every sample, as the
+                                       encoded file bytes the server was sent (PNG, JPEG, ...), back to back
+    image_offsets       int64   [I+1]  picture j is images[off[j]:off[j+1]]
+    sample_images       int64   [S+1]  sample i's pictures are [si[i], si[i+1]), in prompt order (the order of
+                                       their placeholders in its token ids)
 
 and string metadata: `format` ("prl.rollouts/1"), `step`, `packing`, the
 JSON of the split into per-rank micro-batches (below) for the `dp_size` and
@@ -38,6 +43,10 @@ empty ones. A micro-batch is the samples concatenated into one row whose
 position ids restart at 0 for every sample; transformers then builds a
 block-diagonal causal mask. A trainer with another `dp_size` (a resume on a
 different number of ranks) repacks with the same deterministic function.
+
+Pictures travel as the bytes the server decoded, not as pixel tensors: a 56x56 PNG is a few hundred bytes
+where its processed pixels are 37 KB in fp32; the trainer re-runs the model's own image processor on them
+(prl/trainer/vision.py), as vLLM did. A sample's pictures may hold at most MAX_SAMPLE_IMAGE_BYTES.
 
 numpy and safetensors are imported lazily; this module imports without them.
 """
@@ -68,6 +77,9 @@ _DTYPES = {
     "position_ids": "int32",
 }
 TOKEN_FIELDS = tuple(_DTYPES)
+IMAGE_FIELDS = ("images", "image_offsets", "sample_images")
+MAX_SAMPLE_IMAGE_BYTES = 64 * 2**20
+"""A sample's pictures, encoded, at most (the most a server takes in one request's pictures)."""
 SCORE_FIELDS = {"teacher": "teacher_logprobs", "reference": "reference_logprobs"}
 """Per-token logprobs of the scoring servers (by role), present when the run has them."""
 
@@ -96,6 +108,8 @@ class Sample:
     """Defaults to 0..len-1."""
     scores: dict[str, Sequence[float]] = field(default_factory=dict)
     """Scoring role (`teacher`, `reference`) -> its logprob of each token (0 where loss_mask is 0)."""
+    images: Sequence[bytes] = ()
+    """The prompt's pictures as encoded files (PNG, JPEG, ...), in the order of their placeholders."""
 
 
 def pack(lengths: Sequence[int], dp_size: int, micro_batch_tokens: int) -> list[list[list[int]]]:
@@ -139,6 +153,8 @@ class MicroBatch:
     inference_logprobs: np.ndarray
     teacher_logprobs: np.ndarray | None = None
     reference_logprobs: np.ndarray | None = None
+    images: list[bytes] = field(default_factory=list)
+    """The row's pictures (encoded), in row order: sample by sample, each in its prompt order."""
 
     @property
     def num_tokens(self) -> int:
@@ -191,8 +207,16 @@ class RolloutBatch:
             spans = [slice(int(self.offsets[i]), int(self.offsets[i + 1])) for i in ids]
             fields = TOKEN_FIELDS + tuple(k for k in SCORE_FIELDS.values() if k in self.arrays)
             cat = {k: np.concatenate([self.arrays[k][s] for s in spans]) for k in fields}
-            out.append(MicroBatch(sample_ids=list(ids), **cat))
+            out.append(MicroBatch(sample_ids=list(ids), **cat, images=[p for i in ids for p in self.images_of(i)]))
         return out
+
+    def images_of(self, sample: int) -> list[bytes]:
+        """Sample `sample`'s pictures (encoded), in prompt order; [] for a text-only batch."""
+        if "sample_images" not in self.arrays:
+            return []
+        first, last = (int(j) for j in self.arrays["sample_images"][sample:sample + 2])
+        off, data = self.arrays["image_offsets"], self.arrays["images"]
+        return [data[int(off[j]):int(off[j + 1])].tobytes() for j in range(first, last)]
 
 
 def to_arrays(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
@@ -225,11 +249,47 @@ def to_arrays(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
         versions.append(int(s.policy_version))
         ends.append(int(s.policy_version if s.policy_version_end is None else s.policy_version_end))
     arrays = {k: np.asarray(v, dtype=_DTYPES.get(k, "float32")) for k, v in cols.items()}
+    arrays |= image_arrays(samples)
     arrays["sample_offsets"] = np.asarray(offsets, dtype="int64")
     arrays["policy_version"] = np.asarray(versions, dtype="int32")
     arrays["policy_version_end"] = np.asarray(ends, dtype="int32")
     validate(arrays)
     return arrays
+
+
+def image_arrays(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
+    """The pictures' arrays ({} when no sample has one), refusing a sample over MAX_SAMPLE_IMAGE_BYTES."""
+    import numpy as np
+
+    if not any(s.images for s in samples):
+        return {}
+    pictures, per_sample = [], [0]
+    for i, s in enumerate(samples):
+        size = sum(len(p) for p in s.images)
+        if size > MAX_SAMPLE_IMAGE_BYTES:
+            raise BatchError(f"sample {i}: its {len(s.images)} pictures hold {size / 2**20:.1f} MiB, over the "
+                             f"batch format's {MAX_SAMPLE_IMAGE_BYTES // 2**20} MiB per sample")
+        pictures += [bytes(p) for p in s.images]
+        per_sample.append(len(pictures))
+    sizes = np.asarray([0] + [len(p) for p in pictures], dtype="int64")
+    return {"images": np.frombuffer(b"".join(pictures), dtype="uint8").copy(),
+            "image_offsets": np.cumsum(sizes), "sample_images": np.asarray(per_sample, dtype="int64")}
+
+
+def validate_images(arrays: dict[str, np.ndarray], samples: int) -> None:
+    """Raise BatchError unless the pictures' arrays (all three or none) index the bytes and the samples."""
+    import numpy as np
+
+    present = [k for k in IMAGE_FIELDS if k in arrays]
+    if not present:
+        return
+    if len(present) != len(IMAGE_FIELDS):
+        raise BatchError(f"rollout batch has {', '.join(present)} without the other picture arrays")
+    off, per, data = arrays["image_offsets"], arrays["sample_images"], arrays["images"]
+    if off.ndim != 1 or off.size < 1 or off[0] != 0 or np.any(np.diff(off) <= 0) or off[-1] != data.size:
+        raise BatchError("image_offsets must start at 0, strictly increase and end at the size of images")
+    if per.shape != (samples + 1,) or per[0] != 0 or np.any(np.diff(per) < 0) or per[-1] != off.size - 1:
+        raise BatchError(f"sample_images needs {samples + 1} entries from 0 to the {off.size - 1} pictures")
 
 
 def validate(arrays: dict[str, np.ndarray]) -> None:
@@ -259,6 +319,7 @@ def validate(arrays: dict[str, np.ndarray]) -> None:
             raise BatchError(f"{k} contains NaN or inf")
     if np.any(arrays["input_ids"] < 0) or np.any(arrays["position_ids"] < 0):
         raise BatchError("input_ids and position_ids must be >= 0")
+    validate_images(arrays, off.size - 1)
 
 
 def write_batch(

@@ -182,5 +182,14 @@ def install_packed(model: torch.nn.Module) -> bool:
         return False
     AttentionInterface.register(ATTN_NAME, packed_attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, lambda *args, **kwargs: None)  # the boundaries replace it
-    model.set_attn_implementation(ATTN_NAME)
+    model.set_attn_implementation(attn_choice(model.config))
     return True
+
+
+def attn_choice(config) -> str | dict[str, str]:
+    """Packed attention for the language model; a vision-language model's other towers (an image encoder
+    attends over all of an image's patches, with no causal order and no packed samples) keep sdpa."""
+    subs = list(getattr(config, "sub_configs", None) or {})
+    if "vision_config" not in subs:
+        return ATTN_NAME
+    return {key: ATTN_NAME if key == "text_config" else "sdpa" for key in subs} | {"": ATTN_NAME}

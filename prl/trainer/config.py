@@ -46,6 +46,8 @@ class TrainerConfig:
     """The scoring roles of the run (`teacher`, `reference`): their logprobs come in every batch."""
     lora: Optional[Lora] = None
     """`model.lora`: train and publish an adapter on the frozen model (None: every weight)."""
+    train_vision: bool = False
+    """`model.train_vision`: a vision-language model's image encoder trains too (default: frozen)."""
 
     @classmethod
     def from_plan(cls, plan: Plan) -> TrainerConfig:
@@ -59,4 +61,5 @@ class TrainerConfig:
                    max_model_len=settings.model.max_model_len, sft=settings.sft,
                    feed_ports=tr.feed_ports, feed_host=node_address(plan) if tr.feed_ports else "",
                    feed_delta=settings.weights.delta,
-                   scorers=plan.scorer_roles(), lora=settings.model.lora)
+                   scorers=plan.scorer_roles(), lora=settings.model.lora,
+                   train_vision=settings.model.train_vision)

@@ -81,6 +81,7 @@ from prl.trainer.logprobs import logprob_head, supports_chunked_head
 from prl.trainer.lora import adapter_parameters, attach, publish_adapter
 from prl.trainer.loss import merge_stats, token_logprobs_and_entropy
 from prl.trainer.parallel import Dist, all_reduce_stats, apply_fsdp, clip_grad_norm, init_distributed
+from prl.trainer.vision import PIXEL_PREFIXES
 from prl.trainer.weights import publish_to_feed, publish_weights
 
 ROLE = "trainer"
@@ -159,8 +160,11 @@ class Spec(ABC):
         return model
 
     def parameters(self, model: torch.nn.Module) -> Iterable[torch.nn.Parameter]:
-        """The parameters the optimizer steps; default all (with `model.lora`: the adapters)."""
-        return adapter_parameters(model) if self.cfg.lora is not None else model.parameters()
+        """The parameters the optimizer steps; default all that train (with `model.lora`: the adapters; a VLM's
+        frozen image encoder is left out)."""
+        if self.cfg.lora is not None:
+            return adapter_parameters(model)
+        return [p for p in model.parameters() if p.requires_grad]
 
     def setup(self, eng: Engine) -> None:
         """Once the model is loaded and resumed: read what the steps need."""
@@ -245,8 +249,11 @@ def load_model(cfg: TrainerConfig, d: Dist, transform: Callable[[torch.nn.Module
     from prl.trainer.context_parallel import install_ulysses
     from prl.trainer.loading import build_meta_model, load_model as load_shards_into
     from prl.trainer.moe import install_expert_parallel
+    from prl.trainer.vision import freeze_encoder, install as install_pictures
 
     model = build_meta_model(cfg.model_path)
+    freeze_encoder(model, cfg.train_vision)
+    install_pictures(model)
     if d.ep > 1:
         install_expert_parallel(model, d.ep, d.ep_rank, d.ep_group)
     if d.cp > 1:
@@ -311,6 +318,7 @@ def forward(model, x: dict[str, torch.Tensor], aux_coef: float):
         position_ids=x["position_ids"][None],
         use_cache=False,
         **boundary_kwargs(x["full_position_ids"]),
+        **{k: v for k, v in x.items() if k.startswith(PIXEL_PREFIXES)},
         **({"output_router_logits": True} if aux_coef > 0 else {}),
     )
 

@@ -36,11 +36,13 @@ _DTYPES = {
 
 def build_meta_model(model_path: str | Path) -> nn.Module:
     """The model's module tree from its config.json, on the meta device, fp32, in training mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from prl.trainer.vision import model_class
 
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = model_class(config).from_config(config, dtype=torch.float32)
     model.config.use_cache = False
     model.train()  # HF applies activation checkpointing only in training mode
     return model

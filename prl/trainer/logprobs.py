@@ -31,7 +31,7 @@ CHUNK_ELEMENTS = 2**24
 
 HEAD_ONLY_MODEL_TYPES = frozenset({
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmoe",
-    "deepseek_v3", "glm4_moe", "smollm3", "phi3",
+    "deepseek_v3", "glm4_moe", "smollm3", "phi3", "idefics3",
 })
 """Model types whose causal-LM forward applies `lm_head` to the hidden states and returns that as the logits."""
 

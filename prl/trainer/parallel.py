@@ -148,13 +148,16 @@ def apply_fsdp(model: torch.nn.Module, cfg: TrainerConfig, d: Dist) -> torch.nn.
     Works on a meta-device model (parameters are materialised later with `to_empty`).
     """
     from prl.trainer.moe import expert_modules
+    from prl.trainer.vision import language_model
 
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     param_dtype = compute_dtype(cfg, d.device)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    block_types = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in block_types]
+    # A VLM's blocks are its text decoder's; its image encoder stays in the root unit (prl/trainer/vision.py).
+    text = language_model(model)
+    block_types = set(getattr(text, "_no_split_modules", None) or [])
+    blocks = [m for m in text.modules() if type(m).__name__ in block_types]
     if not blocks:
         raise ConfigError(
             f"{type(model).__name__} declares no transformer block class (_no_split_modules); cannot shard it"

@@ -4,7 +4,8 @@ A single-turn verifiers (v1) environment for vision-language models: the user
 turn is an `image_url` part, a PNG data URL of a generated picture (1 to 4
 coloured discs and squares on white, each in its own cell of a 4 x 4 grid), and
 the question "How many shapes are in the picture?". The reward is 1 when the
-reply's first number (digits or a word, "three") is the count, else 0; the
+reply's first number (digits or a word, "three") is the count, else 0 (with
+`partial: true`, a wrong number earns 1 - |number - count| / max_shapes); the
 metric `answered` is the share of replies that hold a number at all. Four
 classes and a short answer: chance is 0.25, and a tiny model can learn it.
 
@@ -56,6 +57,9 @@ class ShapesConfig(vf.TasksetConfig):
     size: int = Field(56, ge=4 * GRID)
     """The picture's width and height in pixels."""
     seed: int = 0
+    partial: bool = False
+    """Partial credit for a wrong number, by how close it is: 1 - |number - count| / max_shapes, at least 0 (no
+    number: 0). A tiny random model rarely names the count; this gives its first steps a gradient."""
 
     @model_validator(mode="after")
     def _counts_in_order(self) -> ShapesConfig:
@@ -71,6 +75,8 @@ class ShapesData(vf.TaskData):
     """The occupied cells, row-major in the GRID x GRID grid (0 is top left)."""
     shapes: list[str]
     """What each occupied cell holds, e.g. "red disc" (same order as `cells`)."""
+    partial_over: int = 0
+    """`partial`: a wrong number earns 1 - |number - count| / partial_over (0: no partial credit)."""
 
 
 def answer_of(reply: str) -> int | None:
@@ -114,7 +120,10 @@ def png_data_url(image) -> str:
 class ShapesTask(vf.Task[ShapesData, vf.State, vf.TaskConfig]):
     @vf.reward
     async def correct(self, trace: vf.Trace) -> float:
-        return float(answer_of(last_reply(trace)) == self.data.count)
+        answer = answer_of(last_reply(trace))
+        if answer is None or not self.data.partial_over:
+            return float(answer == self.data.count)
+        return max(0.0, 1.0 - abs(answer - self.data.count) / self.data.partial_over)
 
     @vf.metric
     async def answered(self, trace: vf.Trace) -> float:
@@ -137,5 +146,6 @@ class ShapesTaskset(vf.Taskset[ShapesTask, ShapesConfig]):
                 vf.ImageUrlContentPart(image_url=vf.ImageUrlSource(url=png_data_url(draw(cells, shapes, cfg.size)))),
                 vf.TextContentPart(text=QUESTION),
             ])]
-            data = ShapesData(id=f"{cfg.split}-{i}", prompt=prompt, count=count, cells=cells, shapes=shapes)
+            data = ShapesData(id=f"{cfg.split}-{i}", prompt=prompt, count=count, cells=cells, shapes=shapes,
+                              partial_over=cfg.max_shapes if cfg.partial else 0)
             yield ShapesTask(data, cfg.task)

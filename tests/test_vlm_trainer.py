@@ -1,0 +1,226 @@
+"""The trainer on the tiny vision-language model (Idefics3): rollout batches carry each sample's pictures as the
+encoded files the server got (prl/run/batch.py), the trainer re-runs the model's image processor on them and
+puts their features where each packed sample's image tokens are (prl/trainer/vision.py).
+
+Checked against a plain single-process transformers loop (one sample at a time, its own pixels): the 2-rank
+FSDP2 trainer's losses, its logprobs before the first update (mismatch_kl ~ 0 when the batch's sampling
+logprobs are transformers'), and its published weights; with the image encoder frozen (the default) and
+trained (`model.train_vision`), where a rank whose micro-batch has no picture must not hang its peers.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from prl.run.batch import BatchError, Sample, publish_batch, read_batch
+from prl.run.rundir import RunDir
+from prl.trainer.loss import policy_loss, token_logprobs_and_entropy
+from tests.plans import write_plan
+from tests.tiny_model import build_tiny_vlm
+from tests.trainer_helpers import launch, make_plan
+
+STEPS = 2
+COLOURS = ("red", "green", "blue", "orange", "purple", "black")
+
+
+def picture(colour: str, shape: int) -> bytes:
+    """A 56x56 PNG: a coloured disc or square on white."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (56, 56), "white")
+    draw = ImageDraw.Draw(image)
+    (draw.ellipse if shape % 2 else draw.rectangle)((8 + shape, 8, 40, 44 - shape), fill=colour)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "model")
+    return path, AutoProcessor.from_pretrained(path), AutoModelForImageTextToText.from_pretrained(
+        path, dtype=torch.float32)
+
+
+def pixels(processor, pictures: list[bytes]) -> dict:
+    from PIL import Image
+
+    if not pictures:
+        return {}
+    images = [Image.open(io.BytesIO(p)).convert("RGB") for p in pictures]
+    return dict(processor.image_processor(images, return_tensors="pt"))
+
+
+def hf_logprobs(model, processor, ids: list[int], pictures: list[bytes], reply_start: int) -> torch.Tensor:
+    """transformers' logprob of each token given the ones before it ([len - 1]), as vLLM computes them: the
+    pictures' features at the prompt's image tokens, a sampled image token read as text (its own embedding)."""
+    row = torch.tensor([ids])
+    embeds = model.get_input_embeddings()(row)
+    if pictures:
+        features = model.get_image_features(**pixels(processor, pictures)).pooler_output
+        at = row == model.config.image_token_id
+        at[:, reply_start:] = False
+        embeds = embeds.masked_scatter(at[..., None], features.reshape(-1, embeds.shape[-1]).to(embeds.dtype))
+    logits = model(inputs_embeds=embeds).logits[0, :-1]
+    return token_logprobs_and_entropy(logits, row[0, 1:])[0]
+
+
+def make_samples(step: int, vlm) -> list[Sample]:
+    """Chats of one or two pictures + a question, then a random reply; the sampling logprobs are transformers'
+    (so the trainer's first forward must reproduce them). Step 1: five samples, the last without a picture (one
+    rank runs a picture-less micro-batch and a padding pass); step 2: two samples, the second without a picture,
+    so one rank's whole step has none (a trained encoder then gets no gradient there without the blank)."""
+    from PIL import Image
+
+    path, processor, model = vlm
+    rng = np.random.default_rng(step)
+    out = []
+    n, text_only = (5, 4) if step == 1 else (2, 1)
+    for i in range(n):
+        n_pics = 1 + (i % 2)
+        pics = [picture(COLOURS[(step + i + j) % len(COLOURS)], i + j) for j in range(n_pics)]
+        content = [{"type": "image"}] * n_pics + [{"type": "text", "text": f"how many shapes? {i}"}]
+        if i == text_only:
+            pics, content = [], [{"type": "text", "text": "no picture here"}]
+        prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        images = [Image.open(io.BytesIO(p)).convert("RGB") for p in pics] or None
+        prompt_ids = processor(text=prompt, images=images, return_tensors="np")["input_ids"][0].tolist()
+        reply = rng.integers(0, 400, int(rng.integers(3, 9))).tolist()
+        if i == 1:
+            reply[1] = model.config.image_token_id  # sampled by the policy: a text token, no picture
+        ids = prompt_ids + reply
+        with torch.no_grad():
+            lp = [0.0] + hf_logprobs(model, processor, ids, pics, len(prompt_ids)).tolist()
+        out.append(Sample(token_ids=ids, loss_mask=[0] * len(prompt_ids) + [1] * len(reply),
+                          inference_logprobs=lp, advantage=float(rng.normal()), policy_version=max(step - 1, 0),
+                          images=pics))
+    return out
+
+
+def reference(vlm, steps: int, train_vision: bool):
+    """Plain transformers + AdamW, one sample at a time: per-step losses and the final model."""
+    from transformers import AutoModelForImageTextToText
+
+    path, processor, _ = vlm
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    text = {id(p) for p in model.get_decoder().parameters()} | {id(p) for p in model.lm_head.parameters()}
+    params = [p for p in model.parameters() if train_vision or id(p) in text]
+    training = make_plan(path).settings().training
+    opt = torch.optim.AdamW(params, lr=training.lr, weight_decay=training.weight_decay)
+    losses = []
+    for step in range(1, steps + 1):
+        samples = make_samples(step, vlm)
+        n = sum(sum(s.loss_mask) for s in samples)
+        total = 0.0
+        for s in samples:
+            logp = hf_logprobs(model, processor, list(s.token_ids), list(s.images), s.loss_mask.index(1))
+            m = len(s.token_ids) - 1
+            loss, _ = policy_loss(logp, torch.tensor(s.inference_logprobs[1:]), torch.full((m,), s.advantage),
+                                  torch.tensor(s.loss_mask[1:]), training.loss, n)
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, training.max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, model
+
+
+def published(path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def run_trainer(vlm, root, train_vision: bool):
+    path = vlm[0]
+    plan = make_plan(path, root, max_steps=STEPS, checkpoint_interval=STEPS, micro_batch_tokens=96,
+                     overrides=[f"model.train_vision={str(train_vision).lower()}"])
+    run = write_plan(RunDir(root), plan)
+    for step in range(1, STEPS + 1):
+        publish_batch(run, step, make_samples(step, vlm), dp_size=2, micro_batch_tokens=96)
+    first = read_batch(run.rollouts(1))  # the trainer removes what it consumed
+    launch(run, 2, resume="none", timeout=300)
+    return run, first
+
+
+@pytest.mark.slow  # two 2-rank trainer runs (~40 s each)
+@pytest.mark.parametrize("train_vision", [False, True], ids=["encoder-frozen", "encoder-trained"])
+def test_two_rank_vlm_training_matches_transformers_on_the_same_pictures(vlm, tmp_path, train_vision):
+    path = vlm[0]
+    run, batch = run_trainer(vlm, tmp_path / "run", train_vision)
+    assert batch.arrays["sample_images"].tolist() == [0, 1, 3, 4, 6, 6]  # the text-only sample has none
+    metrics = run.read_metrics("trainer")
+    ref_losses, ref_model = reference(vlm, STEPS, train_vision)
+    assert [m["loss"] for m in metrics] == pytest.approx(ref_losses, rel=1e-4, abs=1e-6)
+    # Before the first update the trainer's logprobs are transformers' with each sample's own pixels.
+    assert metrics[0]["mismatch_kl"] < 1e-8, metrics[0]
+    out, base = published(run.weights(STEPS)), published(path)
+    ref = {k: v for k, v in ref_model.state_dict().items()}
+    assert out.keys() == base.keys() == ref.keys()  # vision tower and connector published, as vLLM loads them
+    encoder = [k for k in ref if not k.startswith(("model.text_model.", "lm_head."))]
+    assert encoder and any(k.startswith("model.connector.") for k in encoder)
+    for k, v in ref.items():
+        torch.testing.assert_close(out[k], v, rtol=0, atol=1e-4, msg=lambda m: f"{k}: {m}")
+    moved = [k for k in encoder if not torch.equal(out[k], base[k])]
+    assert bool(moved) == train_vision, moved
+    assert any(not torch.equal(out[k], base[k]) for k in ref if k.startswith("model.text_model."))
+
+
+def test_a_batch_carries_each_sample_s_pictures_and_refuses_too_many_bytes(tmp_path):
+    """The pictures' arrays round-trip per sample and per packed row (in row order); a sample over the per-sample
+    bound and malformed picture arrays are refused with what is wrong."""
+    from prl.run import batch as B
+
+    run = RunDir(tmp_path / "run").create()
+    samples = [Sample([1, 2, 3, 4], [0, 0, 1, 1], [0.0] * 4, 1.0, images=[b"png-a", b"png-bb"]),
+               Sample([5, 6, 7], [0, 1, 1], [0.0] * 3, -1.0),
+               Sample([8, 9], [0, 1], [0.0] * 2, 0.5, images=[b"png-c"])]
+    publish_batch(run, 1, samples, dp_size=1, micro_batch_tokens=64)
+    batch = read_batch(run.rollouts(1))
+    assert [batch.images_of(i) for i in range(3)] == [[b"png-a", b"png-bb"], [], [b"png-c"]]
+    (row,) = batch.micro_batches(0, 1, 64)
+    assert row.images == [p for i in row.sample_ids for p in batch.images_of(i)]
+    rows = batch.micro_batches(0, 1, 4)
+    assert sorted(p for r in rows for p in r.images) == [b"png-a", b"png-bb", b"png-c"]
+    B.publish_batch(run, 2, samples[1:2], dp_size=1, micro_batch_tokens=64)
+    text = read_batch(run.rollouts(2))
+    assert "images" not in text.arrays and text.micro_batches(0, 1, 64)[0].images == []
+    big = Sample([1, 2], [0, 1], [0.0, 0.0], 1.0, images=[b"x" * (B.MAX_SAMPLE_IMAGE_BYTES + 1)])
+    with pytest.raises(BatchError, match=r"sample 1: its 1 pictures hold 64.0 MiB, over .* 64 MiB per sample"):
+        B.to_arrays([samples[1], big])
+    arrays = B.to_arrays(samples)
+    with pytest.raises(BatchError, match="without the other picture arrays"):
+        B.validate({k: v for k, v in arrays.items() if k != "image_offsets"})
+    arrays["sample_images"] = np.asarray([0, 2, 1, 3])
+    with pytest.raises(BatchError, match="sample_images needs 4 entries from 0 to the 3 pictures"):
+        B.validate(arrays)
+
+
+def test_pictures_and_image_tokens_must_come_together(vlm):
+    """A row with image tokens but no picture (or the reverse) is refused before the forward, naming the row;
+    an undecodable picture is refused naming it."""
+    from prl.run.batch import MicroBatch
+    from prl.trainer.vision import Pictures
+
+    path, processor, _ = vlm
+    pictures = Pictures.of(path, train_vision=False)
+    image = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    ids = np.asarray([1, image, image, 2])
+    zeros = np.zeros(4, dtype=np.float32)
+    row = MicroBatch([3], ids, np.arange(4), zeros.astype(np.uint8), zeros, zeros)
+    with pytest.raises(BatchError, match=r"samples \[3\]: 0 pictures for 2 image tokens"):
+        pictures.check(row, "the micro-batch of samples [3]")
+    row.loss_mask[2] = 1  # a sampled image token is text: one placeholder left, and no picture for it
+    with pytest.raises(BatchError, match=r"0 pictures for 1 image tokens"):
+        pictures.check(row, "the micro-batch of samples [3]")
+    with pytest.raises(BatchError, match="picture 0: a picture PIL cannot decode"):
+        pictures.inputs([b"not a png"], "the micro-batch of samples [3]")
+    assert set(pictures.inputs([picture("red", 1)], "x")) == {"pixel_values", "pixel_attention_mask"}
