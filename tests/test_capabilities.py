@@ -156,3 +156,38 @@ def test_the_trainer_implements_what_the_planner_allows():
 def test_capabilities_import_no_torch():
     code = "import sys, prl.planner.capabilities; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_vision_language_model_trains_with_cp_1_and_train_vision_needs_one(tmp_path, env):
+    """`prl plan` refuses cp > 1 on a VLM (a cp rank would hold part of a row's image tokens) and
+    model.train_vision on a text model, each naming its field where it was set, with a one-line error and no traceback."""
+    from prl.planner.capabilities import vision_refusals
+    from tests.helpers import prl_cli
+
+    vlm = ModelConfig(architectures=["Idefics3ForConditionalGeneration"], vision_config={"hidden_size": 64})
+    assert vision_refusals(vlm, 1, True) == [] and vision_refusals(None, 4, True) == []
+    [(field, msg)] = vision_refusals(vlm, 2, False)
+    assert field == ("trainer", "cp") and "vision-language model" in msg and "use cp: 1" in msg
+    [(field, msg)] = vision_refusals(ModelConfig(architectures=["LlamaForCausalLM"]), 1, True)
+    assert field == ("model", "train_vision") and "has no vision_config" in msg
+
+    model = tmp_path / "vlm"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["Idefics3ForConditionalGeneration"],
+                                                   "model_type": "idefics3", "vision_config": {},
+                                                   "text_config": {"num_attention_heads": 2,
+                                                                   "num_key_value_heads": 1}}))
+    out = prl_cli(env, "plan", "configs/local-vlm.yaml", f"model.path={model}", "trainer.cp=2",
+                  f"run_dir={tmp_path / 'run'}", check=False)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert "trainer.cp(2)" in out.stderr and "vision-language model" in out.stderr, out.stderr
+    assert not (tmp_path / "run").exists()
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                  "num_attention_heads": 2}))
+    out = prl_cli(env, "plan", "configs/local-vlm.yaml", f"model.path={text}", "model.train_vision=true",
+                  f"run_dir={tmp_path / 'run'}", check=False)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert "model.train_vision: LlamaForCausalLM is not a vision-language model" in out.stderr, out.stderr
+    assert "override 'model.train_vision=true'" in out.stderr and not (tmp_path / "run").exists()  # the field's source
