@@ -81,7 +81,7 @@ from prl.trainer.logprobs import logprob_head, supports_chunked_head
 from prl.trainer.lora import adapter_parameters, attach, publish_adapter
 from prl.trainer.loss import merge_stats, token_logprobs_and_entropy
 from prl.trainer.parallel import Dist, all_reduce_stats, apply_fsdp, clip_grad_norm, init_distributed
-from prl.trainer.vision import PIXEL_PREFIXES
+from prl.trainer.vision import PIXEL_PREFIXES, Pictures
 from prl.trainer.weights import publish_to_feed, publish_weights
 
 ROLE = "trainer"
@@ -151,6 +151,8 @@ class Spec(ABC):
 
     def __init__(self, cfg: TrainerConfig) -> None:
         self.cfg = cfg
+        self.pictures: Pictures | None = None
+        """A vision-language model's image processor (None: a text model); the engine sets it before `setup`."""
 
     def transform_model(self, model: torch.nn.Module, d: Dist) -> torch.nn.Module:
         """The meta-device model before FSDP2 shards it; default: with `model.lora`, adapters on the target
@@ -182,8 +184,9 @@ class Spec(ABC):
         """This rank's micro-batches of step `step` (`ready` is what `wait` returned)."""
 
     def inputs(self, mb: MicroBatch | None, d: Dist) -> dict[str, torch.Tensor]:
-        """The tensors of one micro-batch on this rank (add per-micro-batch inputs here); default `prepare`."""
-        return prepare(mb, d)
+        """The tensors of one micro-batch on this rank (add per-micro-batch inputs here); default `prepare`, with
+        a VLM's pixels (`picture_inputs`)."""
+        return picture_inputs(self.pictures, mb, d) if self.pictures is not None else prepare(mb, d)
 
     @abstractmethod
     def micro_loss(self, model: torch.nn.Module, x: dict[str, torch.Tensor], n_loss_tokens: int,
@@ -305,6 +308,24 @@ def prepare(mb: MicroBatch | None, d: Dist, labels: tuple[str, ...] = LABELS) ->
 
         x = {k: v if k == "full_position_ids" else split_for_cp(v, d.cp, d.cp_rank) for k, v in x.items()}
     return {k: v.to(d.device) for k, v in x.items()}
+
+
+def picture_inputs(pictures: Pictures, mb: MicroBatch | None, d: Dist, labels: tuple[str, ...] = LABELS
+                   ) -> dict[str, torch.Tensor]:
+    """`prepare` for a vision-language model: the row's pixel inputs too (a blank picture's sample appended
+    where the encoder trains and the row has none; prl/trainer/vision.py), its tokens not counted."""
+    where = "a padding pass" if mb is None else f"the micro-batch of samples {mb.sample_ids}"
+    if mb is not None:
+        pictures.check(mb, where)
+    row, appended = pictures.with_encoder_pass(mb, labels)
+    x = prepare(row, d, labels)
+    pictures.mark_sampled(x)
+    if mb is None:
+        x["real"].zero_()
+    elif appended:
+        x["real"][-appended:] = False
+    pixels = pictures.inputs(row.images, where) if row is not None else {}
+    return x | {k: v.to(d.device) for k, v in pixels.items()}
 
 
 def forward(model, x: dict[str, torch.Tensor], aux_coef: float):
@@ -498,6 +519,7 @@ def train(run: RunDir, cfg: TrainerConfig, spec: Spec, resume_from: str = "lates
     Returns 0, or 128 + SIGTERM when the job stopped it.
     """
     eng = start(run, cfg, spec, resume_from)
+    spec.pictures = Pictures.of(cfg.model_path, cfg.train_vision, cfg.mesh.cp)
     spec.setup(eng)
     last = spec.last_step()
     for step in range(eng.start + 1, last + 1):

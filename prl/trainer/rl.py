@@ -21,10 +21,10 @@ from prl.errors import StepTimeout
 from prl.run.batch import SCORE_FIELDS, BatchError, MicroBatch, read_batch
 from prl.run.rundir import RunDir
 from prl.trainer.config import TrainerConfig
-from prl.trainer.engine import LABELS, Engine, Spec, StepData, StopFlag, add_router_aux, forward_logprobs, prepare
+from prl.trainer.engine import (LABELS, Engine, Spec, StepData, StopFlag, add_router_aux, forward_logprobs,
+                                picture_inputs, prepare)
 from prl.trainer.loss import LossInputs, custom_loss, load_custom_loss, policy_loss, sample_ids_of
 from prl.trainer.parallel import Dist
-from prl.trainer.vision import Pictures
 
 
 def wait_rollouts(run: RunDir, step: int, cfg: TrainerConfig, stop: StopFlag, heartbeat) -> Path | None:
@@ -46,24 +46,6 @@ def wait_rollouts(run: RunDir, step: int, cfg: TrainerConfig, stop: StopFlag, he
                     f"published rollouts step is {run.latest_stable('rollouts')}. Is the orchestrator running? "
                     f"See `prl status`.") from None
     return None
-
-
-def picture_inputs(pictures: Pictures, mb: MicroBatch | None, d: Dist, labels: tuple[str, ...]
-                   ) -> dict[str, torch.Tensor]:
-    """`prepare` for a vision-language model: the row's pixel inputs too (a blank picture's sample appended
-    where the encoder trains and the row has none; prl/trainer/vision.py), its tokens not counted."""
-    where = "a padding pass" if mb is None else f"the micro-batch of samples {mb.sample_ids}"
-    if mb is not None:
-        pictures.check(mb, where)
-    row, appended = pictures.with_encoder_pass(mb, labels)
-    x = prepare(row, d, labels)
-    pictures.mark_sampled(x)
-    if mb is None:
-        x["real"].zero_()
-    elif appended:
-        x["real"][-appended:] = False
-    pixels = pictures.inputs(row.images, where) if row is not None else {}
-    return x | {k: v.to(d.device) for k, v in pixels.items()}
 
 
 def mismatch_stats(logp: torch.Tensor, inference_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -92,11 +74,6 @@ class RLSpec(Spec):
         self.custom_loss = load_custom_loss(cfg.training.loss)  # at start: a bad import_path fails here
         self.labels = LABELS + tuple(SCORE_FIELDS[role] for role in cfg.scorers)
         """The label-side arrays of a micro-batch: the scoring servers' logprobs with the sampling ones."""
-        self.pictures: Pictures | None = None
-        """A vision-language model's image processor (None: a text model), read at `setup`."""
-
-    def setup(self, eng: Engine) -> None:
-        self.pictures = Pictures.of(self.cfg.model_path, self.cfg.train_vision, self.cfg.mesh.cp)
 
     def last_step(self) -> int:
         return self.cfg.training.max_steps
@@ -122,7 +99,7 @@ class RLSpec(Spec):
     def inputs(self, mb: MicroBatch | None, d: Dist) -> dict[str, torch.Tensor]:
         if self.pictures is None:
             return prepare(mb, d, self.labels)
-        return picture_inputs(self.pictures, mb, d, self.labels)
+        return picture_inputs(self.pictures, mb, d, self.labels)  # a VLM: its pixels too
 
     def micro_loss(self, model, x: dict[str, torch.Tensor], n_loss_tokens: int, aux_weight: float):
         """Loss share and stats of this rank's positions of one micro-batch (see `engine.prepare`)."""

@@ -30,7 +30,8 @@ from prl.trainer.config import TrainerConfig
 from prl.trainer.engine import ROLE, Engine, Spec, StepData, add_router_aux, forward_logprobs
 from prl.trainer.loss import nll_loss
 from prl.trainer.parallel import Dist
-from prl.trainer.sft_data import read_conversations, tokenize_conversation
+from prl.trainer.sft_data import has_pictures, read_conversations, tokenize_conversation
+from prl.trainer.vision import Pictures
 
 log = get_logger(__name__)
 
@@ -39,11 +40,13 @@ log = get_logger(__name__)
 class SFTData:
     """The conversations of a run, tokenized on demand, in the order of the module doc."""
 
-    conversations: list[list[dict[str, str]]]
+    conversations: list[list[dict[str, Any]]]
     tokenizer: Any
+    """The model's tokenizer, or its processor (a vision-language model)."""
     max_tokens: int
     batch_size: int
     seed: int
+    image_token_id: int | None = None
 
     @property
     def steps_per_epoch(self) -> float:
@@ -62,7 +65,7 @@ class SFTData:
         return out
 
     def samples(self, step: int) -> list[Sample]:
-        return [tokenize_conversation(self.tokenizer, self.conversations[i], self.max_tokens)
+        return [tokenize_conversation(self.tokenizer, self.conversations[i], self.max_tokens, self.image_token_id)
                 for i in self.indices(step)]
 
     def last_step(self, max_steps: int, epochs: int | None) -> int:
@@ -72,15 +75,23 @@ class SFTData:
         return min(max_steps, math.ceil(epochs * len(self.conversations) / self.batch_size))
 
 
-def load_data(cfg: TrainerConfig) -> SFTData:
+def load_data(cfg: TrainerConfig, pictures: Pictures | None = None) -> SFTData:
+    """The run's conversations and their tokenizer: the processor of a vision-language model (`pictures`)."""
     from transformers import AutoTokenizer
 
     assert cfg.sft is not None
     conversations = list(read_conversations(Path(cfg.sft.data), cfg.sft.split))
     if not conversations:
         raise ConfigError(f"sft.data {cfg.sft.data} holds no conversations")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
-    return SFTData(conversations, tokenizer, cfg.max_model_len, cfg.training.batch_size, cfg.training.seed)
+    if pictures is None:
+        with_pictures = next((i for i, c in enumerate(conversations) if has_pictures(c)), None)
+        if with_pictures is not None:
+            raise ConfigError(f"sft.data {cfg.sft.data}: conversation {with_pictures} has pictures, but "
+                              f"{cfg.model_path} is not a vision-language model")
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+        return SFTData(conversations, tokenizer, cfg.max_model_len, cfg.training.batch_size, cfg.training.seed)
+    return SFTData(conversations, pictures.processor, cfg.max_model_len, cfg.training.batch_size,
+                   cfg.training.seed, pictures.image_token_id)
 
 
 def micro_batches(samples: list[Sample], cfg: TrainerConfig, d: Dist) -> list[MicroBatch | None]:
@@ -98,7 +109,7 @@ class SFTSpec(Spec):
         self.data: SFTData | None = None
 
     def setup(self, eng: Engine) -> None:
-        self.data = load_data(self.cfg)
+        self.data = load_data(self.cfg, self.pictures)
         if eng.d.is_main:
             log.info("sft: %d conversations, %d per step (%.2f steps per epoch), steps %d..%d",
                      len(self.data.conversations), self.cfg.training.batch_size, self.data.steps_per_epoch,

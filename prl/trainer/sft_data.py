@@ -14,6 +14,15 @@ Sources, each a list of conversations in the chat `messages` format
 - `*.parquet`, or a directory written by `datasets.save_to_disk` or holding data files for
   `datasets.load_dataset(dir)`: through Hugging Face `datasets` (the `sft` extra), offline.
 
+Pictures (vision-language models): a message's `content` may be a list of parts, `{"type": "text", "text":
+...}` and pictures, `{"type": "image", "path": "pics/1.png"}` (relative to the data file's directory, or
+absolute) or `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}` (embedded; nothing
+is fetched). Each picture is read and decoded when the data is read: a missing or undecodable one is a
+DataError naming the file, line (or row), message and part. The conversation is rendered with the model's
+processor, which expands each picture's placeholder; the sample keeps the pictures (prl/run/batch.py) and the
+trainer re-runs the image processor on them, as in RL (prl/trainer/vision.py). Its loss spans come from
+the token counts of its rendered prefixes (`picture_spans`).
+
 Masking: the conversation is rendered once with the tokenizer's chat template and tokenized
 once with character offsets; a token is trained if it starts inside an assistant turn's own
 text, from the end of its header (`<|im_start|>assistant\\n` with ChatML) through its
@@ -39,15 +48,72 @@ class DataError(ConfigError):
     """An SFT example is malformed; the message names the file and line or row."""
 
 
-def check_messages(messages: Any, where: str) -> list[dict[str, str]]:
+def check_messages(messages: Any, where: str, base: Path | None = None) -> list[dict[str, Any]]:
+    """The conversation, checked; picture parts read (paths relative to `base`) into `{"type": "image",
+    "bytes": ...}`."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: messages[{i}] must have a role in {ROLES} and string content")
-    if not any(m["role"] == "assistant" for m in messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), (str, list)):
+            raise DataError(f"{where}: messages[{i}] must have a role in {ROLES} and string content (or a list "
+                            f"of text and image parts)")
+        content = m["content"]
+        if isinstance(content, list):
+            content = [check_part(part, f"{where}: messages[{i}].content[{j}]", base or Path.cwd())
+                       for j, part in enumerate(content)]
+            if m["role"] != "user" and any(p["type"] == "image" for p in content):
+                raise DataError(f"{where}: messages[{i}] ({m['role']}) has a picture; pictures go in user messages")
+        out.append({"role": m["role"], "content": content})
+    if not any(m["role"] == "assistant" for m in out):
         raise DataError(f"{where}: no assistant message, nothing to train on")
-    return messages
+    return out
+
+
+def check_part(part: Any, where: str, base: Path) -> dict[str, Any]:
+    """A content part as the template sees it: a text part, or a picture read and decoded."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    if kind == "image" and isinstance(part.get("path"), str):
+        path = base / part["path"]
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise DataError(f"{where}: cannot read the picture {path}: {e.strerror or e}") from None
+        return {"type": "image", "bytes": decodable(data, f"{where}: {path}")}
+    url = (part.get("image_url") or {}).get("url") if kind == "image_url" else None
+    if isinstance(url, str):
+        head, _, payload = url.partition(",")
+        if not (head.startswith("data:image/") and head.endswith(";base64")):
+            raise DataError(f"{where}: only data:image/...;base64 URLs are read (nothing is fetched), got {url[:40]!r}")
+        import base64
+        import binascii
+
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except binascii.Error:
+            raise DataError(f"{where}: the data URL is not valid base64") from None
+        return {"type": "image", "bytes": decodable(data, where)}
+    raise DataError(f"{where}: a part must be {{\"type\": \"text\", \"text\": ...}}, {{\"type\": \"image\", "
+                    f"\"path\": ...}} or {{\"type\": \"image_url\", \"image_url\": {{\"url\": \"data:...\"}}}}")
+
+
+def decodable(data: bytes, where: str) -> bytes:
+    """`data` when PIL decodes it as a picture; DataError naming `where` otherwise."""
+    import io
+
+    from PIL import Image
+
+    try:
+        Image.open(io.BytesIO(data)).convert("RGB")
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise DataError(f"{where}: not a picture PIL can decode ({str(e)[:120]})") from None
+    return data
+
+
+def has_pictures(messages: Sequence[dict[str, Any]]) -> bool:
+    return any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"]) for m in messages)
 
 
 def read_conversations(path: Path, split: str = "train") -> Iterator[list[dict[str, str]]]:
@@ -57,8 +123,9 @@ def read_conversations(path: Path, split: str = "train") -> Iterator[list[dict[s
     if path.is_file() and path.suffix in (".jsonl", ".json"):
         yield from _jsonl(path)
         return
+    base = path.parent if path.is_file() else path
     for row, example in enumerate(_hf_rows(path, split)):
-        yield check_messages(example.get("messages"), f"{path} row {row}")
+        yield check_messages(example.get("messages"), f"{path} row {row}", base)
 
 
 def _jsonl(path: Path) -> Iterator[list[dict[str, str]]]:
@@ -73,7 +140,7 @@ def _jsonl(path: Path) -> Iterator[list[dict[str, str]]]:
                 raise DataError(f"{where}: not JSON ({exc.msg})") from None
             if not isinstance(example, dict):
                 raise DataError(f"{where}: expected an object with 'messages'")
-            yield check_messages(example.get("messages"), where)
+            yield check_messages(example.get("messages"), where, path.parent)
 
 
 def _hf_rows(path: Path, split: str) -> Iterator[dict[str, Any]]:
@@ -116,10 +183,67 @@ def assistant_spans(tokenizer: Any, messages: Sequence[dict[str, str]]) -> tuple
     return text, spans
 
 
-def tokenize_conversation(tokenizer: Any, messages: Sequence[dict[str, str]], max_tokens: int) -> Sample:
-    """One conversation as a training sample: token ids and a loss mask that is 1 on assistant tokens only.
+def template_view(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """The messages as a chat template renders them (a picture part is `{"type": "image"}`) and the pictures."""
+    pictures: list[bytes] = []
+    view = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, list):
+            pictures += [p["bytes"] for p in content if p["type"] == "image"]
+            content = [p if p["type"] == "text" else {"type": "image"} for p in content]
+        view.append({"role": m["role"], "content": content})
+    return view, pictures
 
-    Longer than `max_tokens`: cut at `max_tokens` (the mask is cut with it)."""
+
+def picture_spans(processor: Any, messages: Sequence[dict[str, Any]]) -> tuple[list[int], list[tuple[int, int]]]:
+    """A conversation with pictures: its token ids (placeholders expanded by the processor) and the token spans
+    [start, end) of its assistant turns, from the ids of its rendered prefixes."""
+    import io
+
+    from PIL import Image
+
+    def ids(prefix: Sequence[dict[str, Any]], generation: bool = False) -> list[int]:
+        view, pictures = template_view(prefix)
+        text = processor.apply_chat_template(view, tokenize=False, add_generation_prompt=generation)
+        images = [Image.open(io.BytesIO(p)).convert("RGB") for p in pictures] or None
+        return list(processor(text=text, images=images, return_tensors="np")["input_ids"][0])
+
+    whole = ids(messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = ids(messages[:i], generation=True), ids(messages[:i + 1])
+        if through[:len(before)] != before or whole[:len(through)] != through:
+            raise DataError(f"the processor's chat template does not render a conversation's messages as a prefix "
+                            f"of the longer conversation (message {i}): it cannot be masked per turn")
+        spans.append((len(before), len(through)))
+    return [int(t) for t in whole], spans
+
+
+def tokenize_conversation(tokenizer: Any, messages: Sequence[dict[str, Any]], max_tokens: int,
+                          image_token_id: int | None = None) -> Sample:
+    """One conversation as a training sample: token ids and a loss mask that is 1 on assistant tokens only.
+    `tokenizer` is the model's processor for a conversation with pictures (and `image_token_id` its image token).
+
+    Longer than `max_tokens`: cut at `max_tokens` (the mask is cut with it; a cut inside the pictures'
+    placeholders is a DataError)."""
+    if has_pictures(messages):
+        ids, spans = picture_spans(tokenizer, messages)
+        mask = [int(any(lo <= t < hi for lo, hi in spans)) for t in range(len(ids))]
+        if ids[max_tokens:].count(image_token_id):
+            raise DataError(f"a conversation with pictures is {len(ids)} tokens, and its pictures' placeholders run "
+                            f"past model.max_model_len ({max_tokens}): it cannot be cut there")
+        ids, mask = ids[:max_tokens], mask[:max_tokens]
+        if ids:
+            mask[0] = 0
+        _, pictures = template_view(messages)
+        return Sample(token_ids=ids, loss_mask=mask, inference_logprobs=[0.0] * len(ids), advantage=1.0,
+                      images=pictures)
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's own tokenizer for text alone
+    messages = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+                 else "".join(p["text"] for p in m["content"])} for m in messages]  # text parts: their text
     text, spans = assistant_spans(tokenizer, messages)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoded["input_ids"][:max_tokens], encoded["offset_mapping"][:max_tokens]
