@@ -326,6 +326,32 @@ def test_update_serves_published_weights(tiny_server):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_an_adapter_offered_to_a_server_without_lora_is_409_and_changes_nothing(tiny_server):
+    """A published LoRA adapter step (PEFT's adapter_config.json beside its weights) on a server started without
+    --enable-lora: 409 naming both, before any weight is touched; the server serves as before (issue 24)."""
+    run = RunDir(tiny_server.run_dir)
+    live = tiny_server.get("/prl/live")
+    step = 700 + os.getpid() % 50
+
+    def adapter(tmp: Path) -> None:
+        fake_checkpoint(tmp, {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": [8, 64]})
+        (tmp / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16}))
+
+    published = run.publish_dir(run.weights(step), adapter, step=step)
+    try:
+        with pytest.raises(HTTPFailure) as e:
+            tiny_server.post("/prl/weights", {"step": step})
+        assert e.value.status == 409, e.value.body
+        assert "is a LoRA adapter" in e.value.body["error"] and "runs without --enable-lora" in e.value.body["error"]
+        after = tiny_server.get("/prl/live")
+        assert (after["weights_step"], after["weights_path"], after["updates"]) == (
+            live["weights_step"], live["weights_path"], live["updates"])
+    finally:
+        shutil.rmtree(published)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_escapes_are_refused_and_change_nothing(tiny_server, tmp_path):
     run = RunDir(tiny_server.run_dir)
     live = tiny_server.get("/prl/live")

@@ -350,3 +350,59 @@ def test_generate_refuses_pictures_it_would_have_to_fetch_or_cannot_decode(vlm_s
                                                        "sampling_params": {"max_tokens": 1}})
         assert e.value.status == 400 and says in str(e.value.body), (parts if isinstance(parts, str) else says,
                                                                      e.value.body)
+
+
+def publish_vlm(run, step: int, model_dir: Path, scale: float) -> Path:
+    """Publish the tiny VLM with every weight (vision tower and connector too) moved by scale * its std, as
+    RUN/weights/step_N with the processor's files (scale 0: the model as it is)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * (p.std() if p.numel() > 1 else 1.0))
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        for f in model_dir.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and not (tmp / f.name).exists():
+                shutil.copy2(f, tmp / f.name)
+
+    return run.publish_dir(run.weights(step), write, step=step)
+
+
+def test_a_published_vlm_step_vision_tower_included_serves_what_transformers_computes(vlm_server, vlm_dir):
+    """A weights step that moves the text model, the connector and the vision tower: after `/prl/weights`, the
+    served logprobs of a chat with a picture equal transformers' on the published files (so vLLM reloaded the
+    vision tower too, and dropped its encoder cache: the same picture was encoded before the update). The base
+    weights are published and loaded again at the end, for the module's other tests."""
+    from prl.run.rundir import RunDir
+
+    run = RunDir(vlm_server.run_dir)
+    image, question = shapes_image("red"), "How many shapes are in the picture?"
+    inputs = processed(vlm_dir, chat(question), image)
+    request = {"model": str(vlm_dir), "max_tokens": 6, "temperature": 1.0, "seed": 1, "ignore_eos": True,
+               "logprobs": True, "return_token_ids": True, "messages": [{"role": "user", "content": [
+                   {"type": "image_url", "image_url": {"url": data_url(image)}}, {"type": "text", "text": question}]}]}
+
+    def served() -> tuple[list[int], list[float]]:
+        choice = vlm_server.post("/v1/chat/completions", request)["choices"][0]
+        return choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
+
+    served()  # the picture's features are in the encoder cache now
+    step = (run.latest_stable("weights") or 0) + 1
+    moved = publish_vlm(run, step, vlm_dir, scale=0.3)
+    try:
+        assert vlm_server.post("/prl/weights", {"step": step})["step"] == step
+        tokens, logprobs = served()
+        reference = hf_logprobs(moved, inputs, tokens)
+        assert max(abs(a - b) for a, b in zip(logprobs, reference)) < LOGPROB_TOL, (logprobs, reference)
+        before = hf_logprobs(vlm_dir, inputs, tokens)
+        assert max(abs(a - b) for a, b in zip(logprobs, before)) > 20 * LOGPROB_TOL, "the weights did not change"
+    finally:
+        publish_vlm(run, step + 1, vlm_dir, scale=0.0)
+        vlm_server.post("/prl/weights", {"step": step + 1})
