@@ -98,11 +98,12 @@ def max_body_bytes(vocab: int, max_model_len: int, multimodal: bool = False) -> 
 def decode_images(parts: Any) -> list:
     """The pictures of a request's `content_parts`, decoded as vLLM decodes an `image_url` (RGB); BadRequest
     naming the part for anything else."""
-    import base64
     import binascii
     import io
 
     from PIL import Image
+
+    from prl.run.batch import NotADataURL, picture_bytes
 
     if not isinstance(parts, list) or len(parts) > MAX_IMAGES:
         raise BadRequest(f"content_parts must be a list of at most {MAX_IMAGES} image_url parts")
@@ -111,17 +112,15 @@ def decode_images(parts: Any) -> list:
         url = part.get("url", (part.get("image_url") or {}).get("url")) if isinstance(part, dict) else None
         if not isinstance(part, dict) or part.get("type") != "image_url" or not isinstance(url, str):
             raise BadRequest(f"content_parts[{i}] must be {{\"type\": \"image_url\", \"url\": ...}}")
-        head, _, data = url.partition(",")
-        if not (head.startswith("data:image/") and head.endswith(";base64")):
-            raise BadRequest(f"content_parts[{i}]: only data:image/...;base64 URLs (the server fetches nothing), "
-                             f"got {url[:40]!r}")
         try:
-            image = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
+            image = Image.open(io.BytesIO(picture_bytes(url)))
             if image.width * image.height > MAX_IMAGE_PIXELS:
                 raise BadRequest(f"content_parts[{i}]: a {image.width}x{image.height} picture is over "
                                  f"{MAX_IMAGE_PIXELS} pixels")
             images.append(image.convert("RGB"))
-        except (binascii.Error, OSError, ValueError, Image.DecompressionBombError) as e:
+        except NotADataURL as e:
+            raise BadRequest(f"content_parts[{i}]: {e}") from None
+        except (binascii.Error, OSError, ValueError, Image.DecompressionBombError) as e:  # binascii: no base64
             if isinstance(e, BadRequest):
                 raise
             raise BadRequest(f"content_parts[{i}]: not a picture PIL can decode: {str(e)[:200]}") from e

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from prl.run.batch import Sample
+from prl.run.batch import Sample, picture_bytes
 from prl.config.topology import Advantage
 from prl.orchestrator.advantages import group_advantages, is_zero_group
 from prl.orchestrator.shaping import ShapingInputs, shape, shaper
@@ -46,21 +46,15 @@ class Branch:
 
 
 def pictures_of(messages: Sequence[Any]) -> list[bytes]:
-    """The encoded pictures of a chat's `image_url` parts, in order (data URLs: the server was sent nothing
-    else, `prl.inference.generate.decode_images`)."""
-    import base64
-
+    """The encoded pictures of a chat's `image_url` parts, in order (ValueError for one that is not a data URL:
+    the server takes nothing else, `prl.run.batch.picture_bytes`)."""
     out = []
     for message in messages:
         content = getattr(message, "content", None)
         for part in content if isinstance(content, list) else ():
             url = getattr(getattr(part, "image_url", None), "url", None)
-            if url is None:
-                continue
-            head, _, data = url.partition(",")
-            if not (head.startswith("data:image/") and head.endswith(";base64")):
-                raise ValueError(f"a picture of the rollout is not a base64 data URL ({url[:40]!r})")
-            out.append(base64.b64decode(data))
+            if url is not None:
+                out.append(picture_bytes(url))
     return out
 
 

@@ -257,6 +257,22 @@ def to_arrays(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
     return arrays
 
 
+class NotADataURL(ValueError):
+    """A picture named by a URL prl would have to fetch (it never does)."""
+
+
+def picture_bytes(url: str) -> bytes:
+    """The encoded picture of a `data:image/...;base64,` URL, the one form in which pictures reach prl (the
+    server's generate route, the orchestrator's rollouts, SFT data); NotADataURL for any other URL,
+    binascii.Error (a ValueError) for a payload that is not base64."""
+    import base64
+
+    head, _, data = url.partition(",")
+    if not (head.startswith("data:image/") and head.endswith(";base64")):
+        raise NotADataURL(f"only data:image/...;base64 URLs are read (nothing is fetched), got {url[:40]!r}")
+    return base64.b64decode(data, validate=True)
+
+
 def image_arrays(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
     """The pictures' arrays ({} when no sample has one), refusing a sample over MAX_SAMPLE_IMAGE_BYTES."""
     import numpy as np

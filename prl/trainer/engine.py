@@ -186,7 +186,7 @@ class Spec(ABC):
     def inputs(self, mb: MicroBatch | None, d: Dist) -> dict[str, torch.Tensor]:
         """The tensors of one micro-batch on this rank (add per-micro-batch inputs here); default `prepare`, with
         a VLM's pixels (`picture_inputs`)."""
-        return picture_inputs(self.pictures, mb, d) if self.pictures is not None else prepare(mb, d)
+        return picture_inputs(self.pictures, mb, d)
 
     @abstractmethod
     def micro_loss(self, model: torch.nn.Module, x: dict[str, torch.Tensor], n_loss_tokens: int,
@@ -310,10 +310,13 @@ def prepare(mb: MicroBatch | None, d: Dist, labels: tuple[str, ...] = LABELS) ->
     return {k: v.to(d.device) for k, v in x.items()}
 
 
-def picture_inputs(pictures: Pictures, mb: MicroBatch | None, d: Dist, labels: tuple[str, ...] = LABELS
+def picture_inputs(pictures: Pictures | None, mb: MicroBatch | None, d: Dist, labels: tuple[str, ...] = LABELS
                    ) -> dict[str, torch.Tensor]:
-    """`prepare` for a vision-language model: the row's pixel inputs too (a blank picture's sample appended
-    where the encoder trains and the row has none; prl/trainer/vision.py), its tokens not counted."""
+    """`prepare`, and for a vision-language model (`pictures`) the row's pixel inputs too (a blank picture's
+    sample appended where the encoder trains and the row has none; prl/trainer/vision.py), its tokens not
+    counted."""
+    if pictures is None:
+        return prepare(mb, d, labels)
     where = "a padding pass" if mb is None else f"the micro-batch of samples {mb.sample_ids}"
     if mb is not None:
         pictures.check(mb, where)

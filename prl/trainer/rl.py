@@ -22,7 +22,7 @@ from prl.run.batch import SCORE_FIELDS, BatchError, MicroBatch, read_batch
 from prl.run.rundir import RunDir
 from prl.trainer.config import TrainerConfig
 from prl.trainer.engine import (LABELS, Engine, Spec, StepData, StopFlag, add_router_aux, forward_logprobs,
-                                picture_inputs, prepare)
+                                picture_inputs)
 from prl.trainer.loss import LossInputs, custom_loss, load_custom_loss, policy_loss, sample_ids_of
 from prl.trainer.parallel import Dist
 
@@ -97,9 +97,7 @@ class RLSpec(Spec):
                         source=batch)
 
     def inputs(self, mb: MicroBatch | None, d: Dist) -> dict[str, torch.Tensor]:
-        if self.pictures is None:
-            return prepare(mb, d, self.labels)
-        return picture_inputs(self.pictures, mb, d, self.labels)  # a VLM: its pixels too
+        return picture_inputs(self.pictures, mb, d, self.labels)
 
     def micro_loss(self, model, x: dict[str, torch.Tensor], n_loss_tokens: int, aux_weight: float):
         """Loss share and stats of this rank's positions of one micro-batch (see `engine.prepare`)."""

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from prl.errors import ConfigError
-from prl.run.batch import Sample
+from prl.run.batch import NotADataURL, Sample, picture_bytes
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -84,15 +84,11 @@ def check_part(part: Any, where: str, base: Path) -> dict[str, Any]:
         return {"type": "image", "bytes": decodable(data, f"{where}: {path}")}
     url = (part.get("image_url") or {}).get("url") if kind == "image_url" else None
     if isinstance(url, str):
-        head, _, payload = url.partition(",")
-        if not (head.startswith("data:image/") and head.endswith(";base64")):
-            raise DataError(f"{where}: only data:image/...;base64 URLs are read (nothing is fetched), got {url[:40]!r}")
-        import base64
-        import binascii
-
         try:
-            data = base64.b64decode(payload, validate=True)
-        except binascii.Error:
+            data = picture_bytes(url)
+        except NotADataURL as e:
+            raise DataError(f"{where}: {e}") from None
+        except ValueError:  # binascii.Error
             raise DataError(f"{where}: the data URL is not valid base64") from None
         return {"type": "image", "bytes": decodable(data, where)}
     raise DataError(f"{where}: a part must be {{\"type\": \"text\", \"text\": ...}}, {{\"type\": \"image\", "

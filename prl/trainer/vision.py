@@ -30,6 +30,8 @@ from prl.run.batch import BatchError, MicroBatch
 
 PIXEL_KEYS_SKIPPED = ("input_ids", "attention_mask")
 """What the image processor returns besides pixels (the pixel inputs are the rest: `pixel_values`, masks, grids)."""
+BLANK_FIELDS = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs")
+"""The arrays `Pictures.blank` fills (a scoring server's logprobs are zeros for it)."""
 SAMPLED_IMAGE_TOKEN = -1
 """The id a *sampled* image token gets in the trainer's input ids (`mark_sampled`): a model that generates its
 image token (a tiny random one does) gave vLLM a text token there, with the token's embedding and no picture,
@@ -100,10 +102,9 @@ def decode(picture: bytes, where: str):
 class Pictures:
     """A VLM's image processor and image token: pixels for a packed row's pictures."""
 
-    def __init__(self, model_path: str | Path, train_vision: bool) -> None:
-        from transformers import AutoConfig, AutoProcessor
+    def __init__(self, model_path: str | Path, config, train_vision: bool) -> None:
+        from transformers import AutoProcessor
 
-        config = AutoConfig.from_pretrained(model_path)
         self.processor = AutoProcessor.from_pretrained(model_path)
         self.image_token_id = int(getattr(config, "image_token_id", getattr(config, "image_token_index", -1)))
         self.train_vision = train_vision
@@ -114,14 +115,15 @@ class Pictures:
         """The model's Pictures, or None for a text model (read from its config.json)."""
         from transformers import AutoConfig
 
-        if not is_vlm(AutoConfig.from_pretrained(model_path)):
+        config = AutoConfig.from_pretrained(model_path)
+        if not is_vlm(config):
             if train_vision:
                 raise ConfigError(f"model.train_vision: {model_path} is not a vision-language model")
             return None
         if cp > 1:
             # A cp rank holds a slice of the row: its image tokens would need a slice of the pictures' features.
             raise ConfigError(f"trainer.cp: {model_path} is a vision-language model, which trains with cp 1 only")
-        return cls(model_path, train_vision)
+        return cls(model_path, config, train_vision)
 
     def inputs(self, pictures: list[bytes], where: str) -> dict[str, torch.Tensor]:
         """The model's pixel inputs for a row's pictures, in order ({} for none)."""
@@ -170,7 +172,7 @@ class Pictures:
         blank = self.blank()
         if mb is None:
             return blank, 0  # a padding pass: nothing of it is counted anyway (`real` is off)
-        cat = {k: np.concatenate([getattr(mb, k), getattr(blank, k) if getattr(blank, k, None) is not None
-                                  else np.zeros(blank.num_tokens, dtype=np.float32)])
+        nothing = np.zeros(blank.num_tokens, dtype=np.float32)  # the blank's scores: it has no loss
+        cat = {k: np.concatenate([getattr(mb, k), getattr(blank, k) if k in BLANK_FIELDS else nothing])
                for k in ("input_ids", "position_ids", *labels)}
         return MicroBatch(sample_ids=mb.sample_ids, **cat, images=list(blank.images)), blank.num_tokens
