@@ -1,7 +1,7 @@
 """The trainer's step on one GPU: tokens/s and MFU for a Qwen3-0.6B-shaped dense model and a small Qwen3-MoE.
 
-    python bench/gpu_trainer.py [--tokens 16384 65536] [--steps 5] [--models dense moe] [--peak-tflops 989]
-                                [--attention packed|sdpa] [--ac]
+    python bench/gpu_trainer.py [--tokens 16384 32768] [--steps 5] [--models dense moe] [--peak-tflops 989]
+                                [--attention packed|sdpa] [--ac] [--lora RANK]
     python bench/gpu_trainer.py --smoke        # tiny models on CPU (gloo, fp32): checks the code path
 
 One process, one GPU: NCCL process group of one rank, the trainer's own FSDP2 wrapping
@@ -14,10 +14,13 @@ transformers' sdpa with its dense [T, T] block mask, the path before it), logpro
 weights (no download): meta device, sharded, `to_empty` on the GPU, initialised in place.
 Step 1 warms up; the median of the next `--steps` is reported.
 
-MFU = tokens/s x FLOPs/token / peak, with FLOPs/token = 6 x active parameters (MoE: the
+MFU = tokens/s x FLOPs/token / peak, with FLOPs/token = 6 x active parameters (4 x with `--lora`: frozen weights
+get no gradient; adapters not counted; MoE: the
 router's top-k share of the experts; embeddings excluded, lm_head included) + 6 x layers x
 attention width x sample length (causal attention, forward + backward). Peak: H200 dense
-bf16, 989 TFLOP/s (change with --peak-tflops). Both models together finish in a few minutes.
+bf16, 989 TFLOP/s (change with --peak-tflops). Both models at both sizes take about 30 s on an H200 (numbers in
+docs/trainer.md). Without activation checkpointing the dense model at 65,536 tokens does not fit in an H200's
+139 GiB; with `--ac` it takes 16 GiB. `bash bench/gpu_session.sh` runs this with the other GPU benches.
 """
 
 from __future__ import annotations
@@ -74,18 +77,22 @@ def active_params(model, config) -> tuple[int, int]:
 
 
 def build(config, cfg, d, attention: str):
-    """Random-initialised, FSDP2-wrapped model on d.device, built through the meta device."""
+    """Random-initialised, FSDP2-wrapped model on d.device, built through the meta device (with `cfg.lora`: the
+    trainer's adapters on it, B zero, everything else frozen)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from prl.trainer.attention import install_packed
     from prl.trainer.loading import rebuild_nonpersistent_buffers
+    from prl.trainer.lora import attach
     from prl.trainer.parallel import apply_fsdp
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     if attention == "packed":
         install_packed(model)
+    if cfg.lora is not None:
+        attach(model, cfg.lora, seed=0)
     model.config.use_cache = False
     model.train()
     apply_fsdp(model, cfg, d)
@@ -94,7 +101,7 @@ def build(config, cfg, d, attention: str):
     with torch.no_grad():
         for name, p in model.named_parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
-            local.fill_(1.0) if "norm" in name else local.normal_(0, 0.02)
+            local.fill_(1.0) if "norm" in name else local.zero_() if name.endswith("lora_B") else local.normal_(0, 0.02)
     return model
 
 
@@ -114,20 +121,38 @@ def micro_batch(tokens: int, vocab: int, samples: int = 8):
                       inference_logprobs=np.full(tokens, -5.0, dtype="float32")), n
 
 
+def lora_of(name: str, rank: int):
+    """`--lora`'s adapters: on every projection of the dense model; the MoE's experts are fused tensors, not
+    linear layers, so there the attention projections alone."""
+    from prl.config.topology import Lora
+
+    if not rank:
+        return None
+    return Lora(rank=rank) if name == "dense" else Lora(rank=rank, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                                      "o_proj"])
+
+
 def bench(name: str, config, args, d, tokens: int) -> dict:
     import torch
 
-    from prl.config.topology import Loss
+    from prl.config.topology import Training
     from prl.planner.model import Mesh
+    from prl.trainer.config import TrainerConfig
     from prl.trainer.engine import train_step
+    from prl.trainer.lora import adapter_parameters
     from prl.trainer.rl import RLSpec
 
-    training = SimpleNamespace(loss=Loss(), max_grad_norm=1.0, router_aux_loss_coef=0.0)
-    cfg = SimpleNamespace(mesh=Mesh(dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=1),
-                          activation_checkpointing=args.ac, precision="fp32" if args.smoke else "bf16", training=training)
+    # The trainer's own settings type, as a plan of one rank would give it (nothing is read from them but the
+    # mesh, precision, activation checkpointing and the training defaults: loss, clipping, no aux loss).
+    cfg = TrainerConfig(model_path="", model_dtype="bfloat16", mesh=Mesh(dp_replicate=1, dp_shard=1, cp=1, ep=1,
+                                                                         world_size=1),
+                        activation_checkpointing=args.ac, precision="fp32" if args.smoke else "bf16", master_port=0,
+                        training=Training(batch_size=8, max_steps=args.steps + 1, max_grad_norm=1.0, router_aux_loss_coef=0.0),
+                        tokenizer_path="", max_model_len=tokens, sft=None,
+                        lora=lora_of(name, args.lora))
     spec = RLSpec(cfg)
     model = build(config, cfg, d, args.attention)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    optim = torch.optim.AdamW(adapter_parameters(model) if cfg.lora else model.parameters(), lr=1e-6)
     mb, sample_len = micro_batch(tokens, config.vocab_size)
     times = []
     for _ in range(args.steps + 1):
@@ -141,7 +166,9 @@ def bench(name: str, config, args, d, tokens: int) -> dict:
     total, active = active_params(model, config)
     tps = tokens / statistics.median(times[1:])
     width = config.num_attention_heads * config.head_dim
-    flops_per_token = 6 * active + 6 * config.num_hidden_layers * width * sample_len
+    # A frozen weight needs no gradient of its own: 4 x its parameters per token with LoRA (the adapters' few
+    # FLOPs left out), 6 x without.
+    flops_per_token = (4 if args.lora else 6) * active + 6 * config.num_hidden_layers * width * sample_len
     mem = torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else float("nan")
     del model, optim
     return {"name": name, "params_b": total / 1e9, "active_b": active / 1e9, "tokens_per_s": tps,
@@ -150,7 +177,7 @@ def bench(name: str, config, args, d, tokens: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536],
+    ap.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768],
                     help="tokens per step (one packed micro-batch); one run per value")
     ap.add_argument("--attention", choices=["packed", "sdpa"], default="packed",
                     help="the trainer's packed kernel, or transformers' sdpa with its dense block mask")
@@ -158,6 +185,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["dense", "moe"], choices=["dense", "moe"])
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H200: 989)")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK",
+                    help="train a LoRA adapter of this rank on every attention and MLP projection, the rest frozen")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU (gloo, fp32), to check the code path")
     args = ap.parse_args()
     if args.smoke:
@@ -181,7 +210,8 @@ def main() -> None:
     one = SimpleNamespace(mesh=Mesh(dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=1))
     d = build_dist(one, 0, 1, 0, device)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke)"
-    print(f"{gpu}; one packed micro-batch of 8 samples per step, {args.attention} attention; "
+    print(f"{gpu}; one packed micro-batch of 8 samples per step, {args.attention} attention"
+          f"{f', LoRA rank {args.lora}' if args.lora else ''}{', activation checkpointing' if args.ac else ''}; "
           f"median of {args.steps} steps")
     for tokens in args.tokens:
         for name in args.models:

@@ -213,3 +213,22 @@ def test_activation_checkpointing_recomputes_every_layer_under_fsdp2_with_the_sa
     assert ac_grads.keys() == plain_grads.keys()
     for name, g in ac_grads.items():
         torch.testing.assert_close(g, plain_grads[name], rtol=1e-10, atol=1e-12, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_torch_varlen_without_enable_gqa_gets_the_kv_heads_repeated(monkeypatch):
+    """torch 2.11's `varlen_attn` (a GPU image's) has no `enable_gqa`: the call site repeats KV heads itself."""
+    import torch.nn.attention.varlen as varlen
+
+    def no_gqa(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        assert q.shape[1] == k.shape[1] == v.shape[1] and window_size == (-1, 0)
+        return _by_sample(q, k, v, cu_q, scale)
+
+    monkeypatch.setattr(varlen, "varlen_attn", no_gqa)
+    attention._varlen_takes_gqa.cache_clear()
+    try:
+        q, k, v = _qkv()
+        b = boundary_kwargs(_row())
+        out = packed_attention(q, k, v, b["cu_seq_lens_k"], b["max_length_k"], kernel="varlen")
+        torch.testing.assert_close(out, _dense_reference(q, k, v), rtol=1e-10, atol=1e-10)
+    finally:
+        attention._varlen_takes_gqa.cache_clear()

@@ -97,11 +97,26 @@ def varlen_layout(kernel: Callable) -> Callable:
     return run
 
 
+@functools.cache
+def _varlen_takes_gqa() -> bool:
+    """Whether this torch's `varlen_attn` groups query heads over KV heads itself (`enable_gqa`: torch 2.13; the
+    2.11 of some GPU images has `window_size` but not it)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
 def _torch_varlen(q, k, v, cu, max_len, scale):
     from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0),
-                       enable_gqa=q.shape[1] != k.shape[1])
+    grouped = q.shape[1] != k.shape[1]
+    if grouped and not _varlen_takes_gqa():
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        grouped = False
+    gqa = {"enable_gqa": True} if grouped else {}
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0), **gqa)
 
 
 def _flash_varlen(q, k, v, cu, max_len, scale):

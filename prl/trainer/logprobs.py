@@ -26,8 +26,12 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-CHUNK_ELEMENTS = 2**24
-"""Logit elements per chunk (64 MiB in fp32): chunk tokens = CHUNK_ELEMENTS // vocab (at least 16)."""
+CHUNK_ELEMENTS = {"cpu": 2**24, "cuda": 2**28}
+"""Logit elements per chunk, by device: chunk tokens = elements // vocab (at least 16). On CPU 64 MiB of fp32
+logits (about 110 tokens at a 150k vocabulary), which keeps a chunk in cache; on a GPU 1 GiB (about 1,770
+tokens), enough rows for the output layer's matrix products to run near the GPU's rate: on an H200 at 16k tokens
+x 151,936 vocabulary the head took 320 ms with CPU-sized chunks and (bench/gpu_kernels.py, docs/trainer.md)
+far less with these, still a small fraction of the full logits' memory."""
 
 HEAD_ONLY_MODEL_TYPES = frozenset({
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "olmo", "olmo2", "olmoe",
@@ -36,8 +40,8 @@ HEAD_ONLY_MODEL_TYPES = frozenset({
 """Model types whose causal-LM forward applies `lm_head` to the hidden states and returns that as the logits."""
 
 
-def chunk_tokens(vocab: int) -> int:
-    return max(16, CHUNK_ELEMENTS // max(vocab, 1))
+def chunk_tokens(vocab: int, device_type: str = "cpu") -> int:
+    return max(16, CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS["cpu"]) // max(vocab, 1))
 
 
 class ChunkedLogprobs(torch.autograd.Function):
@@ -77,15 +81,15 @@ class ChunkedLogprobs(torch.autograd.Function):
             gz = gz.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[a:a + chunk] = gz @ weight
-            if grad_weight is not None:
-                grad_weight.addmm_(gz.t().float(), h.float())
+            if grad_weight is not None:  # the product in the compute dtype (fp32 accumulation inside the GEMM),
+                grad_weight += (gz.t() @ h).float()  # summed over chunks in fp32: a bf16 GEMM, not an fp32 one
         return grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None
 
 
 def chunked_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                  chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logprob of `targets` [T] and entropy per token, in fp32, from hidden [T, H] and the output weight [V, H]."""
-    return ChunkedLogprobs.apply(hidden, weight, targets.long(), chunk or chunk_tokens(weight.shape[0]))
+    return ChunkedLogprobs.apply(hidden, weight, targets.long(), chunk or chunk_tokens(weight.shape[0], hidden.device.type))
 
 
 def supports_chunked_head(model: torch.nn.Module) -> bool:

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Everything prl measures on a GPU, in one call of the lent H200 (~15 device minutes a session, one call):
+#   the packed-attention kernels and the chunked logprob head against the dense paths (checked, then timed),
+#   the trainer's step (tokens/s, MFU, peak memory) with packed attention, with transformers' dense-mask sdpa,
+#   with activation checkpointing and with LoRA adapters (rank 16). Each part has its own time bound; a part
+#   that fails does not stop the next. Output: one log per part under $OUT (or ./gpu-out).
+#
+# The lent machine's image has torch and transformers but not msgspec or omegaconf, and an older transformers
+# than ours: carry them as wheels in .whl/ (see /work/.library/device/README.md; list in docs/testing.md).
+set -u
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+fi
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+    python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+} 2>&1 | tee "$out/machine.txt"
+part() {  # part NAME SECONDS ARGS...: one bounded step, its output teed into $out/NAME.txt
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (at most $limit s): $*"
+    local t0=$SECONDS
+    timeout "$limit" "$@" > >(tee "$out/$name.txt") 2>&1
+    echo "== $name: exit $? after $((SECONDS - t0)) s"
+}
+part kernels 120 python3 bench/gpu_kernels.py
+part trainer 200 python3 bench/gpu_trainer.py --tokens 16384 32768
+part trainer_sdpa 90 python3 bench/gpu_trainer.py --tokens 16384 --attention sdpa
+part trainer_ac 90 python3 bench/gpu_trainer.py --tokens 65536 --models dense --ac
+part trainer_lora 90 python3 bench/gpu_trainer.py --tokens 16384 --lora 16
