@@ -25,7 +25,7 @@ def test_config_from_the_golden_plan_json():
     env, t = cfg.environment, cfg.training
     assert env.id == "prl_letters" and env.harness == "prl" and env.args == {}
     assert (t.batch_size, t.rollouts_per_example, cfg.examples_per_step) == (32, 4, 8)
-    assert t.max_off_policy_steps == 1 and t.max_steps == 20 and t.max_tokens == 16
+    assert t.max_off_policy_steps == 1 and t.max_steps == 25 and t.max_tokens == 16
     assert cfg.dp_size == 2  # dp_replicate 1 * dp_shard 2
     assert cfg.served_model_name == "local-tiny"
     assert cfg.model_path == "models/tiny-qwen3"
@@ -123,6 +123,33 @@ def test_all_zero_groups_are_kept_rather_than_an_empty_batch():
     groups = [[rollout(1.0), rollout(1.0)], [rollout(0.0), rollout(0.0)]]
     b = build_samples(groups, Advantage(drop_zero_groups=True), max_tokens=8, min_version=0)
     assert len(b.samples) == 4 and b.dropped_zero_groups == 0 and all(s.advantage == 0.0 for s in b.samples)
+
+
+def test_a_published_step_whose_metrics_record_was_lost_gets_it_back_on_resume(tmp_path):
+    """The orchestrator publishes rollouts/step_N with its metrics record inside, then appends the record; a full
+    disk (or a kill) between the two lost the record, and a resumed run starts after step N. `recover_record`
+    appends it from the batch, once; a batch without one (published before records rode along) adds nothing."""
+    import json
+
+    from prl.orchestrator.loop import RECORD_KEY, recover_record
+
+    run = RunDir(tmp_path / "run").create()
+    groups = [[rollout(r, 1, n_prompt=3, n_completion=2) for r in (1.0, 0.0)]]
+    samples = build_samples(groups, Advantage(), max_tokens=8, min_version=1).samples
+    for step in (1, 2):
+        run.append_metrics({"role": "orchestrator", "step": step, "reward_mean": 0.1})
+    run.append_metrics({"role": "orchestrator", "step": 2, "eval": True})
+    with open(run.metrics_jsonl, "a") as f:
+        f.write('{"role": "orchestrator", "step": 3, "rew')  # the line the full disk tore
+    lost = {"role": "orchestrator", "step": 3, "reward_mean": 0.25}
+    publish_batch(run, 3, samples, dp_size=1, micro_batch_tokens=16, meta={RECORD_KEY: json.dumps(lost)})
+    publish_batch(run, 4, samples, dp_size=1, micro_batch_tokens=16)
+
+    assert recover_record(run, 3) is True and recover_record(run, 3) is False
+    assert [(r["step"], r.get("reward_mean")) for r in run.read_metrics("orchestrator") if not r.get("eval")] == [
+        (1, 0.1), (2, 0.1), (3, 0.25)]
+    assert recover_record(run, 2) is False and recover_record(run, 0) is False
+    assert recover_record(run, 4) is False and len(run.read_metrics("orchestrator")) == 4
 
 
 def test_a_stale_sample_is_never_built():

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
@@ -51,7 +52,7 @@ from prl.orchestrator.sync import (Fleet, ServerPool, WeightWatcher, discover, r
                                    server_client, standalone)
 from prl.orchestrator.workers import EnvWorkers, check_env_id
 from prl.planner.model import Plan
-from prl.run.batch import publish_batch
+from prl.run.batch import publish_batch, read_meta
 from prl.run.lifecycle import role_lifecycle
 from prl.run.rundir import RunDir
 
@@ -266,16 +267,16 @@ class Orchestrator:
         show_phase(self.beat, self.display, step, "scoring", f"scoring by {', '.join(self.scorers.roles)}")
         return await self.scorers.score(made.batch.samples)
 
-    async def publish(self, step: int, made: StepRollouts) -> None:
-        """rollouts/step_N (STABLE) packed for the trainer's dp ranks, with the data order after it."""
+    async def publish(self, step: int, made: StepRollouts, record: dict) -> None:
+        """rollouts/step_N (STABLE) packed for the trainer's dp ranks, with the data order after it and the
+        step's metrics record (`recover_record` appends it on resume if metrics.jsonl never got it)."""
         await asyncio.to_thread(publish_batch, self.run, step, made.batch.samples, dp_size=self.cfg.dp_size,
                                 micro_batch_tokens=self.cfg.training.micro_batch_tokens,
-                                meta={"data_order": made.order.to_json()})
+                                meta={"data_order": made.order.to_json(), RECORD_KEY: json.dumps(record)})
         self.source.published_step(step, made.order)
 
-    def record(self, step: int, made: StepRollouts, scored: ScoreStats | None = None) -> None:
-        """The step's metrics record, heartbeat and progress line."""
-        m = step_metrics(step, made, self.pool, scored)
+    def record(self, step: int, made: StepRollouts, m: dict) -> None:
+        """The step's metrics record (`step_metrics`), heartbeat and progress line."""
         self.run.append_metrics(m)
         # step_s: this step's longest stretch between heartbeats, at most; the launcher's hang bound grows with it.
         self.beat(step=step, phase="published", published=step, weights_version=self.pool.version,
@@ -348,10 +349,30 @@ def scorers(run: RunDir, cfg: OrchestratorConfig, fleet: Fleet) -> Scorers | Non
                    retries=t.rollout_retries)
 
 
+RECORD_KEY = "metrics"
+"""The published batch's metadata key that holds the step's metrics record (JSON)."""
+
+
+def recover_record(run: RunDir, step: int) -> bool:
+    """Append the metrics record of published rollouts step `step` if metrics.jsonl lacks it: the step was
+    published and its record then lost (a full disk tore the line, or the orchestrator died between the two);
+    a resumed run starts after that step and would never write it. Returns whether it appended."""
+    if step < 1 or any(r.get("step") == step and not r.get("eval") and r.get("event") is None
+                       for r in run.read_metrics(ROLE)):
+        return False
+    text = read_meta(run.rollouts(step)).get(RECORD_KEY)
+    if text is None:  # published before records rode along
+        return False
+    run.append_metrics(json.loads(text))
+    log.info("rollouts step %d was published but its metrics record was lost; appended it from the batch", step)
+    return True
+
+
 async def orchestrate(run: RunDir, cfg: OrchestratorConfig, fleet: Fleet, beat: Beat) -> int:
     """The orchestrator's steps after the newest published one, to `training.max_steps`."""
     start = run.latest_stable("rollouts") or 0
     run.drop_metrics_after(ROLE, start)
+    recover_record(run, start)
     max_steps = cfg.training.max_steps
     if start >= max_steps:
         log.info("rollouts up to step %d are published; nothing to do (max_steps %d)", start, max_steps)
@@ -361,9 +382,9 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, fleet: Fleet, beat: 
         for step in range(start + 1, max_steps + 1):
             made = await o.source.make(step)
             o.check(step, made.batch)
-            scored = await o.score(step, made)
-            await o.publish(step, made)
-            o.record(step, made, scored)
+            record = step_metrics(step, made, o.pool, await o.score(step, made))
+            await o.publish(step, made, record)
+            o.record(step, made, record)
             if o.eval_due(step):
                 await o.evaluate(step)
     return 0
