@@ -61,7 +61,7 @@ def worker(args) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = SimpleNamespace(mesh=Mesh(dp_replicate=1, dp_shard=world, cp=1, ep=1, world_size=world), precision="fp32",
-                          activation_checkpointing=False)
+                          activation_checkpointing=False, compile=False)
     d = build_dist(cfg, rank, world, rank, torch.device("cpu"))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config(args.params_m), dtype=torch.float32)

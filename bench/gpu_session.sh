@@ -2,8 +2,9 @@
 # Everything prl measures on a GPU, in one call of the lent H200 (~15 device minutes a session, one call):
 #   the packed-attention kernels and the chunked logprob head against the dense paths (checked, then timed),
 #   the trainer's step (tokens/s, MFU, peak memory) with packed attention, with transformers' dense-mask sdpa,
-#   with activation checkpointing and with LoRA adapters (rank 16). Each part has its own time bound; a part
-#   that fails does not stop the next. Output: one log per part under $OUT (or ./gpu-out).
+#   with activation checkpointing, with LoRA adapters (rank 16) and with compiled blocks (trainer.compile).
+#   Each part has its own time bound; a part that fails does not stop the next. Output: one log per part
+#   under $OUT (or ./gpu-out).
 #
 # The lent machine's image has torch and transformers but not msgspec or omegaconf, and an older transformers
 # than ours: carry them as wheels in .whl/ (see /work/.library/device/README.md; list in docs/testing.md).
@@ -32,3 +33,4 @@ part trainer 200 python3 bench/gpu_trainer.py --tokens 16384 32768
 part trainer_sdpa 90 python3 bench/gpu_trainer.py --tokens 16384 --attention sdpa
 part trainer_ac 90 python3 bench/gpu_trainer.py --tokens 65536 --models dense --ac
 part trainer_lora 90 python3 bench/gpu_trainer.py --tokens 16384 --lora 16
+part trainer_compile 150 python3 bench/gpu_trainer.py --tokens 16384 --compile

@@ -1,7 +1,7 @@
 """The trainer's step on one GPU: tokens/s and MFU for a Qwen3-0.6B-shaped dense model and a small Qwen3-MoE.
 
     python bench/gpu_trainer.py [--tokens 16384 32768] [--steps 5] [--models dense moe] [--peak-tflops 989]
-                                [--attention packed|sdpa] [--ac] [--lora RANK]
+                                [--attention packed|sdpa] [--ac] [--lora RANK] [--compile] [--profile]
     python bench/gpu_trainer.py --smoke        # tiny models on CPU (gloo, fp32): checks the code path
 
 One process, one GPU: NCCL process group of one rank, the trainer's own FSDP2 wrapping
@@ -98,6 +98,7 @@ def build(config, cfg, d, attention: str):
     apply_fsdp(model, cfg, d)
     model.to_empty(device=d.device)
     rebuild_nonpersistent_buffers(model, d.device)
+    torch.manual_seed(0)  # the same weights in every run: step 1's loss compares runs (eager vs compiled)
     with torch.no_grad():
         for name, p in model.named_parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
@@ -132,6 +133,26 @@ def lora_of(name: str, rank: int):
                                                                                       "o_proj"])
 
 
+def profile_step(step, device, wall: float) -> None:
+    """One more step under torch.profiler: the ops that take the most GPU time, and (the table's footer) the GPU's
+    busy time, to set against the step's wall time (a GPU idle for much of the step means the CPU, launching
+    kernels, sets the pace; on the H200 it was busy 95 % of a dense 16k step)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    # The table's last line ("Self CUDA time total") is the GPU's busy time; compare it with the step's.
+    print(f"    profile of one {1000 * wall:.0f} ms step, by GPU time:")
+    print(events.table(sort_by=key if device.type == "cuda" else "self_cpu_time_total", row_limit=22,
+                       max_name_column_width=60))
+
+
 def bench(name: str, config, args, d, tokens: int) -> dict:
     import torch
 
@@ -149,20 +170,23 @@ def bench(name: str, config, args, d, tokens: int) -> dict:
                         activation_checkpointing=args.ac, precision="fp32" if args.smoke else "bf16", master_port=0,
                         training=Training(batch_size=8, max_steps=args.steps + 1, max_grad_norm=1.0, router_aux_loss_coef=0.0),
                         tokenizer_path="", max_model_len=tokens, sft=None,
-                        lora=lora_of(name, args.lora))
+                        lora=lora_of(name, args.lora), compile=args.compile)
     spec = RLSpec(cfg)
     model = build(config, cfg, d, args.attention)
     optim = torch.optim.AdamW(adapter_parameters(model) if cfg.lora else model.parameters(), lr=1e-6)
     mb, sample_len = micro_batch(tokens, config.vocab_size)
-    times = []
+    times, first = [], None
     for _ in range(args.steps + 1):
         if d.device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        train_step(model, optim, [mb], spec, cfg, d)
+        metrics = train_step(model, optim, [mb], spec, cfg, d)
+        first = first or metrics
         if d.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
+    if args.profile:
+        profile_step(lambda: train_step(model, optim, [mb], spec, cfg, d), d.device, statistics.median(times[1:]))
     total, active = active_params(model, config)
     tps = tokens / statistics.median(times[1:])
     width = config.num_attention_heads * config.head_dim
@@ -171,7 +195,8 @@ def bench(name: str, config, args, d, tokens: int) -> dict:
     flops_per_token = (4 if args.lora else 6) * active + 6 * config.num_hidden_layers * width * sample_len
     mem = torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else float("nan")
     del model, optim
-    return {"name": name, "params_b": total / 1e9, "active_b": active / 1e9, "tokens_per_s": tps,
+    return {"name": name, "first_step": f"step 1 loss {first['loss']:.6f} grad norm {first['grad_norm']:.6f}, "
+                                        f"{times[0]:.1f} s", "params_b": total / 1e9, "active_b": active / 1e9, "tokens_per_s": tps,
             "mfu": tps * flops_per_token / (args.peak_tflops * 1e12), "max_mem_gib": mem}
 
 
@@ -187,6 +212,10 @@ def main() -> None:
     ap.add_argument("--ac", action="store_true", help="activation checkpointing")
     ap.add_argument("--lora", type=int, default=0, metavar="RANK",
                     help="train a LoRA adapter of this rank on every attention and MLP projection, the rest frozen")
+    ap.add_argument("--compile", action="store_true",
+                    help="trainer.compile: torch.compile each transformer block (apply_fsdp, before FSDP2)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed steps, one step under torch.profiler: GPU busy time and the top ops")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU (gloo, fp32), to check the code path")
     args = ap.parse_args()
     if args.smoke:
@@ -218,7 +247,7 @@ def main() -> None:
             r = bench(name, configs(args.smoke)[name], args, d, tokens)
             print(f"  {tokens:6d} tokens {r['name']:5s} {r['params_b']:.2f}B params ({r['active_b']:.2f}B active, "
                   f"no embeddings): {r['tokens_per_s']:9.0f} tokens/s  MFU {100 * r['mfu']:5.1f}%  "
-                  f"max mem {r['max_mem_gib']:.1f} GiB")
+                  f"max mem {r['max_mem_gib']:.1f} GiB; {r['first_step']}")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()

@@ -191,3 +191,34 @@ def test_a_vision_language_model_trains_with_cp_1_and_train_vision_needs_one(tmp
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
     assert "model.train_vision: LlamaForCausalLM is not a vision-language model" in out.stderr, out.stderr
     assert "override 'model.train_vision=true'" in out.stderr and not (tmp_path / "run").exists()  # the field's source
+
+
+def test_trainer_compile_is_planned_on_gpus_and_refused_where_it_was_not_measured(tmp_path, env):
+    """`trainer.compile` reaches the plan on a GPU cluster; on a CPU cluster, with cp or ep > 1, with LoRA or on a
+    vision-language model it is refused at its field, one line, no traceback, nothing written."""
+    from prl.planner.capabilities import compile_refusals
+    from tests.helpers import prl_cli
+
+    vlm = ModelConfig(architectures=["Idefics3ForConditionalGeneration"], vision_config={"hidden_size": 64})
+    llama = msgspec_convert(LLAMA)
+    assert compile_refusals(llama, True, 1, 1, False) == [] and compile_refusals(None, True, 1, 1, False) == []
+    for args, why in [((llama, False, 1, 1, False), "this cluster has no GPUs"),
+                      ((llama, True, 2, 1, False), "cp(2) > 1"), ((llama, True, 1, 2, False), "ep(2) > 1"),
+                      ((llama, True, 1, 1, True), "model.lora"), ((vlm, True, 1, 1, False), "vision-language")]:
+        [(field, msg)] = compile_refusals(*args)
+        assert field == ("trainer", "compile") and why in msg and msg.endswith("use compile: false"), msg
+
+    out = prl_cli(env, "plan", "configs/dense-8b.yaml", "trainer.compile=true", f"run_dir={tmp_path / 'gpu'}")
+    assert json.loads((tmp_path / "gpu" / "plan.json").read_text())["trainer"]["compile"] is True, out.stdout
+    out = prl_cli(env, "plan", "configs/local-tiny.yaml", "trainer.compile=true", f"run_dir={tmp_path / 'cpu'}",
+                  check=False)
+    assert out.returncode != 0 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert "trainer.compile: this cluster has no GPUs" in out.stderr and "override 'trainer.compile=true'" in \
+        out.stderr, out.stderr
+    assert not (tmp_path / "cpu").exists()
+
+
+def msgspec_convert(config: dict) -> ModelConfig:
+    import msgspec
+
+    return msgspec.convert(config, ModelConfig)

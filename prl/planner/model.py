@@ -191,6 +191,8 @@ class TrainerPlan(Frozen, kw_only=True):
     """Port of each rank's weight feed, by global rank (`weights.transport: memory`; empty otherwise)."""
     activation_checkpointing: bool
     precision: Literal["bf16", "fp32"]
+    compile: bool = False
+    """`trainer.compile`: each transformer block goes through torch.compile."""
 
 
 class OrchestratorPlan(Frozen, kw_only=True):

@@ -33,7 +33,7 @@ from prl.config.cluster import ClusterProfile
 from prl.config.loader import Source
 from prl.config.topology import InferenceGroup, Lora, Scorer, Topology, Training
 from prl.errors import PlanError
-from prl.planner.capabilities import (ModelConfig, lora_refusals, served_lora_rank, trainer_refusals,
+from prl.planner.capabilities import (ModelConfig, compile_refusals, lora_refusals, served_lora_rank, trainer_refusals,
                                      vision_refusals)
 from prl.planner.settings import RunSettings
 from prl.run.rundir import RunDir
@@ -498,7 +498,8 @@ def place_trainer(check: Checker, topo: Topology, layout: Layout, common_env: di
                        device="cuda" if cluster.gpu_node.gpus else "cpu", mesh=mesh,
                        master_port=cluster.port_base + RDZV_PORT_OFFSET,
                        feed_ports=feed_ports(cluster, nodes, procs) if topo.weights.transport == "memory" else (),
-                       activation_checkpointing=tr.activation_checkpointing, precision=tr.precision)
+                       activation_checkpointing=tr.activation_checkpointing, precision=tr.precision,
+                       compile=tr.compile)
 
 
 def feed_ports(cluster, nodes: int, procs: int) -> tuple[int, ...]:
@@ -513,6 +514,9 @@ def check_trainer_can_run(check: Checker, topo: Topology, model_config: Optional
     if topo.model.lora is not None:
         refusals += lora_refusals(model_config, topo.model.lora.rank, topo.model.lora.target_modules)
     refusals += vision_refusals(model_config, mesh.cp, topo.model.train_vision)
+    if topo.trainer.compile:
+        refusals += compile_refusals(model_config, bool(check.cluster.gpu_node.gpus), mesh.cp, mesh.ep,
+                                     topo.model.lora is not None)
     if refusals:
         field, message = refusals[0]
         raise check.fail(field, message)

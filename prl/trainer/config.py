@@ -48,6 +48,8 @@ class TrainerConfig:
     """`model.lora`: train and publish an adapter on the frozen model (None: every weight)."""
     train_vision: bool = False
     """`model.train_vision`: a vision-language model's image encoder trains too (default: frozen)."""
+    compile: bool = False
+    """`trainer.compile`: each transformer block goes through torch.compile before FSDP2 wraps it."""
 
     @classmethod
     def from_plan(cls, plan: Plan) -> TrainerConfig:
@@ -62,4 +64,4 @@ class TrainerConfig:
                    feed_ports=tr.feed_ports, feed_host=node_address(plan) if tr.feed_ports else "",
                    feed_delta=settings.weights.delta,
                    scorers=plan.scorer_roles(), lora=settings.model.lora,
-                   train_vision=settings.model.train_vision)
+                   train_vision=settings.model.train_vision, compile=tr.compile)

@@ -143,7 +143,8 @@ def compute_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
 
 
 def apply_fsdp(model: torch.nn.Module, cfg: TrainerConfig, d: Dist) -> torch.nn.Module:
-    """Activation checkpointing (optional), then fully_shard experts (EP), every transformer block, the root.
+    """Activation checkpointing (optional), torch.compile of every transformer block (optional, as torchtitan
+    orders them), then fully_shard experts (EP), every transformer block, the root.
 
     Works on a meta-device model (parameters are materialised later with `to_empty`).
     """
@@ -162,6 +163,9 @@ def apply_fsdp(model: torch.nn.Module, cfg: TrainerConfig, d: Dist) -> torch.nn.
         raise ConfigError(
             f"{type(model).__name__} declares no transformer block class (_no_split_modules); cannot shard it"
         )
+    if cfg.compile:
+        for block in blocks:  # in place: the block keeps its class and its parameters' names
+            block.compile()
     for block in blocks:
         if d.expert_mesh is not None:
             for experts in expert_modules(block):
