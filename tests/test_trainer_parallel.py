@@ -253,7 +253,7 @@ ROUTER_AUX = textwrap.dedent("""
     training = types.SimpleNamespace(loss=Loss(), max_grad_norm=0.0, router_aux_loss_coef=coef)
     cfg = types.SimpleNamespace(model_path=model_dir, mesh=Mesh(dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=1),
                                 precision="fp32", activation_checkpointing=False, master_port=int(sys.argv[4]),
-                                training=training, scorers=(), train_vision=False)
+                                training=training, scorers=(), train_vision=False, compile=False)
     d = init_distributed(cfg)
     model, _ = load_model(cfg, d)
     arrays = to_arrays(make_samples(1, vocab))
