@@ -14,12 +14,12 @@ transformers' sdpa with its dense [T, T] block mask, the path before it), logpro
 weights (no download): meta device, sharded, `to_empty` on the GPU, initialised in place.
 Step 1 warms up; the median of the next `--steps` is reported.
 
-MFU = tokens/s x FLOPs/token / peak, with FLOPs/token = 6 x active parameters (4 x with `--lora`: frozen weights
-get no gradient; adapters not counted; MoE: the
-router's top-k share of the experts; embeddings excluded, lm_head included) + 6 x layers x
-attention width x sample length (causal attention, forward + backward). Peak: H200 dense
-bf16, 989 TFLOP/s (change with --peak-tflops). Both models at both sizes take about 30 s on an H200 (numbers in
-docs/trainer.md). Without activation checkpointing the dense model at 65,536 tokens does not fit in an H200's
+MFU = tokens/s x FLOPs/token / peak, with FLOPs/token = 6 x active parameters (4 x with `--lora`: frozen
+weights get no gradient, adapters not counted; MoE: the router's top-k share of the experts; embeddings excluded,
+lm_head included) + 6 x layers x attention width x sample length (causal attention, forward + backward). Peak:
+H200 dense bf16, 989 TFLOP/s (change with --peak-tflops). Each run prints step 1's loss and gradient norm (the
+weights are seeded), so runs with and without `--compile` can be compared. Both models at both sizes take about
+30 s on an H200 (numbers in docs/trainer.md). Without activation checkpointing the dense model at 65,536 tokens does not fit in an H200's
 139 GiB; with `--ac` it takes 16 GiB. `bash bench/gpu_session.sh` runs this with the other GPU benches.
 """
 
@@ -168,7 +168,8 @@ def bench(name: str, config, args, d, tokens: int) -> dict:
     cfg = TrainerConfig(model_path="", model_dtype="bfloat16", mesh=Mesh(dp_replicate=1, dp_shard=1, cp=1, ep=1,
                                                                          world_size=1),
                         activation_checkpointing=args.ac, precision="fp32" if args.smoke else "bf16", master_port=0,
-                        training=Training(batch_size=8, max_steps=args.steps + 1, max_grad_norm=1.0, router_aux_loss_coef=0.0),
+                        training=Training(batch_size=8, max_steps=args.steps + 1, max_grad_norm=1.0,
+                                          router_aux_loss_coef=0.0),
                         tokenizer_path="", max_model_len=tokens, sft=None,
                         lora=lora_of(name, args.lora), compile=args.compile)
     spec = RLSpec(cfg)
@@ -196,7 +197,8 @@ def bench(name: str, config, args, d, tokens: int) -> dict:
     mem = torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else float("nan")
     del model, optim
     return {"name": name, "first_step": f"step 1 loss {first['loss']:.6f} grad norm {first['grad_norm']:.6f}, "
-                                        f"{times[0]:.1f} s", "params_b": total / 1e9, "active_b": active / 1e9, "tokens_per_s": tps,
+                                        f"{times[0]:.1f} s",
+            "params_b": total / 1e9, "active_b": active / 1e9, "tokens_per_s": tps,
             "mfu": tps * flops_per_token / (args.peak_tflops * 1e12), "max_mem_gib": mem}
 
 

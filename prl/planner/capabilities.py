@@ -172,14 +172,14 @@ def compile_refusals(model_config: ModelConfig | None, gpus: bool, cp: int, ep: 
     """`trainer.compile` where it was measured: GPU clusters (on CPU inductor compiled a 2-layer model for minutes
     and gains nothing the tests could see), text models, cp 1, ep 1 (their all-to-alls run inside the blocks),
     no LoRA (its adapter hooks were not compiled and measured)."""
-    field = ("trainer", "compile")
-    why = ("this cluster has no GPUs (torch.compile of the blocks is for GPU trainers)" if not gpus
-           else f"cp({cp}) > 1 runs the Ulysses all-to-all inside each block" if cp > 1
-           else f"ep({ep}) > 1 runs the experts' all-to-all inside each block" if ep > 1
-           else "model.lora's adapters were not compiled and measured yet" if lora
-           else f"{model_config.architecture} is a vision-language model"
-           if model_config is not None and model_config.vision_config is not None else "")
-    return [(field, f"trainer.compile: {why}; use compile: false")] if why else []
+    vlm = model_config is not None and model_config.vision_config is not None
+    reasons = [(not gpus, "this cluster has no GPUs (torch.compile of the blocks is for GPU trainers)"),
+               (cp > 1, f"cp({cp}) > 1 runs the Ulysses all-to-all inside each block"),
+               (ep > 1, f"ep({ep}) > 1 runs the experts' all-to-all inside each block"),
+               (lora, "model.lora's adapters were not compiled and measured yet"),
+               (vlm, f"{model_config.architecture if vlm else ''} is a vision-language model")]
+    why = next((text for applies, text in reasons if applies), None)
+    return [(("trainer", "compile"), f"trainer.compile: {why}; use compile: false")] if why else []
 
 
 def packing_refusals(model_config: ModelConfig | None) -> list[tuple[Field, str]]:
