@@ -2,12 +2,14 @@
 # Everything prl measures on a GPU, in one call of the lent H200 (~15 device minutes a session, one call):
 #   the packed-attention kernels and the chunked logprob head against the dense paths (checked, then timed),
 #   the trainer's step (tokens/s, MFU, peak memory) with packed attention, with transformers' dense-mask sdpa,
-#   with activation checkpointing, with LoRA adapters (rank 16) and with compiled blocks (trainer.compile).
+#   with activation checkpointing, with LoRA adapters (rank 16), with compiled blocks (trainer.compile), and
+#   compiled with float8 linear layers (trainer.precision: fp8, against the compiled bf16 run before it).
 #   Each part has its own time bound; a part that fails does not stop the next. Output: one log per part
 #   under $OUT (or ./gpu-out).
 #
 # The lent machine's image has torch and transformers but not msgspec or omegaconf, and an older transformers
-# than ours: carry them as wheels in .whl/ (see /work/.library/device/README.md; list in docs/testing.md).
+# than ours: carry them as wheels in .whl/ (see /work/.library/device/README.md; list in docs/testing.md;
+# torchao for the fp8 part).
 set -u
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -34,3 +36,4 @@ part trainer_sdpa 90 python3 bench/gpu_trainer.py --tokens 16384 --attention sdp
 part trainer_ac 90 python3 bench/gpu_trainer.py --tokens 65536 --models dense --ac
 part trainer_lora 90 python3 bench/gpu_trainer.py --tokens 16384 --lora 16
 part trainer_compile 150 python3 bench/gpu_trainer.py --tokens 16384 --compile
+part trainer_fp8 150 python3 bench/gpu_trainer.py --tokens 16384 --compile --precision fp8

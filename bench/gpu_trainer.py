@@ -2,6 +2,7 @@
 
     python bench/gpu_trainer.py [--tokens 16384 32768] [--steps 5] [--models dense moe] [--peak-tflops 989]
                                 [--attention packed|sdpa] [--ac] [--lora RANK] [--compile] [--profile]
+                                [--precision bf16|fp8]
     python bench/gpu_trainer.py --smoke        # tiny models on CPU (gloo, fp32): checks the code path
 
 One process, one GPU: NCCL process group of one rank, the trainer's own FSDP2 wrapping
@@ -164,10 +165,12 @@ def bench(name: str, config, args, d, tokens: int) -> dict:
     from prl.trainer.rl import RLSpec
 
     # The trainer's own settings type, as a plan of one rank would give it (nothing is read from them but the
-    # mesh, precision, activation checkpointing and the training defaults: loss, clipping, no aux loss).
+    # mesh, precision, activation checkpointing and the training defaults: loss, clipping, no aux loss). The smoke run computes in
+    # fp32 (as the trainer on CPU), fp8's float8 matmuls included.
     cfg = TrainerConfig(model_path="", model_dtype="bfloat16", mesh=Mesh(dp_replicate=1, dp_shard=1, cp=1, ep=1,
                                                                          world_size=1),
-                        activation_checkpointing=args.ac, precision="fp32" if args.smoke else "bf16", master_port=0,
+                        activation_checkpointing=args.ac, master_port=0,
+                        precision=args.precision if args.precision == "fp8" or not args.smoke else "fp32",
                         training=Training(batch_size=8, max_steps=args.steps + 1, max_grad_norm=1.0,
                                           router_aux_loss_coef=0.0),
                         tokenizer_path="", max_model_len=tokens, sft=None,
@@ -216,6 +219,9 @@ def main() -> None:
                     help="train a LoRA adapter of this rank on every attention and MLP projection, the rest frozen")
     ap.add_argument("--compile", action="store_true",
                     help="trainer.compile: torch.compile each transformer block (apply_fsdp, before FSDP2)")
+    ap.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
+                    help="trainer.precision: fp8 multiplies the blocks' linear layers in float8 (torchao); MFU "
+                         "stays against the bf16 peak")
     ap.add_argument("--profile", action="store_true",
                     help="after the timed steps, one step under torch.profiler: GPU busy time and the top ops")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU (gloo, fp32), to check the code path")
@@ -242,7 +248,8 @@ def main() -> None:
     d = build_dist(one, 0, 1, 0, device)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke)"
     print(f"{gpu}; one packed micro-batch of 8 samples per step, {args.attention} attention"
-          f"{f', LoRA rank {args.lora}' if args.lora else ''}{', activation checkpointing' if args.ac else ''}; "
+          f"{f', LoRA rank {args.lora}' if args.lora else ''}{', activation checkpointing' if args.ac else ''}"
+          f"{', compiled blocks' if args.compile else ''}{', float8 linear layers' if args.precision == 'fp8' else ''}; "
           f"median of {args.steps} steps")
     for tokens in args.tokens:
         for name in args.models:

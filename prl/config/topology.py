@@ -244,6 +244,12 @@ class Inference(Strict, kw_only=True):
     """Disaggregated: the router in front (unset: on the cluster's port base + 90)."""
     kv_offload: KVOffload = KVOffload()
     """KV-cache offload for every server."""
+    quantization: Optional[Literal["fp8"]] = None
+    """`fp8`: every policy server (prefill and decode alike) serves the model in FP8, vLLM's `--quantization fp8`
+    (weights quantized per tensor as they load, every update included; activations scaled dynamically): half
+    the weights' memory of bf16; the trainer's logprobs then differ more from the servers' (the `mismatch_*`
+    metrics show by how much). Needs `gpu_node.fp8: true` in the cluster profile. Teacher
+    and reference servers keep their `dtype`."""
     on_failure: OnFailure = OnFailure()
     """Failure policy of every inference (prefill, decode) server: restarted by default."""
 
@@ -303,8 +309,12 @@ class Trainer(Strict, kw_only=True):
     activation_checkpointing: bool = False
     """Keep only each transformer block's input and recompute the block in the backward pass: less activation
     memory for about one more forward per step (docs/trainer.md, Attention and memory)."""
-    precision: Literal["bf16", "fp32"] = "bf16"
-    """Parameter/compute dtype of the FSDP mixed-precision policy (reduction in fp32)."""
+    precision: Literal["bf16", "fp32", "fp8"] = "bf16"
+    """Parameter/compute dtype of the FSDP mixed-precision policy (reduction in fp32). `fp8`: bf16, and the
+    transformer blocks' linear layers multiply in float8 (torchao's Float8Linear, dynamic per-tensor scales;
+    embeddings, `lm_head`, routers and MoE experts stay bf16); needs the `fp8` extra on the trainer's nodes and
+    GPUs the cluster profile marks `gpu_node.fp8: true`; on CPU clusters it runs emulated, for checking
+    numerics (docs/trainer.md, FP8)."""
     compile: bool = False
     """torch.compile each transformer block (GPU clusters; dense and MoE text models with cp 1, ep 1 and no
     LoRA): fuses the norms, rotary embedding and activations eager mode runs as separate kernels. Measured on

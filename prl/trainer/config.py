@@ -25,8 +25,9 @@ class TrainerConfig:
     """The trainer's mesh: `mesh.dp_replicate * mesh.dp_shard * mesh.cp` ranks, `mesh.ep` carved out of them."""
     activation_checkpointing: bool
     precision: str
-    """'bf16' (bf16 compute, fp32 master weights and gradient reduction) or 'fp32'.
-    On CPU, bf16 is run as fp32: CPU bf16 matmuls are slow and FSDP's CPU path is tested in fp32."""
+    """'bf16' (bf16 compute, fp32 master weights and gradient reduction), 'fp32', or 'fp8' (bf16, with the
+    blocks' linear layers in float8: prl/trainer/float8.py). On CPU, bf16 is run as fp32: CPU bf16 matmuls are
+    slow and FSDP's CPU path is tested in fp32 (fp8's float8 matmuls still run, emulated)."""
     master_port: int
     training: Training
     """The topology's training settings themselves: read `cfg.training.lr`, `cfg.training.loss`, ..."""

@@ -77,6 +77,7 @@ from prl.run.rundir import RunDir, current_attempt
 from prl.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from prl.trainer.config import TrainerConfig
 from prl.trainer.attention import boundary_kwargs
+from prl.trainer.float8 import after_optimizer_step, gathers_float8
 from prl.trainer.logprobs import logprob_head, supports_chunked_head
 from prl.trainer.lora import adapter_parameters, attach, publish_adapter
 from prl.trainer.loss import merge_stats, token_logprobs_and_entropy
@@ -390,6 +391,8 @@ def accumulate_step(model, optim, micro_batches: list[MicroBatch | None], spec: 
     grad_norm = clip_grad_norm(model, max_norm, d)
     optim.step()
     optim.zero_grad(set_to_none=True)
+    if cfg.precision == "fp8" and gathers_float8(d.mesh):
+        after_optimizer_step(model)
     return all_reduce_stats(merge_stats(parts), d.device), float(grad_norm)
 
 

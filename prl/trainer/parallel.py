@@ -138,13 +138,15 @@ def init_distributed(cfg: TrainerConfig) -> Dist:
 
 
 def compute_dtype(cfg: TrainerConfig, device: torch.device) -> torch.dtype:
-    """bf16 on accelerators when asked; fp32 on CPU (see TrainerConfig.precision)."""
-    return torch.bfloat16 if cfg.precision == "bf16" and device.type != "cpu" else torch.float32
+    """bf16 on accelerators when asked (fp8: bf16 outside the float8 matmuls); fp32 on CPU (see
+    TrainerConfig.precision)."""
+    return torch.bfloat16 if cfg.precision in ("bf16", "fp8") and device.type != "cpu" else torch.float32
 
 
 def apply_fsdp(model: torch.nn.Module, cfg: TrainerConfig, d: Dist) -> torch.nn.Module:
-    """Activation checkpointing (optional), torch.compile of every transformer block (optional, as torchtitan
-    orders them), then fully_shard experts (EP), every transformer block, the root.
+    """Float8 linear layers (`precision: fp8`), activation checkpointing (optional), torch.compile of every
+    transformer block (optional, as torchtitan orders them), then fully_shard experts (EP), every transformer
+    block, the root.
 
     Works on a meta-device model (parameters are materialised later with `to_empty`).
     """
@@ -163,6 +165,10 @@ def apply_fsdp(model: torch.nn.Module, cfg: TrainerConfig, d: Dist) -> torch.nn.
         raise ConfigError(
             f"{type(model).__name__} declares no transformer block class (_no_split_modules); cannot shard it"
         )
+    if cfg.precision == "fp8":
+        from prl.trainer.float8 import convert_blocks, gathers_float8
+
+        convert_blocks(blocks, gathers_float8(d.mesh))
     if cfg.compile:
         for block in blocks:  # in place: the block keeps its class and its parameters' names
             block.compile()

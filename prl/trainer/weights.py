@@ -204,7 +204,7 @@ def gather_owned(model: torch.nn.Module, d, dtype: torch.dtype, units: list[Unit
         prefix, _, leaf = u.name.rpartition(".")
         owner = modules.get(prefix)
         p = tensors[u.name].detach().to(dtype)
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        full = unwrapped(p.full_tensor() if hasattr(p, "full_tensor") else p)
         if isinstance(owner, ExpertParallelExperts) and u.ep_index is None:
             full = _gather_ep(full, d)
         if owners[u] != d.rank:
@@ -216,6 +216,17 @@ def gather_owned(model: torch.nn.Module, d, dtype: torch.dtype, units: list[Unit
         else:
             mine[disk_name(layout, u.name)] = full.contiguous()
     return mine
+
+
+def unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside a wrapper subclass (torchao's float8 weights under FSDP2, `precision: fp8`:
+    safetensors and the feed need plain storage); a plain tensor as it is."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    while is_traceable_wrapper_subclass(t):
+        inner, _ = t.__tensor_flatten__()
+        t = getattr(t, inner[0])
+    return t
 
 
 def publish_to_feed(feed, step: int, model: torch.nn.Module, dtype: torch.dtype, d) -> list[int]:
