@@ -222,3 +222,16 @@ def test_plan_errors_are_plan_errors(tmp_path):
     path = _write(tmp_path, _edit(BASE, "  ep: 1", "  ep: 3"))
     with pytest.raises(PlanError):
         prepare(path, cwd=tmp_path)
+
+
+def test_each_tiny_moe_family_a_topology_may_build_is_one_tiny_model_builds():
+    """`model.build_tiny` takes every family of TINY_MOE_FAMILIES (the Literal lists them by hand), and `prl submit`
+    passes it to prl.trainer.tiny_model, which must know it."""
+    import msgspec
+
+    from prl.config.topology import TINY_MOE_FAMILIES, Model
+    from prl.trainer.tiny_model import MOE_FAMILIES
+
+    assert set(TINY_MOE_FAMILIES) <= set(MOE_FAMILIES)
+    for family in TINY_MOE_FAMILIES:
+        assert msgspec.convert({"path": "m", "build_tiny": family}, Model).build_tiny == family

@@ -57,6 +57,11 @@ class Lora(Strict, kw_only=True):
         return (self.alpha if self.alpha is not None else self.rank) / self.rank
 
 
+TINY_MOE_FAMILIES = ("mixtral", "deepseek_v3", "gpt_oss", "glm4_moe")
+"""MoE families `model.build_tiny` builds besides `moe` (Qwen3-MoE), as written in its Literal: prl.trainer.tiny_model's,
+less Qwen3.5-MoE (whose linear-attention layers the planner refuses)."""
+
+
 class Model(Strict, kw_only=True):
     path: Optional[PathText] = None
     """Local directory of a Hugging Face model, or a hub id the nodes have cached. Or `from_run`."""
@@ -72,11 +77,13 @@ class Model(Strict, kw_only=True):
     """Weights dtype for inference and published weights."""
     max_model_len: Annotated[int, Meta(ge=16, le=MAX_TOKENS)] = 4096
     """Longest prompt + completion, in tokens."""
-    build_tiny: Optional[Literal["dense", "moe", "dense-lora", "vlm"]] = None
+    build_tiny: Optional[Literal["dense", "moe", "dense-lora", "vlm", "mixtral", "deepseek_v3", "gpt_oss",
+                                 "glm4_moe"]] = None
     """Demo and test topologies: when `path` holds no model yet, `prl submit` builds a tiny random one there
     first, with its tokenizer (`dense`: a Qwen3, `moe`: a Qwen3-MoE with 4 experts, `dense-lora`: the Qwen3 with
     8x embeddings, which a LoRA adapter can move: the default's logits stay near uniform; `vlm`: an Idefics3
-    vision-language model with its processor, 56x56 pictures; the models the tests use,
+    vision-language model with its processor, 56x56 pictures; `mixtral`, `deepseek_v3`, `gpt_oss`, `glm4_moe`:
+    an MoE of that family (transformers' model_type), 4 experts, top-2; the models the tests use,
     prl.trainer.tiny_model; needs the `train` extra). It learns toy tasks in minutes on CPUs; not for real runs.
     Nothing is built for `from_run`."""
     renderer: Optional[Annotated[dict[str, Any], Meta(max_length=MAX_ITEMS)]] = None

