@@ -264,6 +264,25 @@ def test_fp8_training_and_serving_are_planned_on_fp8_gpus_and_refused_elsewhere(
         assert not (tmp_path / "refused").exists()
 
 
+def test_an_rl_job_on_a_model_vllm_cannot_reload_plans_with_a_warning_and_its_sft_without(tmp_path, env):
+    """GPT-OSS: vLLM 0.32 keeps its sinks and expert biases through a reload (the server refuses such an update:
+    tests/test_e2e_moe.py), so planning an RL topology warns that the job will end at its first update; an SFT
+    topology plans without the warning."""
+    from prl.planner.capabilities import update_warnings
+    from tests.helpers import prl_cli
+
+    assert update_warnings(None) == update_warnings(msgspec_convert(LLAMA)) == []
+    model = tmp_path / "gpt-oss"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+                                                   "num_attention_heads": 2, "num_local_experts": 4}))
+    warning = "GptOssForCausalLM: vLLM 0.32 cannot reload its attention sinks"
+    prl_cli(env, "plan", "configs/local-moe.yaml", f"model.path={model}", f"run_dir={tmp_path / 'rl'}")
+    assert any(warning in w for w in json.loads((tmp_path / "rl" / "plan.json").read_text())["warnings"])
+    prl_cli(env, "plan", "configs/sft-tiny.yaml", f"model.path={model}", f"run_dir={tmp_path / 'sft'}")
+    assert not any(warning in w for w in json.loads((tmp_path / "sft" / "plan.json").read_text())["warnings"])
+
+
 def msgspec_convert(config: dict) -> ModelConfig:
     import msgspec
 

@@ -79,3 +79,37 @@ def test_vllm_serves_a_two_rank_sharded_moe_publish_as_transformers_reads_it(tmp
         assert out["step"] == 2
         after = assert_serves(server, published, prompts)
     assert max(abs(a[0] - b[0]) for a, b in zip(before, after)) > 20 * LOGPROB_TOL, "weights did not change"
+
+
+def test_an_update_vllm_cannot_load_whole_is_refused_and_never_served_half(tmp_path):
+    """GPT-OSS in vLLM 0.32: the layerwise reload loads neither the attention sinks nor the experts' biases (its
+    load_weights writes them outside the tracked loaders) and puts their old values back. The update fails naming
+    those layers, the rollback to the disk weights fails the same way, and the server reports itself broken
+    (`/prl/live` 503) rather than serving a mix of two steps."""
+    import shutil
+
+    from prl.run.rundir import RunDir
+    from tests.vllm_fixtures import HTTPFailure, start_inference
+
+    model = build_tiny_moe(tmp_path / "model", family="gpt_oss")
+    run = RunDir(tmp_path / "run")
+    run.publish_dir(run.weights(1), lambda d: [shutil.copy(f, d / f.name) for f in model.iterdir() if f.is_file()])
+    with start_inference(run.root, model, timeout=600) as server:
+        with pytest.raises(HTTPFailure) as refused:
+            server.post("/prl/weights", {"step": 1})
+        assert refused.value.status == 500, refused.value
+        message = str(refused.value.body)
+        assert "GptOssRoutedExperts" in message and "OAIAttention" in message and "rollback" in message, message
+        with pytest.raises(HTTPFailure) as live:
+            server.get("/prl/live")
+        assert live.value.status == 503 and "GptOssRoutedExperts" in str(live.value.body), live.value
+
+
+def test_a_reload_may_leave_only_rotary_embeddings_and_a_tied_lm_head_unloaded():
+    from prl.inference.worker import check_reloaded
+
+    check_reloaded(["RotaryEmbedding", "YaRNScalingRotaryEmbedding", "ParallelLMHead"], tied_lm_head=True)
+    with pytest.raises(RuntimeError, match="of ParallelLMHead and kept their old values"):
+        check_reloaded(["ParallelLMHead"], tied_lm_head=False)
+    with pytest.raises(RuntimeError, match="of GptOssRoutedExperts, OAIAttention and kept"):
+        check_reloaded(["OAIAttention", "RotaryEmbedding", "GptOssRoutedExperts", "OAIAttention"], tied_lm_head=True)

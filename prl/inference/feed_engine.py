@@ -38,7 +38,7 @@ from vllm.model_executor.model_loader.reload import (
 )
 
 from prl.inference.checks import UpdateRefused, checkpoint_layout, compare_layouts
-from prl.inference.worker import repack_after_reload
+from prl.inference.worker import check_reloaded, repack_after_reload, tied_lm_head, unloaded_layers
 from prl.run.feed import Base, FeedReader, read_concurrently
 from prl.run.rundir import API_KEY_VAR
 
@@ -113,8 +113,9 @@ class FeedEngine(WeightTransferEngine[FeedInitInfo, FeedUpdateInfo]):
             for reader in readers:
                 reader.close()
             if self._reloading:
-                # vLLM's worker ends the session on an error without calling finish: leave no layer on meta.
-                self._finish()
+                # vLLM's worker ends the session on an error without calling finish: leave no layer on meta (the
+                # layers the cut stream did not reach keep their old values; the error raised is this one).
+                self._finish(check=False)
             raise
         finally:
             self.report["seconds"] = time.perf_counter() - start
@@ -126,10 +127,13 @@ class FeedEngine(WeightTransferEngine[FeedInitInfo, FeedUpdateInfo]):
     def shutdown(self) -> None:
         pass
 
-    def _finish(self) -> None:
+    def _finish(self, check: bool = True) -> None:
         self._reloading = False
-        finalize_layerwise_reload(self.model, self.model_config)
+        with unloaded_layers() as failed:
+            finalize_layerwise_reload(self.model, self.model_config)
         repack_after_reload(self.model)
+        if check:
+            check_reloaded(failed, tied_lm_head(self.model_config))
 
     def _counted(self, tensors, got: dict | None):
         for name, tensor in tensors:

@@ -24,8 +24,10 @@ head reads the shared parameter directly, so nothing extra is needed.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -55,8 +57,10 @@ class WeightUpdater:
     def prl_load_weights(self, path: str) -> dict:
         """Load the HF checkpoint at `path` into this worker's model, in place."""
         start = time.perf_counter()
-        self.reload_weights(weights_iterator=iter_safetensors(path), is_checkpoint_format=True)
+        with unloaded_layers() as failed:
+            self.reload_weights(weights_iterator=iter_safetensors(path), is_checkpoint_format=True)
         repacked = repack_after_reload(self.model_runner.get_model())
+        check_reloaded(failed, tied_lm_head(self.model_config))
         return {"rank": getattr(self, "rank", 0), "seconds": time.perf_counter() - start, "repacked": repacked}
 
     def prl_feed_report(self) -> dict:
@@ -77,6 +81,52 @@ class WeightUpdater:
         """Sum of each named parameter (vLLM names) on this worker; for tests and debugging."""
         params = dict(self.model_runner.get_model().named_parameters())
         return {n: float(params[n].float().sum()) for n in names if n in params and params[n].numel() > 0}
+
+
+LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+"""vLLM's layerwise reload logs "<layer class>: Failed to load weights" for each layer that had weights to load and
+got none, and puts that layer's old tensors back."""
+
+
+@contextmanager
+def unloaded_layers() -> Iterator[list[str]]:
+    """The classes of the layers vLLM's layerwise reload reported as not loaded while the block ran."""
+    failed: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if message.endswith(": Failed to load weights"):
+                failed.append(message.rpartition(":")[0])
+
+    logger, handler = logging.getLogger(LAYERWISE_LOGGER), Catch(logging.WARNING)
+    level = logger.level
+    if logger.getEffectiveLevel() > logging.WARNING:  # VLLM_LOGGING_LEVEL=ERROR must not blind the check
+        logger.setLevel(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield failed
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def check_reloaded(failed: list[str], tied_lm_head: bool) -> None:
+    """Refuse a reload that left trained weights at their old values: the server would serve a mix of two steps.
+    Allowed: rotary embeddings (buffers rebuilt from the config, nothing in a checkpoint) and a tied lm_head (no
+    tensor of its own; `repack_after_reload` rebuilds it from the embedding). GPT-OSS in vLLM 0.32 is the case
+    met: its load_weights writes the attention sinks and the experts' biases outside the loaders the reload
+    tracks ("OAIAttention", "GptOssRoutedExperts")."""
+    stale = sorted({name for name in failed if not name.endswith("RotaryEmbedding")
+                    and not (name == "ParallelLMHead" and tied_lm_head)})
+    if stale:
+        raise RuntimeError(f"vLLM's reload loaded none of the new weights of {', '.join(stale)} and kept their old "
+                           f"values: this server cannot take weight updates of this model (it would serve a mix of "
+                           f"two steps)")
+
+
+def tied_lm_head(model_config) -> bool:
+    return bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
 
 
 def repack_after_reload(model) -> int:

@@ -216,6 +216,25 @@ def quantization_refusals(model_config: ModelConfig | None, gpus: bool, fp8_gpus
             ] if why else []
 
 
+VLLM_NO_RELOAD_ARCHITECTURES: dict[str, str] = {
+    "GptOssForCausalLM": "its attention sinks and experts' biases",
+}
+"""Architectures whose weights vLLM 0.32's layerwise reload cannot replace whole -> what it leaves at the old
+values (its load_weights writes them outside the loaders the reload tracks). The server refuses such an update
+(prl/inference/worker.py `check_reloaded`), so an RL job on one ends at its first weight update."""
+
+
+def update_warnings(model_config: ModelConfig | None) -> list[str]:
+    """An RL job's servers load the trainer's weights every step: a warning for a model vLLM cannot reload (not a
+    refusal: the trainer itself trains it, and the tests check exactly that on an RL plan)."""
+    stale = VLLM_NO_RELOAD_ARCHITECTURES.get(model_config.architecture) if model_config is not None else None
+    if stale is None:
+        return []
+    return [f"model.path: {model_config.architecture}: vLLM 0.32 cannot reload {stale} (its weight reload keeps "
+            f"their old values), so the inference servers will refuse the trainer's first update and the job will "
+            f"end there; an SFT job (sft:) trains it"]
+
+
 def packing_refusals(model_config: ModelConfig | None) -> list[tuple[Field, str]]:
     """The trainer packs several samples into one row (position ids restart per sample). Linear-attention layers
     (Qwen3.5's gated delta rule) carry their state across the whole row, so a packed sample would see its

@@ -34,7 +34,8 @@ from prl.config.loader import Source
 from prl.config.topology import InferenceGroup, Lora, Scorer, Topology, Training
 from prl.errors import PlanError
 from prl.planner.capabilities import (ModelConfig, compile_refusals, lora_refusals, precision_refusals,
-                                     quantization_refusals, served_lora_rank, trainer_refusals, vision_refusals)
+                                     quantization_refusals, served_lora_rank, trainer_refusals, update_warnings,
+                                     vision_refusals)
 from prl.planner.settings import RunSettings
 from prl.run.rundir import RunDir
 from prl.planner.model import (
@@ -531,12 +532,14 @@ def check_trainer_can_run(check: Checker, topo: Topology, model_config: Optional
         raise check.fail(field, message)
 
 
-def check_quantization(check: Checker, topo: Topology, model_config: Optional[ModelConfig]) -> None:
-    """`inference.quantization` where the servers can do it (prl/planner/capabilities.py)."""
-    if topo.inference is None or topo.inference.quantization is None:
+def check_serving(check: Checker, topo: Topology, model_config: Optional[ModelConfig]) -> None:
+    """What the policy servers of an RL job must do with this model: load every update, and
+    `inference.quantization` where they can (prl/planner/capabilities.py)."""
+    if topo.inference is None:
         return
+    check.warnings.extend(update_warnings(model_config))
     node = check.cluster.gpu_node
-    refusals = quantization_refusals(model_config, bool(node.gpus), node.fp8)
+    refusals = quantization_refusals(model_config, bool(node.gpus), node.fp8) if topo.inference.quantization else []
     if refusals:
         raise check.fail(*refusals[0])
 
@@ -776,7 +779,7 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
     roles, servers, router_port, orchestrator = place_rl_roles(check, topo, layout, common_env, run_dir)
     trainer = place_trainer(check, topo, layout, common_env, orchestrator)
     check_trainer_can_run(check, topo, model_config, trainer.mesh)
-    check_quantization(check, topo, model_config)
+    check_serving(check, topo, model_config)
     check_single_allocation(check, layout)
     check_training(check, topo, trainer.mesh)
     check_scorers(check, topo)
