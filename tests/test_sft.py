@@ -307,3 +307,29 @@ def test_lab_slurm_sft_across_two_nodes_completes(tiny, tmp_path, env, slurm_clu
     assert [r["step"] for r in records if r["role"] == "trainer"] == [1, 2, 3]
     assert "world 2 (dp 2" in prl(env, "logs", run, "--role", "trainer", "-n", "200").stdout
     assert is_stable(RunDir(run).weights(3))
+
+
+@pytest.mark.slow  # one 2-rank trainer run: ~20 s
+def test_sft_with_lora_trains_and_publishes_only_the_adapter(tmp_path):
+    """`model.lora` on an `sft:` job: 2 ranks train only the adapter (the base model's weights never move: the
+    adapter is all that is published, in PEFT's layout, and all the checkpoint holds besides AdamW's state), and
+    the SFT loss falls. The base is the tiny model with 8x embeddings (`build_tiny: dense-lora`), which an adapter
+    can move."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from prl.trainer.tiny_model import LORA_EMBED_SCALE
+    from tests.test_lora import LORA
+
+    model = build_tiny_model(tmp_path / "model", embed_scale=LORA_EMBED_SCALE)
+    run = write_plan(RunDir(tmp_path / "run"), sft_plan(tmp_path / "run", model, *LORA, lr="2.0e-2"))
+    launch(run, 2, resume="none")
+    losses = [m["loss"] for m in run.read_metrics("trainer")]
+    print("SFT + LoRA losses:", [round(x, 3) for x in losses])
+    assert len(losses) == STEPS and sum(losses[-2:]) / 2 < 0.8 * sum(losses[:2]) / 2, losses
+    last = run.weights(STEPS)
+    assert sorted(p.name for p in last.iterdir()) == ["STABLE", "adapter_config.json", "adapter_model.safetensors"]
+    adapter = load_file(str(last / "adapter_model.safetensors"))
+    assert len(adapter) == 2 * 2 * 3 and all(".lora_A." in k or ".lora_B." in k for k in adapter), sorted(adapter)
+    keys = FileSystemReader(str(run.checkpoints(STEPS, "trainer") / "dcp")).read_metadata().state_dict_metadata
+    assert all(k.endswith(("lora_A", "lora_B")) for k in keys if k.startswith("model.")), sorted(keys)[:5]
