@@ -224,7 +224,9 @@ def heavy_tail(engines: list, seed: int = 0, base: float = 0.05):
         start, t0 = eng.weights_step, time.monotonic()
         while eng.weights_step == start and time.monotonic() - t0 < 10:
             await asyncio.sleep(0.01)
-        await asyncio.sleep(base * 10)  # the orchestrator hears of the new weights meanwhile
+        # The orchestrator hears of the new weights meanwhile (its POST /prl/weights returns). 0.5 s was once too
+        # little on CI's loaded cores: no sample of a run ended on newer weights than it started on.
+        await asyncio.sleep(base * 40)
 
     return lambda prompt: long() if rng.random() < 0.1 else base
 
