@@ -42,9 +42,10 @@ def run_once(tmp: Path, model: Path, ep: int, args, vocab: int) -> list[dict]:
     return run.read_metrics("trainer")[1:]
 
 
-def main() -> None:
+def moe_arguments(family: str) -> argparse.ArgumentParser:
+    """The model and batch options of the MoE benches (this one, bench_router_replay.py)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--family", choices=MOE_FAMILIES, default="qwen3_moe")
+    ap.add_argument("--family", choices=MOE_FAMILIES, default=family)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
@@ -53,12 +54,21 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--len", type=int, default=256)
     ap.add_argument("--micro-batch-tokens", type=int, default=1024)
-    args = ap.parse_args()
+    return ap
+
+
+def build_model(tmp: Path, args) -> Path:
+    """The MoE the options describe, in `tmp/model`."""
+    return build_tiny_moe(tmp / "model", family=args.family, hidden_size=args.hidden, num_layers=args.layers,
+                          num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 128), head_dim=64,
+                          num_experts=args.experts, top_k=args.top_k, moe_intermediate_size=args.hidden * 2)
+
+
+def main() -> None:
+    args = moe_arguments("qwen3_moe").parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        model = build_tiny_moe(tmp / "model", family=args.family, hidden_size=args.hidden, num_layers=args.layers,
-                               num_heads=args.hidden // 64, num_kv_heads=max(1, args.hidden // 128), head_dim=64,
-                               num_experts=args.experts, top_k=args.top_k, moe_intermediate_size=args.hidden * 2)
+        model = build_model(tmp, args)
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         rates = {ep: run_once(tmp, model, ep, args, vocab) for ep in (1, 2)}
     tps = {ep: statistics.median(r["tokens_per_s"] for r in m) for ep, m in rates.items()}

@@ -287,3 +287,41 @@ def msgspec_convert(config: dict) -> ModelConfig:
     import msgspec
 
     return msgspec.convert(config, ModelConfig)
+
+
+def test_router_replay_renders_route_capture_and_is_refused_where_routes_would_be_partial(tmp_path, env):
+    """`training.router_replay` puts `--routed-experts --no-enable-prefix-caching` on the policy servers; refused
+    at its field, one line, nothing written: a dense model, prefill/decode servers, KV offload, a prefix cache
+    asked for in extra_args, trainer.compile, a vision-language model, and an SFT job."""
+    from prl.planner.capabilities import replay_refusals
+    from tests.helpers import prl_cli
+
+    moe = msgspec_convert({"architectures": ["Glm4MoeForCausalLM"], "n_routed_experts": 8})
+    vlm = ModelConfig(architectures=["Idefics3ForConditionalGeneration"], vision_config={"hidden_size": 64})
+    ok = {"disaggregated": False, "kv_offload": False, "compile": False, "prefix_cache": False}
+    assert replay_refusals(moe, **ok) == replay_refusals(None, **ok) == []
+    for config, changed, why in [(msgspec_convert(LLAMA), {}, "is not a mixture-of-experts model"),
+                                 (vlm, {}, "vision-language"),
+                                 (moe, {"disaggregated": True}, "prefill/decode servers"),
+                                 (moe, {"kv_offload": True}, "KV offload"),
+                                 (moe, {"prefix_cache": True}, "drop --enable-prefix-caching"),
+                                 (moe, {"compile": True}, "trainer.compile")]:
+        [(field, msg)] = replay_refusals(config, **(ok | changed))
+        assert field == ("training", "router_replay") and why in msg and msg.endswith("set router_replay: false")
+
+    prl_cli(env, "plan", "configs/local-moe.yaml", "training.router_replay=true", f"run_dir={tmp_path / 'ok'}")
+    (server,) = json.loads((tmp_path / "ok" / "plan.json").read_text())["servers"]
+    assert "--routed-experts" in server["args"] and "--no-enable-prefix-caching" in server["args"], server
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps(LLAMA))
+    for args, why in [(("configs/local-moe.yaml", f"model.path={dense}", "trainer.ep=1"), "is not a mixture-of-experts model"),
+                      (("configs/moe-30b-pd.yaml",), "prefill/decode servers split"),
+                      (("configs/local-moe.yaml", "inference.extra_args=[--enforce-eager,--enable-prefix-caching]"),
+                       "drop --enable-prefix-caching"),
+                      (("configs/sft-tiny.yaml",), "an SFT job (sft:) has no rollouts")]:
+        out = prl_cli(env, "plan", *args, "training.router_replay=true", f"run_dir={tmp_path / 'refused'}",
+                      check=False)
+        assert out.returncode != 0 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+        assert "(training.router_replay)" in out.stderr and why in out.stderr, out.stderr
+        assert not (tmp_path / "refused").exists()

@@ -259,6 +259,14 @@ def test_split_args_defaults():
     assert rest.count("--host") == 1 and "10.0.0.5" in rest
     with pytest.raises(SystemExit):
         split_args(["--run-dir", "/r", "--worker-extension-cls", "other.Ext"])
+    # Router replay's capture sees only tokens that go through the model: no prefix cache.
+    ours, rest = split_args(["--run-dir", "/r", "--routed-experts"])
+    assert ours.routed_experts and "--routed-experts" not in rest and rest.count("--no-enable-prefix-caching") == 1
+    _, rest = split_args(["--run-dir", "/r", "--routed-experts", "--no-enable-prefix-caching"])
+    assert rest.count("--no-enable-prefix-caching") == 1
+    assert "--no-enable-prefix-caching" not in split_args(["--run-dir", "/r"])[1]
+    with pytest.raises(SystemExit):
+        split_args(["--run-dir", "/r", "--routed-experts", "--enable-prefix-caching"])
 
 
 def test_bearer_auth_guards_everything_but_health():

@@ -547,6 +547,11 @@ class Training(Strict, kw_only=True):
     router_aux_loss_coef: Annotated[float, Meta(ge=0)] = 0.0
     """MoE only: weight of the router's load-balancing loss (transformers' `load_balancing_loss_func`; 0: off,
     the RL or SFT loss alone trains the router)."""
+    router_replay: bool = False
+    """MoE RL only: the policy servers return the experts each token was routed to and the trainer routes every
+    token to those same experts (its own routing weights at them), so routing flips between vLLM's numerics and
+    the trainer's do not show up as train/inference mismatch (prl/trainer/replay.py). The servers then run
+    without a prefix cache."""
     max_concurrent_rollouts: Annotated[int, Meta(ge=1, le=MAX_COUNT)] = 256
     """Rollouts in flight at once, over all inference servers."""
     rollout_mode: Literal["continuous", "step"] = "continuous"

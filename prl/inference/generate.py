@@ -25,6 +25,10 @@ answer then carries the expanded `prompt_token_ids` and `mm_placeholders`
 them), what the trainer recomputes. Only data URLs: the server fetches nothing
 a request names. Precomputed `features` are refused.
 
+Routed experts (a server started with `--routed-experts`, for router replay): each choice carries the experts
+every MoE layer routed its tokens to (`take_routes`; prl/inference/worker.py `RouteCapture` captures them),
+from `sampling_params.routed_experts_prompt_start` on, as verifiers reads them.
+
 Prefill/decode disaggregation (vLLM's protocol, as on its OpenAI routes): a
 top-level `kv_transfer_params` is handed to the engine's KV connector, and
 the answer carries the connector's `kv_transfer_params` (a prefill server's
@@ -256,6 +260,8 @@ def check_request(request: GenerateRequest, vocab: int, max_model_len: int, max_
         _int(v, "sampling_params.top_k", -1, vocab)
     if (v := sp.get("seed")) is not None:
         _int(v, "sampling_params.seed", *INT64)
+    if (v := sp.get("routed_experts_prompt_start")) is not None:
+        _int(v, "sampling_params.routed_experts_prompt_start", 0, INT64[1])
     for name in ("stop_token_ids", "allowed_token_ids"):
         if (v := sp.get(name)) is not None:
             _token_ids(v, f"sampling_params.{name}", vocab, vocab)
@@ -363,8 +369,28 @@ async def generate(request: GenerateRequest, raw_request: Request):
         return _error(HTTPStatus.BAD_REQUEST, str(e))
     if final is None:
         return _error(HTTPStatus.INTERNAL_SERVER_ERROR, "the engine returned no output")
+    body = answer(request, request_id, prompt, final)
+    if getattr(raw_request.app.state, "prl_routes", False):
+        start = int(request.sampling_params.get("routed_experts_prompt_start") or 0)
+        for choice, routes in zip(body["choices"], await take_routes(engine, request_id, len(body["choices"]), start)):
+            choice["routed_experts"] = routes
+    return JSONResponse(body)
 
-    return JSONResponse(answer(request, request_id, prompt, final))
+
+async def take_routes(engine, request_id: str, n: int, start: int) -> list[dict[str, Any] | None]:
+    """The experts the server's MoE layers routed each token of the request's `n` completions to, from
+    position `start` on (prl/inference/worker.py `RouteCapture`), as verifiers reads them (`choices[i].
+    routed_experts`): `{"data": base64 of [tokens, layers, top_k] ids, "shape", "dtype", "start"}`, covering
+    the prompt and completion but the last token (no forward pass follows it); None where none were captured.
+    "data" comes first: the renderers client cuts the base64 out of the raw JSON by that prefix."""
+    import base64
+
+    for found in await engine.collective_rpc("prl_take_routes", args=(request_id, n, start)):
+        if found is not None:
+            return [None if r is None else {"data": base64.b64encode(r["data"]).decode("ascii"),
+                                            "shape": r["shape"], "dtype": r["dtype"], "start": r["start"]}
+                    for r in found]
+    return [None] * n
 
 
 async def engine_prompt(request: GenerateRequest, raw_request: Request):

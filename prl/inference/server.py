@@ -10,6 +10,10 @@ loading runs inside every worker, and `--weight-transfer-config
 '{"backend": "prl_feed"}'` so a worker can load a step from the trainer's
 weight feeds (prl/inference/feed_engine.py). Nothing in vLLM is patched.
 
+`--routed-experts` (prl's flag; vLLM's own `--enable-return-routed-experts` runs only in its GPU Model
+Runner V2): the generate route returns the experts every MoE layer routed each token to, for router replay
+(prl/inference/worker.py `RouteCapture`); the prefix cache is then off.
+
 Binding: `--host` as given (the launcher passes the node's cluster address);
 without it 127.0.0.1, never all interfaces by default. With `--api-key-env
 VAR`, every endpoint but `/health` (the launcher's readiness probe) requires
@@ -48,10 +52,19 @@ def split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--run-dir", required=True, help="the run directory (weights are loaded from RUN/weights/)")
     parser.add_argument("--api-key-env", default=None,
                         help="name of an env var holding the API key; when set, all endpoints but /health need it")
+    parser.add_argument("--routed-experts", action="store_true",
+                        help="return the experts each MoE layer routed every token to (router replay); turns "
+                             "the prefix cache off")
     ours, rest = parser.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         parser.print_help()
     flags = {a.split("=", 1)[0] for a in rest}
+    if ours.routed_experts:
+        # A cached prompt token never goes through the model, so its routes could not be captured.
+        if "--enable-prefix-caching" in flags:
+            parser.error("--routed-experts needs the prefix cache off: drop --enable-prefix-caching")
+        if "--no-enable-prefix-caching" not in flags:
+            rest += ["--no-enable-prefix-caching"]
     if "--host" not in flags:
         rest += ["--host", "127.0.0.1"]
     if "--worker-extension-cls" in flags:
@@ -229,8 +242,6 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
     from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
 
-    from prl.inference import admin
-
     run = RunDir(ours.run_dir)
     key = api_key(ours.api_key_env)
 
@@ -256,7 +267,7 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
         add_prl_routes(app, engine.model_config)
         await init_app_state(engine, app.state, args, supported)
         served = (args.served_model_name or [args.model])[0]
-        app.state.prl_admin = admin.initial_state(run, args.model, served, lora=bool(args.enable_lora))
+        await init_prl_state(app, engine, run, args, served, routed_experts=ours.routed_experts)
         log.info("prl inference: run dir %s, serving %s on %s", run.root, served, listen_address)
 
         uvicorn_kwargs = {}
@@ -279,6 +290,19 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
         await shutdown
     finally:
         sock.close()
+
+
+async def init_prl_state(app, engine, run: RunDir, args: argparse.Namespace, served: str, *,
+                         routed_experts: bool) -> None:
+    """prl's state on the app: the admin routes' (weights served, adapters), and with `--routed-experts` every
+    worker recording its MoE layers' routes (prl/inference/worker.py `RouteCapture`) for the generate route."""
+    from prl.inference import admin
+
+    app.state.prl_admin = admin.initial_state(run, args.model, served, lora=bool(args.enable_lora))
+    if routed_experts:
+        shape = (await engine.collective_rpc("prl_capture_routes"))[0]
+        app.state.prl_routes = True
+        log.info("prl inference: returning routed experts (%s)", shape)
 
 
 def api_key(var: str | None) -> str:

@@ -25,7 +25,9 @@ head reads the shared parameter directly, so nothing extra is needed.
 from __future__ import annotations
 
 import logging
+import re
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +39,8 @@ from prl.inference.server import FEED_BACKEND
 
 # vLLM imports this module by name in every worker before it loads the model (and creates the engine
 # named by --weight-transfer-config); a spawned worker does not inherit the parent's registry.
+log = logging.getLogger("prl.inference.worker")
+
 if FEED_BACKEND not in WeightTransferEngineFactory._registry:
     WeightTransferEngineFactory.register_engine(FEED_BACKEND, "prl.inference.feed_engine", "FeedEngine")
 
@@ -76,6 +80,25 @@ class WeightUpdater:
         self._weight_update_active = False
         self.weight_transfer_engine.reset_weight_update_target()
         return True
+
+    def prl_capture_routes(self) -> dict:
+        """Start recording which experts every MoE layer routes each token of a `prl-gen-` request to
+        (`RouteCapture`); the capture's shape. Idempotent."""
+        capture = getattr(self, "_prl_routes", None)
+        if capture is None:
+            capture = self._prl_routes = RouteCapture.install(self.model_runner, self.vllm_config)
+        return {"layers": capture.layers, "top_k": capture.top_k, "dtype": capture.dtype}
+
+    def prl_take_routes(self, request_id: str, n: int, start: int) -> list[dict | None] | None:
+        """The routes of request `request_id`'s `n` completions from token `start` on (`RouteCapture.take`),
+        forgotten here once taken; None on every worker but the first of its tensor-parallel group (they
+        captured the same routes)."""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        capture = getattr(self, "_prl_routes", None)
+        if capture is None or not get_tp_group().is_first_rank:
+            return None
+        return capture.take(request_id, n, start)
 
     def prl_weight_checksum(self, names: list[str]) -> dict[str, float]:
         """Sum of each named parameter (vLLM names) on this worker; for tests and debugging."""
@@ -167,3 +190,137 @@ def _reprocess_lm_heads(model) -> int:
             module.quant_method.process_weights_after_loading(module)
             count += 1
     return count
+
+
+ROUTED_PREFIX = "prl-gen-"
+"""Requests whose routes `RouteCapture` keeps: those of prl's generate route (prl/inference/generate.py)."""
+MAX_UNTAKEN_ROUTES = 1024
+"""Finished requests whose routes a capture keeps for the API process to take; the oldest go beyond."""
+_ENGINE_ID = re.compile(r"(?:(\d+)_)?(.*)-[0-9A-Za-z]{8}")
+"""An engine request id: vLLM appends `-` and 8 random characters to the id it was given, and names the
+i-th of `n` completions `i_<id>`."""
+
+
+class RouteCapture:
+    """The experts each MoE layer routed every token of every generate request to, for router replay.
+
+    vLLM 0.32 returns routed experts (`--enable-return-routed-experts`) only from its GPU Model Runner V2; the
+    CPU runner, and the V1 runner prl's worker extension runs in, refuse it. This capture uses vLLM's own
+    hook instead: `bind_routed_experts_capturer` gives every MoE router a callback with its layer's top-k
+    expert ids, which `capture` writes into a preallocated [max tokens, layers, k] buffer (a fixed buffer, as
+    vLLM's own capturer, so a captured CUDA graph writes to it too). After each model step (`execute_model`
+    wrapped) the step's rows are split among its requests, in the order the runner laid them out, and put at
+    their tokens' positions. A request's rows cover every token that went through the model, so the server
+    runs without a prefix cache (cached tokens never would): `split_args` turns it off.
+
+    Rows are kept per request until `take`; at most MAX_UNTAKEN_ROUTES finished requests wait.
+    """
+
+    def __init__(self, model_runner, layers: int, top_k: int, num_experts: int, max_tokens: int, device) -> None:
+        import numpy as np
+        import torch
+
+        self.model_runner = model_runner
+        self.layers, self.top_k = layers, top_k
+        self.dtype = "uint8" if num_experts <= 256 else "uint16"
+        self._np_dtype = np.dtype(self.dtype)
+        self.buffer = torch.zeros((max_tokens, layers, top_k), dtype=torch.int32, device=device)
+        self.rows: dict[str, np.ndarray] = {}
+        """Engine request id -> its rows so far [positions, layers, k]."""
+        self.length: dict[str, int] = {}
+        """Engine request id -> how many positions of its rows are filled."""
+        self.finished: OrderedDict[str, None] = OrderedDict()
+        self.dropped = 0
+
+    @classmethod
+    def install(cls, model_runner, vllm_config) -> "RouteCapture":
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
+
+        mc = vllm_config.model_config
+        layers, top_k, experts = mc.get_total_num_hidden_layers(), mc.get_num_experts_per_tok(), mc.get_num_experts()
+        if layers <= 0 or top_k <= 0 or experts <= 0:
+            raise ValueError(f"routed experts: {mc.model} is not a mixture-of-experts model "
+                             f"(layers {layers}, experts {experts}, top-k {top_k})")
+        capture = cls(model_runner, layers, top_k, experts, vllm_config.scheduler_config.max_num_batched_tokens,
+                      model_runner.device)
+        bind_routed_experts_capturer(model_runner.get_model(), capture)
+        step = model_runner.execute_model
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            out = step(scheduler_output, *args, **kwargs)
+            capture.after_step(scheduler_output)
+            return out
+
+        model_runner.execute_model = execute_model
+        return capture
+
+    def capture(self, layer_id: int, topk_ids) -> None:
+        """vLLM's router callback: this step's top-k expert ids [tokens, k] of layer `layer_id`."""
+        self.buffer[: topk_ids.shape[0], layer_id] = topk_ids
+
+    def after_step(self, scheduler_output) -> None:
+        """File the step's rows under their requests (the runner's row order), then retire finished requests."""
+        import numpy as np
+
+        scheduled = scheduler_output.num_scheduled_tokens
+        total = int(scheduler_output.total_num_scheduled_tokens)
+        if total:
+            start = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+            cached = scheduler_output.scheduled_cached_reqs
+            start |= dict(zip(cached.req_ids, cached.num_computed_tokens))
+            order = [r for r in self.model_runner.input_batch.req_ids if r in scheduled]
+            if sum(scheduled[r] for r in order) != total:
+                log.warning("routed experts: a step's %d rows do not match its requests %s; not captured",
+                            total, order)
+            else:
+                rows = self.buffer[:total].to("cpu").numpy().astype(self._np_dtype)
+                offset = 0
+                for rid in order:
+                    n = scheduled[rid]
+                    if _ENGINE_ID.fullmatch(rid) and _ENGINE_ID.fullmatch(rid).group(2).startswith(ROUTED_PREFIX):
+                        self._put(rid, int(start[rid]), rows[offset:offset + n])
+                    offset += n
+        for rid in scheduler_output.finished_req_ids:
+            if rid in self.rows:
+                self.finished[rid] = None
+        while len(self.finished) > MAX_UNTAKEN_ROUTES:
+            rid, _ = self.finished.popitem(last=False)
+            self.rows.pop(rid, None)
+            self.length.pop(rid, None)
+            self.dropped += 1
+
+    def _put(self, rid: str, at: int, rows) -> None:
+        import numpy as np
+
+        have = self.rows.get(rid)
+        end = at + rows.shape[0]
+        if have is None or have.shape[0] < end:
+            grown = np.zeros((max(end, 2 * (0 if have is None else have.shape[0])), self.layers, self.top_k),
+                             dtype=self._np_dtype)
+            if have is not None:
+                grown[: have.shape[0]] = have
+            self.rows[rid] = have = grown
+        have[at:end] = rows
+        # A preempted request is recomputed from 0: its length is where the newest rows end.
+        self.length[rid] = end
+
+    def take(self, request_id: str, n: int, start: int) -> list[dict | None]:
+        """Completion i of `n` of the external request `request_id`: its rows from position `start` to its
+        last computed token, as {"data": bytes, "shape", "dtype", "start"} (None: none captured)."""
+        found: dict[int, str] = {}
+        for rid in list(self.rows):
+            m = _ENGINE_ID.fullmatch(rid)
+            if m and m.group(2) == request_id:
+                found[int(m.group(1) or 0)] = rid
+        out: list[dict | None] = []
+        for i in range(n):
+            rid = found.get(i)
+            rows = self.rows.pop(rid, None) if rid is not None else None
+            length = self.length.pop(rid, 0) if rid is not None else 0
+            self.finished.pop(rid, None)
+            if rows is None or start >= length:
+                out.append(None)
+                continue
+            part = rows[start:length]
+            out.append({"data": part.tobytes(), "shape": list(part.shape), "dtype": self.dtype, "start": start})
+        return out

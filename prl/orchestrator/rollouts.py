@@ -43,6 +43,9 @@ class Branch:
     logprobs: list[float]
     images: list[bytes] = field(default_factory=list)
     """The pictures of its prompt (encoded), in placeholder order: the trainer re-runs the image processor."""
+    routes: Any = None
+    """[len(token_ids), layers, top_k] experts the server routed each token to (numpy; router replay), as
+    verifiers joins them from its turns (`Branch.routed_experts`); None when a turn returned none."""
 
 
 def pictures_of(messages: Sequence[Any]) -> list[bytes]:
@@ -87,7 +90,8 @@ def branch_of(b: Any) -> Branch:
     """A trainable verifiers Branch with token ids as a training branch (ValueError: a picture is not data)."""
     mask = [int(m) for m in b.sampled_mask]
     mask[0] = 0  # nothing predicts a sample's first token
-    return Branch(list(b.token_ids), mask, list(b.logprobs), pictures_of(b.messages))
+    return Branch(list(b.token_ids), mask, list(b.logprobs), pictures_of(b.messages),
+                  getattr(b, "routed_experts", None))
 
 
 def rollout_from_episode(episode: Any, version: int, *, need_tokens: bool = True) -> Rollout:
@@ -339,5 +343,6 @@ def build_samples(
                     b.token_ids, b.mask, r.reward, r.completion_tokens, r.truncated, r.metrics, max_tokens),
                     a, cfg.shaping)
                 out.samples.append(Sample(b.token_ids, b.mask, b.logprobs, shaped, policy_version=r.version,
-                                          policy_version_end=r.version_end, images=b.images))
+                                          policy_version_end=r.version_end, images=b.images,
+                                          routed_experts=b.routes))
     return out

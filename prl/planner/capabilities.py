@@ -216,6 +216,28 @@ def quantization_refusals(model_config: ModelConfig | None, gpus: bool, fp8_gpus
             ] if why else []
 
 
+def replay_refusals(model_config: ModelConfig | None, *, disaggregated: bool, kv_offload: bool, compile: bool,
+                    prefix_cache: bool) -> list[tuple[Field, str]]:
+    """`training.router_replay` (prl/trainer/replay.py, prl/inference/worker.py `RouteCapture`): an MoE text model
+    whose every token goes through one server's model (so no prefill/decode split, KV offload or prefix cache),
+    trained without torch.compile (replay swaps the routers' top-k while a block runs, which compile would trace
+    away)."""
+    text = model_config.text if model_config is not None else None
+    moe = model_config is None or model_config.architecture in KNOWN_MOE_ARCHITECTURES or any(
+        isinstance(getattr(text, k), int) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    vlm = model_config is not None and model_config.vision_config is not None
+    reasons = [(vlm, "vision-language models were not tested with it"),
+               (not moe, f"{model_config.architecture if model_config else ''} is not a mixture-of-experts model"),
+               (disaggregated, "prefill/decode servers split a request's tokens between two servers, and each would "
+                               "return only its own part of the routes"),
+               (kv_offload, "KV offload loads prompt tokens that never go through the model (no routes)"),
+               (prefix_cache, "the servers run without a prefix cache (a cached prompt token never goes through the "
+                              "model, so its routes are never seen): drop --enable-prefix-caching from extra_args"),
+               (compile, "trainer.compile would trace the replayed top-k away")]
+    why = next((text for applies, text in reasons if applies), None)
+    return [(("training", "router_replay"), f"training.router_replay: {why}; set router_replay: false")] if why else []
+
+
 VLLM_NO_RELOAD_ARCHITECTURES: dict[str, str] = {
     "GptOssForCausalLM": "its attention sinks and experts' biases",
 }

@@ -34,8 +34,8 @@ from prl.config.loader import Source
 from prl.config.topology import InferenceGroup, Lora, Scorer, Topology, Training
 from prl.errors import PlanError
 from prl.planner.capabilities import (ModelConfig, compile_refusals, lora_refusals, precision_refusals,
-                                     quantization_refusals, served_lora_rank, trainer_refusals, update_warnings,
-                                     vision_refusals)
+                                     quantization_refusals, replay_refusals, served_lora_rank, trainer_refusals,
+                                     update_warnings, vision_refusals)
 from prl.planner.settings import RunSettings
 from prl.run.rundir import RunDir
 from prl.planner.model import (
@@ -249,6 +249,8 @@ def served_model(topo: Topology, role: str) -> list[str]:
         assert topo.inference is not None
         if topo.inference.quantization is not None:
             args += ["--quantization", topo.inference.quantization]
+        if topo.training.router_replay:
+            args += ["--routed-experts", "--no-enable-prefix-caching"]
         tokenizer = m.tokenizer
     else:
         args = ["--model", scorer.path or m.path, "--served-model-name", role, "--dtype", scorer.dtype,
@@ -540,6 +542,13 @@ def check_serving(check: Checker, topo: Topology, model_config: Optional[ModelCo
     check.warnings.extend(update_warnings(model_config))
     node = check.cluster.gpu_node
     refusals = quantization_refusals(model_config, bool(node.gpus), node.fp8) if topo.inference.quantization else []
+    if topo.training.router_replay:
+        inf = topo.inference
+        refusals += replay_refusals(
+            model_config, disaggregated=inf.disaggregated, kv_offload=inf.kv_offload.backend != "none",
+            compile=topo.trainer.compile,
+            prefix_cache=any(a.partition("=")[0] == "--enable-prefix-caching"
+                             for g in inf.groups().values() for a in g.extra_args))
     if refusals:
         raise check.fail(*refusals[0])
 
@@ -557,6 +566,10 @@ def check_single_allocation(check: Checker, layout: Layout) -> None:
 
 def check_training(check: Checker, topo: Topology, mesh: Mesh) -> None:
     t = topo.training
+    if topo.sft is not None and t.router_replay:
+        raise check.fail(("training", "router_replay"), (
+            "router_replay replays the routes inference servers chose for rollouts, and an SFT job (sft:) has no "
+            "rollouts; set router_replay: false"))
     if topo.sft is not None:
         if t.batch_size < mesh.dp:
             raise check.fail(("training", "batch_size"), (

@@ -26,6 +26,11 @@ tokens of all samples together, S the number of samples:
     image_offsets       int64   [I+1]  picture j is images[off[j]:off[j+1]]
     sample_images       int64   [S+1]  sample i's pictures are [si[i], si[i+1]), in prompt order (the order of
                                        their placeholders in its token ids)
+    routed_experts      uint8   [T,L,K] (router replay) the experts the inference server's MoE layer l routed
+                                       token t to (its top-k ids; uint16 for models of over 256 experts);
+                                       rows of dense layers are unused
+    routed_mask         uint8   [T]    1 where routed_experts holds the server's routes, 0 where the trainer
+                                       routes the token itself (a sample whose server returned none)
 
 and string metadata: `format` ("prl.rollouts/1"), `step`, `packing`, the
 JSON of the split into per-rank micro-batches (below) for the `dp_size` and
@@ -47,6 +52,10 @@ different number of ranks) repacks with the same deterministic function.
 Pictures travel as the bytes the server decoded, not as pixel tensors: a 56x56 PNG is a few hundred bytes
 where its processed pixels are 37 KB in fp32; the trainer re-runs the model's own image processor on them
 (prl/trainer/vision.py), as vLLM did. A sample's pictures may hold at most MAX_SAMPLE_IMAGE_BYTES.
+
+Routes (router replay, `training.router_replay`) are L x K bytes per token (a 48-layer top-8 model: 384 B,
+next to the 17 B of the other per-token arrays); they cover every token of a sample whose rollout returned
+them, the last one a copy of the one before (no forward pass of the server follows it; verifiers pads so).
 
 numpy and safetensors are imported lazily; this module imports without them.
 """
@@ -78,6 +87,8 @@ _DTYPES = {
 }
 TOKEN_FIELDS = tuple(_DTYPES)
 IMAGE_FIELDS = ("images", "image_offsets", "sample_images")
+ROUTE_FIELDS = ("routed_experts", "routed_mask")
+ROUTE_DTYPES = ("uint8", "uint16")
 MAX_SAMPLE_IMAGE_BYTES = 64 * 2**20
 """A sample's pictures, encoded, at most (the most a server takes in one request's pictures)."""
 SCORE_FIELDS = {"teacher": "teacher_logprobs", "reference": "reference_logprobs"}
@@ -110,6 +121,8 @@ class Sample:
     """Scoring role (`teacher`, `reference`) -> its logprob of each token (0 where loss_mask is 0)."""
     images: Sequence[bytes] = ()
     """The prompt's pictures as encoded files (PNG, JPEG, ...), in the order of their placeholders."""
+    routed_experts: np.ndarray | None = None
+    """[len(token_ids), layers, top_k] expert ids the server routed each token to (None: it returned none)."""
 
 
 def pack(lengths: Sequence[int], dp_size: int, micro_batch_tokens: int) -> list[list[list[int]]]:
@@ -155,6 +168,9 @@ class MicroBatch:
     reference_logprobs: np.ndarray | None = None
     images: list[bytes] = field(default_factory=list)
     """The row's pictures (encoded), in row order: sample by sample, each in its prompt order."""
+    routed_experts: np.ndarray | None = None
+    """[num_tokens, layers, top_k] server routes (router replay), with `routed_mask`; None without."""
+    routed_mask: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -205,7 +221,7 @@ class RolloutBatch:
                 out.append(None)
                 continue
             spans = [slice(int(self.offsets[i]), int(self.offsets[i + 1])) for i in ids]
-            fields = TOKEN_FIELDS + tuple(k for k in SCORE_FIELDS.values() if k in self.arrays)
+            fields = TOKEN_FIELDS + tuple(k for k in (*SCORE_FIELDS.values(), *ROUTE_FIELDS) if k in self.arrays)
             cat = {k: np.concatenate([self.arrays[k][s] for s in spans]) for k in fields}
             out.append(MicroBatch(sample_ids=list(ids), **cat, images=[p for i in ids for p in self.images_of(i)]))
         return out
@@ -250,6 +266,7 @@ def to_arrays(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
         ends.append(int(s.policy_version if s.policy_version_end is None else s.policy_version_end))
     arrays = {k: np.asarray(v, dtype=_DTYPES.get(k, "float32")) for k, v in cols.items()}
     arrays |= image_arrays(samples)
+    arrays |= route_arrays(samples)
     arrays["sample_offsets"] = np.asarray(offsets, dtype="int64")
     arrays["policy_version"] = np.asarray(versions, dtype="int32")
     arrays["policy_version_end"] = np.asarray(ends, dtype="int32")
@@ -290,6 +307,44 @@ def image_arrays(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
     sizes = np.asarray([0] + [len(p) for p in pictures], dtype="int64")
     return {"images": np.frombuffer(b"".join(pictures), dtype="uint8").copy(),
             "image_offsets": np.cumsum(sizes), "sample_images": np.asarray(per_sample, dtype="int64")}
+
+
+def route_arrays(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
+    """The routes' arrays ({} when no sample has routes): every sample's, zeros under mask 0 for one without."""
+    import numpy as np
+
+    have = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if not have:
+        return {}
+    shape, dtype = have[0].shape[1:], have[0].dtype
+    rows, mask = [], []
+    for i, s in enumerate(samples):
+        n, r = len(s.token_ids), s.routed_experts
+        if r is None:
+            rows.append(np.zeros((n, *shape), dtype=dtype))
+            mask.append(np.zeros(n, dtype="uint8"))
+            continue
+        if r.shape != (n, *shape) or r.dtype != dtype:
+            raise BatchError(f"sample {i}: routed_experts {r.dtype}{list(r.shape)}, expected {dtype}{[n, *shape]} "
+                             f"(one row per token, the layers and top-k of sample 0's)")
+        rows.append(r)
+        mask.append(np.ones(n, dtype="uint8"))
+    return {"routed_experts": np.concatenate(rows), "routed_mask": np.concatenate(mask)}
+
+
+def validate_routes(arrays: dict[str, np.ndarray], total: int) -> None:
+    """Raise BatchError unless the routes' arrays (both or none) hold one [layers, top_k] row and a mask per token."""
+    present = [k for k in ROUTE_FIELDS if k in arrays]
+    if not present:
+        return
+    if len(present) != len(ROUTE_FIELDS):
+        raise BatchError(f"rollout batch has {present[0]} without {ROUTE_FIELDS[1 - ROUTE_FIELDS.index(present[0])]}")
+    routes, mask = arrays["routed_experts"], arrays["routed_mask"]
+    if routes.ndim != 3 or routes.shape[0] != total or str(routes.dtype) not in ROUTE_DTYPES:
+        raise BatchError(f"routed_experts is {routes.dtype}{list(routes.shape)}, expected uint8 or uint16 "
+                         f"[{total} tokens, layers, top_k]")
+    if mask.shape != (total,) or str(mask.dtype) != "uint8":
+        raise BatchError(f"routed_mask is {mask.dtype}{list(mask.shape)}, expected uint8 [{total}]")
 
 
 def validate_images(arrays: dict[str, np.ndarray], samples: int) -> None:
@@ -336,6 +391,7 @@ def validate(arrays: dict[str, np.ndarray]) -> None:
     if np.any(arrays["input_ids"] < 0) or np.any(arrays["position_ids"] < 0):
         raise BatchError("input_ids and position_ids must be >= 0")
     validate_images(arrays, off.size - 1)
+    validate_routes(arrays, total)
 
 
 def write_batch(

@@ -82,6 +82,7 @@ from prl.trainer.logprobs import logprob_head, supports_chunked_head
 from prl.trainer.lora import adapter_parameters, attach, publish_adapter
 from prl.trainer.loss import merge_stats, token_logprobs_and_entropy
 from prl.trainer.parallel import Dist, all_reduce_stats, apply_fsdp, clip_grad_norm, init_distributed
+from prl.trainer.replay import set_routes
 from prl.trainer.vision import PIXEL_PREFIXES, Pictures
 from prl.trainer.weights import publish_to_feed, publish_weights
 
@@ -253,6 +254,7 @@ def load_model(cfg: TrainerConfig, d: Dist, transform: Callable[[torch.nn.Module
     from prl.trainer.context_parallel import install_ulysses
     from prl.trainer.loading import build_meta_model, load_model as load_shards_into
     from prl.trainer.moe import install_expert_parallel
+    from prl.trainer.replay import install as install_router_replay
     from prl.trainer.vision import freeze_encoder, install as install_pictures
 
     model = build_meta_model(cfg.model_path)
@@ -260,6 +262,8 @@ def load_model(cfg: TrainerConfig, d: Dist, transform: Callable[[torch.nn.Module
     install_pictures(model)
     if d.ep > 1:
         install_expert_parallel(model, d.ep, d.ep_rank, d.ep_group)
+    if cfg.training.router_replay:
+        install_router_replay(model)
     if d.cp > 1:
         install_ulysses(model, d.cp, d.cp_group)
     else:
@@ -299,10 +303,14 @@ def prepare(mb: MicroBatch | None, d: Dist, labels: tuple[str, ...] = LABELS) ->
         "targets": shifted(tensors["input_ids"]).long(),
         **{k: shifted(tensors[k]).float() for k in labels},
     }
+    if mb is not None and mb.routed_experts is not None:
+        # Input side, not shifted: position p is routed as the server routed token p.
+        x["routed_experts"] = torch.from_numpy(np.asarray(mb.routed_experts).astype(np.int64))
+        x["routed_mask"] = torch.from_numpy(np.asarray(mb.routed_mask).astype(bool))
     pad = (-n) % d.cp
     if pad:
         for k, v in x.items():
-            x[k] = torch.cat([v, torch.arange(pad) if k == "position_ids" else v.new_zeros(pad)])
+            x[k] = torch.cat([v, torch.arange(pad) if k == "position_ids" else v.new_zeros((pad, *v.shape[1:]))])
     x["full_position_ids"] = x["position_ids"]
     if d.cp > 1:
         from prl.trainer.context_parallel import split_for_cp
@@ -336,8 +344,10 @@ def forward(model, x: dict[str, torch.Tensor], aux_coef: float):
     """The model on one prepared micro-batch; with the router's logits when its aux loss is on.
 
     The packed row's sample boundaries (of the full row: with cp, every rank's attention sees all of it after
-    the all-to-all) go to attention as transformers' packed-sequence kwargs (prl/trainer/attention.py).
+    the all-to-all) go to attention as transformers' packed-sequence kwargs (prl/trainer/attention.py). With
+    router replay the row's server routes are set first (prl/trainer/replay.py; none: the routers' own).
     """
+    set_routes(model, x.get("routed_experts"), x.get("routed_mask"))
     return model(
         input_ids=x["input_ids"][None],
         position_ids=x["position_ids"][None],
@@ -387,6 +397,7 @@ def accumulate_step(model, optim, micro_batches: list[MicroBatch | None], spec: 
         # Gradients are summed over ranks (divide factor 1): each loss is already its share of the mean.
         loss.backward()
         parts.append(stats | {"tokens": float(x["real"].sum())})
+    set_routes(model, None, None)  # no later forward (a check, an eval) replays this step's last routes
     max_norm = cfg.training.max_grad_norm if cfg.training.max_grad_norm > 0 else float("inf")
     grad_norm = clip_grad_norm(model, max_norm, d)
     optim.step()

@@ -114,6 +114,8 @@ class RLSpec(Spec):
                                       sample_ids=inputs.sample_ids, teacher_logprobs=inputs.teacher_logprobs,
                                       reference_logprobs=inputs.reference_logprobs)
         stats |= mismatch_stats(logp, x["inference_logprobs"], x["loss_mask"])
+        if self.cfg.training.router_replay:  # on every rank and pass alike: the stats' keys must match
+            stats["replayed_tokens"] = float((x["routed_mask"] & x["real"]).sum()) if "routed_mask" in x else 0.0
         return add_router_aux(loss, stats, out, coef, aux_weight), stats
 
     def summarize(self, s: dict[str, float], grad_norm: float) -> dict:
@@ -133,6 +135,8 @@ class RLSpec(Spec):
             "mismatch_ratio_max": s.get("mismatch_ratio_max") if has else None,
             "mismatch_kl": s.get("mismatch_kl_sum", 0.0) / n if has else None,
             **({"router_aux_loss": s["router_aux_loss_sum"]} if "router_aux_loss_sum" in s else {}),
+            **({"replayed_fraction": s.get("replayed_tokens", 0.0) / max(s.get("tokens", 0.0), 1.0)}
+               if self.cfg.training.router_replay else {}),
             "masked_fraction": s.get("masked_tokens", 0.0) / n,
             "grad_norm": float(grad_norm),
             "tokens": int(s.get("tokens", 0)),
