@@ -325,3 +325,37 @@ def test_router_replay_renders_route_capture_and_is_refused_where_routes_would_b
         assert out.returncode != 0 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
         assert "(training.router_replay)" in out.stderr and why in out.stderr, out.stderr
         assert not (tmp_path / "refused").exists()
+
+
+FAMILY_TOPOLOGIES = {
+    "moe-30b-pd": {"architectures": ["Qwen3MoeForCausalLM"], "num_attention_heads": 32, "num_key_value_heads": 4,
+                   "num_experts": 128},
+    "moe-1t": {"architectures": ["DeepseekV3ForCausalLM"], "num_attention_heads": 64, "num_key_value_heads": 64,
+               "n_routed_experts": 384},
+    "glm45-air": {"architectures": ["Glm4MoeForCausalLM"], "num_attention_heads": 96, "num_key_value_heads": 8,
+                  "n_routed_experts": 128},
+    "mixtral-8x7b": {"architectures": ["MixtralForCausalLM"], "num_attention_heads": 32, "num_key_value_heads": 8,
+                     "num_local_experts": 8},
+    "gpt-oss-20b-sft": {"architectures": ["GptOssForCausalLM"], "num_attention_heads": 64, "num_key_value_heads": 8,
+                        "num_local_experts": 32, "sliding_window": 128,
+                        "layer_types": ["sliding_attention", "full_attention"] * 12},
+}
+"""The shipped topology of each MoE family with expert parallelism, and the settings of its checkpoint's config.json
+the planner reads (heads, expert count, layer kinds: as the hub's files have them)."""
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_TOPOLOGIES))
+def test_each_moe_family_has_a_shipped_topology_that_plans_against_its_checkpoint_shape(tmp_path, env, name):
+    """Qwen3-MoE (moe-30b-pd), DeepSeek-V3 (moe-1t, Kimi-K2's architecture), GLM-4.5 and Mixtral (with router
+    replay) and GPT-OSS (SFT: vLLM 0.32 cannot reload it for RL) plan with their expert and context parallelism
+    checked against their checkpoint's shape."""
+    from tests.helpers import prl_cli
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(FAMILY_TOPOLOGIES[name]))
+    prl_cli(env, "plan", f"configs/{name}.yaml", f"model.path={model}", f"run_dir={tmp_path / 'run'}")
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["trainer"]["mesh"]["ep"] > 1
+    if plan["settings_json"]["training"]["router_replay"]:
+        assert all("--routed-experts" in s["args"] for s in plan["servers"])

