@@ -315,7 +315,8 @@ def test_router_replay_renders_route_capture_and_is_refused_where_routes_would_b
     dense = tmp_path / "dense"
     dense.mkdir()
     (dense / "config.json").write_text(json.dumps(LLAMA))
-    for args, why in [(("configs/local-moe.yaml", f"model.path={dense}", "trainer.ep=1"), "is not a mixture-of-experts model"),
+    for args, why in [(("configs/local-moe.yaml", f"model.path={dense}", "trainer.ep=1"),
+                       "is not a mixture-of-experts model"),
                       (("configs/moe-30b-pd.yaml",), "prefill/decode servers split"),
                       (("configs/local-moe.yaml", "inference.extra_args=[--enforce-eager,--enable-prefix-caching]"),
                        "drop --enable-prefix-caching"),

@@ -273,7 +273,8 @@ def test_route_capture_files_each_step_under_its_requests():
     rows = np.frombuffer(got["data"], dtype=got["dtype"]).reshape(got["shape"])
     assert rows[:, 0, 0].tolist() == [0, 1, 2, 1, 0] and rows[:, 1, 0].tolist() == [1, 2, 3, 2, 1]
     first, second = cap.take("prl-gen-b", 2, 1)
-    assert first["start"] == 1 and np.frombuffer(first["data"], dtype="uint8").reshape(2, 2, 1)[:, 0, 0].tolist() == [4, 0]
+    assert first["start"] == 1
+    assert np.frombuffer(first["data"], dtype="uint8").reshape(2, 2, 1)[:, 0, 0].tolist() == [4, 0]
     assert np.frombuffer(second["data"], dtype="uint8").reshape(2, 2, 1)[:, 0, 0].tolist() == [6, 2]
     assert cap.take("prl-gen-b", 1, 0) == [None] and not cap.rows  # taken once, then forgotten
 
