@@ -406,3 +406,72 @@ def test_a_published_vlm_step_vision_tower_included_serves_what_transformers_com
     finally:
         publish_vlm(run, step + 1, vlm_dir, scale=0.0)
         vlm_server.post("/prl/weights", {"step": step + 1})
+
+
+def adapted_vlm(model_dir: Path, seed: int = 0):
+    """The tiny VLM in fp32 with a rank-8 adapter on every attention and MLP projection of its language model
+    (prl/trainer/lora.py `attach`), A and B random so that it moves the logprobs; (model, adapted names)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from prl.config.topology import Lora
+    from prl.trainer.lora import attach
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    names = attach(model, Lora(rank=8, alpha=16), seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith((".lora_A", ".lora_B")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model, names
+
+
+def test_lora_on_a_vlm_adapts_its_language_model_only(vlm_dir):
+    """Adapters go on the language model's projections, none on the vision tower or connector (vLLM applies an
+    adapter to the language model alone), and with model.lora the image encoder cannot be trained."""
+    from prl.planner.capabilities import vision_refusals
+    from prl.trainer.vision import language_model
+
+    model, names = adapted_vlm(vlm_dir)
+    text = {n for n, _ in language_model(model).named_modules()}
+    prefix = next(n for n, m in model.named_modules() if m is language_model(model))
+    assert names and all(n.removeprefix(prefix + ".") in text for n in names), names
+    assert not any("vision" in n or "connector" in n for n in names)
+    [(field, msg)] = vision_refusals(None, 1, train_vision=True, lora=True)
+    assert field == ("model", "train_vision") and "the image encoder stays frozen" in msg
+
+
+@pytest.mark.vllm
+def test_a_vlm_adapter_the_trainer_publishes_is_served_as_the_trainer_computes(vlm_dir, tmp_path):
+    """The adapted tiny VLM's adapter, published as the trainer publishes it (PEFT's layout), hot-loaded by a
+    vLLM server with --enable-lora through /prl/weights: the served logprobs of a chat with a picture equal the
+    adapted model's (and differ from the base model's)."""
+    import torch
+
+    from prl.config.topology import Lora
+    from prl.run.rundir import RunDir
+    from prl.trainer.lora import publish_adapter
+
+    model, _ = adapted_vlm(vlm_dir)
+    run = RunDir(tmp_path / "run").create()
+    publish_adapter(run, 1, model, Lora(rank=8, alpha=16), str(vlm_dir), torch.float32, is_main=True)
+    image, question = shapes_image("red"), "How many shapes are in the picture?"
+    inputs = processed(vlm_dir, chat(question), image)
+    lora = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-cpu-loras", "2"]
+    with start_inference(run.root, vlm_dir, extra_args=lora) as server:
+        assert server.post("/prl/weights", {"step": 1})["step"] == 1
+        choice = server.post("/v1/chat/completions", {
+            "model": str(vlm_dir), "max_tokens": 6, "temperature": 1.0, "seed": 3, "ignore_eos": True,
+            "logprobs": True, "return_token_ids": True, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(image)}}, {"type": "text", "text": question}]}],
+        })["choices"][0]
+    tokens, served = choice["token_ids"], [e["logprob"] for e in choice["logprobs"]["content"]]
+    ids = torch.cat([inputs["input_ids"], torch.tensor([tokens])], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, **{k: v for k, v in inputs.items() if k.startswith("pixel_")}).logits[0]
+    n = inputs["input_ids"].shape[1]
+    trained = [float(lp) for lp in logits.float().log_softmax(-1)[n - 1:-1].gather(-1, torch.tensor(tokens)[:, None])]
+    assert max(abs(a - b) for a, b in zip(served, trained)) < LOGPROB_TOL, (served, trained)
+    base = hf_logprobs(vlm_dir, inputs, tokens)
+    assert max(abs(a - b) for a, b in zip(served, base)) > 20 * LOGPROB_TOL, "the adapter changed nothing"

@@ -153,9 +153,15 @@ def trainer_refusals(
     return out
 
 
-def vision_refusals(model_config: ModelConfig | None, cp: int, train_vision: bool) -> list[tuple[Field, str]]:
+def vision_refusals(model_config: ModelConfig | None, cp: int, train_vision: bool,
+                    lora: bool = False) -> list[tuple[Field, str]]:
     """A vision-language model trains with cp 1 (prl/trainer/vision.py: a cp rank would hold part of a row's
-    image tokens); `model.train_vision` needs one."""
+    image tokens); `model.train_vision` needs one, and no `model.lora` (whose adapters go on the language model
+    alone, as vLLM applies them, with every other weight frozen)."""
+    if train_vision and lora:
+        return [(("model", "train_vision"), "model.train_vision: with model.lora only the adapters train, and they "
+                                            "go on the language model (vLLM serves adapters there); the image "
+                                            "encoder stays frozen: remove train_vision")]
     if model_config is None:
         return []
     if model_config.vision_config is None:

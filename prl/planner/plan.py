@@ -523,7 +523,7 @@ def check_trainer_can_run(check: Checker, topo: Topology, model_config: Optional
     refusals = trainer_refusals(model_config, mesh.dp_replicate, mesh.dp_shard, mesh.cp, mesh.ep)
     if topo.model.lora is not None:
         refusals += lora_refusals(model_config, topo.model.lora.rank, topo.model.lora.target_modules)
-    refusals += vision_refusals(model_config, mesh.cp, topo.model.train_vision)
+    refusals += vision_refusals(model_config, mesh.cp, topo.model.train_vision, topo.model.lora is not None)
     gpus, fp8_gpus = bool(check.cluster.gpu_node.gpus), check.cluster.gpu_node.fp8
     if topo.trainer.compile:
         refusals += compile_refusals(model_config, gpus, mesh.cp, mesh.ep, topo.model.lora is not None)

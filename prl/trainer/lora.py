@@ -62,12 +62,18 @@ def _init(seed: int):
 
 
 def attach(model: nn.Module, lora: Lora, seed: int) -> list[str]:
-    """Add an adapter to every target linear layer of the (meta-device) model and freeze the rest; returns the
-    adapted modules' names. ConfigError when no layer matches `target_modules`."""
+    """Add an adapter to every target linear layer of the (meta-device) model's language model (a text model's
+    every layer) and freeze the rest; returns the adapted modules' names. ConfigError when no layer matches
+    `target_modules`."""
+    from prl.trainer.vision import language_model
+
     targets = set(lora.target_modules)
+    # A vision-language model's adapters go on its language model alone: what vLLM applies them to (its LoRA
+    # manager wraps the tower and connector only with --enable-tower-connector-lora).
+    text = {id(m) for m in language_model(model).modules()}
     adapted = []
     for name, m in model.named_modules():
-        if type(m) is nn.Linear and name.rpartition(".")[2] in targets:
+        if id(m) in text and type(m) is nn.Linear and name.rpartition(".")[2] in targets:
             device = m.weight.device
             m.lora_A = nn.Parameter(torch.empty(lora.rank, m.in_features, device=device))
             m.lora_B = nn.Parameter(torch.empty(m.out_features, lora.rank, device=device))
@@ -78,7 +84,8 @@ def attach(model: nn.Module, lora: Lora, seed: int) -> list[str]:
     found = {n.rpartition(".")[2] for n in adapted}
     missing = sorted(targets - found)
     if missing:
-        have = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if type(m) is nn.Linear})
+        have = sorted({n.rpartition(".")[2] for n, m in model.named_modules()
+                       if id(m) in text and type(m) is nn.Linear})
         raise ConfigError(f"model.lora.target_modules: {type(model).__name__} has no linear layer named "
                           f"{', '.join(missing)}; its linear layers are {', '.join(have)}")
     for name, p in model.named_parameters():
