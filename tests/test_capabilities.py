@@ -292,7 +292,7 @@ def msgspec_convert(config: dict) -> ModelConfig:
 def test_router_replay_renders_route_capture_and_is_refused_where_routes_would_be_partial(tmp_path, env):
     """`training.router_replay` puts `--routed-experts --no-enable-prefix-caching` on the policy servers; refused
     at its field, one line, nothing written: a dense model, prefill/decode servers, KV offload, a prefix cache
-    asked for in extra_args, trainer.compile, a vision-language model, and an SFT job."""
+    asked for in extra_args, data-parallel servers, trainer.compile, a vision-language model, and an SFT job."""
     from prl.planner.capabilities import replay_refusals
     from tests.helpers import prl_cli
 
@@ -305,6 +305,7 @@ def test_router_replay_renders_route_capture_and_is_refused_where_routes_would_b
                                  (moe, {"disaggregated": True}, "prefill/decode servers"),
                                  (moe, {"kv_offload": True}, "KV offload"),
                                  (moe, {"prefix_cache": True}, "drop --enable-prefix-caching"),
+                                 (moe, {"data_parallel": True}, "inference dp > 1"),
                                  (moe, {"compile": True}, "trainer.compile")]:
         [(field, msg)] = replay_refusals(config, **(ok | changed))
         assert field == ("training", "router_replay") and why in msg and msg.endswith("set router_replay: false")
@@ -320,6 +321,7 @@ def test_router_replay_renders_route_capture_and_is_refused_where_routes_would_b
                       (("configs/moe-30b-pd.yaml",), "prefill/decode servers split"),
                       (("configs/local-moe.yaml", "inference.extra_args=[--enforce-eager,--enable-prefix-caching]"),
                        "drop --enable-prefix-caching"),
+                      (("configs/local-moe.yaml", "inference.dp=2"), "inference dp > 1"),
                       (("configs/sft-tiny.yaml",), "an SFT job (sft:) has no rollouts")]:
         out = prl_cli(env, "plan", *args, "training.router_replay=true", f"run_dir={tmp_path / 'refused'}",
                       check=False)

@@ -285,6 +285,16 @@ def test_route_capture_files_each_step_under_its_requests():
     (got,) = cap.take("prl-gen-c", 1, 0)
     assert got["shape"] == [2, 2, 1]
 
+    # A step whose routers saw fewer rows than it scheduled (a layout the capture does not know): its requests
+    # get no routes rather than wrong ones.
+    d = "prl-gen-d-abcdefgh"
+    runner.input_batch.req_ids = [d]
+    cap.capture(0, torch.zeros((2, 1), dtype=torch.long))
+    cap.after_step(NS(num_scheduled_tokens={d: 3}, total_num_scheduled_tokens=3,
+                      scheduled_new_reqs=[NS(req_id=d, num_computed_tokens=0)],
+                      scheduled_cached_reqs=NS(req_ids=[], num_computed_tokens=[]), finished_req_ids={d}))
+    assert cap.take("prl-gen-d", 1, 0) == [None] and not cap.broken
+
     bound, worker.MAX_UNTAKEN_ROUTES = worker.MAX_UNTAKEN_ROUTES, 2
     try:
         ids = [f"prl-gen-{i}-abcdefgh" for i in range(3)]

@@ -37,10 +37,10 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from prl.inference.checks import weight_files
 from prl.inference.server import FEED_BACKEND
 
-# vLLM imports this module by name in every worker before it loads the model (and creates the engine
-# named by --weight-transfer-config); a spawned worker does not inherit the parent's registry.
 log = logging.getLogger("prl.inference.worker")
 
+# vLLM imports this module by name in every worker before it loads the model (and creates the engine
+# named by --weight-transfer-config); a spawned worker does not inherit the parent's registry.
 if FEED_BACKEND not in WeightTransferEngineFactory._registry:
     WeightTransferEngineFactory.register_engine(FEED_BACKEND, "prl.inference.feed_engine", "FeedEngine")
 
@@ -231,6 +231,10 @@ class RouteCapture:
         """Engine request id -> how many positions of its rows are filled."""
         self.finished: OrderedDict[str, None] = OrderedDict()
         self.dropped = 0
+        self.broken: set[str] = set()
+        """Requests a step left without routes (its layout was not the one expected): `take` gives them none."""
+        self.seen: int | None = None
+        """The fewest rows a router handed `capture` in the step running (None: none yet)."""
 
     @classmethod
     def install(cls, model_runner, vllm_config) -> "RouteCapture":
@@ -241,12 +245,16 @@ class RouteCapture:
         if layers <= 0 or top_k <= 0 or experts <= 0:
             raise ValueError(f"routed experts: {mc.model} is not a mixture-of-experts model "
                              f"(layers {layers}, experts {experts}, top-k {top_k})")
+        if vllm_config.parallel_config.data_parallel_size > 1:
+            # Routers then see other DP ranks' tokens too (vLLM's own capturer untangles its dispatch layouts).
+            raise ValueError("routed experts: not with data parallelism (--data-parallel-size > 1)")
         capture = cls(model_runner, layers, top_k, experts, vllm_config.scheduler_config.max_num_batched_tokens,
                       model_runner.device)
         bind_routed_experts_capturer(model_runner.get_model(), capture)
         step = model_runner.execute_model
 
         def execute_model(scheduler_output, *args, **kwargs):
+            capture.seen = None  # a dummy run between steps (warm-up, profiling) does not count
             out = step(scheduler_output, *args, **kwargs)
             capture.after_step(scheduler_output)
             return out
@@ -256,7 +264,9 @@ class RouteCapture:
 
     def capture(self, layer_id: int, topk_ids) -> None:
         """vLLM's router callback: this step's top-k expert ids [tokens, k] of layer `layer_id`."""
-        self.buffer[: topk_ids.shape[0], layer_id] = topk_ids
+        n = topk_ids.shape[0]
+        self.buffer[:n, layer_id] = topk_ids
+        self.seen = n if self.seen is None else min(self.seen, n)
 
     def after_step(self, scheduler_output) -> None:
         """File the step's rows under their requests (the runner's row order), then retire finished requests."""
@@ -269,9 +279,10 @@ class RouteCapture:
             cached = scheduler_output.scheduled_cached_reqs
             start |= dict(zip(cached.req_ids, cached.num_computed_tokens))
             order = [r for r in self.model_runner.input_batch.req_ids if r in scheduled]
-            if sum(scheduled[r] for r in order) != total:
-                log.warning("routed experts: a step's %d rows do not match its requests %s; not captured",
-                            total, order)
+            if sum(scheduled[r] for r in order) != total or self.seen is None or self.seen < total:
+                log.warning("routed experts: a step's %d rows (routers saw %s) do not match its requests %s; "
+                            "they get no routes", total, self.seen, order)
+                self.broken.update(scheduled)
             else:
                 rows = self.buffer[:total].to("cpu").numpy().astype(self._np_dtype)
                 offset = 0
@@ -280,13 +291,17 @@ class RouteCapture:
                     if _ENGINE_ID.fullmatch(rid) and _ENGINE_ID.fullmatch(rid).group(2).startswith(ROUTED_PREFIX):
                         self._put(rid, int(start[rid]), rows[offset:offset + n])
                     offset += n
+        self.seen = None
         for rid in scheduler_output.finished_req_ids:
             if rid in self.rows:
                 self.finished[rid] = None
+            elif rid in self.broken:
+                self.broken.discard(rid)
         while len(self.finished) > MAX_UNTAKEN_ROUTES:
             rid, _ = self.finished.popitem(last=False)
             self.rows.pop(rid, None)
             self.length.pop(rid, None)
+            self.broken.discard(rid)
             self.dropped += 1
 
     def _put(self, rid: str, at: int, rows) -> None:
@@ -318,6 +333,9 @@ class RouteCapture:
             rows = self.rows.pop(rid, None) if rid is not None else None
             length = self.length.pop(rid, 0) if rid is not None else 0
             self.finished.pop(rid, None)
+            if rid in self.broken:
+                self.broken.discard(rid)
+                rows = None
             if rows is None or start >= length:
                 out.append(None)
                 continue

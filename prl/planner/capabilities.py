@@ -223,11 +223,11 @@ def quantization_refusals(model_config: ModelConfig | None, gpus: bool, fp8_gpus
 
 
 def replay_refusals(model_config: ModelConfig | None, *, disaggregated: bool, kv_offload: bool, compile: bool,
-                    prefix_cache: bool) -> list[tuple[Field, str]]:
+                    prefix_cache: bool, data_parallel: bool = False) -> list[tuple[Field, str]]:
     """`training.router_replay` (prl/trainer/replay.py, prl/inference/worker.py `RouteCapture`): an MoE text model
-    whose every token goes through one server's model (so no prefill/decode split, KV offload or prefix cache),
-    trained without torch.compile (replay swaps the routers' top-k while a block runs, which compile would trace
-    away)."""
+    whose every token goes through one server's model (so no prefill/decode split, KV offload or prefix cache)
+    without data parallelism inside a server (its routers see other ranks' tokens), trained without
+    torch.compile (replay swaps the routers' top-k while a block runs, which compile would trace away)."""
     text = model_config.text if model_config is not None else None
     moe = model_config is None or model_config.architecture in KNOWN_MOE_ARCHITECTURES or any(
         isinstance(getattr(text, k), int) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
@@ -239,6 +239,8 @@ def replay_refusals(model_config: ModelConfig | None, *, disaggregated: bool, kv
                (kv_offload, "KV offload loads prompt tokens that never go through the model (no routes)"),
                (prefix_cache, "the servers run without a prefix cache (a cached prompt token never goes through the "
                               "model, so its routes are never seen): drop --enable-prefix-caching from extra_args"),
+               (data_parallel, "a server's data-parallel ranks route each other's tokens (inference dp > 1): use "
+                               "more servers of dp 1"),
                (compile, "trainer.compile would trace the replayed top-k away")]
     why = next((text for applies, text in reasons if applies), None)
     return [(("training", "router_replay"), f"training.router_replay: {why}; set router_replay: false")] if why else []

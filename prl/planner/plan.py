@@ -546,7 +546,7 @@ def check_serving(check: Checker, topo: Topology, model_config: Optional[ModelCo
         inf = topo.inference
         refusals += replay_refusals(
             model_config, disaggregated=inf.disaggregated, kv_offload=inf.kv_offload.backend != "none",
-            compile=topo.trainer.compile,
+            compile=topo.trainer.compile, data_parallel=any(g.dp > 1 for g in inf.groups().values()),
             prefix_cache=any(a.partition("=")[0] == "--enable-prefix-caching"
                              for g in inf.groups().values() for a in g.extra_args))
     if refusals:
