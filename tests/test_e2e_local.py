@@ -60,7 +60,7 @@ def test_local_lora_run_learns_and_serves_each_adapter_as_trained(tmp_path, env)
     publishes the adapter alone, the server hot-loads it under the run's model name, rollouts carry the adapter
     version that made them, and where a step's rollouts all came from the trainer's current adapter the
     served logprobs equal the trainer's (the mismatch metrics). Then `prl export --merged` on the last step
-    gives a plain HF model that transformers loads. The model is `build_tiny: dense-lora`'s (8x embeddings: on
+    gives a plain HF model that transformers loads and vLLM serves with transformers' logprobs. The model is `build_tiny: dense-lora`'s (8x embeddings: on
     the default tiny model no adapter can move the output distribution, prl/trainer/tiny_model.py)."""
     from prl.trainer.tiny_model import LORA_EMBED_SCALE
 
@@ -88,6 +88,13 @@ def test_local_lora_run_learns_and_serves_each_adapter_as_trained(tmp_path, env)
     base = AutoModelForCausalLM.from_pretrained(model)
     changed = [n for n, p in merged.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])]
     assert changed and all(n.endswith("_proj.weight") for n in changed), changed
+    # ... and that vLLM serves as transformers computes it (issue 24: the merged export is a model of its own).
+    from prl.run.rundir import RunDir
+    from tests.test_inference import assert_serves, prompts_for
+    from tests.vllm_fixtures import start_inference
+
+    with start_inference(RunDir(tmp_path / "serve").create().root, out) as server:
+        assert_serves(server, out, prompts_for(out))
 
 
 def test_local_vlm_run_learns_prl_shapes_on_pictures_trainer_and_server_agree_on(tmp_path, env):
