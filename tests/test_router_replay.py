@@ -47,8 +47,9 @@ def _own_routes(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
     layers = model.config.get_text_config().num_hidden_layers
     seen: dict[int, torch.Tensor] = {}
     hooks = []
+    experts = expert_modules(model)
     for name, m in model.named_modules():
-        if m in expert_modules(model):
+        if m in experts:
             layer = int(name.split("layers.")[1].split(".")[0])
             hooks.append(m.register_forward_pre_hook(lambda mod, args, layer=layer: seen.__setitem__(layer, args[1])))
     with torch.no_grad():

@@ -24,6 +24,7 @@ head reads the shared parameter directly, so nothing extra is needed.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
@@ -201,6 +202,14 @@ _ENGINE_ID = re.compile(r"(?:(\d+)_)?(.*)-[0-9A-Za-z]{8}")
 i-th of `n` completions `i_<id>`."""
 
 
+@functools.lru_cache(maxsize=4096)
+def _owner(rid: str) -> tuple[str, int] | None:
+    """(the id the generate route gave, completion index) of an engine request id of prl's generate route; None
+    for any other request. Cached: every step asks it of every request it runs."""
+    m = _ENGINE_ID.fullmatch(rid)
+    return (m.group(2), int(m.group(1) or 0)) if m and m.group(2).startswith(ROUTED_PREFIX) else None
+
+
 class RouteCapture:
     """The experts each MoE layer routed every token of every generate request to, for router replay.
 
@@ -288,7 +297,7 @@ class RouteCapture:
                 offset = 0
                 for rid in order:
                     n = scheduled[rid]
-                    if _ENGINE_ID.fullmatch(rid) and _ENGINE_ID.fullmatch(rid).group(2).startswith(ROUTED_PREFIX):
+                    if _owner(rid) is not None:
                         self._put(rid, int(start[rid]), rows[offset:offset + n])
                     offset += n
         self.seen = None
@@ -322,11 +331,7 @@ class RouteCapture:
     def take(self, request_id: str, n: int, start: int) -> list[dict | None]:
         """Completion i of `n` of the external request `request_id`: its rows from position `start` to its
         last computed token, as {"data": bytes, "shape", "dtype", "start"} (None: none captured)."""
-        found: dict[int, str] = {}
-        for rid in list(self.rows):
-            m = _ENGINE_ID.fullmatch(rid)
-            if m and m.group(2) == request_id:
-                found[int(m.group(1) or 0)] = rid
+        found = {owner[1]: rid for rid in self.rows if (owner := _owner(rid)) is not None and owner[0] == request_id}
         out: list[dict | None] = []
         for i in range(n):
             rid = found.get(i)

@@ -335,10 +335,11 @@ def route_arrays(samples: Sequence[Sample]) -> dict[str, np.ndarray]:
 def validate_routes(arrays: dict[str, np.ndarray], total: int) -> None:
     """Raise BatchError unless the routes' arrays (both or none) hold one [layers, top_k] row and a mask per token."""
     present = [k for k in ROUTE_FIELDS if k in arrays]
+    missing = [k for k in ROUTE_FIELDS if k not in arrays]
     if not present:
         return
-    if len(present) != len(ROUTE_FIELDS):
-        raise BatchError(f"rollout batch has {present[0]} without {ROUTE_FIELDS[1 - ROUTE_FIELDS.index(present[0])]}")
+    if missing:
+        raise BatchError(f"rollout batch has {present[0]} without {missing[0]}")
     routes, mask = arrays["routed_experts"], arrays["routed_mask"]
     if routes.ndim != 3 or routes.shape[0] != total or str(routes.dtype) not in ROUTE_DTYPES:
         raise BatchError(f"routed_experts is {routes.dtype}{list(routes.shape)}, expected uint8 or uint16 "

@@ -71,7 +71,8 @@ def set_routes(model: nn.Module, routes: torch.Tensor | None, mask: torch.Tensor
     state = getattr(model, "_prl_replay", None)
     if state is not None:
         state.routes = None if routes is None else routes.long()
-        state.mask = None if mask is None else mask.bool()
+        # Every token replayed (the usual case): no mask, so the routers' own top-k is never computed.
+        state.mask = None if mask is None or bool(mask.all()) else mask.bool()
 
 
 def _replaying(forward, layer: int, num_experts: int, state: Replay):
