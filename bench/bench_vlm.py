@@ -10,6 +10,9 @@ single-process transformers loop over the same samples, with their own processed
 as one right-padded batch per step: transformers' cross-entropy on the reply (labels=), backward, AdamW.
 Prints each and the ratios trainer/plain.
 
+SFT: ms per conversation with pictures to tokenize and mask (`picture_spans`, one processor call) against
+running the processor on every rendered prefix (`picture_spans_exact`).
+
 Batch size: per sample, the bytes of `batch.safetensors` and the pictures' share of them, against what the
 pictures' processed pixels (`pixel_values` fp32, `pixel_attention_mask`) would take instead.
 """
@@ -133,6 +136,25 @@ def batch_sizes(run: RunDir, processor) -> dict[str, float]:
             "pixels": pixel_bytes / n, "tokens": batch.num_tokens / n}
 
 
+def sft_tokenize_ms(processor, turns: int, repeats: int = 20) -> tuple[float, float]:
+    """ms per SFT conversation (`turns` turns, a picture in each user turn) by `picture_spans` (one processor
+    call) and by `picture_spans_exact` (the processor on every rendered prefix)."""
+    from prl.trainer.sft_data import picture_spans, picture_spans_exact
+
+    messages = []
+    for t in range(turns):
+        messages += [{"role": "user", "content": [{"type": "image", "bytes": png(t)},
+                                                  {"type": "text", "text": "How many shapes?"}]},
+                     {"role": "assistant", "content": f"{t + 1}"}]
+    out = []
+    for spans in (picture_spans, picture_spans_exact):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            spans(processor, messages)
+        out.append((time.perf_counter() - t0) / repeats * 1e3)
+    return out[0], out[1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nproc", type=int, default=1)
@@ -159,6 +181,7 @@ def main() -> None:
         trainer = statistics.median(r["tokens_per_s"] for r in run.read_metrics("trainer")[1:])
         plain = plain_tokens_per_s(model_dir, processor, batches, one_by_one=True)
         pad = plain_tokens_per_s(model_dir, processor, batches, one_by_one=False)
+        sft = {turns: sft_tokenize_ms(processor, turns) for turns in (1, 3)}
     print(f"tiny VLM (text hidden {args.hidden}); {args.samples} samples/step, 1-2 pictures and {args.reply} reply "
           f"tokens each ({sizes['tokens']:.0f} tokens/sample); {args.nproc} trainer rank(s); median over steps "
           f"2..{args.steps}")
@@ -168,6 +191,9 @@ def main() -> None:
     print(f"ratio trainer/plain = {trainer / plain:.2f} (one by one), {trainer / pad:.2f} (padded batch)")
     print(f"batch bytes per sample: {sizes['file']:.0f} (pictures {sizes['pictures']:.0f}); the same pictures as "
           f"processed pixels: {sizes['pixels']:.0f}; ratio pictures/pixels = {sizes['pictures'] / sizes['pixels']:.3f}")
+    for turns, (once, every) in sft.items():
+        print(f"SFT tokenization, {turns} turn(s) with a picture each: {once:.2f} ms/conversation (one processor "
+              f"call) vs {every:.2f} (every prefix); ratio = {every / once:.1f}x")
 
 
 if __name__ == "__main__":

@@ -158,23 +158,29 @@ def test_capabilities_import_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_a_vision_language_model_trains_with_cp_1_and_train_vision_needs_one(tmp_path, env):
-    """`prl plan` refuses cp > 1 on a VLM (a cp rank would hold part of a row's image tokens) and
-    model.train_vision on a text model, each naming its field where it was set, with a one-line error and no traceback."""
+def test_cp_on_a_vision_language_model_needs_a_sliceable_family_and_train_vision_needs_one(tmp_path, env):
+    """`prl plan` refuses cp > 1 on a VLM whose pictures' features prl cannot split over cp ranks (Qwen-VL), not
+    on Idefics3, and model.train_vision on a text model, each naming its field where it was set, with a
+    one-line error and no traceback."""
     from prl.planner.capabilities import vision_refusals
     from tests.helpers import prl_cli
 
-    vlm = ModelConfig(architectures=["Idefics3ForConditionalGeneration"], vision_config={"hidden_size": 64})
+    vlm = ModelConfig(architectures=["Idefics3ForConditionalGeneration"], model_type="idefics3",
+                      vision_config={"hidden_size": 64})
     assert vision_refusals(vlm, 1, True) == [] and vision_refusals(None, 4, True) == []
-    [(field, msg)] = vision_refusals(vlm, 2, False)
+    assert vision_refusals(vlm, 2, True) == []
+    qwen = ModelConfig(architectures=["Qwen2VLForConditionalGeneration"], model_type="qwen2_vl",
+                       vision_config={"hidden_size": 64})
+    [(field, msg)] = vision_refusals(qwen, 2, False)
     assert field == ("trainer", "cp") and "vision-language model" in msg and "use cp: 1" in msg
+    assert "idefics3" in msg
     [(field, msg)] = vision_refusals(ModelConfig(architectures=["LlamaForCausalLM"]), 1, True)
     assert field == ("model", "train_vision") and "has no vision_config" in msg
 
     model = tmp_path / "vlm"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"architectures": ["Idefics3ForConditionalGeneration"],
-                                                   "model_type": "idefics3", "vision_config": {},
+    (model / "config.json").write_text(json.dumps({"architectures": ["Qwen2VLForConditionalGeneration"],
+                                                   "model_type": "qwen2_vl", "vision_config": {},
                                                    "text_config": {"num_attention_heads": 2,
                                                                    "num_key_value_heads": 1}}))
     out = prl_cli(env, "plan", "configs/local-vlm.yaml", f"model.path={model}", "trainer.cp=2",

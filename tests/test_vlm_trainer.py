@@ -139,24 +139,40 @@ def published(path) -> dict:
     return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
 
-def run_trainer(vlm, root, train_vision: bool):
+def run_trainer(vlm, root, train_vision: bool, cp: int = 1):
+    """The 2-rank trainer on STEPS steps of `make_samples`: 2 data-parallel ranks, or one row split over 2 cp ranks."""
     path = vlm[0]
     plan = make_plan(path, root, max_steps=STEPS, checkpoint_interval=STEPS, micro_batch_tokens=96,
-                     overrides=[f"model.train_vision={str(train_vision).lower()}"])
+                     overrides=[f"model.train_vision={str(train_vision).lower()}", f"trainer.cp={cp}"])
     run = write_plan(RunDir(root), plan)
     for step in range(1, STEPS + 1):
-        publish_batch(run, step, make_samples(step, vlm), dp_size=2, micro_batch_tokens=96)
+        publish_batch(run, step, make_samples(step, vlm), dp_size=2 // cp, micro_batch_tokens=96)
     first = read_batch(run.rollouts(1))  # the trainer removes what it consumed
     launch(run, 2, resume="none", timeout=300)
     return run, first
 
 
-@pytest.mark.slow  # two 2-rank trainer runs (~40 s each)
-@pytest.mark.parametrize("train_vision", [False, True], ids=["encoder-frozen", "encoder-trained"])
-def test_two_rank_vlm_training_matches_transformers_on_the_same_pictures(vlm, tmp_path, train_vision):
+def split_pictures(batch, image_token_id: int, cp: int) -> list[int]:
+    """Micro-batches of `batch` whose image tokens fall on both sides of a cp split (features split over ranks)."""
+    out = []
+    for i, mb in enumerate(batch.micro_batches(0, 1, 96)):
+        image = mb.input_ids == image_token_id
+        if 0 < image[:-(-mb.num_tokens // cp)].sum() < image.sum():
+            out.append(i)
+    return out
+
+
+@pytest.mark.slow  # three 2-rank trainer runs (~40 s each)
+@pytest.mark.parametrize("train_vision,cp", [(False, 1), (True, 1), (True, 2)],
+                         ids=["encoder-frozen", "encoder-trained", "encoder-trained-cp2"])
+def test_two_rank_vlm_training_matches_transformers_on_the_same_pictures(vlm, tmp_path, train_vision, cp):
+    """cp 2: each rank keeps the features of its half's image tokens, and the encoder's gradient is both halves'."""
     path = vlm[0]
-    run, batch = run_trainer(vlm, tmp_path / "run", train_vision)
-    assert batch.arrays["sample_images"].tolist() == [0, 1, 3, 4, 6, 6]  # the text-only sample has none
+    run, batch = run_trainer(vlm, tmp_path / "run", train_vision, cp)
+    if cp > 1:
+        assert split_pictures(batch, vlm[2].config.image_token_id, cp), "test data must split pictures over cp ranks"
+    else:
+        assert batch.arrays["sample_images"].tolist() == [0, 1, 3, 4, 6, 6]  # the text-only sample has none
     metrics = run.read_metrics("trainer")
     ref_losses, ref_model = reference(vlm, STEPS, train_vision)
     assert [m["loss"] for m in metrics] == pytest.approx(ref_losses, rel=1e-4, abs=1e-6)
@@ -281,6 +297,56 @@ def test_sft_conversations_with_pictures_tokenize_as_the_processor_does_and_trai
     launch(run, 1, resume="none", timeout=300)
     losses = [m["loss"] for m in run.read_metrics("trainer")]
     assert len(losses) == 6 and losses[-1] < 0.7 * losses[0], losses
+
+
+def sft_chat(turns: int, pictures: int = 1, adjacent: bool = False, late: bool = False, system: bool = False):
+    """A checked SFT conversation: `turns` user/assistant turns; the user's turns alternate pictures and text only
+    (`late`: the first has none), each picture followed by a caption unless `adjacent`."""
+    messages = [{"role": "system", "content": "You count shapes."}] if system else []
+    for t in range(turns):
+        parts = []
+        for j in range(pictures):
+            parts.append({"type": "image", "bytes": picture(COLOURS[(t + j) % len(COLOURS)], t + j)})
+            if not adjacent:
+                parts.append({"type": "text", "text": f"picture {j}."})
+        parts.append({"type": "text", "text": "how many shapes?"})
+        messages += [{"role": "user", "content": parts if (t % 2 == 0) != late else "and now?"},
+                     {"role": "assistant", "content": f"{t + 2} shapes"}]
+    return messages
+
+
+@pytest.mark.parametrize("chat", [dict(turns=1), dict(turns=3, system=True), dict(turns=2, pictures=2),
+                                  dict(turns=2, pictures=2, adjacent=True), dict(turns=3, late=True)],
+                         ids=["one-turn", "three-turns", "two-pictures", "adjacent-pictures", "picture-later"])
+def test_sft_picture_spans_run_the_processor_once_with_every_prefix_s_bounds(vlm, monkeypatch, chat):
+    """The ids and loss spans of a conversation with pictures are what running the processor on every rendered
+    prefix gives, from one processor call (the prefixes' text is tokenized and mapped into the expanded ids)."""
+    from prl.trainer import sft_data
+
+    processor = vlm[1]
+    messages = sft_chat(**chat)
+    exact = sft_data.picture_spans_exact(processor, messages)
+    calls = []
+    preprocess = processor.image_processor.preprocess
+    monkeypatch.setattr(sft_data, "picture_spans_exact", lambda *a: calls.append(a) or exact)
+    monkeypatch.setattr(processor.image_processor, "preprocess", lambda *a, **k: calls.append(k) or preprocess(*a, **k))
+    assert sft_data.picture_spans(processor, messages) == exact
+    assert len(calls) == 1, "one image-processor call, no fallback"
+    assert len(exact[1]) == chat["turns"]
+
+
+def test_expanded_positions_maps_text_tokens_around_each_picture_s_run_or_refuses():
+    """Placeholder 9 expands to runs; text tokens map into the expanded ids; an ambiguous or foreign expansion
+    gives None (the caller then runs the processor on every prefix)."""
+    from prl.trainer.sft_data import expanded_positions
+
+    plain = [1, 2, 9, 3, 4, 9, 9, 5]
+    whole = [1, 2, 7, 9, 9, 7, 3, 4, 7, 9, 7, 7, 9, 7, 5]
+    where = expanded_positions(plain, whole, 9)
+    assert where[:3] == [0, 1, 2] and where[3:6] == [6, 7, 8] and where[6] == -1 and where[7:] == [14, 15]
+    assert expanded_positions([1, 9, 3, 4, 9, 3, 4], [1, 9, 3, 4, 3, 4, 9, 3, 4], 9) is None  # "3 4" twice
+    assert expanded_positions([1, 9, 2], [5, 9, 9, 2], 9) is None  # the text before differs
+    assert expanded_positions([1, 2], [1, 2], 9) is None  # no picture
 
 
 @pytest.mark.parametrize("part, message", [

@@ -153,11 +153,17 @@ def trainer_refusals(
     return out
 
 
+CP_PICTURE_CONNECTORS = {"idefics3": "connector", "smolvlm": "connector"}
+"""Vision-language families trained with cp > 1 (model_type -> the module of `model.model` whose output is the
+pictures' features in prompt order, which prl/trainer/vision.py slices per cp rank). A family whose features
+reach its language model another way (Qwen-VL's M-RoPE positions, a merger inside the tower) trains with cp 1."""
+
+
 def vision_refusals(model_config: ModelConfig | None, cp: int, train_vision: bool,
                     lora: bool = False) -> list[tuple[Field, str]]:
-    """A vision-language model trains with cp 1 (prl/trainer/vision.py: a cp rank would hold part of a row's
-    image tokens); `model.train_vision` needs one, and no `model.lora` (whose adapters go on the language model
-    alone, as vLLM applies them, with every other weight frozen)."""
+    """A vision-language model trains with cp > 1 only where its pictures' features can be sliced per cp rank
+    (CP_PICTURE_CONNECTORS); `model.train_vision` needs one, and no `model.lora` (whose adapters go on the
+    language model alone, as vLLM applies them, with every other weight frozen)."""
     if train_vision and lora:
         return [(("model", "train_vision"), "model.train_vision: with model.lora only the adapters train, and they "
                                             "go on the language model (vLLM serves adapters there); the image "
@@ -168,10 +174,10 @@ def vision_refusals(model_config: ModelConfig | None, cp: int, train_vision: boo
         return [(("model", "train_vision"), f"model.train_vision: {model_config.architecture} is not a "
                                             f"vision-language model (its config.json has no vision_config)")
                 ] if train_vision else []
-    if cp > 1:
-        return [(("trainer", "cp"), f"trainer.cp({cp}): {model_config.architecture} is a vision-language model, "
-                                    f"which prl trains with cp 1 (its pictures' features are not split over cp "
-                                    f"ranks yet); use cp: 1")]
+    if cp > 1 and model_config.model_type not in CP_PICTURE_CONNECTORS:
+        return [(("trainer", "cp"), f"trainer.cp({cp}): {model_config.architecture} is a vision-language model "
+                                    f"whose pictures' features prl cannot split over cp ranks (it can for "
+                                    f"{', '.join(sorted(CP_PICTURE_CONNECTORS))}); use cp: 1")]
     return []
 
 

@@ -201,10 +201,11 @@ def install_packed(model: torch.nn.Module) -> bool:
     return True
 
 
-def attn_choice(config) -> str | dict[str, str]:
-    """Packed attention for the language model; a vision-language model's other towers (an image encoder
-    attends over all of an image's patches, with no causal order and no packed samples) keep sdpa."""
+def attn_choice(config, name: str = ATTN_NAME) -> str | dict[str, str]:
+    """Attention `name` (packed, or Ulysses under cp) for the language model; a vision-language model's other
+    towers (an image encoder attends over all of an image's patches, with no causal order, no packed samples
+    and no cp split) keep sdpa."""
     subs = list(getattr(config, "sub_configs", None) or {})
     if "vision_config" not in subs:
-        return ATTN_NAME
-    return {key: ATTN_NAME if key == "text_config" else "sdpa" for key in subs} | {"": ATTN_NAME}
+        return name
+    return {key: name if key == "text_config" else "sdpa" for key in subs} | {"": name}

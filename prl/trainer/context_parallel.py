@@ -36,7 +36,7 @@ import functools
 
 import torch
 
-from prl.trainer.attention import packed_attention
+from prl.trainer.attention import attn_choice, packed_attention
 from prl.trainer.moe import all_to_all
 
 ATTN_NAME = "prl_ulysses"
@@ -113,7 +113,7 @@ def install_ulysses(model: torch.nn.Module, cp: int, group) -> None:
     AttentionInterface.register(ATTN_NAME, functools.partial(ulysses_attention, group=group, cp=cp))
     # No per-rank mask: the full row's boundaries replace it.
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, lambda *args, **kwargs: None)
-    model.set_attn_implementation(ATTN_NAME)
+    model.set_attn_implementation(attn_choice(model.config, ATTN_NAME))  # a VLM's image encoder keeps sdpa
 
 
 def split_for_cp(t: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:

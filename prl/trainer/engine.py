@@ -83,7 +83,7 @@ from prl.trainer.lora import adapter_parameters, attach, publish_adapter
 from prl.trainer.loss import merge_stats, token_logprobs_and_entropy
 from prl.trainer.parallel import Dist, all_reduce_stats, apply_fsdp, clip_grad_norm, init_distributed
 from prl.trainer.replay import set_routes
-from prl.trainer.vision import PIXEL_PREFIXES, Pictures
+from prl.trainer.vision import PIXEL_PREFIXES, SAMPLED_IMAGE_TOKEN, Pictures, set_picture_span
 from prl.trainer.weights import publish_to_feed, publish_weights
 
 ROLE = "trainer"
@@ -255,7 +255,7 @@ def load_model(cfg: TrainerConfig, d: Dist, transform: Callable[[torch.nn.Module
     from prl.trainer.loading import build_meta_model, load_model as load_shards_into
     from prl.trainer.moe import install_expert_parallel
     from prl.trainer.replay import install as install_router_replay
-    from prl.trainer.vision import freeze_encoder, install as install_pictures
+    from prl.trainer.vision import freeze_encoder, install as install_pictures, install_cp as install_picture_cp, is_vlm
 
     model = build_meta_model(cfg.model_path)
     freeze_encoder(model, cfg.train_vision)
@@ -266,6 +266,8 @@ def load_model(cfg: TrainerConfig, d: Dist, transform: Callable[[torch.nn.Module
         install_router_replay(model)
     if d.cp > 1:
         install_ulysses(model, d.cp, d.cp_group)
+        if is_vlm(model.config):
+            install_picture_cp(model)
     else:
         install_packed(model)
     model = transform(model, d)
@@ -275,14 +277,16 @@ def load_model(cfg: TrainerConfig, d: Dist, transform: Callable[[torch.nn.Module
     return model, peak_rss_mb() - before
 
 
-def prepare(mb: MicroBatch | None, d: Dist, labels: tuple[str, ...] = LABELS) -> dict[str, torch.Tensor]:
+def prepare(mb: MicroBatch | None, d: Dist, labels: tuple[str, ...] = LABELS, counted: int | None = None
+            ) -> dict[str, torch.Tensor]:
     """This rank's positions of one micro-batch, labels shifted on the whole sequence first.
 
     Position p carries its input token and, as its label side, token p+1 (`targets`) with that token's
     `labels` arrays (loss mask, advantage and sampling logprob; the last position, and a sample's first
     token, have no loss). The sequence is padded to a multiple of cp with masked positions (a separate
     pseudo-sample), then cp rank c keeps the c-th consecutive chunk. None (a padding pass: every rank
-    runs the same number of passes) becomes two masked tokens per cp rank.
+    runs the same number of passes) becomes two masked tokens per cp rank. Positions from `counted` on (a blank
+    picture's sample appended to the row) are not counted in the step's tokens.
     """
     if mb is None:
         zero = np.zeros(2 * d.cp)
@@ -299,7 +303,7 @@ def prepare(mb: MicroBatch | None, d: Dist, labels: tuple[str, ...] = LABELS) ->
     x = {
         "input_ids": tensors["input_ids"].long(),
         "position_ids": tensors["position_ids"].long(),
-        "real": torch.full((n,), mb is not None, dtype=torch.bool),  # counted in the step's tokens
+        "real": torch.arange(n) < (0 if mb is None else n if counted is None else counted),  # in the step's tokens
         "targets": shifted(tensors["input_ids"]).long(),
         **{k: shifted(tensors[k]).float() for k in labels},
     }
@@ -309,14 +313,24 @@ def prepare(mb: MicroBatch | None, d: Dist, labels: tuple[str, ...] = LABELS) ->
         x["routed_mask"] = torch.from_numpy(np.asarray(mb.routed_mask).astype(bool))
     pad = (-n) % d.cp
     if pad:
-        for k, v in x.items():
-            x[k] = torch.cat([v, torch.arange(pad) if k == "position_ids" else v.new_zeros((pad, *v.shape[1:]))])
+        x["position_ids"] = torch.cat([x["position_ids"], torch.arange(pad)])
     x["full_position_ids"] = x["position_ids"]
-    if d.cp > 1:
-        from prl.trainer.context_parallel import split_for_cp
-
-        x = {k: v if k == "full_position_ids" else split_for_cp(v, d.cp, d.cp_rank) for k, v in x.items()}
+    x = {k: v if k in ("position_ids", "full_position_ids") else on_this_rank(v, d) for k, v in x.items()}
+    x["position_ids"] = on_this_rank(x["position_ids"], d)
     return {k: v.to(d.device) for k, v in x.items()}
+
+
+def on_this_rank(v: torch.Tensor, d: Dist) -> torch.Tensor:
+    """This cp rank's positions of a whole row's array: padded with zeros to a multiple of cp, then its c-th
+    consecutive chunk (the whole array without cp)."""
+    pad = (-v.shape[0]) % d.cp
+    if pad:
+        v = torch.cat([v, v.new_zeros((pad, *v.shape[1:]))])
+    if d.cp == 1:
+        return v
+    from prl.trainer.context_parallel import split_for_cp
+
+    return split_for_cp(v, d.cp, d.cp_rank)
 
 
 def picture_inputs(pictures: Pictures | None, mb: MicroBatch | None, d: Dist, labels: tuple[str, ...] = LABELS
@@ -329,13 +343,13 @@ def picture_inputs(pictures: Pictures | None, mb: MicroBatch | None, d: Dist, la
     where = "a padding pass" if mb is None else f"the micro-batch of samples {mb.sample_ids}"
     if mb is not None:
         pictures.check(mb, where)
-    row, appended = pictures.with_encoder_pass(mb, labels)
-    x = prepare(row, d, labels)
-    pictures.mark_sampled(x)
-    if mb is None:
-        x["real"].zero_()
-    elif appended:
-        x["real"][-appended:] = False
+    row, _ = pictures.with_encoder_pass(mb, labels)
+    x = prepare(row, d, labels, counted=0 if mb is None else mb.num_tokens)
+    if row is not None:
+        sampled = on_this_rank(torch.from_numpy(pictures.sampled(row)), d).to(d.device)
+        x["input_ids"][sampled] = SAMPLED_IMAGE_TOKEN
+    if d.cp > 1 and row is not None and row.images:
+        x["picture_span"] = pictures.picture_span(row, d.cp, d.cp_rank)
     pixels = pictures.inputs(row.images, where) if row is not None else {}
     return x | {k: v.to(d.device) for k, v in pixels.items()}
 
@@ -348,6 +362,7 @@ def forward(model, x: dict[str, torch.Tensor], aux_coef: float):
     router replay the row's server routes are set first (prl/trainer/replay.py; none: the routers' own).
     """
     set_routes(model, x.get("routed_experts"), x.get("routed_mask"))
+    set_picture_span(model, x.get("picture_span"))
     return model(
         input_ids=x["input_ids"][None],
         position_ids=x["position_ids"][None],

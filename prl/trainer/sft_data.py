@@ -21,7 +21,8 @@ is fetched). Each picture is read and decoded when the data is read: a missing o
 DataError naming the file, line (or row), message and part. The conversation is rendered with the model's
 processor, which expands each picture's placeholder; the sample keeps the pictures (prl/run/batch.py) and the
 trainer re-runs the image processor on them, as in RL (prl/trainer/vision.py). Its loss spans come from
-the token counts of its rendered prefixes (`picture_spans`).
+its rendered prefixes, tokenized as text and mapped into the expanded ids (`picture_spans`: one processor
+call per conversation).
 
 Masking: the conversation is rendered once with the tokenizer's chat template and tokenized
 once with character offsets; a token is trained if it starts inside an assistant turn's own
@@ -194,15 +195,90 @@ def template_view(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, An
 
 def picture_spans(processor: Any, messages: Sequence[dict[str, Any]]) -> tuple[list[int], list[tuple[int, int]]]:
     """A conversation with pictures: its token ids (placeholders expanded by the processor) and the token spans
-    [start, end) of its assistant turns, from the ids of its rendered prefixes."""
+    [start, end) of its assistant turns.
+
+    The processor runs once, on the whole conversation (its image processor is what costs); each turn's bounds
+    come from tokenizing the rendered prefixes' *text* and mapping those tokens into the expanded ids
+    (`expanded_positions`). Where that mapping is not certain, every prefix is run through the processor
+    instead (`picture_spans_exact`)."""
     import io
 
     from PIL import Image
 
+    view, pictures = template_view(messages)
+    text = processor.apply_chat_template(view, tokenize=False)
+    images = [Image.open(io.BytesIO(p)).convert("RGB") for p in pictures] or None
+    whole = [int(t) for t in processor(text=text, images=images, return_tensors="np")["input_ids"][0]]
+    image = processor.tokenizer.convert_tokens_to_ids(getattr(processor, "image_token", None) or "<image>")
+    for special in (False, True):
+        plain = list(processor.tokenizer(text, add_special_tokens=special)["input_ids"])
+        where = expanded_positions(plain, whole, image)
+        if where is not None:
+            break
+    else:
+        return picture_spans_exact(processor, messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        bounds = []
+        for prefix, generation in ((messages[:i], True), (messages[:i + 1], False)):
+            prefix_text = processor.apply_chat_template(template_view(prefix)[0], tokenize=False,
+                                                        add_generation_prompt=generation)
+            ids = list(processor.tokenizer(prefix_text, add_special_tokens=special)["input_ids"])
+            if not text.startswith(prefix_text) or plain[:len(ids)] != ids or where[len(ids)] < 0:
+                return picture_spans_exact(processor, messages)  # raises, naming the message, if it cannot mask
+            bounds.append(where[len(ids)])
+        spans.append((bounds[0], bounds[1]))
+    return whole, spans
+
+
+def expanded_positions(plain: list[int], whole: list[int], image: int) -> list[int] | None:
+    """For each position b of `plain` (the rendered text's tokens, each picture one `image` placeholder), where it
+    is in `whole` (the processor's ids, each placeholder expanded), b = len(plain) included; -1 between two
+    adjacent placeholders (where one run ends and the next begins is not known). None unless `whole` starts and
+    ends with `plain`'s text and the text between two placeholders is found exactly once where it can be."""
+    cuts = [i for i, t in enumerate(plain) if t == image]
+    segments = [plain[a + 1:b] for a, b in zip([-1, *cuts], [*cuts, len(plain)])]
+    first, last = segments[0], segments[-1]
+    if not cuts or whole[:len(first)] != first or (last and whole[-len(last):] != last):
+        return None
+    starts: list[int | None] = [0]
+    lo = len(first)  # the earliest the next segment can start
+    for k, segment in enumerate(segments[1:], 1):
+        hi = len(whole) - sum(len(s) for s in segments[k:])  # the latest start that leaves room for the rest
+        if k == len(segments) - 1:
+            found = [hi]  # the last segment ends `whole` (checked above)
+        elif not segment:
+            starts.append(None)  # adjacent pictures: unknown, and no turn ends there
+            continue
+        else:
+            found = [j for j in range(lo, hi + 1) if whole[j:j + len(segment)] == segment]
+        if len(found) != 1:
+            return None
+        starts.append(found[0])
+        lo = found[0] + len(segment)
+    where = [-1] * (len(plain) + 1)
+    for start, a, segment in zip(starts, [-1, *cuts], segments):
+        if start is not None:
+            where[a + 1:a + 2 + len(segment)] = range(start, start + len(segment) + 1)
+    return where
+
+
+def picture_spans_exact(processor: Any, messages: Sequence[dict[str, Any]]
+                        ) -> tuple[list[int], list[tuple[int, int]]]:
+    """`picture_spans` by running the processor on every rendered prefix (1 + 2 x turns calls, pictures included)."""
+    import io
+
+    from PIL import Image
+
+    decoded: dict[int, Any] = {}
+
     def ids(prefix: Sequence[dict[str, Any]], generation: bool = False) -> list[int]:
         view, pictures = template_view(prefix)
         text = processor.apply_chat_template(view, tokenize=False, add_generation_prompt=generation)
-        images = [Image.open(io.BytesIO(p)).convert("RGB") for p in pictures] or None
+        images = [decoded.setdefault(i, Image.open(io.BytesIO(p)).convert("RGB"))
+                  for i, p in enumerate(pictures)] or None
         return list(processor(text=text, images=images, return_tensors="np")["input_ids"][0])
 
     whole = ids(messages)

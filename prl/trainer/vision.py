@@ -10,6 +10,13 @@ model's own image processor on them, as vLLM's renderer did, and the model's for
 the prompt's (already expanded) image tokens are, in order. A packed row carries its samples' pictures in row
 order, so each sample's tokens get its own pictures.
 
+Context parallelism (Idefics3/SmolVLM; `CP_PICTURE_CONNECTORS`): every cp rank runs the image encoder on all of
+the row's pictures (the encoder is small beside a long row's language model, and its attention stays whole), and
+keeps the features of the image tokens in its own slice of the row: the k-th image token of the row takes the
+k-th feature row, so rank c, whose slice starts after k0 image tokens and holds k1 - k0 of them, keeps features
+[k0, k1) (`picture_span`, applied by a hook on the connector, `install_cp`). The features' gradients are each
+rank's own positions', which FSDP2 sums over the ranks like every other gradient.
+
 FSDP2 and ranks without pictures: only the language model's decoder layers become FSDP units; the encoder's
 parameters stay in the root unit, which every rank gathers in every forward, so a rank whose micro-batch has no
 picture (or a padding pass) never misses a collective. A trained encoder must also get a gradient on every rank
@@ -26,6 +33,7 @@ import numpy as np
 import torch
 
 from prl.errors import ConfigError
+from prl.planner.capabilities import CP_PICTURE_CONNECTORS
 from prl.run.batch import BatchError, MicroBatch
 
 PIXEL_KEYS_SKIPPED = ("input_ids", "attention_mask")
@@ -33,7 +41,7 @@ PIXEL_KEYS_SKIPPED = ("input_ids", "attention_mask")
 BLANK_FIELDS = ("input_ids", "position_ids", "loss_mask", "advantages", "inference_logprobs")
 """The arrays `Pictures.blank` fills (a scoring server's logprobs are zeros for it)."""
 SAMPLED_IMAGE_TOKEN = -1
-"""The id a *sampled* image token gets in the trainer's input ids (`mark_sampled`): a model that generates its
+"""The id a *sampled* image token gets in the trainer's input ids (`Pictures.sampled`): a model that generates its
 image token (a tiny random one does) gave vLLM a text token there, with the token's embedding and no picture,
 while transformers' forward puts picture features at every image token. The embedding maps it back (`install`),
 and the forward's placeholder match (`input_ids == image_token_id`) skips it."""
@@ -89,6 +97,25 @@ def install(model: torch.nn.Module) -> None:
     model.get_input_embeddings().register_forward_pre_hook(unmark)
 
 
+def install_cp(model: torch.nn.Module) -> None:
+    """Under cp > 1: the connector's output (the row's picture features, in prompt order) is cut to this rank's
+    rows, `model.prl_picture_span` (set by `set_picture_span` before each forward)."""
+    connector = getattr(model.model, CP_PICTURE_CONNECTORS[model.config.model_type])
+    model.prl_picture_span = None
+
+    def keep_own(_module, _args, features):
+        lo, hi = model.prl_picture_span
+        return features.reshape(-1, features.shape[-1])[lo:hi][None]
+
+    connector.register_forward_hook(keep_own)
+
+
+def set_picture_span(model: torch.nn.Module, span: torch.Tensor | None) -> None:
+    """The feature rows [k0, k1) this cp rank's forward keeps (`install_cp`; a model without it ignores this)."""
+    if hasattr(model, "prl_picture_span"):
+        model.prl_picture_span = None if span is None else (int(span[0]), int(span[1]))
+
+
 def decode(picture: bytes, where: str):
     """One encoded picture as an RGB PIL image (what vLLM decodes an image_url into); BatchError naming it."""
     from PIL import Image
@@ -120,9 +147,9 @@ class Pictures:
             if train_vision:
                 raise ConfigError(f"model.train_vision: {model_path} is not a vision-language model")
             return None
-        if cp > 1:
-            # A cp rank holds a slice of the row: its image tokens would need a slice of the pictures' features.
-            raise ConfigError(f"trainer.cp: {model_path} is a vision-language model, which trains with cp 1 only")
+        if cp > 1 and config.model_type not in CP_PICTURE_CONNECTORS:
+            raise ConfigError(f"trainer.cp({cp}): {model_path} is a {config.model_type} vision-language model, whose "
+                              f"pictures' features prl cannot split over cp ranks; use cp 1")
         return cls(model_path, config, train_vision)
 
     def inputs(self, pictures: list[bytes], where: str) -> dict[str, torch.Tensor]:
@@ -159,10 +186,17 @@ class Pictures:
                                      images=[buf.getvalue()])
         return self._blank
 
-    def mark_sampled(self, x: dict[str, torch.Tensor]) -> None:
-        """Give the image tokens the policy sampled (a loss token's input) SAMPLED_IMAGE_TOKEN, in place."""
-        sampled = torch.cat([x["loss_mask"].new_zeros(1), x["loss_mask"][:-1]]) > 0  # labels are shifted by one
-        x["input_ids"][sampled & (x["input_ids"] == self.image_token_id)] = SAMPLED_IMAGE_TOKEN
+    def sampled(self, mb: MicroBatch) -> np.ndarray:
+        """[T] bool: the row's image tokens the policy sampled (tokens with loss), which the trainer's input ids
+        give SAMPLED_IMAGE_TOKEN (its targets keep the image token)."""
+        return (np.asarray(mb.loss_mask) > 0) & (np.asarray(mb.input_ids) == self.image_token_id)
+
+    def picture_span(self, mb: MicroBatch, cp: int, cp_rank: int) -> torch.Tensor:
+        """[k0, k1): the feature rows of the row's picture tokens (image tokens not sampled) in cp rank `cp_rank`'s
+        slice (the row padded to a multiple of cp, as `prepare` pads it, then cut in cp consecutive chunks)."""
+        image = (np.asarray(mb.input_ids) == self.image_token_id) & ~self.sampled(mb)
+        chunk = -(-mb.num_tokens // cp)
+        return torch.tensor([int(image[:cp_rank * chunk].sum()), int(image[:(cp_rank + 1) * chunk].sum())])
 
     def with_encoder_pass(self, mb: MicroBatch | None, labels: tuple[str, ...]) -> tuple[MicroBatch | None, int]:
         """`mb` with a blank picture's sample appended when the encoder trains and `mb` has no picture (so this
