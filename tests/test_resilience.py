@@ -523,6 +523,32 @@ def test_the_watcher_drops_a_dead_server_and_takes_it_back_on_the_newest_weights
         a.stop()
 
 
+def test_a_failed_rollout_takes_a_dead_server_out_of_rotation_at_once(tmp_path):
+    """The weight watcher may be held by an update to a dying server: a rollout that fails on a server that no
+    longer answers /health takes it out of rotation itself (the next rollouts wait for a server instead of
+    failing), and a server that answers stays."""
+    import asyncio
+
+    from prl.orchestrator.sync import Server, ServerPool
+    from tests.fake_engine import FakeEngine
+
+    run = RunDir(tmp_path / "run").create()
+    a, b = FakeEngine(run_dir=run.root).start(), FakeEngine(run_dir=run.root).start()
+    sa, sb = Server(a.url), Server(b.url)
+    pool = ServerPool(generate=[sa, sb], admin=[sa, sb], follow_endpoints=True)
+    try:
+        asyncio.run(pool.suspect(sa))
+        assert sa.alive and not sa.rejoining
+        b.stop()
+        asyncio.run(pool.suspect(sb))
+        assert not sb.alive and sb.rejoining and {pool.pick(0) for _ in range(10)} == {sa}
+        a.stop()
+        asyncio.run(pool.suspect(sa))
+        assert pool.pick(0) is None  # nothing in rotation: rollouts wait (`Generator._slot`)
+    finally:
+        a.stop()
+
+
 def test_the_watcher_pushes_steps_from_memory_and_follows_the_feeds_forward(tmp_path):
     """weights.transport: memory: the newer of disk and the feed record wins (disk on a tie); a feed that
     moved on to a newer step is asked for that step, not counted as a failure."""

@@ -213,6 +213,7 @@ class Generator:
             if result.ok:
                 return result
             last = server
+            await self.pool.suspect(server)  # a dead server leaves rotation: the retry waits for one that lives
             if attempt <= self.retries:
                 await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 10.0))
         assert result is not None

@@ -157,6 +157,21 @@ class ServerPool:
         by_url = {s.url: s for s in ok}
         return by_url[routing.choose(key, list(by_url), {s.url: s.inflight for s in ok})]
 
+    async def suspect(self, server: Server) -> None:
+        """A rollout on `server` failed: a server that does not answer /health leaves rotation now, not at the
+        weight watcher's next look (a weight update in flight to a dying server holds the watcher until it
+        ends), so the next rollouts wait for a server instead of failing on this one; the watcher brings it
+        back once it serves again (`WeightWatcher.follow`)."""
+        if not (self.follow_endpoints and server.alive):
+            return
+        async with server_client() as client:
+            if await healthy(client, server):
+                return
+        if server.alive:
+            log.warning("%s does not answer /health after a failed rollout; out of rotation", server.url)
+            server.alive, server.rejoining = False, True
+            self.notify()
+
     async def wait_version(self, min_version: int, timeout: float, error: list[BaseException], on_wait=None) -> float:
         """Block until every server serves version >= min_version; return the seconds waited."""
         t0 = time.monotonic()
