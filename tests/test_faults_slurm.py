@@ -2,17 +2,24 @@
 a 2-rank FSDP2 trainer on two nodes), one run and four attempts for the whole story (each attempt
 starts vLLM and the trainer again, so one run costs less than a run per fault):
 
-1. kill -9 of the vLLM engine mid-run: the launcher restarts that server inside the allocation (a new
-   srun step on its node, on the newest published weights); the orchestrator takes it out of rotation,
+1. kill -9 of the vLLM engine in the middle of a weight update (the engine stopped, an update posted, killed
+   once the server logged that the update began): the launcher restarts that server inside the allocation (a
+   new srun step on its node, on the newest published weights); the orchestrator takes it out of rotation,
    its rollouts wait for it (one server: nowhere else to go, and no step may be lost) and it rejoins;
-   `prl status` shows the restart. (Rollouts moving to another server: tests/test_resilience.py.)
+   the trainer trains on; `prl status` shows the restart. (Rollouts moving to another server:
+   tests/test_resilience.py.)
 2. SIGSTOP of trainer rank 1: the launcher declares the trainer HUNG within `hang_timeout_s`, stops
    the job and requeues it (the lab profile allows requeue);
 3. in attempt 2, SIGSTOP of the orchestrator: HUNG names the orchestrator (not the trainer starving
    behind it), the job requeues;
 4. in attempt 3 a trainer node is set DOWN: Slurm ends the attempt (NODE_FAIL) and requeues it;
-5. attempt 4 completes: every trainer and orchestrator step is in metrics.jsonl exactly once, and
-   `prl status` says how attempts 1-3 ended.
+5. in attempt 4, trainer rank 1 dies while the server reads a step from the trainer's weight feeds (rank 1
+   stopped, an update from the feeds posted, rank 1 killed once it began): the server keeps serving whole
+   weights, the ones it served or the last ones from disk (its answer and `/prl/live` agree, the version
+   checked); the trainer's exit fails the job, naming the trainer (a role's failure is not requeued);
+6. the failed job's `prl status` says how attempts 1-3 ended and that the trainer failed attempt 4;
+   `prl submit --resume` runs attempt 5 to the end: every trainer and orchestrator step is in metrics.jsonl
+   exactly once.
 
 The measured numbers are printed (run with -s to see them).
 """
@@ -28,6 +35,7 @@ from pathlib import Path
 
 import pytest
 
+from prl.run.rundir import RunDir
 from tests.helpers import prl_cli as prl, wait_for
 from tests.tiny_model import build_tiny_model
 
@@ -110,23 +118,27 @@ def records(run: Path, role: str) -> list[dict]:
     return out
 
 
-def test_one_run_survives_an_engine_kill_a_hung_trainer_a_hung_orchestrator_and_a_dead_node(
+def test_one_run_survives_engine_and_trainer_deaths_mid_update_hangs_and_a_dead_node(
         tmp_path, env, slurm_cluster):
     model = build_tiny_model(tmp_path / "model")
     run = tmp_path / "run"
-    max_steps = 16
+    max_steps = 24  # attempts 1-4 end by faults, each after a few steps of its own
     # One GPU per node: one inference server, so the run waits for the restarted one whatever its start-up takes.
-    prl(env, "submit", "configs/lab.yaml", f"run_dir={run}", f"model.path={model}", f"training.max_steps={max_steps}",
-        f"training.max_off_policy_steps={OFF_POLICY}", "training.checkpoint_interval=2",
-        f"training.checkpoint_keep={CHECKPOINT_KEEP}", f"training.hang_timeout_s={HANG_TIMEOUT_S}",
-        "cluster.gpu_node.gpus=1")
+    args = ["configs/lab.yaml", f"run_dir={run}", f"model.path={model}", f"training.max_steps={max_steps}",
+            f"training.max_off_policy_steps={OFF_POLICY}", "training.checkpoint_interval=2",
+            f"training.checkpoint_keep={CHECKPOINT_KEEP}", f"training.hang_timeout_s={HANG_TIMEOUT_S}",
+            "cluster.gpu_node.gpus=1"]
+    prl(env, "submit", *args)
     try:
         numbers = kill_the_engine(env, run)
         numbers |= hang_the_trainer(env, run)
         numbers |= hang_the_orchestrator(env, run)
         numbers |= take_a_trainer_node_down(env, run)
+        numbers |= kill_a_trainer_rank_mid_send(env, run)
+        failed, failed_text = status(env, run), prl(env, "status", run, check=False).stdout
+        prl(env, "submit", "--resume", *args)
         final = wait_for("the job to end", lambda: (s := status(env, run))["state"] in (
-            "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and s["attempt"] == 4 and s, timeout=900, interval=3)
+            "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and s["attempt"] == 5 and s, timeout=900, interval=3)
     finally:
         subprocess.run(["scontrol", "update", "nodename=n4", "state=RESUME"], check=False, capture_output=True)
         prl(env, "cancel", run, check=False)
@@ -134,23 +146,90 @@ def test_one_run_survives_an_engine_kill_a_hung_trainer_a_hung_orchestrator_and_
     lost = sorted(set(range(1, max_steps + 1)) - {r["step"] for r in records(run, "trainer")})
     assert [r["step"] for r in records(run, "trainer")] == list(range(1, max_steps + 1)), lost
     assert [r["step"] for r in records(run, "orchestrator")] == list(range(1, max_steps + 1))
-    earlier = final["earlier"]
+    # The failed submission's status (a resubmission's shows its own attempts): how attempts 1-3 ended, and 4.
+    earlier = failed["earlier"]
     assert [e["attempt"] for e in earlier] == [1, 2, 3], earlier
     assert [e["failure"]["role"] for e in earlier[:2]] == ["trainer", "orchestrator"], earlier
     assert earlier[2]["slurm_state"] == "NODE_FAIL", earlier
-    text = prl(env, "status", run, check=False).stdout
-    assert "attempt 1 ended" in text and "trainer HUNG" in text, text
-    assert "attempt 2 ended" in text and "orchestrator HUNG" in text, text
-    assert "attempt 3 ended" in text and "Slurm: NODE_FAIL" in text, text
+    assert failed["attempt"] == 4 and failed["failure"]["role"] == "trainer", failed
+    assert "attempt 1 ended" in failed_text and "trainer HUNG" in failed_text, failed_text
+    assert "attempt 2 ended" in failed_text and "orchestrator HUNG" in failed_text, failed_text
+    assert "attempt 3 ended" in failed_text and "Slurm: NODE_FAIL" in failed_text, failed_text
+    assert final["attempt"] == 5 and final["earlier"] == [], final
     print("\nfault numbers:", json.dumps(numbers, indent=2))
 
 
+def server(run: Path) -> str:
+    """The URL of the run's one inference server (once this attempt's has published it)."""
+    return wait_for("the inference server's endpoint", lambda: RunDir(run).endpoints().get("inference", {}).get(
+        0, {}).get("url"), timeout=300, interval=1)
+
+
+def newest_update(run: Path) -> dict:
+    """The `/prl/weights` body of the newest step, as the orchestrator's watcher builds it (feeds when newer)."""
+    rundir = RunDir(run)
+
+    def newest():
+        disk, feed = rundir.latest_stable("weights"), rundir.weights_feed()
+        if feed is not None and (disk is None or feed[0] > disk):
+            return {"step": feed[0], "feeds": feed[1]}
+        return {"step": disk} if disk is not None else None
+
+    return wait_for("a published weights step", newest, timeout=300, interval=1)
+
+
+def ask(run: Path, method: str, path: str, body: dict | None = None, timeout: float = 180) -> tuple[int, dict]:
+    """(HTTP status, JSON answer) of the run's inference server, with the run's key; status 0: no answer."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"{server(run)}{path}", method=method,
+                                     data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {RunDir(run).read_api_key()}",
+                                              "Content-Type": "application/json"})
+    def parsed(raw: bytes) -> dict:
+        try:
+            return json.loads(raw or b"{}")
+        except ValueError:
+            return {"error": raw.decode(errors="replace")[:300]}  # uvicorn's own "Internal Server Error"
+
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return r.status, parsed(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, parsed(e.read())
+    except OSError as e:  # the server went away under the request
+        return 0, {"error": f"{type(e).__name__}: {e}"}
+
+
+def update_in_flight(run: Path, attempt: int, body, pid: int) -> tuple[int, dict, float]:
+    """Stop `pid` (so an update cannot finish), post the update `body()` (the newest step once it is stopped),
+    SIGKILL `pid` once the server logged that an update began (its own or the orchestrator's: either is in
+    flight); returns the answer and the kill's time."""
+    import concurrent.futures
+
+    log = run / "logs" / f"attempt_{attempt}" / "inference" / "rank_0.log"
+    begun = log.read_text().count("weights update begins")
+    os.kill(pid, signal.SIGSTOP)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(ask, run, "POST", "/prl/weights", body())
+        wait_for("the update to begin", lambda: log.read_text().count("weights update begins") > begun,
+                 timeout=60, interval=0.2)
+        time.sleep(2)  # the feeds it reads first are read; the stopped one holds the update
+        os.kill(pid, signal.SIGKILL)
+        killed = time.time()
+        status_code, out = answer.result(timeout=300)
+    return status_code, out, killed
+
+
 def kill_the_engine(env: dict, run: Path) -> dict:
-    """1. kill -9 of the engine once the loop runs: the launcher restarts the server (a new srun step on its node,
-    on the newest published weights), `prl status` shows the restart, the restarted server serves rollouts again."""
+    """1. kill -9 of the engine in the middle of a weight update: the launcher restarts the server (a new srun step
+    on its node, on the newest published weights), `prl status` shows the restart, the restarted server serves
+    rollouts again, the trainer trains on."""
     wait_for("trainer step 1", lambda: trained(run) >= 1, timeout=400, interval=2)
-    os.kill(engine_of(run, 18000), signal.SIGKILL)
-    killed = time.time()
+    newest_update(run)
+    answer, body, killed = update_in_flight(run, 1, lambda: newest_update(run), engine_of(run, 18000))
+    assert answer != 200, (answer, body)  # the server died under it: no answer, or an error
     launcher = run / "state" / "launcher.json"
     event = wait_for("the server restarted and ready", lambda: next(
         (f for f in json.loads(launcher.read_text())["steps"]["inference"].get("failures", [])
@@ -165,6 +244,8 @@ def kill_the_engine(env: dict, run: Path) -> dict:
     log = run / "logs" / "attempt_1" / "inference" / "rank_0.log"
     wait_for("the restarted server to serve rollouts", lambda: log.read_text().split("restart: serving weights")[-1]
              .count("POST /inference/v1/generate") > 0, timeout=120, interval=1)
+    before = trained(run)
+    wait_for("the trainer to train on", lambda: trained(run) > before, timeout=300, interval=1)
     return {"engine death -> restarted server ready (s)": round(event["time"] + event["ready_after_s"] - killed, 1),
             "engine death -> restarted server serving rollouts (s, polled)": round(time.time() - killed, 1)}
 
@@ -227,6 +308,41 @@ def take_a_trainer_node_down(env: dict, run: Path) -> dict:
     subprocess.run(["scontrol", "update", "nodename=n4", "state=RESUME"], check=False, capture_output=True)
     assert shown["earlier"][2]["slurm_state"] == "NODE_FAIL", shown["earlier"]
     return {"node DOWN -> attempt 3's end in status (s)": round(seen - down, 1)}
+
+
+def kill_a_trainer_rank_mid_send(env: dict, run: Path) -> dict:
+    """5. In attempt 4, once it trained a step of its own and serves it from memory, trainer rank 1 dies while the
+    server reads that step from the feeds: the update fails whole (502: nothing loaded; 500: the last disk
+    weights loaded again) and `/prl/live` reports the whole weights it names; the trainer's exit ends the attempt."""
+    step_of_attempt(env, run, 4)
+    rundir = RunDir(run)
+    wait_for("a step of attempt 4 served from memory", lambda: (f := rundir.weights_feed()) and f[0] > (
+        rundir.latest_stable("weights") or 0), timeout=300, interval=1)
+    sent = {}
+
+    def from_the_feeds() -> dict:
+        step, feeds = rundir.weights_feed()
+        return sent.setdefault("body", {"step": step, "feeds": feeds})
+
+    answer, body, killed = update_in_flight(run, 4, from_the_feeds, trainer_rank(run, 1))
+    step = sent["body"]["step"]
+    assert answer in (500, 502), (answer, body)
+    live = wait_for("the server's /prl/live", lambda: (a := ask(run, "GET", "/prl/live", timeout=30))[0] and a,
+                    timeout=60, interval=1)
+    assert live[0] == 200 and live[1]["ok"], live
+    served = live[1]
+    if answer == 502:  # refused before any weight was touched: still what it served
+        assert "nothing was loaded" in body["error"], body
+    else:  # touched, then the last disk weights loaded again
+        assert "rolled back to" in body["error"] and served["weights_path"] in body["error"], (body, served)
+        assert served["weights_step"] == served["disk_step"], served
+    assert served["weights_path"] != f"memory:step_{step}" or served["last_update"]["step"] == step, served
+    ended = wait_for("the job to fail", lambda: (s := status(env, run))["state"] == "FAILED" and s,
+                     timeout=300, interval=2)
+    assert ended["attempt"] == 4 and ended["failure"]["role"] == "trainer", ended
+    assert not ended["failure"].get("hung"), ended["failure"]
+    return {"trainer rank death mid-send -> the job's failure in status (s)": round(time.time() - killed, 1),
+            "server answer to the cut update": answer}
 
 
 def step_of_attempt(env: dict, run: Path, attempt: int) -> float:

@@ -145,6 +145,25 @@ def test_a_snapshot_replaced_during_a_read_is_not_torn(feed):
     assert [t[0].item() for _, t in fetch(feed.address, 2, KEY, timeout=10)] == [-1.0] * 8
 
 
+def test_a_reader_that_stops_or_dies_mid_stream_holds_up_neither_publish_nor_other_readers(feed):
+    """An inference worker hung (SIGSTOP) or killed in the middle of a step: its connection stalls with the socket
+    buffers full, then resets. The trainer's next publish and every other reader go on meanwhile."""
+    old = [(f"t{i}", torch.full((256 * 1024,), float(i))) for i in range(8)]  # 8 MiB: more than socket buffers
+    feed.publish(1, old)
+    stuck = FeedReader(feed.address, 1, KEY, timeout=10)
+    stream = iter(stuck)
+    next(stream)  # one tensor read, then this reader stops reading
+    published = threading.Thread(target=feed.publish, args=(2, [(n, t + 1) for n, t in old]))
+    published.start()
+    published.join(5)
+    assert not published.is_alive(), "publish waited for a stalled reader"
+    assert [t[0].item() for _, t in fetch(feed.address, 2, KEY, timeout=5)] == [i + 1.0 for i in range(8)]
+    stuck._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    stuck.close()  # dies: with SO_LINGER 0 the close is a reset, as when the kernel reaps a killed process
+    feed.publish(3, old)
+    assert [t[0].item() for _, t in fetch(feed.address, 3, KEY, timeout=5)] == [float(i) for i in range(8)]
+
+
 def test_publish_refuses_what_a_feed_cannot_carry(feed):
     with pytest.raises(ValueError, match="published twice"):
         feed.publish(1, [("a", torch.ones(1)), ("a", torch.ones(1))])

@@ -52,9 +52,11 @@ from prl.inference.checks import (
     resolve_feeds,
     resolve_weights_dir,
 )
+from prl.log import get_logger
 from prl.run.rundir import RunDir, step_of
 
 router = APIRouter()
+log = get_logger("prl.inference")
 
 PAUSE_MODES = ("keep", "wait", "abort")
 MAX_BODY_BYTES = 64 * 1024
@@ -180,6 +182,9 @@ async def update_weights(request: Request):
     async with state.lock:
         if state.broken:
             return _error(503, f"server is broken, refusing updates: {state.broken}")
+        # Logged before the engine is asked anything: an update that never ends shows where it began.
+        source = (f"{len(target.feeds)} trainer feeds" if isinstance(target, FeedTarget) else str(target.path))
+        log.info("weights update begins: step %s from %s (pause %s)", target.step, source, mode)
         was_paused = await engine.is_paused()
         t_pause = time.perf_counter()
         if mode == "keep" and is_multimodal(engine):
