@@ -25,12 +25,25 @@ STAND_IN_STEP = 1
 def stand_in_source_run(name: str, cwd: Path) -> Path | None:
     """For a shipped topology that starts from another run's weights (`model.from_run`, relative to where prl
     runs): a stand-in of that run under `cwd`, a plan.json and one published (empty) weights step, so the
-    topology plans without the earlier run having been trained. None for a topology without `from_run`."""
+    topology plans without the earlier run having been trained. For one attached to an inference pool
+    (`inference.attach`): that pool's plan, as the shipped pool topology of the same name plans it there. None
+    for a topology with neither."""
     import yaml
 
     from prl.run.rundir import RunDir
 
-    model = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text()).get("model") or {}
+    topology = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
+    attach = (topology.get("inference") or {}).get("attach")
+    if attach is not None:
+        from prl.planner.prepare import prepare
+
+        assert not Path(attach).is_absolute(), f"configs/{name}.yaml: a shipped inference.attach must be relative"
+        pool = RunDir(cwd / attach)
+        pool.root.mkdir(parents=True)
+        planned = prepare(REPO / "configs" / f"{Path(attach).name}.yaml", [f"run_dir={pool.root}"], cwd=cwd).plan
+        pool.plan_json.write_text(planned.to_json())
+        return pool.root
+    model = topology.get("model") or {}
     if model.get("from_run") is None:
         return None
     assert not Path(model["from_run"]).is_absolute(), f"configs/{name}.yaml: a shipped from_run must be relative"

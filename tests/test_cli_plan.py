@@ -23,7 +23,8 @@ def prl(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
 def test_plan_writes_the_run_directory(name, tmp_path):
     run = tmp_path / "run"
     source = stand_in_source_run(name, tmp_path / "cwd")
-    result = prl("plan", f"configs/{name}.yaml", f"run_dir={run}", *([f"model.from_run={source}"] if source else []))
+    key = "inference.attach" if "attach:" in (REPO / "configs" / f"{name}.yaml").read_text() else "model.from_run"
+    result = prl("plan", f"configs/{name}.yaml", f"run_dir={run}", *([f"{key}={source}"] if source else []))
     assert result.returncode == 0, result.stderr
     assert "wrote" in result.stdout and str(run) in result.stdout
     plan = Plan.read(RunDir(run))  # as every role reads it

@@ -221,9 +221,28 @@ class EndsTheJob(Strict, kw_only=True):
     """Only `fail`: the trainer and orchestrator resume from their checkpoints through a requeue, not a restart."""
 
 
-class Inference(Strict, kw_only=True):
-    """Either one unified group (`nodes`, `tp`, ...) or a `prefill` and a `decode` group."""
+class Pool(Strict, kw_only=True):
+    """This topology is an inference pool: its servers serve its model to the LoRA adapters of other RL runs,
+    which attach to it (`inference: {attach: THIS RUN DIRECTORY}`) instead of starting servers of their own;
+    each run loads, generates with and unloads only its own adapter, under its own key (docs/inference.md,
+    Inference pools). A pool has no trainer, orchestrator or environment; it serves until stopped."""
 
+    max_loras: Annotated[int, Meta(ge=1, le=MAX_ITEMS)] = 4
+    """Adapters one batch may mix (vLLM `--max-loras`): runs beyond it generating at once take turns."""
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
+    """Largest adapter rank an attached run may train (vLLM `--max-lora-rank`, one of the ranks it accepts)."""
+    max_cpu_loras: Optional[Annotated[int, Meta(ge=1, le=MAX_ITEMS)]] = None
+    """Adapters kept loaded in CPU memory (vLLM `--max-cpu-loras`; None: 4 x max_loras)."""
+
+
+class Inference(Strict, kw_only=True):
+    """Either one unified group (`nodes`, `tp`, ...) or a `prefill` and a `decode` group, or `attach`: an
+    inference pool's servers."""
+
+    attach: Optional[PathText] = None
+    """Generate on an inference pool's servers (a topology with `pool:`) instead of starting servers: that pool's
+    run directory. Needs `model.lora` (the run's adapter is what it loads there) and the pool's model; the
+    pool must be running for the run to start."""
     nodes: Optional[Annotated[int, Meta(ge=1, le=MAX_NODES)]] = None
     """Unified: nodes serving both prefill and decode."""
     # The unified fields stay UNSET unless written, so that one written beside prefill and decode is refused
@@ -261,6 +280,20 @@ class Inference(Strict, kw_only=True):
     """Failure policy of every inference (prefill, decode) server: restarted by default."""
 
     def __post_init__(self) -> None:
+        if self.attach is not None:
+            written = [name for name in ("nodes", "prefill", "decode") if getattr(self, name) is not None]
+            written += [name for name in _UNIFIED if getattr(self, name) is not UNSET]
+            written += [name for name, default in _DISAGGREGATED.items()
+                        if getattr(self, name) is not UNSET and getattr(self, name) is not default]
+            written += [name for name in ("quantization",) if getattr(self, name) is not None]
+            written += [name for name, default in (("kv_offload", KVOffload()), ("on_failure", OnFailure()))
+                        if getattr(self, name) != default]
+            if written:
+                raise FieldValueError(written[0], f"{written[0]} places servers of this run, and inference.attach "
+                                                  f"uses a pool's: remove one of them")
+            for name, default in _DISAGGREGATED.items():
+                msgspec.structs.force_setattr(self, name, default)
+            return
         split = self.prefill is not None or self.decode is not None
         if split and self.nodes is not None:
             raise ValueError("give either nodes (unified) or prefill + decode (disaggregated), not both")
@@ -286,7 +319,9 @@ class Inference(Strict, kw_only=True):
         return self.prefill is not None
 
     def groups(self) -> dict[str, InferenceGroup]:
-        """Role name -> group, in het-group order."""
+        """Role name -> group, in het-group order (none when attached to a pool)."""
+        if self.attach is not None:
+            return {}
         if self.prefill is not None and self.decode is not None:
             return {"prefill": self.prefill, "decode": self.decode}
         assert self.nodes is not None
@@ -638,14 +673,18 @@ class Topology(Strict, kw_only=True):
     """RL only: on-policy distillation's teacher servers (`training.loss.distill_coef` uses their logprobs)."""
     reference: Optional[Scorer] = None
     """RL only: servers of a frozen reference model (`training.loss.kl_ref_coef` uses their logprobs)."""
-    trainer: Trainer
+    trainer: Optional[Trainer] = None
+    """The trainer (every topology but a pool's)."""
+    pool: Optional[Pool] = None
+    """An inference pool: inference servers only, shared by the RL runs that attach to them."""
     orchestrator: Union[Orchestrator, UnsetType] = UNSET
     """RL only: where the orchestrator runs (unset: the defaults below). Always an Orchestrator once loaded."""
     environment: Optional[Environment] = None
     """RL only: the verifiers environment trained on."""
     sft: Optional[SFT] = None
     """Supervised fine-tuning instead of RL: a trainer-only job (then no inference, orchestrator, environment)."""
-    training: Training
+    training: Optional[Training] = None
+    """How to train (every topology but a pool's)."""
     weights: Weights = Weights()
     """RL only: how new weights move from the trainer to the inference servers."""
     slurm: Slurm = Slurm()
@@ -653,11 +692,39 @@ class Topology(Strict, kw_only=True):
     """Log metrics to W&B during the run (None: `prl wandb RUN` when you want). Nodes without internet:
     export WANDB_MODE=offline before submitting and `wandb sync RUN/wandb/offline-run-*` later."""
 
+    @property
+    def attached(self) -> bool:
+        """This run generates on an inference pool's servers (`inference.attach`)."""
+        return self.inference is not None and self.inference.attach is not None
+
+    def _check_pool(self) -> None:
+        stray = [name for name in ("trainer", "training", "sft", "environment", "teacher", "reference")
+                 if getattr(self, name) is not None]
+        stray += ["orchestrator"] if not (self.orchestrator is UNSET or self.orchestrator is DEFAULT_ORCHESTRATOR) else []
+        if stray:
+            raise FieldValueError(stray[0], f"an inference pool (pool:) runs inference servers only: remove {stray[0]}")
+        if self.inference is None:
+            raise FieldValueError("inference", "missing: an inference pool (pool:) needs inference: (its servers)")
+        if self.inference.attach is not None or self.inference.disaggregated:
+            raise FieldValueError("attach" if self.inference.attach else "prefill",
+                                  "an inference pool serves from unified servers of its own (inference.nodes)")
+        if self.model.lora is not None:
+            raise FieldValueError("lora", "an inference pool serves its base model; the attached runs set model.lora")
+        if self.weights.transport != "filesystem":
+            raise FieldValueError("weights", "an inference pool's model never changes: remove weights.transport")
+
     def scorers(self) -> dict[str, Scorer]:
         """The scoring server groups written (`teacher`, `reference`), by role, in het-group order."""
         return {name: group for name in SCORER_ROLES if (group := getattr(self, name)) is not None}
 
     def __post_init__(self) -> None:
+        if self.pool is not None:
+            self._check_pool()
+        else:
+            for name in ("trainer", "training"):
+                if getattr(self, name) is None:
+                    raise FieldValueError(name, f"required field is missing: {name} (every topology but an "
+                                                f"inference pool's, `pool:`)")
         if self.sft is not None:
             given = {"inference": self.inference is not None, "environment": self.environment is not None,
                      "teacher": self.teacher is not None, "reference": self.reference is not None,
@@ -668,11 +735,23 @@ class Topology(Strict, kw_only=True):
             if self.weights.transport != "filesystem":
                 raise FieldValueError("weights", "an SFT topology (sft:) has no inference servers to send weights "
                                                  "to: remove weights.transport")
-        else:
+        elif self.pool is None:
             for name in ("inference", "environment"):
                 if getattr(self, name) is None:
                     raise FieldValueError(name, "missing: an RL topology needs inference: and environment: "
                                                 "(or give sft: for supervised fine-tuning)")
+        if self.attached and self.model.lora is None:
+            raise FieldValueError("attach", "a run on an inference pool's servers loads its LoRA adapter there: set "
+                                            "model.lora (the pool's base model stays as it is)")
+        if self.attached and self.orchestrator is not UNSET and self.orchestrator.placement == "inference":
+            raise FieldValueError("placement", "a run on an inference pool's servers has no inference nodes of its "
+                                               "own to place the orchestrator on: use own or trainer")
+        if self.attached and self.training.router_replay:
+            raise FieldValueError("router_replay", "router replay needs the run's own servers (a pool's serve "
+                                                   "adapters, and LoRA adapts no router)")
+        if self.attached and (self.teacher is not None or self.reference is not None):
+            raise FieldValueError("attach", "a run on an inference pool's servers has no servers of its own: a "
+                                            "teacher: or reference: section needs them (not supported yet)")
         if self.model.lora is not None and self.weights.transport != "filesystem":
             raise FieldValueError("weights", "model.lora sends only the adapter, through the run directory (a few MB): "
                                              "remove weights.transport: memory, which streams whole models")

@@ -3,9 +3,12 @@ RL API routes, which every prl server mounts behind the run's key (`POST /pause?
 `POST /resume`, `GET /is_paused`, `GET /weight_info`: prl.inference.server.RL_API_ROUTES).
 
     GET  /prl/live     {"ok", "weights_step", "weights_path", "disk_step", "paused", "model", "updates", ...}
+                       (an inference pool's: "tenants" too; an attached run's: its own adapter's)
     POST /prl/weights  {"step": N} | {"path": "/abs/dir"} | {"step": N, "feeds": ["host:port", ...]}
                        [, "mode": "keep"|"wait"|"abort"]
                        -> {"step", "path", "seconds", "load_seconds", "pause_seconds", "kv_storage_cleared"}
+    POST /prl/detach   a run attached to an inference pool: its adapter unloaded here (docs/inference.md,
+                       Inference pools; an attached run's /prl/weights loads its own adapter: `tenant_update`)
 
 A weight update is validated completely before any weight is touched (the
 directory is under RUN/weights/ and published, its tensors have the served
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import shutil
 import socket
 import time
@@ -54,6 +58,7 @@ from prl.inference.checks import (
 )
 from prl.log import get_logger
 from prl.run.rundir import RunDir, step_of
+from prl.run.tenants import Registry, Tenant
 
 router = APIRouter()
 log = get_logger("prl.inference")
@@ -92,6 +97,13 @@ class AdminState:
     """Why the served weights are unknown after a failed update and a failed rollback."""
     lora: bool = False
     """Started with `--enable-lora`: updates are adapters (`model.lora`), served under the model's name."""
+    tenants: Registry | None = None
+    """A pool (`--tenants`): the attached runs, each loading its adapter under its own name (prl/run/tenants.py);
+    the base model itself never changes."""
+    adapters: dict[str, dict] = field(default_factory=dict)
+    """A pool's attached runs' adapters, by run name: {"step", "path", "lora_id", "updates", "last_update"}."""
+    lora_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    """vLLM's LoRA ids, one per adapter version loaded (a new id: no KV or cached weights of an older one reused)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -101,6 +113,13 @@ def _state(request: Request) -> AdminState:
 
 def _engine(request: Request):
     return request.app.state.engine_client
+
+
+def _tenant(request: Request) -> Tenant | None:
+    """The attached run making this request (its key matched a pool record: prl.inference.server.PoolAuth)."""
+    state = _state(request)
+    name = request.scope.get("state", {}).get("prl_tenant")
+    return state.tenants.get(name) if state.tenants is not None and name else None
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -133,6 +152,8 @@ def _mode(body: dict, default: str) -> str:
 @router.get("/prl/live")
 async def live(request: Request):
     state = _state(request)
+    if (tenant := _tenant(request)) is not None:
+        return tenant_live(state, tenant)
     paused = await _engine(request).is_paused()
     body = {
         "ok": state.broken is None,
@@ -147,7 +168,19 @@ async def live(request: Request):
     }
     if state.broken:
         body["error"] = state.broken
+    if state.tenants is not None:
+        state.tenants.refresh()
+        body["tenants"] = {name: state.adapters.get(name, {}).get("step") for name in state.tenants.names()}
     return JSONResponse(body, status_code=200 if state.broken is None else 503)
+
+
+def tenant_live(state: AdminState, tenant: Tenant) -> dict:
+    """`/prl/live` as an attached run sees it: its own adapter (weights_step null: the base model serves it)."""
+    loaded = state.adapters.get(tenant.name, {})
+    step = loaded.get("step")
+    return {"ok": state.broken is None, "model": tenant.name, "weights_step": step, "disk_step": step,
+            "weights_path": loaded.get("path"), "updates": loaded.get("updates", 0),
+            "last_update": loaded.get("last_update"), "updating": state.lock.locked()}
 
 
 def checked_target(state, body: dict) -> tuple[WeightsTarget | FeedTarget, str]:
@@ -172,10 +205,21 @@ def checked_target(state, body: dict) -> tuple[WeightsTarget | FeedTarget, str]:
 @router.post("/prl/weights")
 async def update_weights(request: Request):
     state = _state(request)
+    try:
+        body = await _body(request)
+        if state.tenants is not None:  # an inference pool: adapters of the attached runs
+            return await tenant_update(request, state, _tenant(request), body)
+    except UpdateRefused as e:
+        return _error(e.status, e.message)
+    return await update_served(request, state, body)
+
+
+async def update_served(request: Request, state: AdminState, body: dict):
+    """`/prl/weights` of a run's own server: its model's weights (or its run's adapter) from disk or feeds."""
     engine = _engine(request)
     t0 = time.perf_counter()
     try:
-        target, mode = checked_target(state, await _body(request))
+        target, mode = checked_target(state, body)
     except UpdateRefused as e:
         return _error(e.status, e.message)
 
@@ -230,6 +274,59 @@ async def update_weights(request: Request):
     return {"step": target.step, "path": str(target.path), "seconds": seconds,
             "pause_seconds": pause_seconds, "load_seconds": state.last_update["load_seconds"],
             "kv_storage_cleared": cleared, **transfer}
+
+
+async def tenant_update(request: Request, state: AdminState, tenant: Tenant | None, body: dict) -> dict:
+    """An attached run's `/prl/weights`: a published adapter step of its own run directory, loaded under its
+    name (requests running keep the version they started with; no pause, no KV dropped: each version has a new
+    LoRA id). UpdateRefused for the pool's own key, a whole model, or a step outside the run."""
+    from vllm.lora.request import LoRARequest
+
+    if tenant is None:
+        raise UpdateRefused(409, "this server is an inference pool: its base model does not change; attached runs "
+                                 "load their adapters with their own keys")
+    body = {k: v for k, v in body.items() if k != "mode"}
+    target = resolve_weights_dir(RunDir(tenant.run_dir), body)
+    if not target.adapter:
+        raise UpdateRefused(409, f"{target.path} is a whole model; a run attached to an inference pool loads "
+                                 f"LoRA adapters only (model.lora)")
+    checkpoint_layout(target.path)  # readable safetensors (vLLM checks the adapter's names as it loads)
+    t0 = time.perf_counter()
+    async with state.lock:
+        log.info("adapter update begins: run %s, step %s from %s", tenant.name, target.step, target.path)
+        lora = LoRARequest(tenant.name, next(state.lora_ids), str(target.path))
+        try:
+            await _engine(request).add_lora(lora)
+        except Exception as e:  # noqa: BLE001 - the engine refused it whole: the old version serves
+            raise UpdateRefused(502, f"loading {target.path} failed: {type(e).__name__}: {e}; still serving "
+                                     f"{state.adapters.get(tenant.name, {}).get('path') or 'the base model'}") from e
+        request.app.state.openai_serving_models.lora_requests[tenant.name] = lora
+        seconds = time.perf_counter() - t0
+        held = state.adapters.setdefault(tenant.name, {"updates": 0})
+        held.update(step=target.step, path=str(target.path), lora_id=lora.lora_int_id, updates=held["updates"] + 1,
+                    last_update={"step": target.step, "path": str(target.path), "seconds": seconds,
+                                 "time": time.time()})
+    return {"step": target.step, "path": str(target.path), "seconds": seconds, "load_seconds": seconds}
+
+
+@router.post("/prl/detach")
+async def detach(request: Request):
+    """An attached run leaves the pool: its adapter is unloaded from this server, which forgets it. The run then
+    removes its record (prl.run.tenants.detach) once every server of the pool has unloaded it; from then on
+    its key is refused."""
+    state = _state(request)
+    tenant = _tenant(request)
+    if tenant is None:
+        return _error(400, "only a run attached to this inference pool detaches, with its own key")
+    async with state.lock:
+        held = state.adapters.pop(tenant.name, None)
+        request.app.state.openai_serving_models.lora_requests.pop(tenant.name, None)
+        if held is not None:
+            with contextlib.suppress(Exception):  # not in the engine's cache any more: nothing to unload
+                await _engine(request).remove_lora(held["lora_id"])
+        state.tenants.forget(tenant.name)
+    log.info("run %s detached%s", tenant.name, " (its adapter unloaded)" if held else "")
+    return {"unloaded": [tenant.name] if held else [], "run": tenant.name}
 
 
 async def load(engine, target: WeightsTarget | FeedTarget) -> tuple[float, dict]:
@@ -406,7 +503,8 @@ def _record_metrics(state: AdminState, request: Request) -> None:
         pass
 
 
-def initial_state(run: RunDir, model: str, model_name: str, lora: bool = False) -> AdminState:
+def initial_state(run: RunDir, model: str, model_name: str, lora: bool = False,
+                  tenants: Registry | None = None) -> AdminState:
     """AdminState for a server that just loaded `model` (a local dir or a hub id)."""
     path = Path(model)
     layout = None
@@ -419,4 +517,4 @@ def initial_state(run: RunDir, model: str, model_name: str, lora: bool = False) 
     step = step_of(path) if path.is_dir() and path.resolve().parent == run.weights_root() else None
     weights_path = str(path.resolve()) if path.is_dir() else model
     return AdminState(run=run, model_name=model_name, weights_path=weights_path, layout=layout, weights_step=step,
-                      disk=(weights_path, step) if path.is_dir() else None, lora=lora)
+                      disk=(weights_path, step) if path.is_dir() else None, lora=lora, tenants=tenants)

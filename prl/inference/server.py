@@ -14,6 +14,10 @@ weight feeds (prl/inference/feed_engine.py). Nothing in vLLM is patched.
 Runner V2): the generate route returns the experts every MoE layer routed each token to, for router replay
 (prl/inference/worker.py `RouteCapture`); the prefix cache is then off.
 
+`--tenants` (prl's flag): the server is an inference pool's (docs/inference.md, Inference pools): besides the
+pool's own key, the keys of the runs attached in RUN/tenants/ (prl/run/tenants.py), each for its own adapter's
+routes only (`PoolAuth`).
+
 Binding: `--host` as given (the launcher passes the node's cluster address);
 without it 127.0.0.1, never all interfaces by default. With `--api-key-env
 VAR`, every endpoint but `/health` (the launcher's readiness probe) requires
@@ -55,10 +59,17 @@ def split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--routed-experts", action="store_true",
                         help="return the experts each MoE layer routed every token to (router replay); turns "
                              "the prefix cache off")
+    parser.add_argument("--tenants", action="store_true",
+                        help="serve as an inference pool: the runs attached in RUN/tenants/ generate and load "
+                             "their own LoRA adapters with their own keys (prl/run/tenants.py); needs "
+                             "--enable-lora and --api-key-env")
     ours, rest = parser.parse_known_args(argv)
     if "-h" in rest or "--help" in rest:
         parser.print_help()
     flags = {a.split("=", 1)[0] for a in rest}
+    if ours.tenants and ("--enable-lora" not in flags or not ours.api_key_env):
+        parser.error("--tenants serves attached runs' adapters with their own keys: it needs --enable-lora and "
+                     "--api-key-env (the pool's own key)")
     if ours.routed_experts:
         # A cached prompt token never goes through the model, so its routes could not be captured.
         if "--enable-prefix-caching" in flags:
@@ -89,26 +100,90 @@ class BearerAuth:
         self.app = app
         self.digest = hashlib.sha256(key.encode()).digest()
 
-    def _ok(self, scope) -> bool:
+    @staticmethod
+    def _token(scope) -> str | None:
         for name, value in scope.get("headers", []):
             if name == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(
-                    hashlib.sha256(token.strip().encode()).digest(), self.digest)
-        return False
+                return token.strip() if scheme.lower() == "bearer" else None
+        return None
+
+    def _ok(self, scope) -> bool:
+        token = self._token(scope)
+        return token is not None and hmac.compare_digest(hashlib.sha256(token.encode()).digest(), self.digest)
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "").removeprefix(scope.get("root_path", "")) or "/"
         # OPTIONS too: a CORS preflight needs no answer from a server that browsers never call.
         if scope["type"] not in ("http", "websocket") or path in OPEN_PATHS or self._ok(scope):
             return await self.app(scope, receive, send)
+        return await self.refuse(scope, receive, send, 401, "missing or wrong API key (Authorization: Bearer <key>)")
+
+    @staticmethod
+    async def refuse(scope, receive, send, status: int, message: str) -> None:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
         from starlette.responses import JSONResponse
 
-        await JSONResponse({"error": "missing or wrong API key (Authorization: Bearer <key>)"},
-                           status_code=401)(scope, receive, send)
+        await JSONResponse({"error": message}, status_code=status)(scope, receive, send)
+
+
+class PoolAuth(BearerAuth):
+    """BearerAuth of an inference pool (`--tenants`): the pool's own key, or an attached run's key for what that
+    run may call (prl.run.tenants.access: its own adapter's routes; another run's adapter is 404, the
+    pool's routes 403). The request then carries the run's name (`scope["state"]["prl_tenant"]`) to the routes.
+    A body whose model must be checked is read here, within MAX_BODY_BYTES, and handed on unchanged."""
+
+    def __init__(self, app):
+        if not _API_KEY or _TENANTS is None:
+            raise RuntimeError("PoolAuth needs prl.inference.server._API_KEY and _TENANTS set")
+        super().__init__(app, _API_KEY)
+        self.registry, self.base_model = _TENANTS, _BASE_MODEL
+
+    async def __call__(self, scope, receive, send):
+        from prl.run.tenants import GENERATE_PATHS, access
+
+        path = scope.get("path", "").removeprefix(scope.get("root_path", "")) or "/"
+        if scope["type"] not in ("http", "websocket") or path in OPEN_PATHS or self._ok(scope):
+            return await self.app(scope, receive, send)
+        token = self._token(scope)
+        tenant = self.registry.by_key(token) if token else None
+        if tenant is None:
+            return await self.refuse(scope, receive, send, 401,
+                                     "missing or wrong API key (Authorization: Bearer <key>)")
+        body = b""
+        method = scope.get("method", "GET")
+        if scope["type"] == "http" and method == "POST" and path in GENERATE_PATHS:
+            body, receive = await buffered(receive, MAX_BODY_BYTES)
+            if body is None:
+                return await self.refuse(scope, receive, send, 413, f"request body over {MAX_BODY_BYTES} bytes")
+        refused = access(tenant, method, path, body, self.base_model)
+        if refused is not None:
+            return await self.refuse(scope, receive, send, *refused)
+        scope.setdefault("state", {})["prl_tenant"] = tenant.name
+        return await self.app(scope, receive, send)
+
+
+async def buffered(receive, max_bytes: int):
+    """(the whole request body, a `receive` that hands it on as it came); (None, receive) beyond `max_bytes`."""
+    messages, size = [], 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            break
+        size += len(message.get("body", b""))
+        if size > max_bytes:
+            return None, receive
+        if not message.get("more_body", False):
+            break
+    body = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
+
+    async def replay():
+        return messages.pop(0) if messages else await receive()
+
+    return body, replay
 
 
 SHUTDOWN_GRACE_S = 5.0
@@ -222,6 +297,10 @@ def add_prl_routes(app, model_config) -> None:
 
 _API_KEY: str | None = None
 """Set by `serve` before the app is built; read by ApiKeyAuth (vLLM constructs middleware with the app only)."""
+_TENANTS = None
+"""An inference pool's attached runs (prl.run.tenants.Registry), set by `serve` with `--tenants`."""
+_BASE_MODEL: str = ""
+"""The served model's name, which an attached run may generate with besides its own adapter's."""
 
 
 class ApiKeyAuth(BearerAuth):
@@ -252,14 +331,7 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
 
     signal.signal(signal.SIGTERM, _interrupt)
     args.middleware = [*(args.middleware or []), f"{__name__}.BodyLimit"]
-    if key:
-        # vLLM's --middleware hook: the app's middleware stack is final once build_app returns.
-        global _API_KEY
-        _API_KEY = key
-        args.middleware = [*(args.middleware or []), f"{__name__}.ApiKeyAuth"]
-        # The weight-feed engine authenticates with the same key, in vLLM's spawned workers: they
-        # inherit this process's environment, under the one name they read.
-        os.environ[API_KEY_VAR] = key
+    registry = use_key(ours, args, run, key)
     listen_address, sock = setup_server(args, reuse_port=False)
     async with build_async_engine_client(args) as engine:
         supported = await engine.get_supported_tasks()
@@ -267,7 +339,7 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
         add_prl_routes(app, engine.model_config)
         await init_app_state(engine, app.state, args, supported)
         served = (args.served_model_name or [args.model])[0]
-        await init_prl_state(app, engine, run, args, served, routed_experts=ours.routed_experts)
+        await init_prl_state(app, engine, run, args, served, routed_experts=ours.routed_experts, tenants=registry)
         log.info("prl inference: run dir %s, serving %s on %s", run.root, served, listen_address)
 
         uvicorn_kwargs = {}
@@ -292,13 +364,32 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
         sock.close()
 
 
+def use_key(ours: argparse.Namespace, args: argparse.Namespace, run: RunDir, key: str):
+    """Every route but /health behind `key` (vLLM's --middleware hook: the app's middleware stack is final once
+    build_app returns); for an inference pool (`--tenants`) the attached runs' keys too. Returns the pool's
+    registry of attached runs (None for a run's own server)."""
+    registry = None
+    if ours.tenants:
+        from prl.run.tenants import Registry
+
+        registry = Registry(run)
+    if key:
+        global _API_KEY, _TENANTS, _BASE_MODEL
+        _API_KEY, _TENANTS, _BASE_MODEL = key, registry, (args.served_model_name or [args.model])[0]
+        args.middleware = [*(args.middleware or []), f"{__name__}.{'PoolAuth' if ours.tenants else 'ApiKeyAuth'}"]
+        # The weight-feed engine authenticates with the same key, in vLLM's spawned workers: they
+        # inherit this process's environment, under the one name they read.
+        os.environ[API_KEY_VAR] = key
+    return registry
+
+
 async def init_prl_state(app, engine, run: RunDir, args: argparse.Namespace, served: str, *,
-                         routed_experts: bool) -> None:
+                         routed_experts: bool, tenants=None) -> None:
     """prl's state on the app: the admin routes' (weights served, adapters), and with `--routed-experts` every
     worker recording its MoE layers' routes (prl/inference/worker.py `RouteCapture`) for the generate route."""
     from prl.inference import admin
 
-    app.state.prl_admin = admin.initial_state(run, args.model, served, lora=bool(args.enable_lora))
+    app.state.prl_admin = admin.initial_state(run, args.model, served, lora=bool(args.enable_lora), tenants=tenants)
     if routed_experts:
         shape = (await engine.collective_rpc("prl_capture_routes"))[0]
         app.state.prl_routes = True

@@ -473,11 +473,24 @@ class Launcher:
     def finish(self, status: LauncherStatus, code: int) -> int:
         self.state.status, self.state.ended, self.state.exit_code = status, time.time(), code
         self.save()
+        if self.plan.attach and status != LauncherStatus.REQUEUED:
+            self.leave_pool()
         # Kept beside the attempt's logs: the next attempt's launcher.json replaces this one (restarts, hangs).
         self.write(self.run.attempt_launcher_state(self.attempt), self.state)
         self.stop_wandb()
         (log.info if status == LauncherStatus.COMPLETED else log.warning)(f"job {status} (exit {code})")
         return code
+
+    def leave_pool(self) -> None:
+        """A run attached to an inference pool ends: every pool server unloads its adapter, its record goes."""
+        from prl.run.tenants import leave
+
+        try:
+            done = leave(RunDir(self.plan.attach), self.plan.name, self.run.read_api_key())
+        except (OSError, RunDirError) as exc:
+            log.warning(f"could not detach from the inference pool {self.plan.attach}: {exc}")
+            return
+        log.info(f"detached from the inference pool {self.plan.attach} ({len(done)} server(s) unloaded the adapter)")
 
     # -- W&B: `prl wandb --follow` for this attempt, beside the roles (its failure never touches them)
     def start_wandb(self) -> None:

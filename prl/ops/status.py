@@ -91,6 +91,10 @@ class Status:
     earlier: list[Earlier] = field(default_factory=list)
     """How each earlier attempt of the run ended: attempt, status, first failure, stop signal, and (Slurm) the
     job's state for that run, e.g. NODE_FAIL."""
+    attached: list[dict[str, Any]] | None = None
+    """An inference pool: the runs attached to it (name, run_dir, attached, state, adapter_step)."""
+    pool: str | None = None
+    """A run attached to an inference pool: the pool's run directory."""
 
     def to_json(self) -> str:
         return json.dumps(msgspec.to_builtins(self), indent=2, sort_keys=True)
@@ -178,7 +182,24 @@ def collect(run: RunDir) -> Status:
     mode = launcher.mode if launcher else job.mode if job else None
     return Status(str(run.root), plan.name, job.job_id if job else None, backend, state,
                   launcher.attempt if launcher else None, mode, roles, _progress(run, plan),
-                  _failure(run, launcher), notes, commands, earlier)
+                  _failure(run, launcher), notes, commands, earlier,
+                  attached=_attached(run) if plan.pool is not None else None, pool=plan.attach)
+
+
+def _attached(pool: RunDir) -> list[dict[str, Any]]:
+    """The runs attached to an inference pool, each with its launcher's status and its newest adapter step."""
+    from prl.run.tenants import attached_runs
+
+    out = []
+    for entry in attached_runs(pool):
+        run = RunDir(entry["run_dir"])
+        try:
+            launcher = run.read_launcher()
+        except (OSError, ValueError, ConfigError):
+            launcher = None
+        out.append({**entry, "state": str(launcher.status) if launcher else "-",
+                    "adapter_step": run.latest_stable("weights")})
+    return out
 
 
 def _disk_note(run: RunDir, launcher: LauncherRecord | None, notes: list[str]) -> None:
@@ -299,6 +320,8 @@ def _last_step(records: list[dict[str, Any]]) -> int | None:
 
 
 def _progress(run: RunDir, plan: Plan) -> dict[str, Any]:
+    if plan.pool is not None:
+        return {}  # an inference pool trains nothing: its attached runs show theirs
     if not any(step.name == "orchestrator" for step in plan.steps):
         # SFT: the trainer alone, weights only with checkpoints; its own records say where it is.
         last = next(iter(reversed(run.read_metrics("trainer"))), {})
@@ -395,7 +418,14 @@ def show(status: Status, console: Any = None) -> None:
             console.print(f"[yellow]{r.role} replica {f.replica} (task {f.task}, node {f.node or '-'}): "
                           f"{f.reason}; {f.action or '-'}{back}[/yellow]", highlight=False)
     p = status.progress
-    if "last_loss" in p:
+    if status.pool:
+        console.print(f"inference: the pool {status.pool}", markup=False, highlight=False)
+    if status.attached is not None:
+        console.print(f"attached runs: {len(status.attached)}" + ("" if status.attached else " (none)"))
+        for a in status.attached:
+            console.print(f"  {a['name']}: {a['state']}, adapter step {_or_dash(a['adapter_step'])}, {a['run_dir']}",
+                          markup=False, highlight=False)
+    elif "last_loss" in p:
         console.print(f"progress: trainer step {_or_dash(p['trainer_step'])}, loss {_or_dash(p['last_loss'], '.4f')}, "
                       f"epoch {_or_dash(p['epoch'], '.2f')}, last checkpoint {_or_dash(p['checkpoint'])}")
     else:

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 from prl.config.topology import TINY_MOE_FAMILIES, Model
 from prl.errors import ConfigError, RunDirError, SlurmError
+from prl.run import tenants
 from prl.planner.prepare import Prepared, prepare, write_run_files
 from prl.ops.registry import register
 from prl.run.records import JobRecord
@@ -82,10 +83,15 @@ def submit(topology: Path, overrides: Sequence[str], *, local: bool, detach: boo
     backend = Backend.LOCAL if local or not prepared.plan.slurm else Backend.SLURM
     mode = "preflight" if preflight else "run"
     attempt_base = max(run.attempts(), default=0)
+    pool = RunDir(prepared.plan.attach) if prepared.plan.attach else None
+    if pool is not None:
+        tenants.check_attachable(pool, prepared.plan.name, run.root)
     write_run_files(prepared, force=True)  # first: it refuses a run_dir that is not this run's
     run.create()
     # A fresh key per submission; the role runner hands it to servers, router and orchestrator.
     run.create_api_key()
+    if pool is not None:  # the pool's servers accept the run's key (its digest) from now on
+        tenants.attach(pool, prepared.plan.name, run.root, run.read_api_key())
     env = {"PRL_MODE": mode, "PRL_HOLD": f"{hold:g}", "PRL_ATTEMPT_BASE": str(attempt_base)}
     if backend == Backend.SLURM:
         from prl.ops import slurm

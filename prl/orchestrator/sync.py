@@ -93,6 +93,8 @@ class Fleet:
     """Found in the run's endpoint files (`discover`): follow them as servers die and restart."""
     scorers: dict[str, list[str]] = field(default_factory=dict)
     """Scoring role -> its servers (`teacher`, `reference`; prl/orchestrator/scoring.py)."""
+    endpoints: RunDir | None = None
+    """The run directory whose endpoint files name the servers: the run's own, or its inference pool's."""
 
 
 @dataclass
@@ -108,6 +110,8 @@ class ServerPool:
     """Servers come from the run's endpoint files (`discover`): follow them as servers die and restart."""
     on_idle: Callable[[], None] | None = None
     """Called when `pick` finds no server to use (the orchestrator's heartbeat while it waits for one)."""
+    endpoints: RunDir | None = None
+    """Where `follow_endpoints` reads the servers' endpoint files (None: the run's own directory)."""
     target: int = 0
     """Newest weights step the watcher has seen published."""
     _moved: asyncio.Event = field(default_factory=asyncio.Event)
@@ -115,7 +119,8 @@ class ServerPool:
 
     @classmethod
     def of(cls, fleet: Fleet, on_idle: Callable[[], None] | None = None) -> ServerPool:
-        return cls(fleet.generate, fleet.admin, follow_endpoints=fleet.follow_endpoints, on_idle=on_idle)
+        return cls(fleet.generate, fleet.admin, follow_endpoints=fleet.follow_endpoints, on_idle=on_idle,
+                   endpoints=fleet.endpoints)
 
     def notify(self) -> None:
         """A server's version or rotation changed: wake every `moved` waiter (`wait_version` is one)."""
@@ -201,8 +206,11 @@ def read_endpoints(run: RunDir) -> dict[str, list[str]]:
 
 
 def discover(run: RunDir, plan: Plan, timeout: float) -> Fleet:
-    """Wait (up to `timeout` s) for every server the plan has to publish its endpoint; the servers found."""
-    want = plan.expected_endpoints()
+    """Wait (up to `timeout` s) for every server the plan has to publish its endpoint; the servers found. A run
+    attached to an inference pool (`plan.attach`) takes the pool's servers, as many as are up."""
+    if plan.attach is not None:
+        run = RunDir(plan.attach)
+    want = set() if plan.attach is not None else plan.expected_endpoints()
     deadline = time.monotonic() + timeout
     while True:
         found = read_endpoints(run)
@@ -221,7 +229,7 @@ def discover(run: RunDir, plan: Plan, timeout: float) -> Fleet:
     if not gen:
         raise PrlError(f"endpoints {found} have neither a router nor an inference server to generate with")
     return Fleet(generate=gen, admin=admin, follow_endpoints=True,
-                 scorers={role: found[role] for role in plan.scorer_roles() if role in found})
+                 scorers={role: found[role] for role in plan.scorer_roles() if role in found}, endpoints=run)
 
 
 def endpoint_starts(run: RunDir) -> dict[str, float | None]:
@@ -317,7 +325,7 @@ class WeightWatcher:
         """
         if not self.pool.follow_endpoints:
             return
-        starts = endpoint_starts(self.run)
+        starts = endpoint_starts(self.pool.endpoints or self.run)
         probed = [s for s in self.pool.admin if s.alive and s.url in starts and starts[s.url] == s.started]
         answers = dict(zip(probed, await asyncio.gather(*(healthy(client, s) for s in probed))))
         for s in self.pool.admin:
@@ -349,7 +357,7 @@ class WeightWatcher:
     def pin(self) -> None:
         """Keep on disk every weights step a server serves or could roll back to (the run's cleanup reads it):
         a server on a step from memory rolls back to the step it last loaded from disk."""
-        if self.pool.admin and self.pool.follow_endpoints:
+        if self.pool.admin and self.pool.follow_endpoints:  # (a pool's server reloads this run's newest adapter)
             self.run.pin_weights("orchestrator", min(min(s.version, s.disk_version) for s in self.pool.admin))
 
     def newest(self) -> tuple[int, dict] | None:

@@ -258,6 +258,15 @@ class ContainerPlan(Frozen, kw_only=True):
         return args + ((f"--container-workdir={self.workdir}",) if self.workdir else ())
 
 
+class PoolPlan(Frozen, kw_only=True):
+    """An inference pool's limits on the runs that attach to it (prl/config/topology.py `Pool`)."""
+
+    model: str
+    """The base model its servers serve (an attached run's adapter must be trained on it)."""
+    max_loras: int
+    max_lora_rank: int
+
+
 class Totals(Frozen, kw_only=True):
     nodes: int
     gpus: int
@@ -296,7 +305,8 @@ class Plan(Frozen, kw_only=True):
     inference: tuple[InferenceRole, ...]
     servers: tuple[Server, ...]
     router_port: Optional[int]
-    trainer: TrainerPlan
+    trainer: Optional[TrainerPlan]
+    """None for an inference pool (`pool`)."""
     orchestrator: Optional[OrchestratorPlan]
     """None for an SFT job (the trainer alone)."""
     steps: tuple[Step, ...]
@@ -316,6 +326,10 @@ class Plan(Frozen, kw_only=True):
     """Failure policy of each role (a role not listed: `fail`)."""
     hang_timeout_s: Optional[float] = None
     """The topology's `training.hang_timeout_s` (None: derived from step times, `hang_bound`)."""
+    pool: Optional[PoolPlan] = None
+    """An inference pool's plan: its servers only, for the runs that attach to it."""
+    attach: Optional[str] = None
+    """The inference pool this run generates on (its run directory): no servers of its own."""
 
     def to_json(self) -> str:
         return msgspec.json.format(msgspec.json.encode(self), indent=2).decode() + "\n"

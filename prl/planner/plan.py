@@ -31,9 +31,10 @@ from typing import Any, Optional
 
 from prl.config.cluster import ClusterProfile
 from prl.config.loader import Source
-from prl.config.topology import InferenceGroup, Lora, Scorer, Topology, Training
+from prl.config.topology import InferenceGroup, Lora, Pool, Scorer, Topology, Training
 from prl.errors import PlanError
-from prl.planner.capabilities import (ModelConfig, compile_refusals, lora_refusals, precision_refusals,
+from prl.planner.capabilities import (VLLM_NO_LORA_ARCHITECTURES, ModelConfig, compile_refusals, lora_refusals,
+                                     precision_refusals,
                                      quantization_refusals, replay_refusals, served_lora_rank, trainer_refusals,
                                      update_warnings, vision_refusals)
 from prl.planner.settings import RunSettings
@@ -47,6 +48,7 @@ from prl.planner.model import (
     MeshError,
     OrchestratorPlan,
     Plan,
+    PoolPlan,
     Server,
     Step,
     Totals,
@@ -152,7 +154,8 @@ def check_node_budget(check: Checker, topo: Topology) -> None:
     counts = {role: g.nodes for role, g in server_groups(topo).items()}
     if topo.inference and topo.orchestrator.placement == "own":
         counts["orchestrator"] = 1
-    counts["trainer"] = topo.trainer.nodes
+    if topo.trainer is not None:
+        counts["trainer"] = topo.trainer.nodes
     total = sum(counts.values())
     if total <= cluster.max_nodes:
         return
@@ -179,7 +182,8 @@ def check_derived_totals(check: Checker, topo: Topology) -> None:
             f"use fewer nodes or a larger tp or dp"))
     tr = topo.trainer
     fields = {group_field(topo, role) + ("nodes",): (role, g.nodes, gpn) for role, g in groups.items()}
-    fields[("trainer", "nodes")] = ("trainer", tr.nodes, tr.gpus_per_node or gpn)
+    if tr is not None:
+        fields[("trainer", "nodes")] = ("trainer", tr.nodes, tr.gpus_per_node or gpn)
     gpus = sum(nodes * per_node for _, nodes, per_node in fields.values())
     if gpus > MAX_JOB_GPUS:
         parts = " + ".join(f"{role} nodes({nodes}) x {per_node}" for role, nodes, per_node in fields.values())
@@ -245,11 +249,11 @@ def served_model(topo: Topology, role: str) -> list[str]:
     scorer = topo.scorers().get(role)
     if scorer is None:
         args = ["--model", m.path, "--served-model-name", topo.name, "--dtype", m.dtype,
-                "--max-model-len", str(m.max_model_len)] + lora_args(m.lora)
+                "--max-model-len", str(m.max_model_len)] + lora_args(m.lora) + pool_args(topo.pool)
         assert topo.inference is not None
         if topo.inference.quantization is not None:
             args += ["--quantization", topo.inference.quantization]
-        if topo.training.router_replay:
+        if topo.training is not None and topo.training.router_replay:
             args += ["--routed-experts", "--no-enable-prefix-caching"]
         tokenizer = m.tokenizer
     else:
@@ -270,6 +274,14 @@ def lora_args(lora: Optional[Lora]) -> list[str]:
         return []
     return ["--enable-lora", "--max-lora-rank", str(served_lora_rank(lora.rank)), "--max-loras", str(LORA_SLOTS),
             "--max-cpu-loras", str(LORA_SLOTS)]
+
+
+def pool_args(pool: Optional[Pool]) -> list[str]:
+    """An inference pool's server arguments: attached runs' adapters served under their names and keys."""
+    if pool is None:
+        return []
+    return ["--tenants", "--enable-lora", "--max-lora-rank", str(pool.max_lora_rank), "--max-loras",
+            str(pool.max_loras), "--max-cpu-loras", str(pool.max_cpu_loras or 4 * pool.max_loras)]
 
 
 def scorer_max_len(topo: Topology, scorer: Scorer) -> int:
@@ -542,7 +554,7 @@ def check_serving(check: Checker, topo: Topology, model_config: Optional[ModelCo
     check.warnings.extend(update_warnings(model_config))
     node = check.cluster.gpu_node
     refusals = quantization_refusals(model_config, bool(node.gpus), node.fp8) if topo.inference.quantization else []
-    if topo.training.router_replay:
+    if topo.training is not None and topo.training.router_replay:
         inf = topo.inference
         refusals += replay_refusals(
             model_config, disaggregated=inf.disaggregated, kv_offload=inf.kv_offload.backend != "none",
@@ -638,7 +650,7 @@ def check_scorers(check: Checker, topo: Topology) -> None:
 
 
 def check_ports(check: Checker, topo: Topology, servers: list[Server], router_port: Optional[int],
-                trainer: TrainerPlan) -> None:
+                trainer: Optional[TrainerPlan]) -> None:
     """Every port a process listens on is <= 65535 and used once per node (once per host, locally)."""
     cluster = check.cluster
     taken: dict[tuple[Any, int], str] = {}
@@ -669,6 +681,8 @@ def check_ports(check: Checker, topo: Topology, servers: list[Server], router_po
     if router_port is not None:
         # Last: when the user's router port collides, the error points at it.
         claim((0, 0), router_port, "the router", ("inference", "router", "port"), topo.inference.router.port is not None)
+    if trainer is None:
+        return
     claim((trainer.group, 0), trainer.master_port, "the trainer rendezvous", ("port_base",), False)
     for rank, port in enumerate(trainer.feed_ports):
         claim((trainer.group, rank // trainer.gpus_per_node), port, f"trainer rank {rank}'s weight feed",
@@ -787,6 +801,8 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
     check_run_dir(check, run_dir)
     check_node_budget(check, topo)
     check_derived_totals(check, topo)
+    if topo.pool is not None:
+        return make_pool_plan(check, topo, run_dir, model_config)
     common_env = role_env(cluster, run_dir)
     layout = Layout()
     roles, servers, router_port, orchestrator = place_rl_roles(check, topo, layout, common_env, run_dir)
@@ -797,13 +813,9 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
     check_training(check, topo, trainer.mesh)
     check_scorers(check, topo)
     check_ports(check, topo, servers, router_port, trainer)
-    check_shared_root(check, run_dir)
-    batch, common = job_directives(check, topo, run_dir)
-    check_extra_directives(check, topo, batch + common[:len(common) - len(topo.slurm.extra_directives)]
-                           + [d for g in layout.groups for d in g.directives])
     # One group (an SFT job) is a plain job: srun refuses --het-group outside a heterogeneous one.
     hetjob = cluster.hetjob and len(layout.groups) > 1
-    groups = finish_groups(check, layout, common, orchestrator, hetjob)
+    batch, groups = job_groups(check, topo, layout, run_dir, orchestrator, hetjob)
     check_segment(check, groups)
     return Plan(
         name=topo.name, job_name=topo.slurm.job_name or topo.name, cluster=cluster.name, slurm=cluster.slurm,
@@ -817,6 +829,46 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
         grace_seconds=cluster.requeue.grace_seconds, requeue=cluster.requeue.enabled,
         totals=totals(groups, servers, roles, trainer), warnings=tuple(check.warnings),
         on_failure=failure_policies(topo, layout.steps), hang_timeout_s=topo.training.hang_timeout_s,
+        attach=topo.inference.attach if topo.inference is not None else None,
+    )
+
+
+def job_groups(check: Checker, topo: Topology, layout: Layout, run_dir: str,
+               orchestrator: Optional[OrchestratorPlan], hetjob: bool) -> tuple[list[str], list[Group]]:
+    """The job's `#SBATCH` options and its groups with theirs, checked (shared root, the user's directives)."""
+    check_shared_root(check, run_dir)
+    batch, common = job_directives(check, topo, run_dir)
+    check_extra_directives(check, topo, batch + common[:len(common) - len(topo.slurm.extra_directives)]
+                           + [d for g in layout.groups for d in g.directives])
+    return batch, finish_groups(check, layout, common, orchestrator, hetjob)
+
+
+def make_pool_plan(check: Checker, topo: Topology, run_dir: str, model_config: Optional[ModelConfig]) -> Plan:
+    """An inference pool (`pool:`): its servers alone, one group, serving until stopped (`make_plan`'s checks
+    that concern servers; there is no trainer, orchestrator or training)."""
+    cluster = check.cluster
+    layout = Layout()
+    roles, servers = place_inference(check, topo, layout, role_env(cluster, run_dir), run_dir)
+    check.warnings.extend(update_warnings(model_config))
+    if model_config is not None and model_config.architecture in VLLM_NO_LORA_ARCHITECTURES:
+        raise check.fail(("pool",), f"vLLM cannot serve {model_config.architecture} with LoRA adapters (its model "
+                                    f"class has no LoRA support): it cannot be an inference pool's model")
+    check_single_allocation(check, layout)
+    check_ports(check, topo, servers, None, None)
+    batch, groups = job_groups(check, topo, layout, run_dir, None, False)
+    pool = topo.pool
+    return Plan(
+        name=topo.name, job_name=topo.slurm.job_name or topo.name, cluster=cluster.name, slurm=cluster.slurm,
+        hetjob=False, run_dir=run_dir, python=cluster.python, served_model_name=topo.name,
+        network_interface=cluster.network.interface, groups=tuple(groups), inference=tuple(roles),
+        servers=tuple(servers), router_port=None, trainer=None, orchestrator=None,
+        steps=tuple(place_steps(cluster, False, layout.steps, groups, run_dir)),
+        batch_directives=tuple(batch), setup=setup_lines(cluster), container=container_plan(cluster, run_dir),
+        settings_json=msgspec.Raw(RunSettings.of(topo).to_json()),
+        grace_seconds=cluster.requeue.grace_seconds, requeue=cluster.requeue.enabled,
+        totals=totals(groups, servers, roles, None), warnings=tuple(check.warnings),
+        on_failure=failure_policies(topo, layout.steps),
+        pool=PoolPlan(model=topo.model.path, max_loras=pool.max_loras, max_lora_rank=pool.max_lora_rank),
     )
 
 
@@ -882,12 +934,13 @@ def merged_env(*parts: dict[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(merged.items()))
 
 
-def totals(groups: list[Group], servers: list[Server], roles: list[InferenceRole], trainer: TrainerPlan) -> Totals:
+def totals(groups: list[Group], servers: list[Server], roles: list[InferenceRole], trainer: Optional[TrainerPlan]
+           ) -> Totals:
     inference_groups = {r.group for r in roles}
     return Totals(nodes=sum(g.nodes for g in groups), gpus=sum(g.nodes * g.gpus_per_node for g in groups),
                   inference_servers=sum(1 for s in servers if s.head),
                   inference_gpus=sum(g.nodes * g.gpus_per_node for g in groups if g.index in inference_groups),
-                  trainer_world_size=trainer.world_size)
+                  trainer_world_size=trainer.world_size if trainer is not None else 0)
 
 
 def gpu_directive(cluster: ClusterProfile, gpus: int) -> tuple[str, ...]:

@@ -101,6 +101,38 @@ def _weights_of_run(topo: Topology, source: Source, cwd: Path) -> Topology:
                                                                        from_run=None, from_step=None))
 
 
+def _attached_pool(topo: Topology, source: Source, cwd: Path) -> Topology:
+    """`inference.attach` -> the pool's absolute run directory, checked: a running pool's plan (an inference pool),
+    serving this run's model, with room for its adapter's rank and a name other than the pool's own."""
+    from prl.planner.model import Plan
+    from prl.run.rundir import RunDir
+
+    if not topo.attached:
+        return topo
+    field = ("inference", "attach")
+    pool = RunDir(str(Path(_absolute(topo.inference.attach, cwd)).resolve()))
+    if not pool.plan_json.is_file():
+        raise source.error(field, f"{pool.root} is not a prl run directory (no plan.json): plan and submit the pool "
+                                  f"first (a topology with pool:)")
+    try:
+        plan = Plan.from_json(pool.plan_json.read_bytes(), str(pool.plan_json))
+    except OSError as exc:
+        raise source.error(field, f"cannot read {pool.plan_json}: {exc.strerror}") from None
+    if plan.pool is None:
+        raise source.error(field, f"{pool.root} is the run directory of {plan.name!r}, which is not an inference pool "
+                                  f"(its topology has no pool: section)")
+    if plan.name == topo.name:
+        raise source.error(("name",), f"the run is named {topo.name!r} like the pool it attaches to, whose model is "
+                                      f"served under that name; name the run otherwise")
+    if Path(plan.pool.model).resolve() != Path(topo.model.path).resolve():
+        raise source.error(("model", "path"), f"the pool {pool.root} serves {plan.pool.model}, and this run trains an "
+                                              f"adapter on {topo.model.path}: an adapter is served on its own base model")
+    if topo.model.lora.rank > plan.pool.max_lora_rank:
+        raise source.error(("model", "lora", "rank"), f"rank {topo.model.lora.rank} is over the pool's max_lora_rank "
+                                                      f"({plan.pool.max_lora_rank}, {pool.root})")
+    return msgspec.structs.replace(topo, inference=msgspec.structs.replace(topo.inference, attach=str(pool.root)))
+
+
 def check_scorer_tokenizers(topo: Topology, source: Source) -> None:
     """A teacher or reference scores the student's token ids: its tokenizer must be the student's (compared from
     the files, prl/planner/tokenizers.py, when this machine sees both directories)."""
@@ -152,7 +184,7 @@ def prepare(topology_path: Path, overrides: Sequence[str] = (), cwd: Path | None
         if stray:
             raise source.error(("training", stray[0]), f"{stray[0]} is an RL setting (rollouts, the policy loss, the "
                                                        f"weight sync); an SFT run would ignore it: remove it")
-    topo = _weights_of_run(_absolute_model_paths(topo, cwd), source, cwd)
+    topo = _attached_pool(_weights_of_run(_absolute_model_paths(topo, cwd), source, cwd), source, cwd)
     check_scorer_tokenizers(topo, source)
     if not profile_path(topo.cluster, topology_path.parent).exists():
         known = ", ".join(sorted(p.stem for p in CLUSTERS_DIR.glob("*.yaml")))

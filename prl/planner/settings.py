@@ -22,7 +22,8 @@ class RunSettings(Strict, kw_only=True):
     """RL: the environment (None: an SFT run)."""
     sft: Optional[SFT] = None
     """SFT: the data (None: an RL run)."""
-    training: Training
+    training: Optional[Training]
+    """None for an inference pool (it trains nothing)."""
     kv_offload: KVOffload
     kv_connector: Optional[KVConnector]
     """The connector both sides use under prefill/decode disaggregation (None: unified)."""

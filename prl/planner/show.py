@@ -61,17 +61,26 @@ def show_plan(plan: Plan, written: list[Path], console: Console | None = None) -
     # Piped output (logs, CI) gets a wide table rather than an 80-column wrap.
     console = console or Console(width=None if sys.stdout.isatty() else 160)
     console.print(placement_table(plan))
-    t, mesh, tr = plan.totals, plan.trainer.mesh, plan.settings().training
+    t, tr = plan.totals, plan.settings().training
 
     def say(text: str) -> None:
         # User text (names, paths) may hold '[...]': never read it as rich markup.
         console.print(text, markup=False, highlight=False)
 
-    say(f"totals: {t.nodes} nodes, {t.gpus} GPUs ({t.inference_gpus} inference in {t.inference_servers} servers, "
-        f"trainer world {t.trainer_world_size} on {plan.trainer.device}: {mesh.describe()}, "
-        f"expert shard {mesh.expert_shard})")
+    if plan.trainer is None:
+        say(f"totals: {t.nodes} nodes, {t.gpus} GPUs ({t.inference_gpus} inference in {t.inference_servers} servers)")
+    else:
+        mesh = plan.trainer.mesh
+        say(f"totals: {t.nodes} nodes, {t.gpus} GPUs ({t.inference_gpus} inference in {t.inference_servers} "
+            f"servers, trainer world {t.trainer_world_size} on {plan.trainer.device}: {mesh.describe()}, "
+            f"expert shard {mesh.expert_shard})")
+    if plan.attach:
+        say(f"inference: the pool {plan.attach} (this run's adapter is served there as {plan.served_model_name!r})")
     sft = plan.settings().sft
-    if sft is not None:
+    if plan.pool is not None:
+        say(f"inference pool: {plan.pool.model} for the runs that attach (inference.attach: {plan.run_dir}), "
+            f"adapters of rank <= {plan.pool.max_lora_rank}, {plan.pool.max_loras} per batch; serves until stopped")
+    elif sft is not None:
         epochs = f" (or {sft.epochs} epochs, whichever comes first)" if sft.epochs else ""
         say(f"sft: {tr.batch_size} conversations per step from {sft.data}, {tr.max_steps} steps{epochs}, "
             f"checkpoint every {tr.checkpoint_interval or 'never'}")

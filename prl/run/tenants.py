@@ -1,0 +1,204 @@
+"""Runs attached to an inference pool: who they are, which routes each may call, which model names it may use.
+
+A pool is a run directory whose servers (`python -m prl.inference --tenants ...`, with `--enable-lora`) serve
+one base model to several RL runs that each train a LoRA adapter. A run attaches by writing its record into
+the pool's run directory:
+
+    POOL/tenants/<name>.json    {"name", "run_dir", "key_sha256", "attached"}    (mode 0600, atomic)
+
+`name` is the run's name in the pool (its adapter is served under it), `run_dir` the run's own directory
+(the only place its adapters are loaded from), `key_sha256` the digest of the run's API key (the key itself
+stays in the run's directory). A server reads the records again on a request at most every RESCAN_S, so a run
+attached after the pool started is served within a second, and one whose record is removed (`detach`, after
+every server unloaded its adapter: `POST /prl/detach`) is refused within a second.
+
+What an attached run's key may do (`Access`), checked by the server's auth middleware before a route runs:
+generate (prl's token route and the OpenAI completion routes) with its own adapter's name or the base
+model's, load its own adapter (`POST /prl/weights`, from its own run directory), read its own view of
+`GET /prl/live`, and detach. Another run's adapter name is 404, as an unknown model; every other route
+(pausing the pool, vLLM's RL and admin routes) is 403. The pool's own key may do everything but load
+adapters. No torch, vLLM or FastAPI here: `prl submit` and `prl status` use it on login nodes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from prl.errors import ConfigError
+from prl.run.rundir import RunDir, atomic_write_json, read_json
+
+TENANTS_DIR = "tenants"
+NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
+"""A tenant's name: its adapter's served model name (what vLLM's OpenAI routes accept as a model)."""
+RESCAN_S = 1.0
+"""Least time between two readings of the records by a server (they are read again on a request after it)."""
+
+GENERATE_PATHS = frozenset({"/inference/v1/generate", "/v1/chat/completions", "/v1/completions"})
+"""Routes whose JSON body names the model: a tenant may name only its own adapter or the base model."""
+TENANT_PATHS = GENERATE_PATHS | {"/v1/models", "/prl/weights", "/prl/live", "/prl/detach"}
+"""Every route an attached run's key may call."""
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    run_dir: Path
+    digest: bytes
+    """SHA-256 of the run's API key."""
+
+
+def digest(key: str) -> bytes:
+    return hashlib.sha256(key.strip().encode()).digest()
+
+
+def tenants_dir(pool: RunDir) -> Path:
+    return pool.root / TENANTS_DIR
+
+
+def tenant_file(pool: RunDir, name: str) -> Path:
+    if not NAME.match(name):
+        raise ConfigError(f"{name!r} cannot name a run in an inference pool: letters, digits, '.', '_', '-', "
+                          f"at most 64, starting with a letter or digit")
+    return tenants_dir(pool) / f"{name}.json"
+
+
+def attach(pool: RunDir, name: str, run_dir: str | Path, key: str) -> Path:
+    """Record run `run_dir` (API key `key`) as tenant `name` of `pool`; its servers accept the key from now on.
+    ConfigError when another run holds the name (a run attaching again, e.g. on resume, replaces its record)."""
+    path = tenant_file(pool, name)
+    run_dir = Path(run_dir).resolve()
+    check_attachable(pool, name, run_dir)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    atomic_write_json(path, {"name": name, "run_dir": str(run_dir), "key_sha256": digest(key).hex(),
+                             "attached": time.time()})
+    return path
+
+
+def detach(pool: RunDir, name: str) -> bool:
+    """Remove tenant `name`'s record; whether there was one."""
+    path = tenant_file(pool, name)
+    existed = path.exists()
+    path.unlink(missing_ok=True)
+    return existed
+
+
+def check_attachable(pool: RunDir, name: str, run_dir: str | Path) -> None:
+    """ConfigError when `attach` would refuse (checked before a submission writes anything)."""
+    held = read_tenant(tenant_file(pool, name))
+    if held is not None and held.run_dir != Path(run_dir).resolve():
+        raise ConfigError(f"inference pool {pool.root}: the name {name!r} is attached to {held.run_dir}; give this "
+                          f"run another name (topology `name`), or detach that run first")
+
+
+def leave(pool: RunDir, name: str, key: str, timeout: float = 10.0) -> list[str]:
+    """Detach run `name` from every server of `pool` (each unloads its adapter: `POST /prl/detach` with the run's
+    key), then remove its record; the servers that answered. A server that does not answer unloads the adapter
+    when its record is found gone."""
+    import urllib.error
+    import urllib.request
+
+    done = []
+    for by_index in (pool.endpoints().get("inference") or {}).values():
+        url = str(by_index.get("url") or "").rstrip("/")
+        if not url:
+            continue
+        request = urllib.request.Request(f"{url}/prl/detach", data=b"{}", method="POST",
+                                         headers={"Authorization": f"Bearer {key}",
+                                                  "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout):
+                done.append(url)
+        except (OSError, urllib.error.HTTPError):
+            pass
+    detach(pool, name)
+    return done
+
+
+def read_tenant(path: Path) -> Tenant | None:
+    """The record at `path`; None when missing or not a record (a half-written one is never seen: atomic)."""
+    try:
+        record = read_json(path)
+        return Tenant(str(record["name"]), Path(record["run_dir"]), bytes.fromhex(record["key_sha256"]))
+    except (TypeError, KeyError, ValueError, OSError):
+        return None
+
+
+def read_tenants(pool: RunDir) -> dict[str, Tenant]:
+    """Every tenant of `pool`, by name."""
+    folder = tenants_dir(pool)
+    found = (read_tenant(p) for p in sorted(folder.glob("*.json"))) if folder.is_dir() else ()
+    return {t.name: t for t in found if t is not None and NAME.match(t.name)}
+
+
+def attached_runs(pool: RunDir) -> list[dict]:
+    """What `prl status` shows of a pool's tenants: name, run directory, when it attached."""
+    out = []
+    for name, tenant in read_tenants(pool).items():
+        try:
+            attached = read_json(tenant_file(pool, name))["attached"]
+        except (TypeError, KeyError, ValueError, OSError):
+            attached = None
+        out.append({"name": name, "run_dir": str(tenant.run_dir), "attached": attached})
+    return out
+
+
+class Registry:
+    """The tenants as a server sees them: re-read when a key is not known, at most every RESCAN_S."""
+
+    def __init__(self, pool: RunDir) -> None:
+        self.pool = pool
+        self._tenants: dict[str, Tenant] = {}
+        self._read_at = float("-inf")
+        self.refresh()
+
+    def refresh(self) -> None:
+        self._tenants = read_tenants(self.pool)
+        self._read_at = time.monotonic()
+
+    def by_key(self, key: str) -> Tenant | None:
+        """The tenant whose key this is, from records read at most RESCAN_S ago: a run attached or detached
+        since counts within a second."""
+        if time.monotonic() - self._read_at >= RESCAN_S:
+            self.refresh()
+        return self._find(digest(key))
+
+    def _find(self, wanted: bytes) -> Tenant | None:
+        # Every record compared, in constant time each: which key matched, or that none did, takes the same time.
+        found = None
+        for tenant in self._tenants.values():
+            if hmac.compare_digest(tenant.digest, wanted):
+                found = tenant
+        return found
+
+    def get(self, name: str) -> Tenant | None:
+        return self._tenants.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._tenants)
+
+    def forget(self, name: str) -> None:
+        """Drop `name` until its record is read again (the next unknown key rereads: a run may attach again)."""
+        self._tenants.pop(name, None)
+        self._read_at = float("-inf")
+
+
+def access(tenant: Tenant, method: str, path: str, body: bytes, base_model: str) -> tuple[int, str] | None:
+    """Why `tenant` may not make this request, as (HTTP status, message); None when it may."""
+    if path not in TENANT_PATHS:
+        return 403, (f"{path} is the inference pool's: run {tenant.name!r} may generate, load and detach its own "
+                     f"adapter, and read /prl/live")
+    if method != "POST" or path not in GENERATE_PATHS:
+        return None
+    try:
+        model = json.loads(body or b"{}").get("model")
+    except (ValueError, AttributeError):
+        return None  # not a JSON object: the route itself answers 400
+    if model is None or model in (tenant.name, base_model):
+        return None
+    return 404, f"The model `{str(model)[:80]}` does not exist."

@@ -1,0 +1,8 @@
+#!/bin/bash
+# Rendered by prl: the 'trainer' step of 'local-pool-run'. Do not edit: run `prl plan` again.
+# Started by the launcher (a local process per task).
+set -euo pipefail
+umask 077  # the run's files are private to its owner (docs/run-directory.md)
+export PRL_ROLE=trainer
+export PRL_RUN_DIR=/home/user/prl/runs/prl-runs/local-pool-run
+exec python3 -m prl.job.role trainer --run-dir /home/user/prl/runs/prl-runs/local-pool-run

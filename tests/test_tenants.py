@@ -1,0 +1,154 @@
+"""Runs attached to an inference pool (prl/run/tenants.py): their records, keys and what each may call.
+The real server with two attached runs: tests/test_pool.py."""
+
+from __future__ import annotations
+
+import json
+import stat
+import time
+
+import pytest
+
+from prl.errors import ConfigError
+from prl.run import tenants
+from prl.run.rundir import RunDir
+
+
+@pytest.fixture
+def pool(tmp_path):
+    return RunDir(tmp_path / "pool").create()
+
+
+def test_a_run_attaches_with_its_key_s_digest_only_and_detaches(pool, tmp_path):
+    path = tenants.attach(pool, "exp-a", tmp_path / "a", "secret-a")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert "secret-a" not in path.read_text()  # the key stays in the run's own directory
+    record = json.loads(path.read_text())
+    assert record["run_dir"] == str((tmp_path / "a").resolve()) and record["name"] == "exp-a"
+    assert [r["name"] for r in tenants.attached_runs(pool)] == ["exp-a"]
+    tenants.attach(pool, "exp-a", tmp_path / "a", "new-key")  # the same run again (a resume): replaced
+    assert tenants.read_tenants(pool)["exp-a"].digest == tenants.digest("new-key")
+    with pytest.raises(ConfigError, match="'exp-a' is attached to .*/a; give this run another name"):
+        tenants.attach(pool, "exp-a", tmp_path / "b", "secret-b")
+    with pytest.raises(ConfigError, match="cannot name a run in an inference pool"):
+        tenants.attach(pool, "../escape", tmp_path / "b", "secret-b")
+    assert tenants.detach(pool, "exp-a") and not tenants.detach(pool, "exp-a")
+    assert tenants.read_tenants(pool) == {}
+
+
+def test_the_registry_finds_a_key_in_records_read_at_most_a_rescan_ago(pool, tmp_path, monkeypatch):
+    tenants.attach(pool, "a", tmp_path / "a", "key-a")
+    registry = tenants.Registry(pool)
+    assert registry.by_key("key-a").name == "a" and registry.by_key("key-b") is None
+    tenants.attach(pool, "b", tmp_path / "b", "key-b")
+    assert registry.by_key("key-b") is None  # read less than RESCAN_S ago: not yet
+    monkeypatch.setattr(tenants, "RESCAN_S", 0.0)
+    assert registry.by_key("key-b").name == "b"  # attached after the server started
+    registry.forget("a")  # what the server does on /prl/detach: until the record is read again
+    assert registry.get("a") is None and registry.by_key("key-a").name == "a"
+    tenants.detach(pool, "a")  # the record removed: refused
+    assert registry.by_key("key-a") is None
+    (tenants.tenants_dir(pool) / "broken.json").write_text("{not json")
+    time.sleep(0.01)
+    registry.refresh()
+    assert sorted(t for t in ("a", "b", "broken") if registry.get(t)) == ["b"]
+
+
+@pytest.mark.parametrize("method,path,body,expected", [
+    ("POST", "/inference/v1/generate", {"model": "a", "token_ids": [1]}, None),
+    ("POST", "/v1/chat/completions", {"model": "base"}, None),
+    ("POST", "/v1/completions", {"prompt": "x"}, None),
+    ("POST", "/inference/v1/generate", {"model": "b"}, 404),
+    ("POST", "/v1/chat/completions", {"model": "b"}, 404),
+    ("POST", "/prl/weights", {"step": 3}, None),
+    ("GET", "/prl/live", None, None),
+    ("POST", "/prl/detach", None, None),
+    ("POST", "/pause", None, 403),
+    ("POST", "/resume", None, 403),
+    ("POST", "/v1/load_lora_adapter", {"lora_name": "b", "lora_path": "/x"}, 403),
+    ("POST", "/v1/unload_lora_adapter", {"lora_name": "b"}, 403),
+    ("GET", "/metrics", None, 403),
+])
+def test_what_an_attached_run_may_call(method, path, body, expected):
+    a = tenants.Tenant("a", "/runs/a", tenants.digest("key-a"))
+    raw = json.dumps(body).encode() if body is not None else b""
+    refused = tenants.access(a, method, path, raw, base_model="base")
+    assert (refused[0] if refused else None) == expected, refused
+    if expected == 404:
+        assert refused[1] == "The model `b` does not exist."  # as for any unknown model: nothing said of run b
+
+
+def plan_json(run_dir) -> dict:
+    return json.loads((run_dir / "plan.json").read_text())
+
+
+def test_a_pool_plans_its_servers_alone_and_a_run_attaches_to_it(tmp_path, env):
+    """configs/local-pool.yaml plans one server with --tenants and the pool's LoRA limits, no trainer; an attached
+    run (configs/local-pool-run.yaml) plans a trainer and an orchestrator, no server, and names the pool."""
+    from tests.helpers import prl_cli
+
+    pool, run = tmp_path / "pool", tmp_path / "run"
+    prl_cli(env, "plan", "configs/local-pool.yaml", f"run_dir={pool}")
+    planned = plan_json(pool)
+    assert planned["trainer"] is None and planned["orchestrator"] is None and planned["pool"]["max_lora_rank"] == 8
+    [server] = planned["servers"]
+    args = " ".join(server["args"])
+    assert "--tenants --enable-lora --max-lora-rank 8 --max-loras 2 --max-cpu-loras 8" in args, args
+    assert [s["name"] for s in planned["steps"]] == ["inference"]
+    out = prl_cli(env, "plan", "configs/local-pool-run.yaml", f"run_dir={run}", f"inference.attach={pool}")
+    assert f"inference: the pool {pool}" in out.stdout
+    attached = plan_json(run)
+    assert attached["attach"] == str(pool) and attached["servers"] == [] and attached["pool"] is None
+    assert {s["name"]: s["start_after"] for s in attached["steps"]} == {"orchestrator": [], "trainer": []}
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["inference.attach={tmp}/nowhere"], "is not a prl run directory (no plan.json)"),
+    (["inference.attach={tmp}/rl"], "which is not an inference pool"),
+    (["model.lora.rank=16"], "rank 16 is over the pool's max_lora_rank (8"),
+    (["model.lora=null"], "set model.lora"),
+    (["model.path=models/other"], "an adapter is served on its own base model"),
+    (["name=local-pool"], "like the pool it attaches to"),
+    (["inference.nodes=1"], "nodes places servers of this run, and inference.attach uses a pool's"),
+    (["orchestrator.placement=inference"], "no inference nodes of its own"),
+    (["training.router_replay=true"], "router replay needs the run's own servers"),
+])
+def test_what_cannot_attach_to_a_pool_is_refused_at_its_field(tmp_path, env, overrides, says):
+    from tests.helpers import prl_cli
+
+    prl_cli(env, "plan", "configs/local-pool.yaml", f"run_dir={tmp_path / 'pool'}")
+    prl_cli(env, "plan", "configs/local-lora.yaml", f"run_dir={tmp_path / 'rl'}")
+    given = [o.format(tmp=tmp_path) for o in overrides]
+    out = prl_cli(env, "plan", "configs/local-pool-run.yaml", f"run_dir={tmp_path / 'run'}",
+                  f"inference.attach={tmp_path / 'pool'}", *given, check=False)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_pool_runs_servers_only(tmp_path, env):
+    from tests.helpers import prl_cli
+
+    for extra, says in ((["trainer.nodes=1"], "an inference pool (pool:) runs inference servers only: remove trainer"),
+                        (["model.lora.rank=8"], "the attached runs set model.lora")):
+        out = prl_cli(env, "plan", "configs/local-pool.yaml", f"run_dir={tmp_path / 'pool'}", *extra, check=False)
+        assert out.returncode != 0 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_status_of_a_pool_lists_its_attached_runs_and_a_run_names_its_pool(tmp_path, env):
+    from tests.helpers import prl_cli
+
+    pool, run = tmp_path / "pool", tmp_path / "run"
+    prl_cli(env, "plan", "configs/local-pool.yaml", f"run_dir={pool}")
+    prl_cli(env, "plan", "configs/local-pool-run.yaml", f"run_dir={run}", f"inference.attach={pool}")
+    shown = json.loads(prl_cli(env, "status", pool, "--json").stdout)
+    assert shown["attached"] == [] and shown["pool"] is None and shown["progress"] == {}
+    tenants.attach(RunDir(pool), "local-pool-run", run, "key")
+    shown = json.loads(prl_cli(env, "status", pool, "--json").stdout)
+    assert [(a["name"], a["run_dir"], a["adapter_step"]) for a in shown["attached"]] == [
+        ("local-pool-run", str(run.resolve()), None)]
+    text = prl_cli(env, "status", pool).stdout
+    assert "attached runs: 1" in text and f"local-pool-run: -, adapter step -, {run.resolve()}" in text, text
+    shown = json.loads(prl_cli(env, "status", run, "--json").stdout)
+    assert shown["pool"] == str(pool) and shown["attached"] is None
+    assert f"inference: the pool {pool}" in prl_cli(env, "status", run).stdout
