@@ -1,5 +1,6 @@
 """The real RL loop as one heterogeneous Slurm job on the lab cluster: vLLM on n1, the
-orchestrator on n2, the 2-node FSDP2 trainer (gloo across nodes) on n3-n4."""
+orchestrator on n2, the 2-node FSDP2 trainer (gloo across nodes) on n3-n4; the same with P/D servers and a
+teacher; and an inference pool job with two LoRA runs attached to it as jobs of their own."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 
 import pytest
 
-from tests.helpers import REPO, prl_cli as prl, run_to_the_end
+from tests.helpers import REPO, prl_cli as prl, run_to_the_end, wait_for
 from tests.tiny_model import build_tiny_model, build_tiny_teacher
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.slow]
@@ -106,3 +107,52 @@ def teacher_scored(run, generated: list[dict], trained: list[dict]) -> None:
     teacher, sampled = arrays["teacher_logprobs"], arrays["inference_logprobs"]
     assert mask.any() and np.all(teacher[~mask] == 0) and np.all(teacher[mask] < 0), (newest, teacher)
     assert np.abs(teacher[mask] - sampled[mask]).mean() > 0.1, (newest, teacher[mask], sampled[mask])
+
+
+def test_lab_pool_serves_two_lora_runs_each_its_own_adapter(tmp_path, env, slurm_cluster):
+    """An inference pool as a Slurm job of its own (one server on one node) and two LoRA runs as two other jobs
+    attached to it, each a trainer with its orchestrator on a node of its own: both complete, each served with
+    its own adapter at every step (mismatch_kl as low as a run with its own server: the other run's adapter or
+    the base model would part them), and both detach at their end."""
+    import yaml
+
+    from prl.trainer.tiny_model import LORA_EMBED_SCALE
+
+    model = build_tiny_model(tmp_path / "model", embed_scale=LORA_EMBED_SCALE)
+    cluster = yaml.safe_load((REPO / "clusters" / "lab.yaml").read_text())
+    cluster.update(name="lab-1gpu", gpu_node={**cluster["gpu_node"], "gpus": 1})
+    (tmp_path / "lab-1gpu.yaml").write_text(yaml.safe_dump(cluster))
+    lab = yaml.safe_load((REPO / "configs" / "lab.yaml").read_text())
+    model_section = {"path": str(model), "dtype": "float32", "max_model_len": 1024}
+    pool = {"name": "lab-pool", "cluster": str(tmp_path / "lab-1gpu.yaml"), "run_dir": str(tmp_path / "pool"),
+            "model": model_section, "inference": lab["inference"], "pool": {"max_loras": 2, "max_lora_rank": 8}}
+    (tmp_path / "pool.yaml").write_text(yaml.safe_dump(pool, sort_keys=False))
+    prl(env, "submit", tmp_path / "pool.yaml")
+    runs = {name: tmp_path / name for name in ("lab-a", "lab-b")}
+    try:
+        wait_for("the pool's server", lambda: (tmp_path / "pool" / "state" / "endpoints" / "inference.0.json").exists(),
+                 timeout=600, interval=2)
+        for i, (name, run) in enumerate(runs.items()):
+            topo = {**lab, "name": name, "cluster": str(tmp_path / "lab-1gpu.yaml"), "run_dir": str(run),
+                    "model": {**model_section, "lora": {"rank": 8, "alpha": 16}},
+                    "inference": {"attach": str(tmp_path / "pool")}, "trainer": {**lab["trainer"], "nodes": 1},
+                    "orchestrator": {"placement": "trainer"}, "weights": {"transport": "filesystem"},
+                    "training": {**lab["training"], "max_steps": 3, "max_off_policy_steps": 0, "lr": 1e-2}}
+            (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(topo, sort_keys=False))
+            # The lab's nodes share one host: each job's trainer needs ports of its own.
+            prl(env, "submit", tmp_path / f"{name}.yaml", f"cluster.port_base={19000 + 500 * i}")
+        for name, run in runs.items():
+            final = run_to_the_end(env, run, timeout=900)
+            assert final["state"] == "COMPLETED", (final, prl(env, "logs", run, "-n", "40", check=False).stdout)
+            assert final["pool"] == str(tmp_path / "pool")
+            records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            trainer = [r for r in records if r["role"] == "trainer"]
+            assert [r["step"] for r in trainer] == [1, 2, 3]
+            assert all(r["mismatch_kl"] < 1e-4 for r in trainer), (name, trainer)
+        shown = json.loads(prl(env, "status", tmp_path / "pool", "--json").stdout)
+        assert shown["state"] == "RUNNING" and shown["attached"] == [], shown
+    finally:
+        prl(env, "cancel", tmp_path / "pool", check=False)
+    log = "\n".join(p.read_text() for p in (tmp_path / "pool" / "logs").rglob("rank_0.log"))
+    for name in runs:
+        assert f"adapter update begins: run {name}," in log and f"run {name} detached" in log, name

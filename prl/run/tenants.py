@@ -12,7 +12,7 @@ stays in the run's directory). A server reads the records again on a request at 
 attached after the pool started is served within a second, and one whose record is removed (`detach`, after
 every server unloaded its adapter: `POST /prl/detach`) is refused within a second.
 
-What an attached run's key may do (`Access`), checked by the server's auth middleware before a route runs:
+What an attached run's key may do (`access`), checked by the server's auth middleware before a route runs:
 generate (prl's token route and the OpenAI completion routes) with its own adapter's name or the base
 model's, load its own adapter (`POST /prl/weights`, from its own run directory), read its own view of
 `GET /prl/live`, and detach. Another run's adapter name is 404, as an unknown model; every other route
