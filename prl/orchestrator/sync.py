@@ -357,7 +357,7 @@ class WeightWatcher:
     def pin(self) -> None:
         """Keep on disk every weights step a server serves or could roll back to (the run's cleanup reads it):
         a server on a step from memory rolls back to the step it last loaded from disk."""
-        if self.pool.admin and self.pool.follow_endpoints:  # (a pool's server reloads this run's newest adapter)
+        if self.pool.admin and self.pool.follow_endpoints:
             self.run.pin_weights("orchestrator", min(min(s.version, s.disk_version) for s in self.pool.admin))
 
     def newest(self) -> tuple[int, dict] | None:

@@ -98,8 +98,8 @@ def check_attachable(pool: RunDir, name: str, run_dir: str | Path) -> None:
 
 def leave(pool: RunDir, name: str, key: str, timeout: float = 10.0) -> list[str]:
     """Detach run `name` from every server of `pool` (each unloads its adapter: `POST /prl/detach` with the run's
-    key), then remove its record; the servers that answered. A server that does not answer unloads the adapter
-    when its record is found gone."""
+    key), then remove its record; the servers that answered. A server that does not answer keeps the adapter
+    until vLLM's LRU cache evicts it (the run's key is refused there too once the record is gone)."""
     import urllib.error
     import urllib.request
 
@@ -149,7 +149,7 @@ def attached_runs(pool: RunDir) -> list[dict]:
 
 
 class Registry:
-    """The tenants as a server sees them: re-read when a key is not known, at most every RESCAN_S."""
+    """The tenants as a server sees them: the records, read again on a request at most every RESCAN_S."""
 
     def __init__(self, pool: RunDir) -> None:
         self.pool = pool
@@ -183,7 +183,7 @@ class Registry:
         return sorted(self._tenants)
 
     def forget(self, name: str) -> None:
-        """Drop `name` until its record is read again (the next unknown key rereads: a run may attach again)."""
+        """Drop `name` until its record is read again (the next request rereads them: a run may attach again)."""
         self._tenants.pop(name, None)
         self._read_at = float("-inf")
 
