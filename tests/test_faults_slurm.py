@@ -205,21 +205,26 @@ def ask(run: Path, method: str, path: str, body: dict | None = None, timeout: fl
 
 
 def update_in_flight(run: Path, attempt: int, body, pid: int) -> tuple[int, dict, float]:
-    """Stop `pid` (so an update cannot finish), post the update `body()` (the newest step once it is stopped),
-    SIGKILL `pid` once the server logged that an update began (its own or the orchestrator's: either is in
-    flight); returns the answer and the kill's time."""
+    """Stop `pid` (so no update can finish), post the update `body()` (the newest step once it is stopped),
+    SIGKILL `pid` once the server's log shows an update begun and not ended (ours, or the watcher's that ours
+    queues behind: either is held by the stopped process); returns the answer and the kill's time."""
     import concurrent.futures
 
     log = run / "logs" / f"attempt_{attempt}" / "inference" / "rank_0.log"
-    begun = log.read_text().count("weights update begins")
+
+    def in_flight() -> bool:
+        text = log.read_bytes()
+        return text.count(b"weights update begins") > text.count(b"weights update ends")
+
     os.kill(pid, signal.SIGSTOP)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(ask, run, "POST", "/prl/weights", body())
-        wait_for("the update to begin", lambda: log.read_text().count("weights update begins") > begun,
-                 timeout=60, interval=0.2)
-        time.sleep(2)  # the feeds it reads first are read; the stopped one holds the update
-        os.kill(pid, signal.SIGKILL)
-        killed = time.time()
+        try:
+            answer = pool.submit(ask, run, "POST", "/prl/weights", body())
+            wait_for("an update in flight", in_flight, timeout=60, interval=0.2)
+            time.sleep(2)  # the feeds it reads first are read; the stopped process holds the update
+        finally:  # never left stopped: a failed wait would hold the test until the POST's timeout
+            os.kill(pid, signal.SIGKILL)
+            killed = time.time()
         status_code, out = answer.result(timeout=300)
     return status_code, out, killed
 

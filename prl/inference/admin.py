@@ -229,47 +229,52 @@ async def update_served(request: Request, state: AdminState, body: dict):
         # Logged before the engine is asked anything: an update that never ends shows where it began.
         source = (f"{len(target.feeds)} trainer feeds" if isinstance(target, FeedTarget) else str(target.path))
         log.info("weights update begins: step %s from %s (pause %s)", target.step, source, mode)
-        was_paused = await engine.is_paused()
-        t_pause = time.perf_counter()
-        if mode == "keep" and is_multimodal(engine):
-            mode = "wait"  # its in-flight requests finish first: they cannot be preempted (invalidate_kv)
-        await engine.pause_generation(mode=mode, clear_cache=False)
-        pause_seconds = time.perf_counter() - t_pause
+        outcome = "failed"  # the answer says why
         try:
-            transfer = {}
-            if isinstance(target, WeightsTarget) and target.adapter:
-                load_seconds = await load_adapter(request, state, target)
-            else:
-                load_seconds, transfer = await load(engine, target)
-        except Exception as e:  # noqa: BLE001 - any worker failure: roll back, then report
-            return await recover(state, engine, target, f"loading {target.path} failed: {type(e).__name__}: {e}")
-        finally:
-            # KV computed with the old weights must not serve new requests; in-flight ones recompute.
+            was_paused = await engine.is_paused()
+            t_pause = time.perf_counter()
+            if mode == "keep" and is_multimodal(engine):
+                mode = "wait"  # its in-flight requests finish first: they cannot be preempted (invalidate_kv)
+            await engine.pause_generation(mode=mode, clear_cache=False)
+            pause_seconds = time.perf_counter() - t_pause
             try:
-                cleared = await invalidate_kv(engine)
-            except KVResetFailed as e:
-                state.broken = f"after loading {target.path}: {e}"
+                transfer = {}
+                if isinstance(target, WeightsTarget) and target.adapter:
+                    load_seconds = await load_adapter(request, state, target)
+                else:
+                    load_seconds, transfer = await load(engine, target)
+            except Exception as e:  # noqa: BLE001 - any worker failure: roll back, then report
+                return await recover(state, engine, target, f"loading {target.path} failed: {type(e).__name__}: {e}")
             finally:
-                if not was_paused:
-                    await engine.resume_generation()
-        if state.broken:
-            return _error(500, state.broken)
+                # KV computed with the old weights must not serve new requests; in-flight ones recompute.
+                try:
+                    cleared = await invalidate_kv(engine)
+                except KVResetFailed as e:
+                    state.broken = f"after loading {target.path}: {e}"
+                finally:
+                    if not was_paused:
+                        await engine.resume_generation()
+            if state.broken:
+                return _error(500, state.broken)
 
-        seconds = time.perf_counter() - t0
-        state.weights_path, state.weights_step = str(target.path), target.step
-        if isinstance(target, WeightsTarget) and not target.adapter:
-            state.disk = (str(target.path), target.step)
-        state.updates += 1
-        state.last_update = {
-            "step": target.step,
-            "path": str(target.path),
-            "seconds": seconds,
-            "pause_seconds": pause_seconds,
-            "load_seconds": load_seconds,
-            "kv_storage_cleared": cleared,
-            **transfer,
-            "time": time.time(),
-        }
+            seconds = time.perf_counter() - t0
+            state.weights_path, state.weights_step = str(target.path), target.step
+            if isinstance(target, WeightsTarget) and not target.adapter:
+                state.disk = (str(target.path), target.step)
+            state.updates += 1
+            state.last_update = {
+                "step": target.step,
+                "path": str(target.path),
+                "seconds": seconds,
+                "pause_seconds": pause_seconds,
+                "load_seconds": load_seconds,
+                "kv_storage_cleared": cleared,
+                **transfer,
+                "time": time.time(),
+            }
+            outcome = f"served in {seconds:.2f} s"
+        finally:  # with the line above, a begin without an end in the log is an update still in flight
+            log.info("weights update ends: step %s, %s", target.step, outcome)
     _record_metrics(state, request)
     return {"step": target.step, "path": str(target.path), "seconds": seconds,
             "pause_seconds": pause_seconds, "load_seconds": state.last_update["load_seconds"],
