@@ -258,20 +258,8 @@ async def update_served(request: Request, state: AdminState, body: dict):
                 return _error(500, state.broken)
 
             seconds = time.perf_counter() - t0
-            state.weights_path, state.weights_step = str(target.path), target.step
-            if isinstance(target, WeightsTarget) and not target.adapter:
-                state.disk = (str(target.path), target.step)
-            state.updates += 1
-            state.last_update = {
-                "step": target.step,
-                "path": str(target.path),
-                "seconds": seconds,
-                "pause_seconds": pause_seconds,
-                "load_seconds": load_seconds,
-                "kv_storage_cleared": cleared,
-                **transfer,
-                "time": time.time(),
-            }
+            served(state, target, seconds=seconds, pause_seconds=pause_seconds, load_seconds=load_seconds,
+                   kv_storage_cleared=cleared, **transfer)
             outcome = f"served in {seconds:.2f} s"
         finally:  # with the line above, a begin without an end in the log is an update still in flight
             log.info("weights update ends: step %s, %s", target.step, outcome)
@@ -279,6 +267,15 @@ async def update_served(request: Request, state: AdminState, body: dict):
     return {"step": target.step, "path": str(target.path), "seconds": seconds,
             "pause_seconds": pause_seconds, "load_seconds": state.last_update["load_seconds"],
             "kv_storage_cleared": cleared, **transfer}
+
+
+def served(state: AdminState, target: WeightsTarget | FeedTarget, **numbers) -> None:
+    """Record an update the server now serves (`/prl/live` and the next metrics line read it)."""
+    state.weights_path, state.weights_step = str(target.path), target.step
+    if isinstance(target, WeightsTarget) and not target.adapter:
+        state.disk = (str(target.path), target.step)
+    state.updates += 1
+    state.last_update = {"step": target.step, "path": str(target.path), **numbers, "time": time.time()}
 
 
 async def tenant_update(request: Request, state: AdminState, tenant: Tenant | None, body: dict) -> dict:
