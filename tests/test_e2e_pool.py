@@ -1,7 +1,8 @@
 """Two LoRA RL runs on one inference pool, locally (configs/local-pool.yaml, configs/local-pool-run.yaml): the
 pool runs one vLLM server and nothing else; each run attaches with its own key and name, trains its own adapter,
-generates with it on the pool's server, and detaches when it ends. The pool's server is killed mid-run: restarted
-by the pool's launcher, it gets each run's newest adapter back from that run's weight watcher. Isolation shows in
+generates with it on the pool's server, and detaches when it ends. The pool's engine is killed mid-run: restarted
+by the pool's launcher (its status names the engine's death), the server gets each run's newest adapter back from
+that run's weight watcher. A run whose launcher died without detaching is detached by the pool's launcher. Isolation shows in
 the numbers: each run's served logprobs are its trainer's at every step (an adapter of the other run, or the base
 model after the restart, would not match them)."""
 
@@ -12,10 +13,16 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from prl.job.launch import TENANTS_CHECK_S
+from prl.run import tenants
+from prl.run.records import JobRecord, LauncherRecord
+from prl.run.rundir import RunDir, atomic_write_json
+from prl.states import Backend, LauncherStatus
 from tests.helpers import REPO, wait_for
 from tests.test_e2e_local import assert_reward_rises
 from tests.test_faults_slurm import engine_of
@@ -61,7 +68,20 @@ def test_two_lora_runs_share_one_pool_each_serving_its_own_adapter(tmp_path, env
             assert p.returncode == 0, outputs[name] + (runs[name] / "logs" / "launcher.log").read_text()
         shown = status(env, pool)
         assert shown["state"] == "RUNNING" and shown["attached"] == [], shown  # both detached at their end
-        assert next(r for r in shown["roles"] if r["role"] == "inference")["restarts"] == 1, shown
+        server = next(r for r in shown["roles"] if r["role"] == "inference")
+        assert server["restarts"] == 1 and "its vLLM engine died" in server["failures"][0]["reason"], server
+        # A run whose launcher was killed -9 cannot detach: the pool's launcher does it once it sees the job ended.
+        gone = RunDir(tmp_path / "run-c").create()
+        gone.create_api_key()
+        tenants.attach(RunDir(pool), "run-c", gone.root, gone.read_api_key())
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        gone.write_job(JobRecord(job_id="local-c", name="run-c", backend=Backend.LOCAL, cluster="local",
+                                 submitted=time.time() + 1, run_dir=str(gone.root), pid=dead.pid))
+        atomic_write_json(gone.launcher_state, LauncherRecord(attempt=1, status=LauncherStatus.RUNNING))
+        assert [a["name"] for a in status(env, pool)["attached"]] == ["run-c"]
+        wait_for("the pool to detach the dead run", lambda: status(env, pool)["attached"] == [],
+                 timeout=TENANTS_CHECK_S + 30, interval=1)
     finally:
         prl(env, "cancel", pool)
     log = (pool / "logs" / "attempt_1" / "inference" / "rank_0.log").read_text()

@@ -244,7 +244,7 @@ def kill_the_engine(env: dict, run: Path) -> dict:
     shown = status(env, run)
     inference = next(r for r in shown["roles"] if r["role"] == "inference")
     assert inference["restarts"] == 1 and inference["failures"][0]["replica"] == 0, inference
-    assert "exited" in inference["failures"][0]["reason"], inference["failures"]
+    assert "its vLLM engine died" in inference["failures"][0]["reason"], inference["failures"]
     text = prl(env, "status", run, check=False).stdout
     assert "inference replica 0" in text and "restarted" in text, text
     # The restarted server takes rollouts again: its log shows token-level generate calls after the restart.

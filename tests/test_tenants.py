@@ -4,7 +4,10 @@ The real server with two attached runs: tests/test_pool.py."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import stat
+import subprocess
 import time
 
 import pytest
@@ -34,6 +37,43 @@ def test_a_run_attaches_with_its_key_s_digest_only_and_detaches(pool, tmp_path):
         tenants.attach(pool, "../escape", tmp_path / "b", "secret-b")
     assert tenants.detach(pool, "exp-a") and not tenants.detach(pool, "exp-a")
     assert tenants.read_tenants(pool) == {}
+
+
+def test_a_pool_detaches_runs_whose_job_ended_without_detaching(pool, tmp_path):
+    """The pool launcher's reaper (prl/job/launch.py `ended_jobs`, prl/run/tenants.py `reap`) on real run
+    directories: a run whose local launcher is gone without recording an end (killed -9) and one whose launcher
+    recorded an end go, and so does one whose directory was deleted; a live one, one whose record is newer than its
+    job record (a resubmission on its way) and one on another host (pids say nothing there) stay."""
+    from prl.job.launch import ended_jobs
+    from prl.run.records import JobRecord, LauncherRecord
+    from prl.run.rundir import atomic_write_json
+    from prl.states import Backend, LauncherStatus
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+
+    def run(name: str, pid: int, status: LauncherStatus, submitted_later: bool = True) -> RunDir:
+        rundir = RunDir(tmp_path / name).create()
+        rundir.create_api_key()
+        tenants.attach(pool, name, rundir.root, rundir.read_api_key())
+        submitted = time.time() + (1 if submitted_later else -60)
+        rundir.write_job(JobRecord(job_id=f"local-{name}", name=name, backend=Backend.LOCAL, cluster="local",
+                                   submitted=submitted, run_dir=str(rundir.root), pid=pid))
+        atomic_write_json(rundir.launcher_state, LauncherRecord(attempt=1, status=status))
+        return rundir
+
+    run("killed", gone.pid, LauncherStatus.RUNNING)
+    run("completed", os.getpid(), LauncherStatus.COMPLETED)
+    run("alive", os.getpid(), LauncherStatus.RUNNING)
+    run("resubmitting", gone.pid, LauncherStatus.RUNNING, submitted_later=False)
+    shutil.rmtree(run("deleted", gone.pid, LauncherStatus.RUNNING).root)
+
+    elsewhere = tenants.reap(pool, lambda runs: ended_jobs(runs, local_pids=False))
+    assert sorted(elsewhere) == ["completed", "deleted"], elsewhere
+    assert "ended (completed)" in elsewhere["completed"] and "is gone" in elsewhere["deleted"]
+    here = tenants.reap(pool, lambda runs: ended_jobs(runs, local_pids=True))
+    assert here == {"killed": "its job ended (its launcher died without recording an end) without detaching"}
+    assert sorted(tenants.read_tenants(pool)) == ["alive", "resubmitting"]
 
 
 def test_the_registry_finds_a_key_in_records_read_at_most_a_rescan_ago(pool, tmp_path, monkeypatch):
@@ -152,3 +192,40 @@ def test_status_of_a_pool_lists_its_attached_runs_and_a_run_names_its_pool(tmp_p
     shown = json.loads(prl_cli(env, "status", run, "--json").stdout)
     assert shown["pool"] == str(pool) and shown["attached"] is None
     assert f"inference: the pool {pool}" in prl_cli(env, "status", run).stdout
+
+
+def test_a_pool_reads_an_attached_run_s_body_no_further_than_its_route_s_bound(pool, tmp_path, monkeypatch):
+    """PoolAuth reads a generate body to check its model: within the route's own bound (the app's
+    `body_limits`), not the server-wide MAX_BODY_BYTES, so an oversize body is refused after ~limit bytes."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from prl.inference import server
+
+    tenants.attach(pool, "a", tmp_path / "a", "key-a")
+    monkeypatch.setattr(server, "_API_KEY", "pool-key")
+    monkeypatch.setattr(server, "_TENANTS", tenants.Registry(pool))
+    monkeypatch.setattr(server, "_BASE_MODEL", "base")
+    reached = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    auth = server.PoolAuth(app)
+    limit, chunk = 1000, b"x" * 100
+    scope = {"type": "http", "method": "POST", "path": "/inference/v1/generate", "root_path": "",
+             "headers": [(b"authorization", b"Bearer key-a")],
+             "app": SimpleNamespace(state=SimpleNamespace(body_limits={"/inference/v1/generate": limit}))}
+    reads, sent = [], []
+
+    async def receive():
+        reads.append(len(chunk))
+        return {"type": "http.request", "body": chunk, "more_body": True}  # a body that never ends
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(auth(scope, receive, send))
+    assert sent[0]["status"] == 413 and not reached
+    assert f"over {limit} bytes".encode() in b"".join(m.get("body", b"") for m in sent)
+    assert sum(reads) <= limit + len(chunk), sum(reads)

@@ -40,6 +40,7 @@ from pathlib import Path
 from prl.errors import ConfigError
 from prl.log import get_logger, init_logging
 from prl.run.rundir import API_KEY_VAR, RunDir
+from prl.run.records import ENGINE_DIED_EXIT
 
 WORKER_EXTENSION = "prl.inference.worker.WeightUpdater"
 FEED_BACKEND = "prl_feed"
@@ -133,7 +134,8 @@ class PoolAuth(BearerAuth):
     """BearerAuth of an inference pool (`--tenants`): the pool's own key, or an attached run's key for what that
     run may call (prl.run.tenants.access: its own adapter's routes; another run's adapter is 404, the
     pool's routes 403). The request then carries the run's name (`scope["state"]["prl_tenant"]`) to the routes.
-    A body whose model must be checked is read here, within MAX_BODY_BYTES, and handed on unchanged."""
+    A body whose model must be checked is read here, within its route's bound (`body_limit`), and handed on
+    unchanged."""
 
     def __init__(self, app):
         if not _API_KEY or _TENANTS is None:
@@ -155,9 +157,10 @@ class PoolAuth(BearerAuth):
         body = b""
         method = scope.get("method", "GET")
         if scope["type"] == "http" and method == "POST" and path in GENERATE_PATHS:
-            body, receive = await buffered(receive, MAX_BODY_BYTES)
+            limit = body_limit(scope)  # the route's own bound, before a byte more is read
+            body, receive = await buffered(receive, limit)
             if body is None:
-                return await self.refuse(scope, receive, send, 413, f"request body over {MAX_BODY_BYTES} bytes")
+                return await self.refuse(scope, receive, send, 413, f"request body over {limit} bytes")
         refused = access(tenant, method, path, body, self.base_model)
         if refused is not None:
             return await self.refuse(scope, receive, send, *refused)
@@ -196,6 +199,14 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 multimodal chat content, not for a client that would exhaust the server's memory."""
 
 
+def body_limit(scope, max_bytes: int = MAX_BODY_BYTES) -> int:
+    """The most bytes a request's body may have: `max_bytes`, or its route's own smaller bound (the app's
+    `state.body_limits`, path -> bytes)."""
+    routes = getattr(getattr(scope.get("app"), "state", None), "body_limits", None) or {}
+    path = scope.get("path", "").removeprefix(scope.get("root_path", "")) or "/"
+    return min(max_bytes, routes.get(path, max_bytes))
+
+
 class BodyLimit:
     """Pure ASGI middleware: 413 for a body over `max_bytes`, declared (Content-Length) or streamed.
 
@@ -208,10 +219,7 @@ class BodyLimit:
         self.max_bytes = max_bytes
 
     def limit(self, scope) -> int:
-        app = scope.get("app")
-        routes = getattr(getattr(app, "state", None), "body_limits", None) or {}
-        path = scope.get("path", "").removeprefix(scope.get("root_path", "")) or "/"
-        return min(self.max_bytes, routes.get(path, self.max_bytes))
+        return body_limit(scope, self.max_bytes)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -358,10 +366,23 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
             **uvicorn_kwargs,
         )
+        engine_died = engine.errored and not _signalled(shutdown)
     try:
         await shutdown
     finally:
         sock.close()
+    if engine_died:
+        log.error("the vLLM engine died (its log above says how); the server exits with code %d", ENGINE_DIED_EXIT)
+        raise SystemExit(ENGINE_DIED_EXIT)
+
+
+def _signalled(shutdown) -> bool:
+    """Whether vLLM's `serve_http` ended on a signal: it then returns uvicorn's `Server.shutdown()` to await;
+    when its watchdog ended the server (the engine died on its own) it returns a no-op. Both leave the engine
+    client `errored`, so this is what tells a stop from a death."""
+    import uvicorn
+
+    return getattr(shutdown, "cr_code", None) is uvicorn.Server.shutdown.__code__
 
 
 def use_key(ours: argparse.Namespace, args: argparse.Namespace, run: RunDir, key: str):

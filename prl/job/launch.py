@@ -34,12 +34,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from prl.errors import RunDirError, SlurmError, disk_full
+from prl.errors import ConfigError, RunDirError, SlurmError, disk_full
 from prl.log import get_logger, init_logging
 from prl.planner.model import Plan, Step
-from prl.run.records import DiskFull, Failure, LauncherRecord, ServerFailure, StepRecord, TaskExit
-from prl.run.rundir import RunDir, atomic_write_json, current_attempt, read_json
-from prl.states import Backend, JobState, LauncherStatus, RoleState, ServerAction
+from prl.run.records import (DiskFull, Failure, LauncherRecord, ServerFailure, StepRecord, TaskExit,
+                              server_exit_reason)
+from prl.run.rundir import RunDir, atomic_write_json, current_attempt, pid_alive, read_json
+from prl.states import LAUNCHER_ENDED, TERMINAL_STATES, Backend, JobState, LauncherStatus, RoleState, ServerAction
 
 log = get_logger(__name__)
 
@@ -48,6 +49,8 @@ WANDB_FINAL_S = 60.0
 """How long the launcher waits at the end for its W&B follower to log the last steps."""
 START_TIMEOUT = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
 OWN_END_S = 30.0
+TENANTS_CHECK_S = 15.0
+"""How often an inference pool's launcher looks for attached runs whose job ended without detaching."""
 """After the trainer's last step, how long the roles that end by themselves (the orchestrator, whose steps are
 all published by then) get to finish before the job stops them: their exit is then their own, not a stop."""
 
@@ -103,6 +106,39 @@ class Running:
         return 0
 
 
+def ended_jobs(runs: list[RunDir], *, local_pids: bool) -> dict[Path, str]:
+    """The runs whose job ended, each with how: Slurm's state for a Slurm job (one query for all of them), the
+    launcher's record for a local one, or, with `local_pids` (the local runs' launchers ran on this host), a local
+    launcher gone without recording an end. A run that cannot be judged now (Slurm not answering) is absent."""
+    from prl.ops import slurm
+
+    out: dict[Path, str] = {}
+    on_slurm: dict[Path, str] = {}
+    for run in runs:
+        try:
+            job, launcher = run.read_job(), run.read_launcher()
+        except (OSError, ValueError, ConfigError, RunDirError):
+            continue
+        if job is None:
+            continue
+        if job.backend == Backend.SLURM:
+            on_slurm[run.root] = job.job_id
+        elif launcher is not None and launcher.status in LAUNCHER_ENDED:
+            out[run.root] = str(launcher.status)
+        elif local_pids and job.pid is not None and not pid_alive(job.pid):
+            out[run.root] = "its launcher died without recording an end"
+    if on_slurm:
+        try:
+            rows = slurm.query_jobs(on_slurm.values())
+        except SlurmError:
+            return out
+        for root, job_id in on_slurm.items():
+            own = [r for k, r in rows.items() if slurm.split_job_key(k)[0] == job_id]
+            if own and (state := slurm.merge_state(own)) in TERMINAL_STATES:
+                out[root] = str(state)
+    return out
+
+
 def _code(returncode: int) -> int:
     # Popen gives -N for death by signal N; the shell convention is 128 + N.
     return 128 - returncode if returncode < 0 else returncode
@@ -115,6 +151,7 @@ class Launcher:
         self.signum: int | None = None
         self.slowest_step: dict[str, float] = {}
         self.wandb: subprocess.Popen | None = None
+        self.tenants_checked = time.monotonic()
         self.state = LauncherRecord(attempt=attempt, mode=mode, job_id=os.environ.get("SLURM_JOB_ID"),
                                     pid=os.getpid(), started=time.time(), status=LauncherStatus.STARTING)
 
@@ -233,6 +270,8 @@ class Launcher:
             log.info(f"{name} exited 0")
         if self.mode == "run":
             self.check_hangs()
+            if self.plan.pool is not None:
+                self.check_tenants()
 
     # -- servers: any exit before the job stops is a failure of that server
     def ended_tasks(self, running: Running) -> dict[int, TaskExit]:
@@ -257,7 +296,7 @@ class Launcher:
         for t, record in sorted(self.ended_tasks(running).items()):
             server = self.plan.server(name, t)
             code = record.exit_code
-            reason = record.reason or f"server exited with code {code} while the job was running"
+            reason = record.reason or server_exit_reason(code)
             event = ServerFailure(time=record.time, task=t, replica=server.replica, node=record.node, exit_code=code,
                                   reason=reason)
             running.down[t] = event
@@ -329,6 +368,18 @@ class Launcher:
             self.save()
 
     # -- hangs: the trainer's and orchestrator's main loops heartbeat in state/<role>.json
+    def check_tenants(self) -> None:
+        """An inference pool, every TENANTS_CHECK_S: detach the attached runs whose job ended without detaching
+        (a launcher killed -9 cannot): their adapters are unloaded, their keys refused, `prl status` stops
+        listing them."""
+        from prl.run.tenants import reap
+
+        if time.monotonic() < self.tenants_checked + TENANTS_CHECK_S:
+            return
+        self.tenants_checked = time.monotonic()
+        for name, why in reap(self.run, lambda runs: ended_jobs(runs, local_pids=not self.slurm)).items():
+            log.warning(f"attached run {name!r} detached from this pool: {why}")
+
     def check_hangs(self) -> None:
         now = time.time()
         for name in HANG_ROLES:

@@ -26,7 +26,7 @@ from prl.job import doctor
 from prl.job.runtimes import run_role
 from prl.log import get_logger, init_logging
 from prl.planner.model import Plan
-from prl.run.records import TaskExit
+from prl.run.records import TaskExit, server_exit_reason
 from prl.run.rundir import RunDir, atomic_write_json, current_attempt
 
 log = get_logger(__name__)
@@ -136,7 +136,7 @@ def record_exit(run: RunDir, role: str, code: int, stop: _Stop) -> int:
     elif watched and not stop.stopping:
         # A server has no reason to end before the job stops: whatever its code, that is a failure.
         record.failed, record.lasting = True, stop.lasting
-        record.reason = stop.failure or f"server exited with code {code} while the job was running"
+        record.reason = stop.failure or server_exit_reason(code)
         log.error(record.reason)
     try:
         run.write_task_exit(role, task_index(), record)

@@ -213,6 +213,18 @@ class RankBeat(Record, kw_only=True):
     step_s: Optional[Annotated[float, Meta(ge=0)]] = None
 
 
+ENGINE_DIED_EXIT = 3
+"""The exit code of `python -m prl.inference` when its vLLM engine died under it (a server that vLLM's watchdog
+stops exits 0 otherwise, as if it had been asked to): the role runner names the engine as the cause."""
+
+
+def server_exit_reason(code: int) -> str:
+    """Why a server ended before the job stopped, from its exit code alone."""
+    if code == ENGINE_DIED_EXIT:
+        return f"its vLLM engine died (the server exited with code {code} while the job was running; its log says how)"
+    return f"server exited with code {code} while the job was running"
+
+
 class TaskExit(Record, kw_only=True):
     """state/exits/<role>.<task>.json: how one task ended, in its own words (srun reports only a step's worst)."""
 

@@ -27,10 +27,11 @@ import hmac
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from prl.errors import ConfigError
+from prl.errors import ConfigError, RunDirError
 from prl.run.rundir import RunDir, atomic_write_json, read_json
 
 TENANTS_DIR = "tenants"
@@ -51,6 +52,8 @@ class Tenant:
     run_dir: Path
     digest: bytes
     """SHA-256 of the run's API key."""
+    attached: float | None = None
+    """When the run attached (its `prl submit`)."""
 
 
 def digest(key: str) -> bytes:
@@ -124,7 +127,9 @@ def read_tenant(path: Path) -> Tenant | None:
     """The record at `path`; None when missing or not a record (a half-written one is never seen: atomic)."""
     try:
         record = read_json(path)
-        return Tenant(str(record["name"]), Path(record["run_dir"]), bytes.fromhex(record["key_sha256"]))
+        attached = record.get("attached") if isinstance(record, dict) else None
+        return Tenant(str(record["name"]), Path(record["run_dir"]), bytes.fromhex(record["key_sha256"]),
+                      float(attached) if isinstance(attached, (int, float)) else None)
     except (TypeError, KeyError, ValueError, OSError):
         return None
 
@@ -138,14 +143,43 @@ def read_tenants(pool: RunDir) -> dict[str, Tenant]:
 
 def attached_runs(pool: RunDir) -> list[dict]:
     """What `prl status` shows of a pool's tenants: name, run directory, when it attached."""
-    out = []
-    for name, tenant in read_tenants(pool).items():
+    return [{"name": name, "run_dir": str(t.run_dir), "attached": t.attached} for name, t in read_tenants(pool).items()]
+
+
+def reap(pool: RunDir, ended: Callable[[list[RunDir]], dict[Path, str]]) -> dict[str, str]:
+    """Detach every tenant whose run's job ended without detaching (its launcher killed -9, say, or a job Slurm
+    ended before the launcher could): each server unloads the adapter (`leave`, with the run's key) and the record
+    goes. `ended(runs)` says which of those runs' jobs ended, and how (run directory -> state); a run it cannot
+    judge is left alone, and so is a record newer than its run's job record (a submission on its way). Returns
+    name -> why."""
+    held = read_tenants(pool)
+    judged: dict[str, RunDir] = {}
+    why: dict[str, str] = {}
+    for name, tenant in held.items():
+        run = RunDir(tenant.run_dir)
+        if not run.root.is_dir():
+            why[name] = f"its run directory {run.root} is gone"
+            continue
         try:
-            attached = read_json(tenant_file(pool, name))["attached"]
-        except (TypeError, KeyError, ValueError, OSError):
-            attached = None
-        out.append({"name": name, "run_dir": str(tenant.run_dir), "attached": attached})
-    return out
+            job = run.read_job()
+        except (OSError, ValueError, ConfigError):
+            continue
+        if job is not None and tenant.attached is not None and job.submitted >= tenant.attached:
+            judged[name] = run
+    states = ended(list(judged.values()))
+    for name, run in judged.items():
+        if (state := states.get(run.root)) is not None:
+            why[name] = f"its job ended ({state}) without detaching"
+    for name in why:
+        try:
+            key = RunDir(held[name].run_dir).read_api_key()
+        except (OSError, RunDirError):
+            key = ""
+        if key:
+            leave(pool, name, key)  # every server unloads its adapter; the record goes
+        else:
+            detach(pool, name)  # its key refused within RESCAN_S; the adapter ages out of vLLM's LRU cache
+    return why
 
 
 class Registry:
