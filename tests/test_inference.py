@@ -311,6 +311,32 @@ def test_live_reports_base_model(tiny_server):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_prl_engine_asks_the_engine_itself(tiny_server):
+    """A stopped engine core behind a live API process: vLLM's /health still says 200, /prl/engine (the role
+    runner's hang probe) says 503 within ENGINE_PROBE_S, and 200 again once the engine runs."""
+    import signal
+
+    from prl.inference.admin import ENGINE_PROBE_S
+    from tests.test_faults_slurm import _descendants, _procs
+
+    engines = [pid for pid, _, cmd in _descendants(tiny_server.process.pid, _procs()) if "EngineCore" in cmd]
+    assert len(engines) == 1, engines
+    assert tiny_server.get("/prl/engine") == {"ok": True}
+    os.kill(engines[0], signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(HTTPFailure) as refused:
+            tiny_server.get("/prl/engine", timeout=ENGINE_PROBE_S + 20)
+        assert refused.value.status == 503 and "did not answer" in str(refused.value.body), refused.value
+        assert ENGINE_PROBE_S <= time.monotonic() - t0 < ENGINE_PROBE_S + 15
+        assert http_json("GET", tiny_server.url + "/health") == {}  # vLLM's own: the API process runs
+    finally:
+        os.kill(engines[0], signal.SIGCONT)
+    assert tiny_server.get("/prl/engine") == {"ok": True}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_update_serves_published_weights(tiny_server):
     """Before and after an update, served logprobs equal transformers' on the same files."""
     run = RunDir(tiny_server.run_dir)

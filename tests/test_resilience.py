@@ -678,3 +678,24 @@ def test_a_server_whose_preflight_fails_for_good_is_not_restarted(tmp_path):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+def test_a_server_task_stops_a_server_whose_health_probe_goes_unanswered(monkeypatch):
+    """`supervise` with a health probe (a server's task probes `/prl/engine`, which asks the engine): a ready
+    child whose probe fails for `hang_s` is terminated and the stop says it hung; one that answers runs on."""
+    from types import SimpleNamespace
+
+    from prl.job import runtimes
+
+    monkeypatch.setattr(runtimes, "HEALTH_EVERY_S", 0.1)
+    answers = iter([True] * 3 + [False] * 10_000)
+    stop = SimpleNamespace(signum=None, stopping=False, failure=None)
+    t0 = time.monotonic()
+    code = runtimes.supervise([sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), stop,
+                              lambda: True, lambda: None, health=lambda: next(answers), hang_s=1.0)
+    assert code == 128 + signal.SIGTERM and time.monotonic() - t0 < 20
+    assert stop.failure.startswith("hung: its health probe unanswered for ") and "(bound 1 s)" in stop.failure
+    healthy = SimpleNamespace(signum=None, stopping=False, failure=None)
+    assert runtimes.supervise([sys.executable, "-c", "import time; time.sleep(2)"], dict(os.environ), healthy,
+                              lambda: True, lambda: None, health=lambda: True, hang_s=1.0) == 0
+    assert healthy.failure is None

@@ -422,14 +422,14 @@ def call(server, method: str, path: str, body=None, *, raw: bytes | None = None,
 @pytest.mark.slow
 def test_every_server_route_but_health_needs_the_key(keyed_server):
     from prl.inference import admin, generate
-    from prl.inference.server import RL_API_ROUTES
+    from prl.inference.server import OPEN_PATHS, RL_API_ROUTES
 
     spec = http_json("GET", keyed_server.url + "/openapi.json", headers=AUTH)
     documented = {(m.upper(), p) for p, ops in spec["paths"].items() for m in ops}
     ours = {(m, r.path) for r in [*admin.router.routes, *generate.router.routes] for m in r.methods}
     assert ours | RL_API_ROUTES <= documented, (ours | RL_API_ROUTES) - documented
     assert ("POST", "/update_weights") not in documented  # vLLM's weight-transfer routes stay unmounted
-    calls = {(m, re.sub(r"\{[^}]*\}", "x", p)) for m, p in documented if p != "/health"}
+    calls = {(m, re.sub(r"\{[^}]*\}", "x", p)) for m, p in documented if p not in OPEN_PATHS}
     calls |= {("OPTIONS", p) for _, p in calls}
     for method, path in sorted(calls):
         for headers in ({}, {"Authorization": "Bearer wrong"}):
@@ -437,7 +437,9 @@ def test_every_server_route_but_health_needs_the_key(keyed_server):
             assert status == 401, (method, path, headers, status)
     for method, path in [("GET", "/metrics"), ("GET", "/docs"), ("POST", "/prl/not-a-route"), ("GET", "/")]:
         assert call(keyed_server, method, path, headers={})[0] == 401, path
-    assert call(keyed_server, "GET", "/health", headers={})[0] == 200
+    assert OPEN_PATHS == ("/health", "/prl/engine")  # the role runner's probes: answers that say nothing else
+    for path in OPEN_PATHS:
+        assert call(keyed_server, "GET", path, headers={})[0] == 200
 
 
 def running_requests(server) -> float:

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import pytest
 
+from prl.run.records import ENGINE_DIED_EXIT
+
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 600.0  # vLLM on 2 busy CPU cores has taken 300+ s to start
 
@@ -202,8 +204,16 @@ def start_inference(
                                    f"log {log_path}:\n{_tail(log_path, 60)}")
             time.sleep(1)
         yield InferenceServer(url, process, log_path, run_dir, model_dir, time.monotonic() - start)
-    finally:
+    except BaseException:
         stop_process(process)
+        raise
+    running = process.poll() is None
+    stop_process(process)
+    # SIGTERM reaches the API server and its engine core at once (as Slurm's does): a stop, not an engine death
+    # (ENGINE_DIED_EXIT) nor a crash on the way out; -9 only when it outlived stop_process's grace.
+    assert not running or process.returncode in (0, -signal.SIGKILL), (
+        f"prl.inference exited {process.returncode} when stopped (engine death: {ENGINE_DIED_EXIT}); "
+        f"log {log_path}:\n{_tail(log_path, 40)}")
 
 
 @contextlib.contextmanager

@@ -610,7 +610,8 @@ class Training(Strict, kw_only=True):
     hung: the launcher stops the job (and requeues it when the profile allows). None: max(900 s,
     4 x the slowest step seen so far in this attempt), see docs/jobs.md. At least 30 s: a waiting role
     beats every 10 s. Servers: their task probes
-    /health; one that does not answer for this long (None: 300 s) is failed and handled by `on_failure`."""
+    /prl/engine (the engine itself answers); one that does not answer for this long (None: 300 s) is failed and
+    handled by `on_failure`."""
 
 
 class SFT(Strict, kw_only=True):

@@ -2,6 +2,7 @@
 RL API routes, which every prl server mounts behind the run's key (`POST /pause?mode=keep|wait|abort`,
 `POST /resume`, `GET /is_paused`, `GET /weight_info`: prl.inference.server.RL_API_ROUTES).
 
+    GET  /prl/engine   200 when the engine itself answers (vLLM's /health asks only the API process), 503 not
     GET  /prl/live     {"ok", "weights_step", "weights_path", "disk_step", "paused", "model", "updates", ...}
                        (an inference pool's: "tenants" too; an attached run's: its own adapter's)
     POST /prl/weights  {"step": N} | {"path": "/abs/dir"} | {"step": N, "feeds": ["host:port", ...]}
@@ -72,6 +73,11 @@ KV_RESET_TIMEOUT_S = 90.0
 keeps a prompt's blocks until its decode server pulls them, or their lease runs out)."""
 NIXL_LEASE_S = 30
 """NixlConnector's default `kv_lease_duration` (seconds)."""
+ENGINE_PROBE_S = 10.0
+"""How long `/prl/engine` waits for the engine to answer a utility call."""
+UPDATE_BOUND_S = 600.0
+"""How long a weight update may hold the engine and still count as healthy (the engine answers nothing else
+while it loads; the weight watcher gives a push as long)."""
 
 
 class KVResetFailed(RuntimeError):
@@ -105,6 +111,8 @@ class AdminState:
     lora_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     """vLLM's LoRA ids, one per adapter version loaded (a new id: no KV or cached weights of an older one reused)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    updating_since: float | None = None
+    """When the update holding `lock` began (time.monotonic())."""
 
 
 def _state(request: Request) -> AdminState:
@@ -147,6 +155,27 @@ def _mode(body: dict, default: str) -> str:
     if not isinstance(mode, str) or mode not in PAUSE_MODES:
         raise UpdateRefused(400, f'"mode" must be one of {", ".join(PAUSE_MODES)}, got {str(mode)[:40]!r}')
     return mode
+
+
+@router.get("/prl/engine")
+async def engine_health(request: Request):
+    """Whether the engine answers, for the role runner's hang probe: vLLM's /health answers as long as the API
+    process runs, so an engine core that is stopped or deadlocked passed it while every rollout waited. 200
+    when a utility call comes back within ENGINE_PROBE_S, or while a weight update younger than UPDATE_BOUND_S
+    holds the engine (it answers nothing else until the load ends); 503 otherwise."""
+    state, engine = _state(request), _engine(request)
+    if engine.errored:
+        return _error(503, "the engine died")
+    if state.updating_since is not None:
+        held = time.monotonic() - state.updating_since
+        if held < UPDATE_BOUND_S:
+            return {"ok": True, "updating_s": round(held, 1)}
+        return _error(503, f"a weight update has held the engine for {held:.0f} s (bound {UPDATE_BOUND_S:.0f} s)")
+    try:
+        await asyncio.wait_for(engine.is_paused(), ENGINE_PROBE_S)
+    except asyncio.TimeoutError:
+        return _error(503, f"the engine did not answer within {ENGINE_PROBE_S:.0f} s")
+    return {"ok": True}
 
 
 @router.get("/prl/live")
@@ -229,7 +258,7 @@ async def update_served(request: Request, state: AdminState, body: dict):
         # Logged before the engine is asked anything: an update that never ends shows where it began.
         source = (f"{len(target.feeds)} trainer feeds" if isinstance(target, FeedTarget) else str(target.path))
         log.info("weights update begins: step %s from %s (pause %s)", target.step, source, mode)
-        outcome = "failed"  # the answer says why
+        outcome, state.updating_since = "failed", time.monotonic()  # "failed": the answer says why
         try:
             was_paused = await engine.is_paused()
             t_pause = time.perf_counter()
@@ -262,6 +291,7 @@ async def update_served(request: Request, state: AdminState, body: dict):
                    kv_storage_cleared=cleared, **transfer)
             outcome = f"served in {seconds:.2f} s"
         finally:  # with the line above, a begin without an end in the log is an update still in flight
+            state.updating_since = None
             log.info("weights update ends: step %s, %s", target.step, outcome)
     _record_metrics(state, request)
     return {"step": target.step, "path": str(target.path), "seconds": seconds,

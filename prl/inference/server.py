@@ -20,7 +20,7 @@ routes only (`PoolAuth`).
 
 Binding: `--host` as given (the launcher passes the node's cluster address);
 without it 127.0.0.1, never all interfaces by default. With `--api-key-env
-VAR`, every endpoint but `/health` (the launcher's readiness probe) requires
+VAR`, every endpoint but `/health` and `/prl/engine` (the role runner's probes) requires
 `Authorization: Bearer <key>`, `OPTIONS` included; VAR unset or empty stops
 the server before it starts (fail closed). Jobs started by `prl submit` always
 pass it, with the run's key from RUN/api_key.
@@ -45,7 +45,7 @@ from prl.run.records import ENGINE_DIED_EXIT
 WORKER_EXTENSION = "prl.inference.worker.WeightUpdater"
 FEED_BACKEND = "prl_feed"
 """vLLM weight-transfer backend that loads steps from the trainer's weight feeds (prl/inference/feed_engine.py)."""
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/prl/engine")
 """Paths served without the API key (the launcher's readiness probe)."""
 
 log = get_logger("prl.inference")
@@ -353,6 +353,7 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
         uvicorn_kwargs = {}
         if (log_config := get_uvicorn_log_config(args)) is not None:
             uvicorn_kwargs["log_config"] = log_config
+        state = app.state  # vLLM's lifespan deletes app.state as the server stops; serve_http sets state.server
         shutdown = await serve_http(
             app, sock=sock, enable_ssl_refresh=args.enable_ssl_refresh,
             host=args.host, port=args.port, log_level=args.uvicorn_log_level,
@@ -366,7 +367,7 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
             **uvicorn_kwargs,
         )
-        engine_died = engine.errored and not _signalled(shutdown)
+        engine_died = engine.errored and not _signalled(shutdown, state.server)
     try:
         await shutdown
     finally:
@@ -376,13 +377,12 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
         raise SystemExit(ENGINE_DIED_EXIT)
 
 
-def _signalled(shutdown) -> bool:
-    """Whether vLLM's `serve_http` ended on a signal: it then returns uvicorn's `Server.shutdown()` to await;
-    when its watchdog ended the server (the engine died on its own) it returns a no-op. Both leave the engine
-    client `errored`, so this is what tells a stop from a death."""
-    import uvicorn
-
-    return getattr(shutdown, "cr_code", None) is uvicorn.Server.shutdown.__code__
+def _signalled(shutdown, server) -> bool:
+    """Whether vLLM's `serve_http` ended on a signal: it then returns its server's `shutdown()` coroutine to
+    await; when its watchdog ended the server (the engine died on its own) it returns a no-op. Both leave the
+    engine client `errored` (a stop shuts the engine down), so this is what tells a stop from a death."""
+    method = getattr(type(server), "shutdown", None)
+    return method is not None and getattr(shutdown, "cr_code", None) is getattr(method, "__code__", None)
 
 
 def use_key(ours: argparse.Namespace, args: argparse.Namespace, run: RunDir, key: str):

@@ -92,7 +92,7 @@ def supervise(argv: list[str], env: dict[str, str], stop: Any, ready: Callable[[
             if health():
                 last_ok = now
             elif now - last_ok > hang_s and not killed_at:
-                stop.failure = f"hung: /health unanswered for {now - last_ok:.0f} s (bound {hang_s:.0f} s)"
+                stop.failure = f"hung: its health probe unanswered for {now - last_ok:.0f} s (bound {hang_s:.0f} s)"
                 log.error(f"{stop.failure}; stopping it")
                 proc.terminate()
                 killed_at = now
@@ -173,7 +173,7 @@ def _supervise_server(run: RunDir, plan: Plan, role: str, task: int, stop: Any, 
 
     try:
         return supervise(argv, env, stop, lambda: http_ok(f"{url}/health"), on_ready,
-                         health=lambda: http_ok(f"{url}/health", timeout=10.0), hang_s=plan.server_hang_s)
+                         health=lambda: http_ok(f"{url}/prl/engine", timeout=15.0), hang_s=plan.server_hang_s)
     finally:
         # A server that is gone must not be advertised: the orchestrator drops it from rotation at once.
         run.endpoint(role, server.replica).unlink(missing_ok=True)

@@ -343,7 +343,7 @@ def picture_inputs(pictures: Pictures | None, mb: MicroBatch | None, d: Dist, la
     where = "a padding pass" if mb is None else f"the micro-batch of samples {mb.sample_ids}"
     if mb is not None:
         pictures.check(mb, where)
-    row, _ = pictures.with_encoder_pass(mb, labels)
+    row = pictures.with_encoder_pass(mb, labels)
     x = prepare(row, d, labels, counted=0 if mb is None else mb.num_tokens)
     if row is not None:
         sampled = on_this_rank(torch.from_numpy(pictures.sampled(row)), d).to(d.device)

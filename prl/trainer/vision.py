@@ -198,15 +198,15 @@ class Pictures:
         chunk = -(-mb.num_tokens // cp)
         return torch.tensor([int(image[:cp_rank * chunk].sum()), int(image[:(cp_rank + 1) * chunk].sum())])
 
-    def with_encoder_pass(self, mb: MicroBatch | None, labels: tuple[str, ...]) -> tuple[MicroBatch | None, int]:
+    def with_encoder_pass(self, mb: MicroBatch | None, labels: tuple[str, ...]) -> MicroBatch | None:
         """`mb` with a blank picture's sample appended when the encoder trains and `mb` has no picture (so this
-        rank's encoder gets a gradient, of zero, like every rank's); and how many tokens were appended."""
+        rank's encoder gets a gradient, of zero, like every rank's; its tokens are left uncounted by the caller)."""
         if not self.train_vision or (mb is not None and mb.images):
-            return mb, 0
+            return mb
         blank = self.blank()
         if mb is None:
-            return blank, 0  # a padding pass: nothing of it is counted anyway (`real` is off)
+            return blank  # a padding pass: nothing of it is counted anyway (`real` is off)
         nothing = np.zeros(blank.num_tokens, dtype=np.float32)  # the blank's scores: it has no loss
         cat = {k: np.concatenate([getattr(mb, k), getattr(blank, k) if k in BLANK_FIELDS else nothing])
                for k in ("input_ids", "position_ids", *labels)}
-        return MicroBatch(sample_ids=mb.sample_ids, **cat, images=list(blank.images)), blank.num_tokens
+        return MicroBatch(sample_ids=mb.sample_ids, **cat, images=list(blank.images))
