@@ -314,20 +314,28 @@ def test_live_reports_base_model(tiny_server):
 def test_prl_engine_asks_the_engine_itself(tiny_server):
     """A stopped engine core behind a live API process: vLLM's /health still says 200, /prl/engine (the role
     runner's hang probe) says 503 within ENGINE_PROBE_S, and 200 again once the engine runs."""
+    import concurrent.futures
     import signal
 
-    from prl.inference.admin import ENGINE_PROBE_S
+    from prl.inference.admin import ENGINE_ANSWER_KEPT_S, ENGINE_PROBE_S
     from tests.test_faults_slurm import _descendants, _procs
 
     engines = [pid for pid, _, cmd in _descendants(tiny_server.process.pid, _procs()) if "EngineCore" in cmd]
     assert len(engines) == 1, engines
     assert tiny_server.get("/prl/engine") == {"ok": True}
+    time.sleep(ENGINE_ANSWER_KEPT_S)  # that answer stands for this long
     os.kill(engines[0], signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        with pytest.raises(HTTPFailure) as refused:
-            tiny_server.get("/prl/engine", timeout=ENGINE_PROBE_S + 20)
-        assert refused.value.status == 503 and "did not answer" in str(refused.value.body), refused.value
+        def probe():  # several callers at once (the route is open): each gets 503 after about the bound
+            with pytest.raises(HTTPFailure) as refused:
+                tiny_server.get("/prl/engine", timeout=ENGINE_PROBE_S + 20)
+            return refused.value
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: probe(), range(4)))
+        for refused in answers:
+            assert refused.status == 503 and "did not answer" in str(refused.body), refused
         assert ENGINE_PROBE_S <= time.monotonic() - t0 < ENGINE_PROBE_S + 15
         assert http_json("GET", tiny_server.url + "/health") == {}  # vLLM's own: the API process runs
     finally:

@@ -75,6 +75,9 @@ NIXL_LEASE_S = 30
 """NixlConnector's default `kv_lease_duration` (seconds)."""
 ENGINE_PROBE_S = 10.0
 """How long `/prl/engine` waits for the engine to answer a utility call."""
+ENGINE_ANSWER_KEPT_S = 1.0
+"""How long an engine's answer stands for `/prl/engine` (the route is open: callers share one utility call at a
+time and at most one a second, however many they are)."""
 UPDATE_BOUND_S = 600.0
 """How long a weight update may hold the engine and still count as healthy (the engine answers nothing else
 while it loads; the weight watcher gives a push as long)."""
@@ -113,6 +116,10 @@ class AdminState:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     updating_since: float | None = None
     """When the update holding `lock` began (time.monotonic())."""
+    engine_answered: float = float("-inf")
+    """When the engine last answered `/prl/engine`'s utility call (time.monotonic())."""
+    engine_probe: asyncio.Future | None = None
+    """That call while it runs, shared by every caller."""
 
 
 def _state(request: Request) -> AdminState:
@@ -171,11 +178,24 @@ async def engine_health(request: Request):
         if held < UPDATE_BOUND_S:
             return {"ok": True, "updating_s": round(held, 1)}
         return _error(503, f"a weight update has held the engine for {held:.0f} s (bound {UPDATE_BOUND_S:.0f} s)")
-    try:
-        await asyncio.wait_for(engine.is_paused(), ENGINE_PROBE_S)
-    except asyncio.TimeoutError:
+    if not await _engine_answers(state, engine):
         return _error(503, f"the engine did not answer within {ENGINE_PROBE_S:.0f} s")
     return {"ok": True}
+
+
+async def _engine_answers(state: AdminState, engine) -> bool:
+    """Whether the engine answers a utility call within ENGINE_PROBE_S: one call at a time, shared by every
+    caller, and an answer stands for ENGINE_ANSWER_KEPT_S."""
+    if time.monotonic() - state.engine_answered < ENGINE_ANSWER_KEPT_S:
+        return True
+    if state.engine_probe is None or state.engine_probe.done():
+        state.engine_probe = asyncio.ensure_future(asyncio.wait_for(engine.is_paused(), ENGINE_PROBE_S))
+    try:
+        await asyncio.shield(state.engine_probe)
+    except Exception:  # noqa: BLE001 - timed out, or the engine is gone: it did not answer
+        return False
+    state.engine_answered = time.monotonic()
+    return True
 
 
 @router.get("/prl/live")
