@@ -2,9 +2,9 @@
 pool runs one vLLM server and nothing else; each run attaches with its own key and name, trains its own adapter,
 generates with it on the pool's server, and detaches when it ends. The pool's engine is killed mid-run: restarted
 by the pool's launcher (its status names the engine's death), the server gets each run's newest adapter back from
-that run's weight watcher. A run whose launcher died without detaching is detached by the pool's launcher. Isolation shows in
-the numbers: each run's served logprobs are its trainer's at every step (an adapter of the other run, or the base
-model after the restart, would not match them)."""
+that run's weight watcher. A run whose launcher died without detaching is detached by the pool's launcher.
+Isolation shows in the numbers: each run's served logprobs are its trainer's at every step (an adapter of the other
+run, or the base model after the restart, would not match them)."""
 
 from __future__ import annotations
 

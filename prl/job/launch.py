@@ -49,10 +49,10 @@ WANDB_FINAL_S = 60.0
 """How long the launcher waits at the end for its W&B follower to log the last steps."""
 START_TIMEOUT = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
 OWN_END_S = 30.0
-TENANTS_CHECK_S = 15.0
-"""How often an inference pool's launcher looks for attached runs whose job ended without detaching."""
 """After the trainer's last step, how long the roles that end by themselves (the orchestrator, whose steps are
 all published by then) get to finish before the job stops them: their exit is then their own, not a stop."""
+TENANTS_CHECK_S = 15.0
+"""How often an inference pool's launcher looks for attached runs whose job ended without detaching."""
 
 
 class RoleFailed(Exception):
@@ -367,7 +367,7 @@ class Launcher:
         if changed:
             self.save()
 
-    # -- hangs: the trainer's and orchestrator's main loops heartbeat in state/<role>.json
+    # -- an inference pool: its attached runs
     def check_tenants(self) -> None:
         """An inference pool, every TENANTS_CHECK_S: detach the attached runs whose job ended without detaching
         (a launcher killed -9 cannot): their adapters are unloaded, their keys refused, `prl status` stops
@@ -380,6 +380,7 @@ class Launcher:
         for name, why in reap(self.run, lambda runs: ended_jobs(runs, local_pids=not self.slurm)).items():
             log.warning(f"attached run {name!r} detached from this pool: {why}")
 
+    # -- hangs: the trainer's and orchestrator's main loops heartbeat in state/<role>.json
     def check_hangs(self) -> None:
         now = time.time()
         for name in HANG_ROLES:
