@@ -124,8 +124,9 @@ def micro_batch(tokens: int, vocab: int, samples: int = 8):
 
 
 def lora_of(name: str, rank: int):
-    """`--lora`'s adapters: on every projection of the dense model; the MoE's experts are fused tensors, not
-    linear layers, so there the attention projections alone."""
+    """`--lora`'s adapters: on every projection of the dense model; on the MoE's attention projections alone
+    (adapters on its experts run prl's per-expert loop instead of transformers' grouped kernel: another
+    measurement, `bench_lora.py --moe` on CPU)."""
     from prl.config.topology import Lora
 
     if not rank:

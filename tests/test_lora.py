@@ -31,10 +31,38 @@ def test_target_modules_are_checked_against_the_architecture():
     assert refusals(qwen3, ["q_proj", "down_proj"]) == []
     [(field, msg)] = refusals(qwen3, ["q_proj", "w1"])
     assert field == ("model", "lora", "target_modules") and "Qwen3ForCausalLM has no linear layer named w1" in msg
-    [(_, msg)] = refusals({"architectures": ["Qwen3MoeForCausalLM"]}, ["gate_proj"])
-    assert "has no linear layer named gate_proj; it has q_proj, k_proj, v_proj, o_proj" in msg
+    [(_, msg)] = refusals({"architectures": ["Qwen3MoeForCausalLM"]}, ["w1"])
+    assert "has no linear layer named w1; it has q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj" in msg
+    [(_, msg)] = refusals({"architectures": ["GptOssForCausalLM"]}, ["down_proj"])
+    assert "has no linear layer named down_proj; it has q_proj, k_proj, v_proj, o_proj" in msg, "fused on disk"
     assert refusals({"architectures": ["SomeNewForCausalLM"]}, ["w1"]) == [], "unknown: the trainer checks at start"
     assert lora_refusals(None, 8, ["w1"]) == [], "no config.json when planned: nothing to check against"
+
+
+def test_routed_experts_are_refused_only_where_a_cpu_server_must_serve_them():
+    mixtral = msgspec.convert({"architectures": ["MixtralForCausalLM"]}, ModelConfig)
+    assert lora_refusals(mixtral, 8, ["q_proj", "w1", "w2"]) == [], "SFT, or an RL run on GPUs"
+    [(field, msg)] = lora_refusals(mixtral, 8, ["q_proj", "w1", "w2"], served_on_cpu=True)
+    assert field == ("model", "lora", "target_modules")
+    assert msg == ("w1, w2 adapt MixtralForCausalLM's routed experts, and vLLM serves LoRA on MoE experts with GPU "
+                   "kernels only (triton): on a CPU cluster an RL run's adapter can target q_proj, k_proj, v_proj, "
+                   "o_proj; SFT can train the experts")
+    assert lora_refusals(mixtral, 8, ["q_proj", "o_proj"], served_on_cpu=True) == []
+
+
+def test_an_rl_run_on_cpu_with_adapters_on_experts_is_refused_at_plan_time(tmp_path):
+    from prl.errors import ConfigError
+    from tests.test_sft import sft_plan
+    from tests.tiny_model import build_tiny_moe
+
+    moe = build_tiny_moe(tmp_path / "moe")
+    experts = "model.lora.target_modules=[q_proj,down_proj]"
+    with pytest.raises(ConfigError, match=r"\(model.lora.target_modules\): down_proj adapt Qwen3MoeForCausalLM's "
+                                          r"routed experts, and vLLM serves LoRA on MoE experts with GPU kernels"):
+        local_plan(tmp_path / "run", moe, [experts], topology="local-lora")
+    assert local_plan(tmp_path / "run", moe, ["model.lora.target_modules=[q_proj,o_proj]"], topology="local-lora")
+    sft = sft_plan(tmp_path / "sft", moe, "model.lora.rank=4", experts)
+    assert sft.settings().model.lora.target_modules == ["q_proj", "down_proj"]
 
 
 def test_a_family_vllm_serves_without_adapters_is_refused_with_the_reason():
@@ -151,7 +179,8 @@ def test_the_trainer_s_adapted_forward_equals_the_merged_model(tiny, tmp_path):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
     from safetensors.torch import save_file
 
-    save_file(adapter_state(trained, torch.float32), str(tmp_path / "adapter_model.safetensors"))
+    state = adapter_state(trained, torch.float32)
+    save_file(state, str(tmp_path / "adapter_model.safetensors"))
     (tmp_path / "adapter_config.json").write_text(json.dumps(adapter_config(lora, modules, str(tiny))))
     merged = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
     state = merged_state(dict(merged.state_dict()), tmp_path)
@@ -162,3 +191,53 @@ def test_the_trainer_s_adapted_forward_equals_the_merged_model(tiny, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
     assert (base(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max() > 1e-2, "the adapter matters"
     assert len(load_file(str(tmp_path / "adapter_model.safetensors"))) == 2 * 2 * 3
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_adapters_on_routed_experts_equal_the_merged_model(tmp_path, family):
+    """Per-expert adapters on transformers' fused experts (ep=1: prl's experts module with all of them): the
+    adapted forward against the base checkpoint with every expert's W + (alpha / r) B A merged under its own
+    per-expert name (Mixtral's block_sparse_moe.experts.{e}.w1/w2/w3), as `prl export --merged` writes it."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from prl.config.topology import Lora
+    from prl.trainer.loading import weight_map
+    from prl.trainer.lora import adapter_config, adapter_state, attach, merged_state
+    from prl.trainer.moe import ExpertParallelExperts
+    from prl.trainer.weights import write_hf_dir
+    from tests.tiny_model import build_tiny_moe
+
+    base_dir = build_tiny_moe(tmp_path / "model", family=family)
+    gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    lora = Lora(rank=4, alpha=12.0, target_modules=["q_proj", up, down])
+    trained = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    modules = attach(trained, lora, seed=0)
+    experts = [m for m in trained.modules() if isinstance(m, ExpertParallelExperts)]
+    assert len(experts) == 2 and experts[0].adapters == {"gate_up_proj": ("", up), "down_proj": (down,)}
+    hidden, inner = experts[0].down_proj.shape[1:]
+    assert [tuple(p.shape) for n, p in experts[0].named_parameters() if "lora" in n] == [
+        (4, 4, hidden), (4, inner, 4), (4, 4, inner), (4, hidden, 4)], "E x (A, B) of up, then of down"
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            p.requires_grad_(False)
+            if "lora" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    state = adapter_state(trained, torch.float32)
+    save_file(state, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps(adapter_config(lora, modules, str(base_dir))))
+    prefix = "model.layers.1.block_sparse_moe" if family == "mixtral" else "model.layers.1.mlp"
+    assert f"base_model.model.{prefix}.experts.3.{up}.lora_A.weight" in state
+    base = {}
+    for file in sorted(set(weight_map(base_dir).values())):
+        base.update(load_file(str(file)))
+    write_hf_dir(tmp_path / "merged", merged_state(base, tmp_path), base_dir, torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(trained.eval()(input_ids=ids).logits, merged(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+        assert (plain(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max() > 1e-2, "the adapter matters"
+

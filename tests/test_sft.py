@@ -117,8 +117,10 @@ def run_a(tiny, tmp_path_factory) -> RunDir:
     return run
 
 
-def _reference(model_dir: Path, steps: int) -> list[float]:
-    """Plain transformers, one process, one conversation at a time: the token-mean NLL of each step."""
+def _reference(model_dir: Path, steps: int, lora=None, trained: list | None = None) -> list[float]:
+    """Plain transformers, one process, one conversation at a time: the token-mean NLL of each step. With `lora`
+    (a model.lora) only its adapters train, from the values the trainer's loader gives them; `trained` gets the
+    model at the end."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -129,7 +131,17 @@ def _reference(model_dir: Path, steps: int) -> list[float]:
     t = plan.settings().training
     data = SFTData(list(read_conversations(DATA)), AutoTokenizer.from_pretrained(model_dir), 256, t.batch_size, t.seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    params = list(model.parameters())
+    if lora is not None:
+        from prl.trainer.lora import adapter_parameters, attach
+
+        attach(model, lora, t.seed)
+        with torch.no_grad():
+            for prefix, m in model.named_modules():
+                for leaf, fresh in getattr(m, "fresh_parameters", {}).items():
+                    getattr(m, leaf).copy_(fresh(f"{prefix}.{leaf}", tuple(getattr(m, leaf).shape)))
+        params = adapter_parameters(model)
+    opt = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
     losses = []
     for step in range(1, steps + 1):
         samples = data.samples(step)
@@ -142,10 +154,12 @@ def _reference(model_dir: Path, steps: int) -> list[float]:
             loss = -(picked * torch.tensor(s.loss_mask[1:], dtype=torch.float32)).sum() / n
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
         opt.step()
         opt.zero_grad()
         losses.append(total)
+    if trained is not None:
+        trained.append(model)
     return losses
 
 
@@ -333,3 +347,56 @@ def test_sft_with_lora_trains_and_publishes_only_the_adapter(tmp_path):
     assert len(adapter) == 2 * 2 * 3 and all(".lora_A." in k or ".lora_B." in k for k in adapter), sorted(adapter)
     keys = FileSystemReader(str(run.checkpoints(STEPS, "trainer") / "dcp")).read_metadata().state_dict_metadata
     assert all(k.endswith(("lora_A", "lora_B")) for k in keys if k.startswith("model.")), sorted(keys)[:5]
+
+
+@pytest.mark.slow  # two 2-rank trainer runs: ~50 s
+def test_lora_on_routed_experts_with_ep2_matches_a_plain_loop_resumes_and_merges(tmp_path, env):
+    """`model.lora` on a Qwen3-MoE's routed experts (gate_proj, up_proj, down_proj: per-expert adapters on the
+    fused [E, ...] weights) with ep=2, each rank holding 2 of the 4 experts and their adapters: the losses of the
+    single-process loop (transformers, the same adapters attached at ep=1); the published adapter in PEFT's
+    per-expert layout (all 4 experts, gathered over the EP group) equal to the loop's; a resume from the step-2
+    checkpoint trains step 3 to the same adapter; `prl export --merged` gives a plain model whose logits are the
+    adapted model's."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from prl.trainer.lora import adapter_state
+
+    model = build_tiny_moe(tmp_path / "moe")
+    lora = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.target_modules=[q_proj,gate_proj,up_proj,down_proj]"]
+    steps = 3
+    plan = sft_plan(tmp_path / "run", model, "trainer.ep=2", *lora, max_steps=steps, checkpoint_interval=2)
+    run = write_plan(RunDir(tmp_path / "run"), plan)
+    launch(run, 2, resume="none")
+    losses = [m["loss"] for m in run.read_metrics("trainer")]
+    trained: list = []
+    assert losses == pytest.approx(_reference(model, steps, plan.settings().model.lora, trained), rel=1e-4, abs=1e-6)
+
+    published = load_file(str(run.weights(steps) / "adapter_model.safetensors"))
+    expected = adapter_state(trained[0], torch.float32)
+    assert published.keys() == expected.keys()
+    assert "base_model.model.model.layers.1.mlp.experts.3.down_proj.lora_B.weight" in published
+    assert len(published) == 2 * (1 + 4 * 3) * 2, "2 layers x (q_proj + 4 experts x 3 projections) x (A, B)"
+    for k, v in expected.items():
+        torch.testing.assert_close(published[k], v, rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    assert float(published["base_model.model.model.layers.0.mlp.experts.2.up_proj.lora_B.weight"].abs().max()) > 0
+    config = json.loads((run.weights(steps) / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["down_proj", "gate_proj", "q_proj", "up_proj"]
+
+    # Each EP rank's expert adapters and their AdamW state are checkpointed under names of their own.
+    shutil.copytree(run.weights(steps), tmp_path / "first")
+    launch(run, 2, resume="2")
+    again = load_file(str(run.weights(steps) / "adapter_model.safetensors"))
+    for k, v in published.items():
+        torch.testing.assert_close(again[k], v, rtol=1e-5, atol=1e-7, msg=lambda m: f"{k}: {m}")
+
+    prl(env, "export", str(run.root), "--merged", "-o", str(tmp_path / "merged"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, trained[0].eval()(input_ids=ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+

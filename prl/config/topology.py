@@ -49,8 +49,9 @@ class Lora(Strict, kw_only=True):
     target_modules: Annotated[list[Name], Meta(min_length=1, max_length=MAX_ITEMS)] = msgspec.field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     """Names of the linear layers that get an adapter (the last part of their module name, as in PEFT): the
-    default is every attention and MLP projection of Llama/Qwen-style models. Checked against the model's
-    architecture when planned."""
+    default is every attention and MLP projection of Llama/Qwen-style models. An MoE model's routed experts
+    are adapted per expert by their checkpoint names (gate_proj, up_proj, down_proj; Mixtral's w1, w3, w2).
+    Checked against the model's architecture when planned."""
 
     @property
     def scale(self) -> float:

@@ -326,20 +326,35 @@ it when vLLM's pin moves)."""
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
+EXPERT_LORA_MODULES: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM", "OlmoeForCausalLM",
+                     "DeepseekV3ForCausalLM"), MLP),
+    "MixtralForCausalLM": ("w1", "w2", "w3"),
+}
+"""The names LoRA adapts an MoE architecture's routed experts by: their per-expert checkpoint names
+(prl/trainer/lora.py `attach_experts`). A name also adapts the dense and shared MLPs that bear it (DeepSeek-V3's
+first layers, Qwen2-MoE's shared expert). GPT-OSS stores its experts fused (transposed, gate and up interleaved):
+no per-expert adapter maps onto them, so its adapters cover the attention."""
+
 LORA_MODULES: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                      "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM"), ATTENTION + MLP),
-    **dict.fromkeys(("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM",
-                     "Glm4MoeForCausalLM", "OlmoeForCausalLM"), ATTENTION),
-    "DeepseekV3ForCausalLM": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+    **{arch: ATTENTION + EXPERT_LORA_MODULES.get(arch, ()) for arch in (
+        "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM", "Glm4MoeForCausalLM",
+        "OlmoeForCausalLM")},
+    "DeepseekV3ForCausalLM": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", *MLP),
 }
-"""The linear layers (last name part) prl's LoRA can adapt in each architecture it knows. MoE experts are fused
-[E, ...] parameters in transformers 5, not linear layers: an MoE model's adapter covers its attention."""
+"""The linear layers (last name part) prl's LoRA can adapt in each architecture it knows, routed experts included
+(EXPERT_LORA_MODULES)."""
 
 
-def lora_refusals(model_config: ModelConfig | None, rank: int, target_modules: list[str]) -> list[tuple[Field, str]]:
-    """Refusals of `model.lora` for this model: a family vLLM serves without adapters, or target modules the
-    architecture does not have (an architecture not in LORA_MODULES is checked by the trainer when it starts)."""
+def lora_refusals(model_config: ModelConfig | None, rank: int, target_modules: list[str],
+                  served_on_cpu: bool = False) -> list[tuple[Field, str]]:
+    """Refusals of `model.lora` for this model: a family vLLM serves without adapters, target modules the
+    architecture does not have (an architecture not in LORA_MODULES is checked by the trainer when it starts),
+    and, for adapters a CPU server must serve (`served_on_cpu`: an RL run on a CPU cluster), routed experts:
+    vLLM's LoRA on fused MoE layers runs on its triton kernels only (`FusedMoEWithLoRA`; the CPU punica wrapper
+    has no fused-MoE op)."""
     if model_config is None:
         return []
     arch = model_config.architecture
@@ -352,6 +367,12 @@ def lora_refusals(model_config: ModelConfig | None, rank: int, target_modules: l
         return [(("model", "lora", "target_modules"),
                  f"{arch} has no linear layer named {', '.join(unknown)}; "
                  f"it has {', '.join(known)}")]
+    experts = [m for m in target_modules if m in EXPERT_LORA_MODULES.get(arch, ())]
+    if experts and served_on_cpu:
+        return [(("model", "lora", "target_modules"),
+                 f"{', '.join(experts)} adapt {arch}'s routed experts, and vLLM serves LoRA on MoE experts with "
+                 f"GPU kernels only (triton): on a CPU cluster an RL run's adapter can target "
+                 f"{', '.join(m for m in known if m not in EXPERT_LORA_MODULES[arch])}; SFT can train the experts")]
     return []
 
 

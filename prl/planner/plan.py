@@ -534,7 +534,8 @@ def check_trainer_can_run(check: Checker, topo: Topology, model_config: Optional
     """Refuse, before any allocation, what the trainer cannot execute on this model (prl/planner/capabilities.py)."""
     refusals = trainer_refusals(model_config, mesh.dp_replicate, mesh.dp_shard, mesh.cp, mesh.ep)
     if topo.model.lora is not None:
-        refusals += lora_refusals(model_config, topo.model.lora.rank, topo.model.lora.target_modules)
+        refusals += lora_refusals(model_config, topo.model.lora.rank, topo.model.lora.target_modules,
+                                  served_on_cpu=topo.sft is None and not check.cluster.gpu_node.gpus)
     refusals += vision_refusals(model_config, mesh.cp, topo.model.train_vision, topo.model.lora is not None)
     gpus, fp8_gpus = bool(check.cluster.gpu_node.gpus), check.cluster.gpu_node.fp8
     if topo.trainer.compile:

@@ -2,13 +2,17 @@
 
     transform_model  each target nn.Linear (named by the last part of its module name) gets two parameters,
                      lora_A [r, in] and lora_B [out, r], and a forward hook adding
-                     (alpha / r) * B @ A @ dropout(x) to its output; every other parameter is frozen
+                     (alpha / r) * B @ A @ dropout(x) to its output; every other parameter is frozen.
+                     An MoE layer's routed experts (fused [E, ...] parameters, named by their per-expert
+                     checkpoint names) get one A and B per expert, added by prl's experts module
+                     (`attach_experts`; prl/trainer/moe.py)
     load             the loader fills lora_A / lora_B from `fresh_parameters` (not from the safetensors):
                      A uniform in +-1/sqrt(in) (PEFT's kaiming default), B zero, so step 0 is the base model;
                      each rank computes the full tensor from (seed, name) and keeps its FSDP2 rows
     parameters       the adapters only (the optimizer holds nothing else)
     publish          weights/step_N/ = adapter_model.safetensors + adapter_config.json (PEFT's names:
-                     base_model.model.<module>.lora_A.weight), through the same STABLE protocol as full weights
+                     base_model.model.<module>.lora_A.weight, an expert's under its per-expert checkpoint name),
+                     through the same STABLE protocol as full weights
     merge            W + (alpha / r) * B @ A: `prl export --merged` writes a plain HF model
 
 Our own and not peft's: peft wraps each layer (`q_proj.base_layer.weight`), which breaks the name-for-name
@@ -39,8 +43,8 @@ PEFT_PREFIX = "base_model.model."
 
 
 def is_adapter(name: str) -> bool:
-    """Whether a parameter name is one of the adapters' (`...q_proj.lora_A`)."""
-    return name.rpartition(".")[2] in LEAVES
+    """Whether a parameter name is one of the adapters' (`...q_proj.lora_A`, an expert's `...experts.w1_lora_A`)."""
+    return name.rpartition(".")[2].endswith(LEAVES)
 
 
 def _delta(module: nn.Linear, args: tuple, output: torch.Tensor) -> torch.Tensor:
@@ -71,7 +75,7 @@ def attach(model: nn.Module, lora: Lora, seed: int) -> list[str]:
     # A vision-language model's adapters go on its language model alone: what vLLM applies them to (its LoRA
     # manager wraps the tower and connector only with --enable-tower-connector-lora).
     text = {id(m) for m in language_model(model).modules()}
-    adapted = []
+    adapted = attach_experts(model, lora, seed, text)
     for name, m in model.named_modules():
         if id(m) in text and type(m) is nn.Linear and name.rpartition(".")[2] in targets:
             device = m.weight.device
@@ -85,11 +89,66 @@ def attach(model: nn.Module, lora: Lora, seed: int) -> list[str]:
     missing = sorted(targets - found)
     if missing:
         have = sorted({n.rpartition(".")[2] for n, m in model.named_modules()
-                       if id(m) in text and type(m) is nn.Linear})
+                       if id(m) in text and type(m) is nn.Linear} | set(expert_projections(model)))
         raise ConfigError(f"model.lora.target_modules: {type(model).__name__} has no linear layer named "
                           f"{', '.join(missing)}; its linear layers are {', '.join(have)}")
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name))
+    return adapted
+
+
+def expert_projections(model: nn.Module) -> tuple[str, ...]:
+    """The names LoRA targets the routed experts by: their projections' on-disk names (gate_proj, up_proj,
+    down_proj; Mixtral's w1, w3, w2). None for a model without experts, or whose checkpoints store them fused
+    (GPT-OSS: transposed, biased, gate and up interleaved; no per-expert adapter maps onto that)."""
+    from prl.trainer.moe import disk_layout, expert_modules
+
+    return (disk_layout(model).split or ()) if expert_modules(model) else ()
+
+
+def _expert_init(seed: int, disk_prefix: str, part: str, leaf: str, experts: nn.Module):
+    """The initial value of one expert adapter parameter [E_local, ...]: each expert's as `_init` gives the
+    per-expert layer `{disk_prefix}.{e}.{part}` (its PEFT name), so any ep degree starts from the same adapter."""
+    dense = _init(seed)
+
+    def fresh(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        first = experts.first
+        return torch.stack([dense(f"{disk_prefix}.{first + e}.{part}.{leaf}", shape[1:]) for e in range(shape[0])])
+    return fresh
+
+
+def attach_experts(model: nn.Module, lora: Lora, seed: int, text: set[int]) -> list[str]:
+    """Adapters on the routed experts of the language model (modules in `text`) whose projections are targeted
+    (`expert_projections`): each targeted projection `p` of expert e gets A [r, in] and B [out, r], held for all
+    of a module's experts as `{p}_lora_A` [E_local, r, in] and `{p}_lora_B` [E_local, out, r] (sharded along E
+    under EP, like the experts). transformers' experts modules (ep=1) become prl's ExpertParallelExperts with
+    every expert (prl/trainer/moe.py), whose projections add the update. Returns `<experts>.<p>` per adapter."""
+    from prl.trainer.moe import ExpertParallelExperts, disk_layout, disk_name, is_fused_experts
+
+    targets = set(lora.target_modules)
+    projections = expert_projections(model)
+    if not targets & set(projections):
+        return []
+    gate, up, down = projections
+    wanted = {"gate_up_proj": tuple(p if p in targets else "" for p in (gate, up)),
+              "down_proj": (down if down in targets else "",)}
+    wanted = {fused: parts for fused, parts in wanted.items() if any(parts)}
+    layout, adapted = disk_layout(model), []
+    for name, m in [(n, m) for n, m in model.named_modules() if id(m) in text and is_fused_experts(m)]:
+        if not isinstance(m, ExpertParallelExperts):
+            parent, _, attr = name.rpartition(".")
+            m = ExpertParallelExperts(m, 1, 0, None)
+            setattr(model.get_submodule(parent), attr, m)
+        m.adapters, m.lora_scale, m.lora_dropout = wanted, lora.scale, lora.dropout
+        m.fresh_parameters = {}
+        for fused, parts in wanted.items():
+            w = getattr(m, fused)  # [E_local, out, in]: split layouts are never transposed (disk_layout)
+            shapes = {"lora_A": (lora.rank, w.shape[2]), "lora_B": (w.shape[1] // len(parts), lora.rank)}
+            for p in filter(None, parts):
+                for leaf, shape in shapes.items():
+                    setattr(m, f"{p}_{leaf}", nn.Parameter(torch.empty(m.num_local, *shape, device=w.device)))
+                    m.fresh_parameters[f"{p}_{leaf}"] = _expert_init(seed, disk_name(layout, name), p, leaf, m)
+                adapted.append(f"{name}.{p}")
     return adapted
 
 
@@ -98,12 +157,27 @@ def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def adapter_state(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Collective: every adapter tensor in full, on CPU, in `dtype`, under PEFT's names (every rank)."""
-    out = {}
+    """Collective: every adapter tensor in full, on CPU, in `dtype`, under PEFT's names (every rank). An expert
+    adapter is gathered over its EP group and written per expert, under the checkpoint's per-expert name:
+    `...mlp.experts.3.gate_proj.lora_A.weight` (what vLLM reads for a MoE layer's LoRA)."""
+    from prl.trainer.moe import disk_layout, disk_name, gather_experts
+
+    layout, modules, out = disk_layout(model), dict(model.named_modules()), {}
     for name, p in model.named_parameters():
-        if is_adapter(name):
-            full = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        if not is_adapter(name):
+            continue
+        full = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        prefix, _, leaf = name.rpartition(".")
+        if leaf in LEAVES:
             out[f"{PEFT_PREFIX}{name}.weight"] = full.to(dtype).cpu().contiguous()
+            continue
+        experts = modules[prefix]
+        if experts.ep > 1:
+            full = gather_experts(full, experts.ep, experts.group)
+        part, _, ab = leaf.rpartition("_lora_")
+        base = disk_name(layout, prefix)
+        out.update({f"{PEFT_PREFIX}{base}.{e}.{part}.lora_{ab}.weight": t.to(dtype).cpu().contiguous()
+                    for e, t in enumerate(full)})
     return out
 
 

@@ -25,7 +25,9 @@ moves tokens to them:
        weights and sum each token's k rows.
 
 Both all-to-alls are `torch.distributed.all_to_all_single` with uneven splits (gloo and NCCL
-support it), wrapped in an autograd function whose backward is the reverse all-to-all.
+support it), wrapped in an autograd function whose backward is the reverse all-to-all. With ep=1
+(LoRA on the experts of a model without EP: prl/trainer/lora.py `attach_experts`) the module holds
+every expert and step 2 runs alone; each projection then adds its experts' adapters (`_adapted`).
 Every rank runs the same layers in the same order (padding micro-batches included), so the
 collectives always match. The router (softmax top-k, GPT-OSS's top-k softmax, DeepSeek-V3's and
 GLM-4.5's group-limited sigmoid routing with its score-correction bias) and any shared expert stay
@@ -123,12 +125,27 @@ class ExpertParallelExperts(nn.Module):
         if hasattr(experts, "act_fn"):
             self.act_fn = experts.act_fn
         self._gate_fn = type(experts)._apply_gate if self.has_gate else None
+        # LoRA on the experts (prl/trainer/lora.py `attach_experts`): fused parameter -> the on-disk projection of
+        # each part of its output (gate_up_proj: gate, up; down_proj: down), "" for a part without an adapter. A
+        # part `p` has parameters `{p}_lora_A` [E_local, r, in] and `{p}_lora_B` [E_local, out, r].
+        self.adapters: dict[str, tuple[str, ...]] = {}
+        self.lora_scale, self.lora_dropout = 1.0, 0.0
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         T, k = top_k_index.shape
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
+        if self.ep == 1:  # every expert is here (expert LoRA on an ep=1 model): no dispatch
+            back = self._run_experts(hidden[order // k], counts.tolist())
+        else:
+            back = self._dispatch(hidden, order, k, counts)
+        weighted = back * top_k_weights.reshape(-1)[order, None].to(back.dtype)
+        final = torch.zeros_like(hidden)
+        return final.index_add(0, order // k, weighted.to(final.dtype))
+
+    def _dispatch(self, hidden: torch.Tensor, order: torch.Tensor, k: int, counts: torch.Tensor) -> torch.Tensor:
+        """The (token, k) rows in `order` through their experts over the EP group, back in `order`."""
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.group)
         recv_counts = recv_counts.view(self.ep, self.num_local)  # [source rank, local expert]
@@ -142,17 +159,23 @@ class ExpertParallelExperts(nn.Module):
         by_expert = torch.argsort(expert_of_row, stable=True)
         out = self._run_experts(rows[by_expert], recv_counts.sum(0).tolist())
         out = out[torch.argsort(by_expert)]
-        back = all_to_all(out, send_splits, recv_splits, self.group)
-
-        weighted = back * top_k_weights.reshape(-1)[order, None].to(back.dtype)
-        final = torch.zeros_like(hidden)
-        return final.index_add(0, order // k, weighted.to(final.dtype))
+        return all_to_all(out, send_splits, recv_splits, self.group)
 
     def _project(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
         """Expert `e`'s projection `name` of rows `x`, in the module's storage layout, plus its bias."""
         w = getattr(self, name)[e]
         y = x @ w if self.is_transposed else F.linear(x, w)
-        return y + getattr(self, f"{name}_bias")[e] if self.has_bias else y
+        y = y + getattr(self, f"{name}_bias")[e] if self.has_bias else y
+        return y + self._adapted(x, name, e, y.shape[-1]) if name in self.adapters else y
+
+    def _adapted(self, x: torch.Tensor, name: str, e: int, width: int) -> torch.Tensor:
+        """Expert `e`'s LoRA update of projection `name`: (alpha / r) B A x per part, the parts side by side."""
+        parts = self.adapters[name]
+        if self.lora_dropout > 0:
+            x = F.dropout(x, self.lora_dropout, self.training)
+        outs = [F.linear(F.linear(x, getattr(self, f"{p}_lora_A")[e]), getattr(self, f"{p}_lora_B")[e]) if p
+                else x.new_zeros((x.shape[0], width // len(parts))) for p in parts]
+        return torch.cat(outs, dim=-1) * self.lora_scale
 
     def _run_experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         """Each local expert on its consecutive block of rows."""
@@ -168,11 +191,18 @@ class ExpertParallelExperts(nn.Module):
         # the same parameters on every rank. And the output must depend on the received rows even
         # when none came: otherwise this rank's autograd never runs the dispatch all-to-all's
         # backward while the others wait in it (a deadlock seen in the local-moe run at step 3).
-        anchor = sum(getattr(self, n).sum() for n in self.param_names) + rows.sum()
+        anchor = sum(p.sum() for p in self.parameters(recurse=False)) + rows.sum()
         return out + 0.0 * anchor
 
     def extra_repr(self) -> str:
         return f"experts {self.first}..{self.first + self.num_local - 1} of {self.num_experts} (ep {self.ep})"
+
+
+def gather_experts(local: torch.Tensor, ep: int, group) -> torch.Tensor:
+    """Collective over the EP group: every EP rank's experts [E/ep, ...] of one parameter, in expert order."""
+    parts = [torch.empty_like(local) for _ in range(ep)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts)
 
 
 def expert_modules(root: nn.Module) -> list[nn.Module]:

@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from prl.run.rundir import MARKER, RunDir
 from prl.trainer.loading import persistent_buffers
-from prl.trainer.moe import ExpertParallelExperts, disk_keys, disk_layout, disk_name, is_fused_experts, split_experts
+from prl.trainer.moe import (ExpertParallelExperts, disk_keys, disk_layout, disk_name, gather_experts, is_fused_experts,
+                             split_experts)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -185,13 +186,6 @@ def file_names(owners: dict[Unit, int]) -> dict[int, str]:
     return {r: f"model-{i:05d}-of-{len(ranks):05d}.safetensors" for i, r in enumerate(ranks, 1)}
 
 
-def _gather_ep(local: torch.Tensor, d) -> torch.Tensor:
-    """Collective over the EP group: every EP rank's experts of one fused parameter, in expert order."""
-    parts = [torch.empty_like(local) for _ in range(d.ep)]
-    dist.all_gather(parts, local.contiguous(), group=d.ep_group)
-    return torch.cat(parts)
-
-
 def gather_owned(model: torch.nn.Module, d, dtype: torch.dtype, units: list[Unit], owners: dict[Unit, int]):
     """Collective: the on-disk tensors of the units this rank writes (full, on CPU, in `dtype`)."""
     modules = dict(model.named_modules())
@@ -206,7 +200,7 @@ def gather_owned(model: torch.nn.Module, d, dtype: torch.dtype, units: list[Unit
         p = tensors[u.name].detach().to(dtype)
         full = unwrapped(p.full_tensor() if hasattr(p, "full_tensor") else p)
         if isinstance(owner, ExpertParallelExperts) and u.ep_index is None:
-            full = _gather_ep(full, d)
+            full = gather_experts(full, d.ep, d.ep_group)
         if owners[u] != d.rank:
             continue
         full = full.cpu()
