@@ -113,3 +113,34 @@ def run_one_episode(env, task, ctx):
             return await env.run_slot(env.slots(task, 1)[0], ctx)
 
     return asyncio.run(run())
+
+
+def processes() -> list[tuple[int, int, str]]:
+    """(pid, ppid, command line) of every process."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        out.append((int(entry.name), ppid, cmd))
+    return out
+
+
+def descendants(pid: int, procs: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
+    """The processes under `pid` among `procs` (`processes()`), children before grandchildren."""
+    kids = [p for p in procs if p[1] == pid]
+    return kids + [d for k in kids for d in descendants(k[0], procs)]
+
+
+def engine_of(run: Path, port: int) -> int:
+    """The vLLM engine-core process of the server of `run` listening on `port`."""
+    procs = processes()
+    api = [p for p in procs if "prl.inference" in p[2] and str(run) in p[2] and f"--port {port}" in p[2]]
+    assert len(api) == 1, f"expected one API server on port {port}: {api}"
+    engines = [p for p in descendants(api[0][0], procs) if "EngineCore" in p[2]]
+    assert engines, f"no EngineCore under the API server {api[0]}: {descendants(api[0][0], procs)}"
+    return engines[0][0]

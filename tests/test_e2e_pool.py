@@ -23,9 +23,8 @@ from prl.run import tenants
 from prl.run.records import JobRecord, LauncherRecord
 from prl.run.rundir import RunDir, atomic_write_json
 from prl.states import Backend, LauncherStatus
-from tests.helpers import REPO, wait_for
+from tests.helpers import REPO, engine_of, wait_for
 from tests.test_e2e_local import assert_reward_rises
-from tests.test_faults_slurm import engine_of
 from tests.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

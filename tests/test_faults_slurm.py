@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 
 from prl.run.rundir import RunDir
-from tests.helpers import prl_cli as prl, wait_for
+from tests.helpers import descendants, engine_of, prl_cli as prl, processes, wait_for
 from tests.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm, pytest.mark.slow]
@@ -46,38 +46,8 @@ OFF_POLICY = 1
 CHECKPOINT_KEEP = 1
 
 
-def _procs() -> list[tuple[int, int, str]]:
-    """(pid, ppid, command line) of every process."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        out.append((int(entry.name), ppid, cmd))
-    return out
-
-
-def _descendants(pid: int, procs: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
-    kids = [p for p in procs if p[1] == pid]
-    return kids + [d for k in kids for d in _descendants(k[0], procs)]
-
-
-def engine_of(run: Path, port: int) -> int:
-    """The vLLM engine-core process of the server of `run` listening on `port`."""
-    procs = _procs()
-    api = [p for p in procs if "prl.inference" in p[2] and str(run) in p[2] and f"--port {port}" in p[2]]
-    assert len(api) == 1, f"expected one API server on port {port}: {api}"
-    engines = [p for p in _descendants(api[0][0], procs) if "EngineCore" in p[2]]
-    assert engines, f"no EngineCore under the API server {api[0]}: {_descendants(api[0][0], procs)}"
-    return engines[0][0]
-
-
 def trainer_rank(run: Path, rank: int) -> int:
-    for pid, _, cmd in _procs():
+    for pid, _, cmd in processes():
         if "prl.trainer" in cmd and str(run) in cmd and "torch.distributed.run" not in cmd:
             try:
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -90,7 +60,7 @@ def trainer_rank(run: Path, rank: int) -> int:
 
 def process_of(run: Path, module: str) -> int:
     """The pid of the role process `python -m MODULE --run-dir RUN` (not its role runner)."""
-    found = [pid for pid, _, cmd in _procs() if f"-m {module} " in cmd and str(run) in cmd]
+    found = [pid for pid, _, cmd in processes() if f"-m {module} " in cmd and str(run) in cmd]
     assert len(found) == 1, f"expected one {module} process of {run}: {found}"
     return found[0]
 

@@ -318,9 +318,9 @@ def test_prl_engine_asks_the_engine_itself(tiny_server):
     import signal
 
     from prl.inference.admin import ENGINE_ANSWER_KEPT_S, ENGINE_PROBE_S
-    from tests.test_faults_slurm import _descendants, _procs
+    from tests.helpers import descendants, processes
 
-    engines = [pid for pid, _, cmd in _descendants(tiny_server.process.pid, _procs()) if "EngineCore" in cmd]
+    engines = [pid for pid, _, cmd in descendants(tiny_server.process.pid, processes()) if "EngineCore" in cmd]
     assert len(engines) == 1, engines
     assert tiny_server.get("/prl/engine") == {"ok": True}
     time.sleep(ENGINE_ANSWER_KEPT_S)  # that answer stands for this long

@@ -76,6 +76,74 @@ def test_a_pool_detaches_runs_whose_job_ended_without_detaching(pool, tmp_path):
     assert sorted(tenants.read_tenants(pool)) == ["alive", "resubmitting"]
 
 
+def test_the_pool_launcher_checks_its_runs_beside_its_loop_one_check_at_a_time(pool, monkeypatch):
+    """`Launcher.check_tenants` returns at once while a check waits on Slurm or on a server that does not answer,
+    and starts no second check while one runs."""
+    import threading
+
+    from prl.job import launch
+
+    calls, release = [], threading.Event()
+
+    def slow_reap(run, ended):
+        calls.append(run)
+        release.wait(30)
+        return {"gone": "its job ended (COMPLETED) without detaching"}
+
+    monkeypatch.setattr(tenants, "reap", slow_reap)
+    launcher = launch.Launcher(pool, None, 1, False, "local")
+    launcher.tenants_checked = -launch.TENANTS_CHECK_S
+    started = time.monotonic()
+    launcher.check_tenants()
+    launcher.tenants_checked = -launch.TENANTS_CHECK_S  # due again, but the first check still runs
+    launcher.check_tenants()
+    assert time.monotonic() - started < 1 and calls == [pool] and launcher.reaper.is_alive()
+    release.set()
+    launcher.reaper.join(10)
+    assert not launcher.reaper.is_alive()
+
+
+def test_a_pool_judges_slurm_runs_by_their_jobs_states_on_the_lab_cluster(pool, tmp_path, slurm_cluster):
+    """The reaper's Slurm branch (`ended_jobs`: one query for every Slurm run, terminal states only) against real
+    jobs: a run whose job completed is detached and one whose job still runs stays; once that job is cancelled it
+    goes too, named by Slurm's state."""
+    from prl.job.launch import ended_jobs
+    from prl.ops import slurm
+    from prl.run.records import JobRecord
+    from prl.states import Backend, JobState
+    from tests.helpers import wait_for
+
+    def run(name: str, command: str) -> str:
+        out = subprocess.run(["sbatch", "--parsable", f"--partition={slurm_cluster.partition}", f"--chdir={tmp_path}",
+                              f"--job-name=prl-reap-{name}", "--output=/dev/null", f"--wrap={command}"],
+                             capture_output=True, text=True, timeout=30, check=True)
+        job_id = out.stdout.strip().split(";")[0]
+        rundir = RunDir(tmp_path / name).create()
+        rundir.create_api_key()
+        tenants.attach(pool, name, rundir.root, rundir.read_api_key())
+        rundir.write_job(JobRecord(job_id=job_id, name=name, backend=Backend.SLURM, cluster="lab",
+                                   submitted=time.time() + 1, run_dir=str(rundir.root)))
+        return job_id
+
+    def state(job_id: str) -> JobState:
+        return slurm.merge_state(slurm.query_jobs([job_id]).values())
+
+    def reap() -> dict[str, str]:
+        return tenants.reap(pool, lambda runs: ended_jobs(runs, local_pids=False))
+
+    done, running = run("done", "true"), run("running", "sleep 300")
+    try:
+        wait_for("the short job to complete", lambda: state(done) == JobState.COMPLETED, timeout=60)
+        wait_for("the long job to run", lambda: state(running) == JobState.RUNNING, timeout=60)
+        assert reap() == {"done": "its job ended (COMPLETED) without detaching"}
+        assert sorted(tenants.read_tenants(pool)) == ["running"]
+    finally:
+        subprocess.run(["scancel", running], timeout=30, check=False)
+    assert wait_for("the cancelled run to be detached", reap, timeout=60, interval=1.0) == {
+        "running": "its job ended (CANCELLED) without detaching"}
+    assert tenants.read_tenants(pool) == {}
+
+
 def test_the_registry_finds_a_key_in_records_read_at_most_a_rescan_ago(pool, tmp_path, monkeypatch):
     tenants.attach(pool, "a", tmp_path / "a", "key-a")
     registry = tenants.Registry(pool)

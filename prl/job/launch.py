@@ -28,6 +28,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from collections.abc import Sequence
@@ -152,6 +153,7 @@ class Launcher:
         self.slowest_step: dict[str, float] = {}
         self.wandb: subprocess.Popen | None = None
         self.tenants_checked = time.monotonic()
+        self.reaper: threading.Thread | None = None
         self.state = LauncherRecord(attempt=attempt, mode=mode, job_id=os.environ.get("SLURM_JOB_ID"),
                                     pid=os.getpid(), started=time.time(), status=LauncherStatus.STARTING)
 
@@ -371,12 +373,17 @@ class Launcher:
     def check_tenants(self) -> None:
         """An inference pool, every TENANTS_CHECK_S: detach the attached runs whose job ended without detaching
         (a launcher killed -9 cannot): their adapters are unloaded, their keys refused, `prl status` stops
-        listing them."""
-        from prl.run.tenants import reap
-
-        if time.monotonic() < self.tenants_checked + TENANTS_CHECK_S:
+        listing them. In a thread of its own, one check at a time: Slurm's answer and each server's (10 s for one
+        that does not answer) must not hold up this loop's restarts and hang checks."""
+        if time.monotonic() < self.tenants_checked + TENANTS_CHECK_S or (self.reaper and self.reaper.is_alive()):
             return
         self.tenants_checked = time.monotonic()
+        self.reaper = threading.Thread(target=self.reap_tenants, name="prl-tenants", daemon=True)
+        self.reaper.start()
+
+    def reap_tenants(self) -> None:
+        from prl.run.tenants import reap
+
         for name, why in reap(self.run, lambda runs: ended_jobs(runs, local_pids=not self.slurm)).items():
             log.warning(f"attached run {name!r} detached from this pool: {why}")
 
