@@ -99,7 +99,7 @@ def attach(model: nn.Module, lora: Lora, seed: int) -> list[str]:
 
 def expert_projections(model: nn.Module) -> tuple[str, ...]:
     """The names LoRA targets the routed experts by: their projections' on-disk names (gate_proj, up_proj,
-    down_proj; Mixtral's w1, w3, w2). None for a model without experts, or whose checkpoints store them fused
+    down_proj; Mixtral's w1, w3, w2). Empty for a model without experts, or whose checkpoints store them fused
     (GPT-OSS: transposed, biased, gate and up interleaved; no per-expert adapter maps onto that)."""
     from prl.trainer.moe import disk_layout, expert_modules
 
