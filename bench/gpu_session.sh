@@ -2,8 +2,9 @@
 # Everything prl measures on a GPU, in one call of the lent H200 (~15 device minutes a session, one call):
 #   the packed-attention kernels and the chunked logprob head against the dense paths (checked, then timed),
 #   the trainer's step (tokens/s, MFU, peak memory) with packed attention, with transformers' dense-mask sdpa,
-#   with activation checkpointing, with LoRA adapters (rank 16), with compiled blocks (trainer.compile), and
-#   compiled with float8 linear layers (trainer.precision: fp8, against the compiled bf16 run before it).
+#   with activation checkpointing, with LoRA adapters (rank 16; the MoE's on its experts too), with compiled
+#   blocks (trainer.compile), and compiled with float8 linear layers (trainer.precision: fp8, against the
+#   compiled bf16 run before it).
 #   Each part has its own time bound; a part that fails does not stop the next. Output: one log per part
 #   under $OUT (or ./gpu-out).
 #
@@ -34,6 +35,6 @@ part kernels 120 python3 bench/gpu_kernels.py
 part trainer 200 python3 bench/gpu_trainer.py --tokens 16384 32768
 part trainer_sdpa 90 python3 bench/gpu_trainer.py --tokens 16384 --attention sdpa
 part trainer_ac 90 python3 bench/gpu_trainer.py --tokens 65536 --models dense --ac
-part trainer_lora 90 python3 bench/gpu_trainer.py --tokens 16384 --lora 16
+part trainer_lora 90 python3 bench/gpu_trainer.py --tokens 16384 --lora 16 --lora-experts
 part trainer_compile 150 python3 bench/gpu_trainer.py --tokens 16384 --compile
 part trainer_fp8 150 python3 bench/gpu_trainer.py --tokens 16384 --compile --precision fp8

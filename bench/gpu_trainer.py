@@ -123,16 +123,18 @@ def micro_batch(tokens: int, vocab: int, samples: int = 8):
                       inference_logprobs=np.full(tokens, -5.0, dtype="float32")), n
 
 
-def lora_of(name: str, rank: int):
-    """`--lora`'s adapters: on every projection of the dense model; on the MoE's attention projections alone
-    (adapters on its experts run prl's per-expert loop instead of transformers' grouped kernel: another
-    measurement, `bench_lora.py --moe` on CPU)."""
+def lora_of(name: str, rank: int, experts: bool = False):
+    """`--lora`'s adapters: on every projection of the dense model; on the MoE's attention projections, and with
+    `experts` (`--lora-experts`) on every expert's gate, up and down projections too (prl's per-expert loop then
+    runs the experts instead of transformers' grouped kernel: what that costs is what the option measures)."""
     from prl.config.topology import Lora
 
     if not rank:
         return None
-    return Lora(rank=rank) if name == "dense" else Lora(rank=rank, target_modules=["q_proj", "k_proj", "v_proj",
-                                                                                      "o_proj"])
+    if name == "dense":
+        return Lora(rank=rank)
+    return Lora(rank=rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                           *(("gate_proj", "up_proj", "down_proj") if experts else ())])
 
 
 def profile_step(step, device, wall: float) -> None:
@@ -175,7 +177,7 @@ def bench(name: str, config, args, d, tokens: int) -> dict:
                         training=Training(batch_size=8, max_steps=args.steps + 1, max_grad_norm=1.0,
                                           router_aux_loss_coef=0.0),
                         tokenizer_path="", max_model_len=tokens, sft=None,
-                        lora=lora_of(name, args.lora), compile=args.compile)
+                        lora=lora_of(name, args.lora, args.lora_experts), compile=args.compile)
     spec = RLSpec(cfg)
     model = build(config, cfg, d, args.attention)
     optim = torch.optim.AdamW(adapter_parameters(model) if cfg.lora else model.parameters(), lr=1e-6)
@@ -218,6 +220,8 @@ def main() -> None:
     ap.add_argument("--ac", action="store_true", help="activation checkpointing")
     ap.add_argument("--lora", type=int, default=0, metavar="RANK",
                     help="train a LoRA adapter of this rank on every attention and MLP projection, the rest frozen")
+    ap.add_argument("--lora-experts", action="store_true",
+                    help="with --lora: the MoE's adapters on its experts too, not on its attention alone")
     ap.add_argument("--compile", action="store_true",
                     help="trainer.compile: torch.compile each transformer block (apply_fsdp, before FSDP2)")
     ap.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
@@ -249,7 +253,8 @@ def main() -> None:
     d = build_dist(one, 0, 1, 0, device)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke)"
     print(f"{gpu}; one packed micro-batch of 8 samples per step, {args.attention} attention"
-          f"{f', LoRA rank {args.lora}' if args.lora else ''}{', activation checkpointing' if args.ac else ''}"
+          f"{f', LoRA rank {args.lora}' if args.lora else ''}{' (MoE: experts too)' if args.lora_experts else ''}"
+          f"{', activation checkpointing' if args.ac else ''}"
           f"{', compiled blocks' if args.compile else ''}{', float8 linear layers' if args.precision == 'fp8' else ''}; "
           f"median of {args.steps} steps")
     for tokens in args.tokens:

@@ -28,7 +28,8 @@ def test_the_kernel_checks_pass_on_cpu():
     assert "FAILED" not in out and out.count("  ok") == 2, out  # per_sample attention, the chunked head
 
 
-@pytest.mark.parametrize("options", [["--attention", "packed"], ["--attention", "sdpa"], ["--precision", "fp8"]])
+@pytest.mark.parametrize("options", [["--attention", "packed"], ["--attention", "sdpa"], ["--precision", "fp8"],
+                                     ["--lora", "4", "--lora-experts"]])
 def test_the_trainer_benchmark_steps_both_models(options):
     out = bench("bench/gpu_trainer.py", "--smoke", *options)
     lines = [line for line in out.splitlines() if "tokens/s" in line]
