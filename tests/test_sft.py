@@ -349,7 +349,7 @@ def test_sft_with_lora_trains_and_publishes_only_the_adapter(tmp_path):
     assert all(k.endswith(("lora_A", "lora_B")) for k in keys if k.startswith("model.")), sorted(keys)[:5]
 
 
-@pytest.mark.slow  # two 2-rank trainer runs: ~50 s
+@pytest.mark.slow  # two 2-rank trainer runs: ~20 s
 def test_lora_on_routed_experts_with_ep2_matches_a_plain_loop_resumes_and_merges(tmp_path, env):
     """`model.lora` on a Qwen3-MoE's routed experts (gate_proj, up_proj, down_proj: per-expert adapters on the
     fused [E, ...] weights) with ep=2, each rank holding 2 of the 4 experts and their adapters: the losses of the
@@ -399,4 +399,3 @@ def test_lora_on_routed_experts_with_ep2_matches_a_plain_loop_resumes_and_merges
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, trained[0].eval()(input_ids=ids).logits,
                                    rtol=1e-4, atol=1e-4)
-
