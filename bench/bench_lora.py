@@ -30,12 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+from bench_sft import write_dataset  # noqa: E402
 from bench_trainer import samples  # noqa: E402
 from prl.run.batch import publish_batch  # noqa: E402
 from prl.run.rundir import RunDir  # noqa: E402
-from tests.plans import write_plan  # noqa: E402
-from bench_sft import write_dataset  # noqa: E402
-from tests.plans import local_plan  # noqa: E402
+from tests.plans import local_plan, write_plan  # noqa: E402
 from tests.tiny_model import build_tiny_model, build_tiny_moe  # noqa: E402
 from tests.trainer_helpers import launch, make_plan  # noqa: E402
 

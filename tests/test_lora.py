@@ -182,8 +182,7 @@ def test_the_trainer_s_adapted_forward_equals_the_merged_model(tiny, tmp_path):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
     from safetensors.torch import save_file
 
-    state = adapter_state(trained, torch.float32)
-    save_file(state, str(tmp_path / "adapter_model.safetensors"))
+    save_file(adapter_state(trained, torch.float32), str(tmp_path / "adapter_model.safetensors"))
     (tmp_path / "adapter_config.json").write_text(json.dumps(adapter_config(lora, modules, str(tiny))))
     merged = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
     state = merged_state(dict(merged.state_dict()), tmp_path)
