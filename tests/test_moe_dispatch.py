@@ -110,3 +110,37 @@ def test_ep2_on_gpt_oss_experts_is_transformers_own_forward_and_backward(two_ran
         assert set(diffs) == {"output", "input grad", "gate_up_proj", "down_proj", "gate_up_proj_bias",
                               "down_proj_bias"}
         assert max(diffs.values()) < 1e-5, (rank, diffs)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_the_grouped_experts_are_transformers_per_expert_loop(family):
+    """ExpertParallelExperts runs its experts as grouped matrix products (`grouped_linear`): at ep=1 (expert LoRA)
+    its output and every gradient equal transformers' eager experts, a loop over the experts, with an expert that
+    gets no token (GPT-OSS: transposed weights, biases, interleaved gate/up)."""
+    import importlib
+
+    from prl.trainer.moe import ExpertParallelExperts, is_fused_experts
+    from tests.tiny_model import tiny_moe_config
+
+    config = tiny_moe_config(family, hidden_size=32, moe_intermediate_size=16)
+    config._experts_implementation = "eager"
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    ref = next(c for n, c in vars(modeling).items() if n.endswith("Experts") and isinstance(c, type))(config)
+    assert is_fused_experts(ref)
+    torch.manual_seed(0)
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    grouped = ExpertParallelExperts(ref, ep=1, ep_rank=0, group=None)
+    hidden = torch.randn(9, 32)
+    index = torch.stack([torch.randperm(ref.num_experts - 1)[:2] for _ in range(9)])  # the last expert: no token
+    weights = torch.softmax(torch.randn(9, 2), dim=-1)
+    x_ref, x_grouped = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    y_ref, y_grouped = ref(x_ref, index, weights), grouped(x_grouped, index, weights)
+    (y_ref ** 2).sum().backward()
+    (y_grouped ** 2).sum().backward()
+    assert float(y_ref.detach().abs().max()) > 0.1
+    assert torch.allclose(y_grouped, y_ref, atol=1e-5), float((y_grouped - y_ref).abs().max())
+    assert torch.allclose(x_grouped.grad, x_ref.grad, atol=1e-5)
+    for name in grouped.param_names:
+        assert torch.allclose(getattr(grouped, name).grad, getattr(ref, name).grad, atol=1e-5), name
+    assert not grouped.down_proj.grad[-1].any(), "the expert without a token has a zero gradient"

@@ -20,7 +20,8 @@ moves tokens to them:
 
     1. sort the (token, k) pairs by expert; all-to-all the per-expert counts (so every rank
        knows what it will receive) and then the hidden states, to the rank owning each expert;
-    2. run each local expert on its rows (the family's own gate function);
+    2. run each local expert on its rows (one grouped matrix product per projection for all of them;
+       the family's own gate function);
     3. all-to-all the outputs back (the reverse splits), weight them by the router's top-k
        weights and sum each token's k rows.
 
@@ -161,32 +162,34 @@ class ExpertParallelExperts(nn.Module):
         out = out[torch.argsort(by_expert)]
         return all_to_all(out, send_splits, recv_splits, self.group)
 
-    def _project(self, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
-        """Expert `e`'s projection `name` of rows `x`, in the module's storage layout, plus its bias."""
-        w = getattr(self, name)[e]
-        y = x @ w if self.is_transposed else F.linear(x, w)
-        y = y + getattr(self, f"{name}_bias")[e] if self.has_bias else y
-        return y + self._adapted(x, name, e, y.shape[-1]) if name in self.adapters else y
+    def _project(self, x: torch.Tensor, name: str, offsets: torch.Tensor, expert_of_row) -> torch.Tensor:
+        """Projection `name` of rows `x` (consecutive blocks per local expert, ending at `offsets`), each block
+        through its expert, plus its bias and adapters."""
+        bias = getattr(self, f"{name}_bias")[expert_of_row] if self.has_bias else None
+        y = grouped_linear(x, getattr(self, name), offsets, bias, self.is_transposed)
+        return y + self._adapted(x, name, offsets, y.shape[-1]) if name in self.adapters else y
 
-    def _adapted(self, x: torch.Tensor, name: str, e: int, width: int) -> torch.Tensor:
-        """Expert `e`'s LoRA update of projection `name`: (alpha / r) B A x per part, the parts side by side."""
+    def _adapted(self, x: torch.Tensor, name: str, offsets: torch.Tensor, width: int) -> torch.Tensor:
+        """The experts' LoRA update of projection `name`: (alpha / r) B_e A_e x per part, the parts side by side."""
         parts = self.adapters[name]
         if self.lora_dropout > 0:
             x = F.dropout(x, self.lora_dropout, self.training)
-        outs = [F.linear(F.linear(x, getattr(self, f"{p}_lora_A")[e]), getattr(self, f"{p}_lora_B")[e]) if p
+        outs = [grouped_linear(grouped_linear(x, getattr(self, f"{p}_lora_A"), offsets),
+                               getattr(self, f"{p}_lora_B"), offsets) if p
                 else x.new_zeros((x.shape[0], width // len(parts))) for p in parts]
         return torch.cat(outs, dim=-1) * self.lora_scale
 
     def _run_experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
-        """Each local expert on its consecutive block of rows."""
-        outs = []
-        for e, chunk in enumerate(torch.split(rows, per_expert)):
-            if chunk.shape[0] == 0:
-                continue
-            h = self._project(chunk, self.param_names[0], e)
-            h = self._gate_fn(self, h) if self.has_gate else self.act_fn(h)
-            outs.append(self._project(h, "down_proj", e))
-        out = torch.cat(outs) if outs else rows.new_zeros((0, rows.shape[-1]))
+        """Each local expert on its consecutive block of rows, one grouped matrix product per projection
+        (`grouped_linear`) rather than a few kernels per expert."""
+        offsets = torch.tensor(per_expert, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(rows.device)
+        expert_of_row = None
+        if self.has_bias:
+            expert_of_row = torch.arange(self.num_local, device=rows.device).repeat_interleave(
+                torch.tensor(per_expert, device=rows.device))
+        h = self._project(rows, self.param_names[0], offsets, expert_of_row)
+        h = self._gate_fn(self, h) if self.has_gate else self.act_fn(h)
+        out = self._project(h, "down_proj", offsets, expert_of_row)
         # Every expert weight must get a gradient (zero if it saw no token): FSDP reduce-scatters
         # the same parameters on every rank. And the output must depend on the received rows even
         # when none came: otherwise this rank's autograd never runs the dispatch all-to-all's
@@ -196,6 +199,23 @@ class ExpertParallelExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts {self.first}..{self.first + self.num_local - 1} of {self.num_experts} (ep {self.ep})"
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None = None,
+                   transposed: bool = False) -> torch.Tensor:
+    """Rows of `x` in consecutive blocks, block e ending at `offsets[e]`, each through expert e's `weight`
+    ([E, out, in]; [E, in, out] when `transposed`), plus a per-row `bias` [rows, out]. transformers'
+    `_grouped_linear`, what its own experts run: torch's grouped_mm, one kernel for every expert (on CPU in
+    torch 2.13 too, backward included), where a loop over the experts launched a few per expert. On CUDA torch's
+    grouped kernels take bfloat16 only (`torch.nn.functional.grouped_mm`), so other dtypes (`trainer.precision:
+    fp32`) go through transformers' per-expert fallback op."""
+    from transformers.integrations.moe import _grouped_linear
+
+    if weight.is_cuda and weight.dtype != torch.bfloat16:
+        w = weight if transposed else weight.transpose(-2, -1)
+        out = torch.ops.transformers.grouped_mm_fallback(x.to(weight.dtype), w, offsets)
+        return out + bias if bias is not None else out
+    return _grouped_linear(x, weight, offsets, bias=bias, is_transposed=transposed)
 
 
 def gather_experts(local: torch.Tensor, ep: int, group) -> torch.Tensor:
