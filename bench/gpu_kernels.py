@@ -11,6 +11,10 @@ Checks first (the script exits 1 on a failed one, after printing every result):
   the error of the dense mask itself run in bf16: as exact as the path it replaces.
 - the chunked logprob/entropy head (prl/trainer/logprobs.py) against full [T, V] logits in fp32 (what
   `token_logprobs_and_entropy` does), bf16 hidden states and weight: logprobs, entropy and their gradients.
+- prl's MoE experts (`ExpertParallelExperts` at ep=1: grouped matrix products, `grouped_linear` in
+  prl/trainer/moe.py) against transformers' eager experts (a loop over the experts) in fp64: output, input
+  and weight gradients, in bf16 (torch's grouped_mm) and on the GPU also in fp32 (transformers' fallback op,
+  what `trainer.precision: fp32` runs); within 2x (plus an ulp) of the loop's own error in that dtype.
 
 Then times (CUDA events; median of 10 after 3 warm-ups):
 - attention forward + backward of 8 equal samples per row at 16k and 64k tokens: each kernel, and the dense
@@ -18,6 +22,8 @@ Then times (CUDA events; median of 10 after 3 warm-ups):
   ratio dense / kernel.
 - the logprob head on 16k tokens x 151,936 vocabulary (Qwen3's), hidden 1024, forward + backward: time and
   peak memory above the inputs, full logits and chunks of 2^24 to 2^30 logit elements; ratios to full.
+- one MoE layer's experts of Qwen3-30B-A3B's shape (128 experts top-8, hidden 2048, expert width 768) on
+  16k tokens, forward + backward: transformers' eager loop vs prl's grouped experts; ratio loop / grouped.
 """
 
 from __future__ import annotations
@@ -136,6 +142,64 @@ def check_logprobs(device, dtype) -> bool:
     return ok
 
 
+def experts_pair(device, experts: int, k: int, hidden: int, width: int, tokens: int, seed: int = 3):
+    """transformers' eager Qwen3-MoE experts (a loop over the experts) and prl's ExpertParallelExperts at ep=1 on
+    the same weights (fp32, on `device`), with `tokens` random routes: (loop, grouped, x, index, weights)."""
+    import importlib
+
+    from prl.trainer.moe import ExpertParallelExperts
+    from tests.tiny_model import tiny_moe_config
+
+    config = tiny_moe_config("qwen3_moe", hidden_size=hidden, moe_intermediate_size=width, num_experts=experts,
+                             top_k=k)
+    config._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    loop = importlib.import_module("transformers.models.qwen3_moe.modeling_qwen3_moe").Qwen3MoeExperts(config)
+    for param in loop.parameters():
+        torch.nn.init.normal_(param, std=hidden ** -0.5)
+    loop = loop.to(device)
+    grouped = ExpertParallelExperts(loop, ep=1, ep_rank=0, group=None)
+    index = torch.stack([torch.randperm(experts - 1)[:k] for _ in range(tokens)]).to(device)  # one expert idle
+    weights = torch.softmax(torch.randn(tokens, k), -1).to(device)
+    return loop, grouped, torch.randn(tokens, hidden, device=device), index, weights
+
+
+def experts_out_and_grads(module, x, index, weights, dtype) -> list[torch.Tensor]:
+    module = module.to(dtype)
+    module.zero_grad()
+    xi = x.to(dtype, copy=True).requires_grad_()
+    out = module(xi, index, weights.to(dtype))
+    out.backward(torch.ones_like(out) / out.shape[0])
+    return [t.detach().double() for t in (out, xi.grad, module.gate_up_proj.grad, module.down_proj.grad)]
+
+
+def check_experts(device, dtype) -> bool:
+    loop, grouped, x, index, weights = experts_pair(device, 16, 4, 256, 128, 1024 if device.type == "cuda" else 96)
+    want = experts_out_and_grads(loop, x, index, weights, torch.float64)
+    dtypes = [dtype] + ([torch.float32] if device.type == "cuda" and dtype != torch.float32 else [])
+    print(f"experts check, 16 experts top-4 (one idle), {x.shape[0]} tokens; max |error| of (out, dx, d gate_up, "
+          f"d down) vs the loop in fp64:")
+    ok = True
+    for precision in dtypes:
+        base = max_err(experts_out_and_grads(loop, x, index, weights, precision), want)
+        errs = max_err(experts_out_and_grads(grouped, x, index, weights, precision), want)
+        ulp = torch.finfo(precision).eps
+        passed = all(e <= 2 * b + ulp * float(r.abs().max()) for e, b, r in zip(errs, base, want, strict=True))
+        ok &= passed
+        print(f"  loop, {str(precision)[6:]:8s}        " + "  ".join(f"{e:.2e}" for e in base))
+        print(f"  grouped, {str(precision)[6:]:8s}     " + "  ".join(f"{e:.2e}" for e in errs)
+              + ("  ok" if passed else "  FAILED"))
+    return ok
+
+
+def time_experts(device, dtype) -> None:
+    loop, grouped, x, index, weights = experts_pair(device, 128, 8, 2048, 768, 16384)
+    ms = {name: cuda_time(lambda m=m: experts_out_and_grads(m, x, index, weights, dtype))
+          for name, m in (("loop", loop), ("grouped", grouped))}
+    print(f"experts forward + backward, 128 experts top-8, hidden 2048, width 768, 16384 tokens, {str(dtype)[6:]}: "
+          f"loop {ms['loop']:.1f} ms, grouped {ms['grouped']:.1f} ms ({ms['loop'] / ms['grouped']:.1f}x)")
+
+
 def cuda_time(fn, warmup=3, reps=10) -> float:
     for _ in range(warmup):
         fn()
@@ -219,9 +283,11 @@ def main() -> None:
     print(f"{name}, torch {torch.__version__}; packed kernels here: {', '.join(kernels_here(device))}")
     ok = check_attention(device, dtype)
     ok &= check_logprobs(device, dtype)
+    ok &= check_experts(device, dtype)
     if device.type == "cuda":
         time_attention(device, dtype)
         time_logprobs(device, dtype)
+        time_experts(device, dtype)
     if not ok:
         sys.exit("a check FAILED (above)")
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything prl measures on a GPU, in one call of the lent H200 (~15 device minutes a session, one call):
-#   the packed-attention kernels and the chunked logprob head against the dense paths (checked, then timed),
+#   the packed-attention kernels, the chunked logprob head and the grouped MoE experts against the paths they
+#   replace (checked, then timed),
 #   the trainer's step (tokens/s, MFU, peak memory) with packed attention, with transformers' dense-mask sdpa,
 #   with activation checkpointing, with LoRA adapters (rank 16; the MoE's on its experts too), with compiled
 #   blocks (trainer.compile), and compiled with float8 linear layers (trainer.precision: fp8, against the
