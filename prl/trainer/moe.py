@@ -190,12 +190,11 @@ class ExpertParallelExperts(nn.Module):
         h = self._project(rows, self.param_names[0], offsets, expert_of_row)
         h = self._gate_fn(self, h) if self.has_gate else self.act_fn(h)
         out = self._project(h, "down_proj", offsets, expert_of_row)
-        # Every expert weight must get a gradient (zero if it saw no token): FSDP reduce-scatters
-        # the same parameters on every rank. And the output must depend on the received rows even
-        # when none came: otherwise this rank's autograd never runs the dispatch all-to-all's
-        # backward while the others wait in it (a deadlock seen in the local-moe run at step 3).
-        anchor = sum(p.sum() for p in self.parameters(recurse=False)) + rows.sum()
-        return out + 0.0 * anchor
+        # The output must depend on the received rows even when none came: otherwise this rank's autograd
+        # never runs the dispatch all-to-all's backward while the others wait in it (a deadlock seen in the
+        # local-moe run at step 3). Every expert weight gets a gradient from the grouped products' backward, a
+        # zero one where an expert saw no token (FSDP reduce-scatters the same parameters on every rank).
+        return out + 0.0 * rows.sum()
 
     def extra_repr(self) -> str:
         return f"experts {self.first}..{self.first + self.num_local - 1} of {self.num_experts} (ep {self.ep})"
