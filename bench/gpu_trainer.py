@@ -240,15 +240,15 @@ def main() -> None:
     from prl.planner.model import Mesh
     from prl.trainer.parallel import build_dist
 
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": "29731"}.items():
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
         os.environ.setdefault(k, v)
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("gpu_trainer.py needs a CUDA GPU (use --smoke to check the code path on CPU)")
     device = torch.device("cpu") if args.smoke else torch.device("cuda", 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("gloo" if args.smoke else "nccl")
+    # One rank: an in-process store, no port (a fixed one collided when two runs of the suite's smoke overlapped).
+    dist.init_process_group("gloo" if args.smoke else "nccl", store=dist.HashStore(), rank=0, world_size=1)
     one = SimpleNamespace(mesh=Mesh(dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=1))
     d = build_dist(one, 0, 1, 0, device)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke)"
