@@ -14,8 +14,9 @@ ep=2 (each rank holds half of the experts; tokens move with all-to-all). Reads t
 One process, no trainer: forward and backward of one MoE layer's experts on `--tokens` tokens, prl's
 ExpertParallelExperts at ep=1 (its experts as grouped matrix products, `grouped_linear` in prl/trainer/moe.py)
 against transformers' eager experts on the same weights (a Python loop over the experts, what prl ran before),
-for 8 experts top-2, 32 top-4 and 128 top-8; medians of 4 after a warm-up, and the largest relative difference
-of the output and the gradients (they must agree).
+for 8 experts top-2, 32 top-4 and 128 top-8 (one expert idle; the layer bench/gpu_kernels.py checks and times on
+a GPU); medians of 4 after a warm-up, and the largest relative difference of the output and the gradients (they
+must agree).
 """
 
 from __future__ import annotations
@@ -73,36 +74,21 @@ def build_model(tmp: Path, args) -> Path:
 
 
 def experts_kernel(tokens: int) -> None:
-    import importlib
     import time
 
     import torch
 
-    from prl.trainer.moe import ExpertParallelExperts
-    from tests.tiny_model import tiny_moe_config
+    from bench.gpu_kernels import experts_out_and_grads, experts_pair
 
-    modeling = importlib.import_module("transformers.models.qwen3_moe.modeling_qwen3_moe")
     for experts, k, hidden in ((8, 2, 256), (32, 4, 256), (128, 8, 512)):
-        config = tiny_moe_config("qwen3_moe", hidden_size=hidden, moe_intermediate_size=128, num_experts=experts,
-                                 top_k=k)
-        config._experts_implementation = "eager"
-        loop = modeling.Qwen3MoeExperts(config)
-        for p in loop.parameters():
-            torch.nn.init.normal_(p, std=0.02)
-        grouped = ExpertParallelExperts(loop, ep=1, ep_rank=0, group=None)
-        torch.manual_seed(0)
-        x, g = torch.randn(tokens, hidden), torch.randn(tokens, hidden)
-        index = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
-        weights = torch.softmax(torch.randn(tokens, k), -1)
+        loop, grouped, x, index, weights = experts_pair(torch.device("cpu"), experts, k, hidden, 128, tokens)
         times: dict[str, list[float]] = {"loop": [], "grouped": []}
         for _ in range(5):
             for name, module in (("loop", loop), ("grouped", grouped)):
-                module.zero_grad()
-                xi = x.clone().requires_grad_()
                 start = time.perf_counter()
-                module(xi, index, weights).backward(g)
+                result = experts_out_and_grads(module, x, index, weights, torch.float32)
                 times[name].append(time.perf_counter() - start)
-                module.result = (xi.grad, *(p.grad for p in module.parameters()))
+                module.result = result
         diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(grouped.result, loop.result))
         loop_s, grouped_s = (statistics.median(times[n][1:]) for n in ("loop", "grouped"))
         print(f"{experts:4d} experts top-{k}, hidden {hidden}, {tokens} tokens: loop {loop_s * 1e3:7.1f} ms, grouped "

@@ -20,8 +20,8 @@ import pytest
 
 from prl.run.feed import FeedServer, mac
 from prl.run.rundir import API_KEY_VAR, RunDir
-from tests.test_inference import assert_serves, prompts_for, publish_perturbed, served
 from tests.helpers import engine_of
+from tests.test_inference import assert_serves, prompts_for, publish_perturbed, served
 from tests.vllm_fixtures import HTTPFailure, http_json, server_fixture, start_inference
 
 

@@ -182,11 +182,10 @@ class ExpertParallelExperts(nn.Module):
     def _run_experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
         """Each local expert on its consecutive block of rows, one grouped matrix product per projection
         (`grouped_linear`) rather than a few kernels per expert."""
-        offsets = torch.tensor(per_expert, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(rows.device)
-        expert_of_row = None
-        if self.has_bias:
-            expert_of_row = torch.arange(self.num_local, device=rows.device).repeat_interleave(
-                torch.tensor(per_expert, device=rows.device))
+        counts = torch.tensor(per_expert, device=rows.device)
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        expert_of_row = torch.arange(self.num_local, device=rows.device).repeat_interleave(counts) \
+            if self.has_bias else None
         h = self._project(rows, self.param_names[0], offsets, expert_of_row)
         h = self._gate_fn(self, h) if self.has_gate else self.act_fn(h)
         out = self._project(h, "down_proj", offsets, expert_of_row)
