@@ -19,7 +19,7 @@ messages; `delay(prompt_ids)` the seconds a request takes, e.g. a heavy tail).
 `log` records every generate request: when it came and went (time.time()), the
 weights step at both moments, its prompt and reply. Failure injection for tests:
 `fail_every` answers every N-th generate request with 503, `weights_fail` makes
-weight loads answer 500. It runs in a background thread with its own event loop:
+weight loads answer 500, `weights_gate` holds them. It runs in a background thread with its own event loop:
 
     with FakeEngine(model="m", token_ids=range(3, 300), stop_id=2) as eng:
         eng.url  # http://127.0.0.1:PORT
@@ -82,6 +82,8 @@ class FakeEngine:
         self.paused = False
         self.fail_every = 0
         self.weights_fail = False
+        self.weights_gate: threading.Event | None = None
+        """While set to an unset Event, a weight load waits for it (a server slow to load a step)."""
         self.requests = 0
         self.weight_requests: list[int] = []
         self.feed_requests: list[int] = []
@@ -173,6 +175,8 @@ class FakeEngine:
         body = await request.json()
         step = int(body["step"])
         self.weight_requests.append(step)
+        while self.weights_gate is not None and not self.weights_gate.is_set():
+            await asyncio.sleep(0.01)
         if self.weights_fail:
             return web.json_response({"error": "injected weight-load failure"}, status=500)
         if "feeds" in body:

@@ -523,6 +523,59 @@ def test_the_watcher_drops_a_dead_server_and_takes_it_back_on_the_newest_weights
         a.stop()
 
 
+def test_a_server_slow_to_load_a_step_holds_no_other_server_s_next_step(tmp_path):
+    """Each server's update is its own task: while b is still loading step 2, a loads steps 2 and 3 and rollouts
+    run on it; the watcher's rounds go on and leave b's version to its update; b then catches up to step 3."""
+    import asyncio
+    import threading
+
+    from prl.orchestrator.sync import Server, ServerPool, WeightWatcher
+    from tests.fake_engine import FakeEngine
+
+    run = RunDir(tmp_path / "run").create()
+    a, b = FakeEngine(run_dir=run.root).start(), FakeEngine(run_dir=run.root).start()
+    b.weights_gate = threading.Event()
+    sa, sb = Server(a.url), Server(b.url)
+    pool = ServerPool(generate=[sa, sb], admin=[sa, sb])
+    watcher = WeightWatcher(run, pool, poll=0.05, live_every=0.1)
+
+    async def until(what, probe, timeout=30.0):  # a bound on waiting, not a timing check
+        deadline = time.monotonic() + timeout
+        while not probe():
+            assert not watcher.error, watcher.error
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    def running() -> list[str]:
+        return [url for url, push in watcher.pushes.items() if not push.done()]
+
+    async def scenario():
+        task = asyncio.create_task(watcher.run_forever())
+        try:
+            run.publish_dir(run.weights(2), _write({"w": b"1"}), step=2)
+            await until("a on step 2, b loading it", lambda: sa.version == 2 and b.weight_requests == [2])
+            run.publish_dir(run.weights(3), _write({"w": b"1"}), step=3)
+            await until("a on step 3 while b still loads step 2", lambda: sa.version == 3)
+            assert sb.version == 0 and b.weight_requests == [2] and running() == [b.url]
+            assert pool.pick(3) is sa and sb.alive
+            await asyncio.sleep(0.3)  # a few rounds of `sync_live` (b answers /prl/live with step 0 meanwhile)
+            assert sb.version == 0 and sb.failures == 0 and running() == [b.url]
+            b.weights_gate.set()
+            await until("b on step 3", lambda: sb.version == 3)
+            assert b.weight_requests == [2, 3] and a.weight_requests == [2, 3] and sb.failures == 0
+            assert pool.version == 3
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert watcher.pushes == {}
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_a_failed_rollout_takes_a_dead_server_out_of_rotation_at_once(tmp_path):
     """The weight watcher may be held by an update to a dying server: a rollout that fails on a server that no
     longer answers /health takes it out of rotation itself (the next rollouts wait for a server instead of

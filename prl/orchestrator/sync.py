@@ -289,7 +289,11 @@ async def live_versions(client: httpx.AsyncClient, server: Server) -> tuple[int,
 
 
 class WeightWatcher:
-    """Keeps every server on the newest published weights; records failures on the run."""
+    """Keeps every server on the newest published weights; records failures on the run.
+
+    Each server's update runs as a task of its own (`pushes`, at most one per server): a server slow to load one
+    step holds neither the other servers' next step nor the watcher's own rounds (`follow`, `sync_live`, which
+    leave a server alone while its update runs)."""
 
     def __init__(self, run: RunDir, pool: ServerPool, *, retries: int = 5, poll: float = 0.5, live_every: float = 10.0):
         self.run = run
@@ -300,12 +304,14 @@ class WeightWatcher:
         self.error: list[BaseException] = []
         self.updates = 0
         self.update_s = 0.0
+        self.pushes: dict[str, asyncio.Task] = {}
+        """The update running for each server (by URL), until the watcher's next round collects it."""
 
     async def sync_live(self, client: httpx.AsyncClient) -> None:
         """Adopt what each server says it serves (a restarted server is back at 0)."""
         for s in self.pool.admin:
-            if not s.alive:
-                continue  # `follow` asks a returning server itself
+            if not s.alive or s.url in self.pushes:
+                continue  # `follow` asks a returning server itself; an update in flight sets the version
             versions = await live_versions(client, s)
             if versions is None:
                 continue
@@ -344,7 +350,7 @@ class WeightWatcher:
             elif s.alive and not answers.get(s, True):
                 log.warning("%s does not answer /health; out of rotation", s.url)
                 s.alive, s.rejoining = False, True
-            if s.rejoining:
+            if s.rejoining and s.url not in self.pushes:
                 versions = await live_versions(client, s)
                 if versions is not None:
                     v, s.disk_version = versions
@@ -437,14 +443,31 @@ class WeightWatcher:
                     newest = self.newest()
                     if newest is not None and newest[0] > self.pool.target:
                         self.pool.target = newest[0]
-                    behind = [s for s in self.pool.admin if (s.alive or s.rejoining) and s.version < self.pool.target]
-                    if behind:
-                        await asyncio.gather(*(self.push(client, s, self.pool.target) for s in behind))
-                        self.pin()
-                        self.pool.notify()
+                    self.collect()
+                    for s in self.pool.admin:
+                        if (s.alive or s.rejoining) and s.version < self.pool.target and s.url not in self.pushes:
+                            self.pushes[s.url] = asyncio.create_task(self.pushed(client, s, self.pool.target))
                     await asyncio.sleep(self.poll)
             except asyncio.CancelledError:
                 raise
             except BaseException as e:  # surfaced by the loop (wait_version / the step loop)
                 self.error.append(e)
                 self.pool.notify()
+            finally:
+                for task in self.pushes.values():
+                    task.cancel()
+                await asyncio.gather(*self.pushes.values(), return_exceptions=True)
+                self.pushes.clear()
+
+    async def pushed(self, client: httpx.AsyncClient, server: Server, step: int) -> None:
+        """`push`, then what a changed version means for the others: the pins, and whoever waits on the pool."""
+        await self.push(client, server, step)
+        self.pin()
+        self.pool.notify()
+
+    def collect(self) -> None:
+        """Forget the updates that ended; the first that failed ends the watcher (`WeightUpdateError`)."""
+        for url, task in list(self.pushes.items()):
+            if task.done():
+                del self.pushes[url]
+                task.result()
