@@ -26,7 +26,6 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
-from tests import vllm_fixtures  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 from tests.vllm_fixtures import http_json, start_inference  # noqa: E402
 
@@ -35,7 +34,6 @@ METHODS = ("spawn", "fork")
 
 def one_start(root: Path, model: Path, method: str) -> tuple[float, float, str]:
     """Seconds to healthy, CPU seconds of the server's processes by then, and a greedy completion."""
-    vllm_fixtures.SERVERS_ALLOWED = True
     with start_inference(root, model, env={"VLLM_WORKER_MULTIPROC_METHOD": method},
                          log_path=root / f"server-{method}.log") as server:
         up = server.start_seconds
