@@ -155,7 +155,7 @@ def test_requeue_restarts_the_job(submit, tmp_path, slurm_cluster):
     key = str(job_id)
     wait_for("the job to run", lambda: (r := slurm.squeue_jobs([job_id]).get(key)) and r.state == JobState.RUNNING, 30)
     slurm.scontrol_requeue(job_id)
-    # Requeued jobs wait out the credential lifetime (cred_expire=20 here) before starting again.
+    # Requeued jobs wait out the credential lifetime (cred_expire=10 here) before starting again.
     row = wait_for(
         "the job to run again",
         lambda: (r := slurm.squeue_jobs([job_id]).get(key)) and r.state == JobState.RUNNING and r.restarts == 1 and r,
