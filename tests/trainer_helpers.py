@@ -96,26 +96,22 @@ def launch(
     wait: bool = True,
     port: int = 0,
     threads: int = 1,
+    torchrun: bool | None = None,
 ):
-    """Start the trainer on `nproc` CPU ranks with torchrun; return the CompletedProcess (or Popen)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(port or _free_port()),
-        "-m",
-        "prl.trainer",
-        "--run-dir",
-        str(run.root),
-        "--resume",
-        resume,
-    ]
+    """Start the trainer on `nproc` CPU ranks; return the CompletedProcess (or, `wait=False`, torchrun's Popen).
+
+    Waited for, the ranks are forked from this worker's rank zygote (tests/rank_zygote.py: the trainer's entry
+    in torchrun's rank environment, without paying torchrun's and each rank's imports again); not waited for,
+    with `torchrun=True`, or with PRL_TEST_TORCHRUN=1 in the environment, torchrun starts them, as the job does."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    argv = ["--run-dir", str(run.root), "--resume", resume]
+    port = port or _free_port()
+    if torchrun is None:
+        torchrun = os.environ.get("PRL_TEST_TORCHRUN") == "1"
+    if wait and not torchrun:
+        return _forked(argv, {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, nproc, timeout)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(port), "-m", "prl.trainer", *argv]
     if not wait:
         return subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -123,6 +119,25 @@ def launch(
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"trainer failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc
+
+
+def _forked(argv: list[str], env: dict[str, str], nproc: int, timeout: float) -> subprocess.CompletedProcess:
+    """`launch` through the rank zygote: every rank's stdout (and stderr) in rank order, as one CompletedProcess."""
+    import shutil
+    import tempfile
+
+    from tests.rank_zygote import zygote
+
+    out = Path(tempfile.mkdtemp(prefix="prl-ranks-"))
+    try:
+        codes = zygote({**env, "OMP_NUM_THREADS": "1"}).run(argv, env, nproc, out / "rank", timeout)
+        stdout, stderr = ("".join((out / f"rank.{r}{suffix}").read_text(errors="replace") for r in range(nproc))
+                          for suffix in (".out", ".err"))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    code = next((c for c in codes if c != 0), 0)
+    assert code == 0, f"trainer failed (rank exit codes {codes}):\n{stdout[-4000:]}\n{stderr[-8000:]}"
+    return subprocess.CompletedProcess(["prl.trainer", *argv], code, stdout, stderr)
 
 
 def _free_port() -> int:
