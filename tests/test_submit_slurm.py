@@ -53,11 +53,10 @@ def test_roles_run_in_order_then_complete(lab, env):
     done = wait_for("COMPLETED", lambda: (s := status(env, run))["state"] == "COMPLETED" and s, timeout=90)
     assert [r["exit_code"] for r in done["roles"]] == [0, 0, 0]
     launcher = json.loads((run / "state" / "launcher.json").read_text())
-    # The roles that wait for none (inference, the trainer) start first; the orchestrator after the servers.
-    starts = [launcher["steps"][r]["started"] for r in ("inference", "trainer", "orchestrator")]
+    # Every role starts at once, in plan order: the servers and the trainer wait for none, the orchestrator waits
+    # for the servers itself (docs/jobs.md).
+    starts = [launcher["steps"][r]["started"] for r in ("inference", "orchestrator", "trainer")]
     assert starts == sorted(starts), "roles must start in the launcher's order"
-    ready = json.loads((run / "state" / "ready" / "inference.0.json").read_text())
-    assert ready["time"] <= launcher["steps"]["orchestrator"]["started"], "orchestrator started before inference was ready"
     assert (run / "logs" / "attempt_1" / "trainer" / "rank_1.log").exists()
 
 

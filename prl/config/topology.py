@@ -603,7 +603,8 @@ class Training(Strict, kw_only=True):
     weights_timeout_s: Annotated[float, Meta(gt=0, le=MAX_SECONDS)] = 3600.0
     """Longest the orchestrator waits for the weights a step needs."""
     endpoint_timeout_s: Annotated[float, Meta(gt=0, le=MAX_SECONDS)] = 600.0
-    """Longest the orchestrator waits for the inference servers at start."""
+    """Longest the orchestrator waits for the inference servers at start. It starts with them, so it waits at
+    least as long as the launcher lets a server take to start (PRL_START_TIMEOUT, 1800 s by default)."""
     rollout_timeout_s: Annotated[float, Meta(gt=0, le=MAX_SECONDS)] = 3600.0
     """Longest the trainer waits for a step's rollouts."""
     hang_timeout_s: Optional[Annotated[float, Meta(ge=30, le=MAX_SECONDS)]] = None

@@ -37,7 +37,7 @@ from typing import Any
 
 from prl.errors import ConfigError, RunDirError, SlurmError, disk_full
 from prl.log import get_logger, init_logging
-from prl.planner.model import Plan, Step
+from prl.planner.model import START_TIMEOUT_S, Plan, Step
 from prl.run.records import (DiskFull, Failure, LauncherRecord, ServerFailure, StepRecord, TaskExit,
                               server_exit_reason)
 from prl.run.rundir import RunDir, atomic_write_json, current_attempt, pid_alive, read_json
@@ -48,7 +48,6 @@ log = get_logger(__name__)
 POLL_SECONDS = 0.5
 WANDB_FINAL_S = 60.0
 """How long the launcher waits at the end for its W&B follower to log the last steps."""
-START_TIMEOUT = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
 OWN_END_S = 30.0
 """After the trainer's last step, how long the roles that end by themselves (the orchestrator, whose steps are
 all published by then) get to finish before the job stops them: their exit is then their own, not a stop."""
@@ -431,7 +430,7 @@ class Launcher:
         return code, task
 
     def wait_ready(self, names: tuple[str, ...] | list[str]) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
+        deadline = time.monotonic() + START_TIMEOUT_S
         waiting = [n for n in names if n in self.running]
         while True:
             self.check()
@@ -446,7 +445,7 @@ class Launcher:
             if not pending:
                 return
             if time.monotonic() > deadline:
-                raise RoleFailed(pending[0], 1, f"not ready after {START_TIMEOUT:.0f} s")
+                raise RoleFailed(pending[0], 1, f"not ready after {START_TIMEOUT_S:.0f} s")
             time.sleep(POLL_SECONDS)
 
     def wait_done(self) -> None:
@@ -588,8 +587,11 @@ class Launcher:
         self.start_wandb()
         try:
             for step in start_order(self.plan.steps):
-                self.wait_ready(step.start_after)
+                if not step.waits_itself:
+                    self.wait_ready(step.start_after)
                 self.start(step)
+            # The roles a role waits for itself: ready within the bound all the same, or named as the failure.
+            self.wait_ready(sorted({name for step in self.plan.steps for name in step.start_after}))
             self.state.status = LauncherStatus.RUNNING
             self.save()
             self.wait_done()
@@ -654,9 +656,10 @@ class Launcher:
 
 
 def start_order(steps: Sequence[Step]) -> list[Step]:
-    """The plan's steps, those waiting for no role first (plan order otherwise): the trainer, which waits for
-    rollouts itself, starts with the servers rather than behind them."""
-    return sorted(steps, key=lambda step: bool(step.start_after))
+    """The plan's steps, those the launcher makes wait for no role first (plan order otherwise): the trainer, which
+    waits for rollouts itself, and the orchestrator, which waits for the servers' endpoints itself, start with the
+    servers rather than behind them."""
+    return sorted(steps, key=lambda step: bool(step.start_after) and not step.waits_itself)
 
 
 def _or_dash(value: Any) -> str:

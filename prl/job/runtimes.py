@@ -28,14 +28,11 @@ import urllib.request
 from typing import Any, Callable
 
 from prl.log import get_logger
-from prl.planner.model import Plan, node_address
+from prl.planner.model import START_TIMEOUT_S, Plan, node_address
 from prl.run.rundir import API_KEY_VAR, RunDir, atomic_write_json, is_stable
 from prl.states import RoleState
 
 log = get_logger(__name__)
-
-START_TIMEOUT = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
-ENDPOINT_WAIT_SECONDS = START_TIMEOUT
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:
@@ -48,10 +45,10 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
 
 def wait_endpoint(run: RunDir, role: str, index: int, stopped: Callable[[], bool]) -> dict[str, Any]:
     path = run.endpoint(role, index)
-    deadline = time.monotonic() + ENDPOINT_WAIT_SECONDS
+    deadline = time.monotonic() + START_TIMEOUT_S
     while not path.exists():
         if time.monotonic() > deadline or stopped():
-            raise RuntimeError(f"{role}: no endpoint from {role} {index} after {ENDPOINT_WAIT_SECONDS:.0f} s ({path})")
+            raise RuntimeError(f"{role}: no endpoint from {role} {index} after {START_TIMEOUT_S:.0f} s ({path})")
         time.sleep(0.2)
     return json.loads(path.read_text())
 
@@ -71,7 +68,7 @@ def supervise(argv: list[str], env: dict[str, str], stop: Any, ready: Callable[[
     log.info(" ".join(argv))
     proc = subprocess.Popen(argv, env=env)
     announced = False
-    deadline = time.monotonic() + START_TIMEOUT
+    deadline = time.monotonic() + START_TIMEOUT_S
     last_ok = next_probe = killed_at = 0.0
     while proc.poll() is None:
         now = time.monotonic()
@@ -85,7 +82,7 @@ def supervise(argv: list[str], env: dict[str, str], stop: Any, ready: Callable[[
                 last_ok = next_probe = time.monotonic()
                 log.info("ready")
             elif now > deadline:
-                log.error(f"not healthy after {START_TIMEOUT:.0f} s; stopping it")
+                log.error(f"not healthy after {START_TIMEOUT_S:.0f} s; stopping it")
                 proc.terminate()
         elif health is not None and hang_s is not None and now >= next_probe and not getattr(stop, "stopping", False):
             next_probe = now + HEALTH_EVERY_S

@@ -39,7 +39,7 @@ from typing import Any
 from prl.errors import PrlError
 from prl.log import get_logger, init_logging
 from prl.orchestrator.advantages import reward_stats
-from prl.orchestrator.clients import train_contexts
+from prl.orchestrator.clients import renderer_config, train_contexts
 from prl.orchestrator.config import OrchestratorConfig
 from prl.orchestrator.continuous import DataOrder, Scheduler, StepRollouts
 from prl.orchestrator.display import PlainDisplay, make_display
@@ -51,7 +51,7 @@ from prl.orchestrator.shaping import shaper
 from prl.orchestrator.sync import (Fleet, ServerPool, WeightWatcher, discover, read_endpoints, served_model,
                                    server_client, standalone)
 from prl.orchestrator.workers import EnvWorkers, check_env_id
-from prl.planner.model import Plan
+from prl.planner.model import START_TIMEOUT_S, Plan
 from prl.run.batch import publish_batch, read_meta
 from prl.run.lifecycle import role_lifecycle
 from prl.run.rundir import RunDir
@@ -308,16 +308,25 @@ def load_envs(cfg: OrchestratorConfig) -> tuple[Any, Any | None]:
     return env, eval_env
 
 
-async def assemble(run: RunDir, cfg: OrchestratorConfig, fleet: Fleet, beat: Beat, start: int) -> Orchestrator:
+def prepare(cfg: OrchestratorConfig) -> tuple[Any, Any | None]:
+    """What needs no server, done while the servers start (the launcher starts the orchestrator with them): a bad
+    `model.renderer` stops the run before the environment loads, then the environments (`load_envs`), then the
+    shaping function (one that does not load stops the run here, not at step 1)."""
+    renderer_config(cfg.renderer)
+    envs = load_envs(cfg)
+    shaper(cfg.training.advantage.shaping)
+    return envs
+
+
+async def assemble(run: RunDir, cfg: OrchestratorConfig, fleet: Fleet, beat: Beat, start: int,
+                   envs: tuple[Any, Any | None]) -> Orchestrator:
     """Build every component once, each complete before it is handed on: the served model name first (an async
-    question to a server), so the contexts and the pool are whole when built; a bad `model.renderer` stops the
-    run before the environment loads."""
+    question to a server), so the contexts and the pool are whole when built."""
     model = cfg.served_model_name or await served_model(fleet)
     pool = ServerPool.of(fleet, on_idle=beat.tick)
     make_ctx = train_contexts(cfg, model)
-    env, eval_env = load_envs(cfg)
+    env, eval_env = envs
     t = cfg.training
-    shaper(t.advantage.shaping)  # a shaping function that does not load stops the run here, not at step 1
 
     def generator(e: Any) -> Generator:
         return Generator(e, pool, make_ctx, max_concurrent=t.max_concurrent_rollouts, retries=t.rollout_retries)
@@ -368,8 +377,9 @@ def recover_record(run: RunDir, step: int) -> bool:
     return True
 
 
-async def orchestrate(run: RunDir, cfg: OrchestratorConfig, fleet: Fleet, beat: Beat) -> int:
-    """The orchestrator's steps after the newest published one, to `training.max_steps`."""
+async def orchestrate(run: RunDir, cfg: OrchestratorConfig, find_fleet: Callable[[], Fleet], beat: Beat) -> int:
+    """The orchestrator's steps after the newest published one, to `training.max_steps`. What needs no server is
+    prepared first; `find_fleet` then waits for the servers (`discover`), which start with this process."""
     start = run.latest_stable("rollouts") or 0
     run.drop_metrics_after(ROLE, start)
     recover_record(run, start)
@@ -377,7 +387,9 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, fleet: Fleet, beat: 
     if start >= max_steps:
         log.info("rollouts up to step %d are published; nothing to do (max_steps %d)", start, max_steps)
         return 0
-    o = await assemble(run, cfg, fleet, beat, start)
+    envs = prepare(cfg)
+    fleet = await asyncio.to_thread(find_fleet)
+    o = await assemble(run, cfg, fleet, beat, start, envs)
     async with o.running():
         for step in range(start + 1, max_steps + 1):
             made = await o.source.make(step)
@@ -409,8 +421,11 @@ def main(run_dir: str, servers: list[str] | None = None) -> int:
     old = signal.signal(signal.SIGTERM, on_term)
     try:
         with role_lifecycle(run, ROLE) as outcome:
-            fleet = standalone(servers) if servers else discover(run, plan, cfg.training.endpoint_timeout_s)
-            outcome.code = asyncio.run(orchestrate(run, cfg, fleet, beat))
+            # The launcher starts the orchestrator with the servers (its imports and `prepare` overlap their
+            # start-up): wait at least as long as the launcher lets a server take to start.
+            timeout = max(cfg.training.endpoint_timeout_s, START_TIMEOUT_S)
+            find = (lambda: standalone(servers)) if servers else (lambda: discover(run, plan, timeout))
+            outcome.code = asyncio.run(orchestrate(run, cfg, find, beat))
         return outcome.code
     finally:
         signal.signal(signal.SIGTERM, old)

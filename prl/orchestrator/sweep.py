@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prl.planner.model import START_TIMEOUT_S
+
 KEY_VAR = "PRL_EVAL_API_KEY"
-START_TIMEOUT = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
 FLEET_FLAGS = ("--model", "--port", "--host", "--data-parallel-size", "--data-parallel-size-local",
                "--data-parallel-address", "--data-parallel-rpc-port", "--data-parallel-start-rank",
                "--headless", "--api-server-count", "--kv-transfer-config", "--kv-offloading-size",
@@ -141,7 +142,7 @@ def evaluate_step(task: EvalTask) -> list[dict[str, Any]]:
 
 
 def wait_healthy(server: subprocess.Popen, url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
+    deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise RuntimeError(f"the evaluation server exited with code {server.returncode} before it was "
@@ -153,7 +154,7 @@ def wait_healthy(server: subprocess.Popen, url: str, log_path: Path) -> None:
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(1.0)
-    raise RuntimeError(f"the evaluation server was not healthy after {START_TIMEOUT:.0f} s; its log: {log_path}")
+    raise RuntimeError(f"the evaluation server was not healthy after {START_TIMEOUT_S:.0f} s; its log: {log_path}")
 
 
 def stop(server: subprocess.Popen) -> None:

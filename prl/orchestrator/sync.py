@@ -211,12 +211,19 @@ def discover(run: RunDir, plan: Plan, timeout: float) -> Fleet:
     if plan.attach is not None:
         run = RunDir(plan.attach)
     want = set() if plan.attach is not None else plan.expected_endpoints()
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline, waited = started + timeout, False
     while True:
         found = read_endpoints(run)
         have = {(role, i) for role, urls in found.items() for i in range(len(urls))}
         if want and want <= have or not want and found:
+            if waited:
+                log.info(f"the servers are up after {time.monotonic() - started:.1f} s")
             break
+        if not waited:
+            waited = True
+            log.info(f"waiting for the servers to start: {', '.join(sorted(f'{r}.{i}' for r, i in want - have))}"
+                     if want else "waiting for a server of the pool")
         if time.monotonic() > deadline:
             missing = sorted(f"{r}.{i}" for r, i in want - have) or ["any"]
             raise StepTimeout(

@@ -11,6 +11,7 @@ type-checks the rest in a few milliseconds, and login nodes feel every 100 ms.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Sequence
 from functools import lru_cache
@@ -216,6 +217,10 @@ class Step(Frozen, kw_only=True):
     overlap: bool
     """Shares nodes with another step (`srun --overlap`)."""
     start_after: tuple[RoleName, ...]
+    """The roles whose tasks must all be ready (healthy) before this one works."""
+    waits_itself: bool = False
+    """The role waits for its `start_after` roles itself (their endpoints), so the launcher starts it with the
+    roles that come after none and its start-up overlaps theirs; the launcher still bounds their readiness."""
     health: Literal["http", "heartbeat"]
     """`http`: every head server answers /health; `heartbeat`: the role's state file says ready."""
     script: str
@@ -245,6 +250,8 @@ HANG_STEP_FACTOR = 4.0
 """Default hang bound: this many times the slowest step seen in the attempt (when above the floor)."""
 SERVER_HANG_S = 300.0
 """Default time a server's /health may go unanswered before its task fails it."""
+START_TIMEOUT_S = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
+"""Longest a role may take to start (a server to become healthy), PRL_START_TIMEOUT: the launcher's bound."""
 
 
 class ContainerPlan(Frozen, kw_only=True):

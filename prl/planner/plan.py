@@ -471,7 +471,7 @@ def place_orchestrator(check: Checker, topo: Topology, layout: Layout, common_en
                 f"on cluster '{cluster.name}'"))
     layout.steps.append(Step(name="orchestrator", group=group, nodes=1, ntasks_per_node=1, cpus_per_task=cpus,
                              gpus_per_node=0, overlap=orch.placement != "own", start_after=after,
-                             health="heartbeat", script="scripts/orchestrator.sh", env=env))
+                             waits_itself=True, health="heartbeat", script="scripts/orchestrator.sh", env=env))
     if orch.env_workers + 1 > cpus:
         check.warnings.append(
             f"orchestrator.env_workers ({orch.env_workers}) and the orchestrator itself want {orch.env_workers + 1} "

@@ -27,9 +27,9 @@ def _ports(ports: list[int]) -> str:
 def placement_table(plan: Plan) -> Table:
     kind = "het group" if plan.hetjob and plan.slurm else "nodes"
     table = Table(title=escape(f"{plan.name} on {plan.cluster}"), title_justify="left")
-    for col in (kind, "role", "nodes", "GPUs/node", "tasks/node", "parallel", "ports", "starts after"):
+    for col in (kind, "role", "nodes", "GPUs/node", "tasks/node", "parallel", "ports", "waits for"):
         table.add_column(col, justify="right" if col in ("nodes", "GPUs/node", "tasks/node") else "left",
-                         no_wrap=col != "starts after")
+                         no_wrap=col != "waits for")
     roles = {r.name: r for r in plan.inference}
     for step in plan.steps:
         group = plan.groups[step.group]
@@ -52,8 +52,10 @@ def placement_table(plan: Plan) -> Table:
             ports = str(plan.router_port)
         elif step.name == "orchestrator":
             parallel = "shares node" if step.overlap else ""
+        # A role that waits itself starts with the first roles; the others start once what they wait for is ready.
+        waits = ", ".join(step.start_after) + (" (started with them)" if step.waits_itself else "")
         table.add_row(where, step.name, str(step.nodes), str(step.gpus_per_node), str(step.ntasks_per_node),
-                      parallel, ports, ", ".join(step.start_after) or "-")
+                      parallel, ports, waits or "-")
     return table
 
 
