@@ -388,7 +388,9 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, find_fleet: Callable
         log.info("rollouts up to step %d are published; nothing to do (max_steps %d)", start, max_steps)
         return 0
     envs = prepare(cfg)
-    fleet = await asyncio.to_thread(find_fleet)
+    # In this thread, blocking the loop: nothing runs on it yet, and SIGTERM's KeyboardInterrupt (`main`) must
+    # reach the wait (a worker thread would keep the process alive until its wait ended).
+    fleet = find_fleet()
     o = await assemble(run, cfg, fleet, beat, start, envs)
     async with o.running():
         for step in range(start + 1, max_steps + 1):

@@ -53,7 +53,7 @@ def placement_table(plan: Plan) -> Table:
         elif step.name == "orchestrator":
             parallel = "shares node" if step.overlap else ""
         # A role that waits itself starts with the first roles; the others start once what they wait for is ready.
-        waits = ", ".join(step.start_after) + (" (started with them)" if step.waits_itself else "")
+        waits = ", ".join(step.start_after) + (" (starts alongside)" if step.waits_itself and step.start_after else "")
         table.add_row(where, step.name, str(step.nodes), str(step.gpus_per_node), str(step.ntasks_per_node),
                       parallel, ports, waits or "-")
     return table
