@@ -105,13 +105,13 @@ def reap(pids: list[int]) -> list[int]:
     codes: dict[int, int] = {}
     kill_at = None
     while len(codes) < len(pids):
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid:
-            codes[pid] = os.waitstatus_to_exitcode(status)
-            if codes[pid] != 0 and kill_at is None:
-                kill_at = time.monotonic() + GRACE_S
-                signal_all([p for p in pids if p not in codes], signal.SIGTERM)
-            continue
+        for pid in [p for p in pids if p not in codes]:  # these pids only: never another child's status
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pid] = os.waitstatus_to_exitcode(status)
+        if kill_at is None and any(code != 0 for code in codes.values()):
+            kill_at = time.monotonic() + GRACE_S
+            signal_all([p for p in pids if p not in codes], signal.SIGTERM)
         if kill_at is not None and time.monotonic() > kill_at:
             signal_all([p for p in pids if p not in codes], signal.SIGKILL)
             kill_at = float("inf")
@@ -133,7 +133,8 @@ class Zygote:
 
     def __init__(self, env: dict[str, str]):
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.rank_zygote"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env, text=True, start_new_session=True)
+                                     stdout=subprocess.PIPE, env=env, bufsize=0, start_new_session=True)
+        self.pending = b""  # what was read past the last answer (both answers may come in one read)
         atexit.register(self.close)
 
     def close(self) -> None:
@@ -144,19 +145,23 @@ class Zygote:
     def answer(self, deadline: float | None) -> dict:
         import select
 
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not select.select([self.proc.stdout], [], [], timeout)[0]:
-            raise TimeoutError
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the rank zygote died (exit code {self.proc.wait()})")
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], timeout)[0]:
+                raise TimeoutError
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError(f"the rank zygote died (exit code {self.proc.wait()})")
+            self.pending += chunk
+        line, _, self.pending = self.pending.partition(b"\n")
         return json.loads(line)
 
     def run(self, argv: list[str], env: dict[str, str], nproc: int, out: Path, timeout: float) -> list[int]:
         """Fork `nproc` ranks of `python -m prl.trainer ARGV`; their exit codes (a rank killed by a signal:
         minus the signal). Past `timeout`, every rank is killed and TimeoutError raised."""
-        self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "nproc": nproc, "out": str(out)}) + "\n")
-        self.proc.stdin.flush()
+        request = {"argv": argv, "env": env, "nproc": nproc, "out": str(out)}
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
         pids = self.answer(None)["pids"]
         try:
             return self.answer(time.monotonic() + timeout)["codes"]
