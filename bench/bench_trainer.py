@@ -18,8 +18,10 @@ and prints its tokens/s and rank 0's peak RSS against the first run's (the ratio
 `--logprob-memory` measures the logprob/entropy head alone, each way in a fresh subprocess: hidden states
 [tokens, hidden] and an output weight [vocab, hidden] (fp32) -> logprobs and entropy of the targets -> a
 loss on both -> backward, as the trainer does per micro-batch. `full` is the [T, V] fp32 logits path
-(`prl.trainer.loss.token_logprobs_and_entropy`), `chunked` prl/trainer/logprobs.py. Prints each one's peak
-RSS growth over the inputs (resource.getrusage in the subprocess) and time, and the ratio chunked / full.
+(`prl.trainer.loss.token_logprobs_and_entropy`), `chunked` prl/trainer/logprobs.py, `fused` the same with
+its per-chunk arithmetic compiled (what `trainer.compile` runs; compiled before the clock starts). Prints
+each one's peak RSS growth over the inputs (resource.getrusage in the subprocess) and time, and the ratios
+chunked / full and fused / chunked.
 """
 
 from __future__ import annotations
@@ -94,24 +96,29 @@ g = torch.Generator().manual_seed(0)
 h = torch.randn(tokens, hidden, generator=g).div_(hidden ** 0.5).requires_grad_()
 w = torch.randn(vocab, hidden, generator=g).requires_grad_()
 targets = torch.randint(0, vocab, (tokens,), generator=g)
+if way == "fused":  # compile outside the measured part, on 32 tokens (the compiled row count is dynamic)
+    logp, ent = chunked_logprobs_and_entropy(h[:32], w, targets[:32], fused=True)
+    (-logp.mean() - 0.01 * ent.mean()).backward()
+    h.grad = w.grad = None
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t = time.perf_counter()
 if way == "full":
     logp, ent = token_logprobs_and_entropy(h @ w.t(), targets)
 else:
-    logp, ent = chunked_logprobs_and_entropy(h, w, targets)
+    logp, ent = chunked_logprobs_and_entropy(h, w, targets, fused=way == "fused")
 (-logp.mean() - 0.01 * ent.mean()).backward()
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024, time.perf_counter() - t)
 """
 
 
 def logprob_memory(tokens: int, vocab: int, hidden: int) -> None:
-    """Peak RSS growth and time of the logprob/entropy head's forward + backward, full logits vs chunked."""
+    """Peak RSS growth and time of the logprob/entropy head's forward + backward: full logits, chunked, and
+    chunked with the per-chunk arithmetic compiled (`trainer.compile`)."""
     import subprocess
 
     root = str(Path(__file__).resolve().parents[1])
     got = {}
-    for way in ("full", "chunked"):
+    for way in ("full", "chunked", "fused"):
         out = subprocess.run([sys.executable, "-c", LOGPROB_CHILD, way, str(tokens), str(vocab), str(hidden)],
                              capture_output=True, text=True, check=True, env={**__import__("os").environ,
                                                                              "PYTHONPATH": root})
@@ -120,6 +127,8 @@ def logprob_memory(tokens: int, vocab: int, hidden: int) -> None:
     for way, (mb, s) in got.items():
         print(f"  {way:8s} peak RSS +{mb:8.0f} MiB  {s:6.2f} s")
     print(f"ratio chunked/full: memory {got['chunked'][0] / got['full'][0]:.3f}, time {got['chunked'][1] / got['full'][1]:.2f}")
+    print(f"ratio fused/chunked: memory {got['fused'][0] / got['chunked'][0]:.3f}, "
+          f"time {got['fused'][1] / got['chunked'][1]:.2f}")
 
 
 def main() -> None:

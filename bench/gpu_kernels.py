@@ -9,8 +9,9 @@ Checks first (the script exits 1 on a failed one, after printing every result):
   shape (16 query heads, 8 KV heads, head dim 128), bf16: its output and q/k/v gradients against sdpa with the
   dense block-causal mask computed in fp32. A kernel passes when its error is within 2x (plus a bf16 ulp) of
   the error of the dense mask itself run in bf16: as exact as the path it replaces.
-- the chunked logprob/entropy head (prl/trainer/logprobs.py) against full [T, V] logits in fp32 (what
-  `token_logprobs_and_entropy` does), bf16 hidden states and weight: logprobs, entropy and their gradients.
+- the chunked logprob/entropy head (prl/trainer/logprobs.py), eager and with its per-chunk arithmetic compiled
+  (`fused`, what `trainer.compile` runs), against full [T, V] logits in fp64, bf16 hidden states and weight:
+  logprobs, entropy and their gradients, within 2x (plus an ulp) of the full logits' own error in bf16.
 - prl's MoE experts (`ExpertParallelExperts` at ep=1: grouped matrix products, `grouped_linear` in
   prl/trainer/moe.py) against transformers' eager experts (a loop over the experts) in fp64: output, input
   and weight gradients, in bf16 (torch's grouped_mm) and on the GPU also in fp32 (transformers' fallback op,
@@ -21,7 +22,8 @@ Then times (CUDA events; median of 10 after 3 warm-ups):
   mask at 16k (at 64k its [T, T] mask alone is 4 GiB and sdpa's masked path does not fit well);
   ratio dense / kernel.
 - the logprob head on 16k tokens x 151,936 vocabulary (Qwen3's), hidden 1024, forward + backward: time and
-  peak memory above the inputs, full logits and chunks of 2^24 to 2^30 logit elements; ratios to full.
+  peak memory above the inputs, full logits, chunks of 2^24 to 2^30 logit elements and the default chunk
+  fused (compiled before it is timed); ratios to full.
 - one MoE layer's experts of Qwen3-30B-A3B's shape (128 experts top-8, hidden 2048, expert width 768) on
   16k tokens, forward + backward: transformers' eager loop vs prl's grouped experts; ratio loop / grouped.
 """
@@ -132,13 +134,17 @@ def check_logprobs(device, dtype) -> bool:
 
     want = run(lambda h, w: token_logprobs_and_entropy(h @ w.t(), targets), torch.float64)
     base = max_err(run(lambda h, w: token_logprobs_and_entropy(h @ w.t(), targets), dtype), want)
-    errs = max_err(run(lambda h, w: chunked_logprobs_and_entropy(h, w, targets, chunk=t // 3 + 1), dtype), want)
     ulp = torch.finfo(dtype).eps
-    ok = all(e <= 2 * x + ulp * float(r.abs().max()) for e, x, r in zip(errs, base, want, strict=True))
     print(f"logprob head check, {t} tokens x {vocab} vocabulary, {str(dtype)[6:]}; max |error| of (logp, entropy, "
           f"d hidden, d weight) vs full logits in fp64:")
     print(f"  full logits, {str(dtype)[6:]:8s}  " + "  ".join(f"{e:.2e}" for e in base))
-    print(f"  chunked               " + "  ".join(f"{e:.2e}" for e in errs) + ("  ok" if ok else "  FAILED"))
+    ok = True
+    for name, fused in (("chunked", False), ("chunked, fused", True)):  # fused: compiled, as trainer.compile runs it
+        errs = max_err(run(lambda h, w: chunked_logprobs_and_entropy(h, w, targets, chunk=t // 3 + 1, fused=fused),
+                           dtype), want)
+        good = all(e <= 2 * x + ulp * float(r.abs().max()) for e, x, r in zip(errs, base, want, strict=True))
+        print(f"  {name:22s}" + "  ".join(f"{e:.2e}" for e in errs) + ("  ok" if good else "  FAILED"))
+        ok &= good
     return ok
 
 
@@ -253,6 +259,8 @@ def time_logprobs(device, dtype) -> None:
     for elements in (2**24, 2**26, 2**28, 2**30):  # the CPU's chunk, the GPU's (prl.trainer.logprobs), around
         n = chunk_tokens(vocab) * elements // CHUNK_ELEMENTS["cpu"]
         ways[f"chunks of {n}"] = lambda n=n: chunked_logprobs_and_entropy(hidden, weight, targets, chunk=n)
+    n = chunk_tokens(vocab, device.type)  # trainer.compile's head: the default chunk, its arithmetic compiled
+    ways[f"chunks of {n}, fused"] = lambda: chunked_logprobs_and_entropy(hidden, weight, targets, chunk=n, fused=True)
     res = {}
     for name, fn in ways.items():
         torch.cuda.synchronize()
@@ -267,7 +275,7 @@ def time_logprobs(device, dtype) -> None:
     print(f"logprob head, {t} tokens x {vocab} vocabulary, hidden {hidden_size}, {str(dtype)[6:]}, fwd + bwd "
           f"(the default chunk on this device: {chunk_tokens(vocab, device.type)} tokens):")
     for name, (tc, mc) in res.items():
-        print(f"  {name:16s} {tc:7.1f} ms {mc:6.2f} GiB above the inputs; / full logits: time {tc / tf:.2f}x, "
+        print(f"  {name:23s} {tc:7.1f} ms {mc:6.2f} GiB above the inputs; / full logits: time {tc / tf:.2f}x, "
               f"memory {mc / mf:.3f}x")
 
 

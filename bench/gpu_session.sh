@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything prl measures on a GPU, in one call of the lent H200 (~15 device minutes a session, one call):
-#   the packed-attention kernels, the chunked logprob head and the grouped MoE experts against the paths they
-#   replace (checked, then timed),
+#   the packed-attention kernels, the chunked logprob head (eager and fused) and the grouped MoE experts against
+#   the paths they replace (checked, then timed),
 #   the trainer's step (tokens/s, MFU, peak memory) with packed attention, with transformers' dense-mask sdpa,
 #   with activation checkpointing, with LoRA adapters (rank 16; the MoE's on its experts too), with compiled
 #   blocks (trainer.compile), and compiled with float8 linear layers (trainer.precision: fp8, against the
@@ -32,7 +32,7 @@ part() {  # part NAME SECONDS ARGS...: one bounded step, its output teed into $o
     timeout "$limit" "$@" > >(tee "$out/$name.txt") 2>&1
     echo "== $name: exit $? after $((SECONDS - t0)) s"
 }
-part kernels 120 python3 bench/gpu_kernels.py
+part kernels 150 python3 bench/gpu_kernels.py
 part trainer 200 python3 bench/gpu_trainer.py --tokens 16384 32768
 part trainer_sdpa 90 python3 bench/gpu_trainer.py --tokens 16384 --attention sdpa
 part trainer_ac 90 python3 bench/gpu_trainer.py --tokens 65536 --models dense --ac

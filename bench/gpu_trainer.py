@@ -11,8 +11,9 @@ One process, one GPU: NCCL process group of one rank, the trainer's own FSDP2 wr
 micro-batch of `--tokens` tokens (8 samples; each value of `--tokens` is a run). Attention is the trainer's
 packed kernel (prl/trainer/attention.py: flash-attn varlen, else torch's varlen_attn; `--attention sdpa` keeps
 transformers' sdpa with its dense [T, T] block mask, the path before it), logprobs the chunked head
-(prl/trainer/logprobs.py). Models are built from a config with random
-weights (no download): meta device, sharded, `to_empty` on the GPU, initialised in place.
+(prl/trainer/logprobs.py; `--compile` compiles its per-chunk arithmetic too, as `trainer.compile` does). Models
+are built from a config with random weights (no download): meta device, sharded, `to_empty` on the GPU,
+initialised in place.
 Step 1 warms up; the median of the next `--steps` is reported.
 
 MFU = tokens/s x FLOPs/token / peak, with FLOPs/token = 6 x active parameters (4 x with `--lora`: frozen
@@ -223,7 +224,8 @@ def main() -> None:
     ap.add_argument("--lora-experts", action="store_true",
                     help="with --lora: the MoE's adapters on its experts too, not on its attention alone")
     ap.add_argument("--compile", action="store_true",
-                    help="trainer.compile: torch.compile each transformer block (apply_fsdp, before FSDP2)")
+                    help="trainer.compile: torch.compile each transformer block (apply_fsdp, before FSDP2) and the "
+                         "logprob head's arithmetic")
     ap.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
                     help="trainer.precision: fp8 multiplies the blocks' linear layers in float8 (torchao); MFU "
                          "stays against the bf16 peak")
@@ -255,7 +257,8 @@ def main() -> None:
     print(f"{gpu}; one packed micro-batch of 8 samples per step, {args.attention} attention"
           f"{f', LoRA rank {args.lora}' if args.lora else ''}{' (MoE: experts too)' if args.lora_experts else ''}"
           f"{', activation checkpointing' if args.ac else ''}"
-          f"{', compiled blocks' if args.compile else ''}{', float8 linear layers' if args.precision == 'fp8' else ''}; "
+          f"{', compiled blocks and head' if args.compile else ''}"
+          f"{', float8 linear layers' if args.precision == 'fp8' else ''}; "
           f"median of {args.steps} steps")
     for tokens in args.tokens:
         for name in args.models:

@@ -4,9 +4,10 @@
   `varlen_attn`, flash-attn's `flash_attn_varlen_func`) with a CPU stand-in of the documented signature,
   against sdpa with the dense block-causal mask: outputs and gradients;
 - a tiny Qwen3 on one packed row: transformers' own sdpa (the dense mask it builds from position ids, what the
-  trainer ran before) vs packed attention + the chunked logprob head (`engine.forward_logprobs`): logprobs,
-  entropy, loss and every parameter's gradient;
-- the chunked logprob/entropy function against the full-logits one, values and gradients, several chunks;
+  trainer ran before) vs packed attention + the chunked logprob head (`engine.forward_logprobs`, eager and
+  fused): logprobs, entropy, loss and every parameter's gradient;
+- the chunked logprob/entropy function against the full-logits one, values and gradients, several chunks; its
+  compiled arithmetic (`fused`, with `trainer.compile`) against the eager one;
 - the kernel choice per device and dtype.
 """
 
@@ -133,6 +134,23 @@ def test_chunked_logprobs_match_full_logits_values_and_gradients():
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)  # both sides compute in fp32
 
 
+@pytest.mark.parametrize("tokens", [37, 41])  # the last chunk of 8 rows has 5, then 1 (a compiled shape of its own)
+def test_the_fused_head_matches_the_eager_one_values_and_gradients(tokens):
+    """trainer.compile's head: the per-chunk arithmetic compiled (one max and one pass of sums forward, one
+    elementwise expression backward) against the eager ops, in fp32, every chunk length a step meets."""
+    g = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (tokens,), generator=g)
+    a, b = torch.randn(tokens, generator=g), torch.randn(tokens, generator=g)
+    got = {}
+    for fused in (False, True):
+        logp, ent = chunked_logprobs_and_entropy(hidden, weight, targets, chunk=8, fused=fused)
+        got[fused] = (logp, ent, *torch.autograd.grad((logp * a).sum() + (ent * b).sum(), (hidden, weight)))
+    for name, x, y in zip(("logp", "entropy", "d hidden", "d weight"), got[True], got[False], strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
 def _tiny_qwen3():
     from transformers import AutoModelForCausalLM, Qwen3Config
 
@@ -143,7 +161,8 @@ def _tiny_qwen3():
     return AutoModelForCausalLM.from_config(config).to(torch.float64)
 
 
-def test_a_packed_row_through_the_model_matches_transformers_dense_mask_losses_and_grads():
+@pytest.mark.parametrize("fused", [False, True], ids=["eager head", "fused head"])
+def test_a_packed_row_through_the_model_matches_transformers_dense_mask_losses_and_grads(fused):
     import copy
 
     from prl.trainer.attention import install_packed
@@ -159,7 +178,7 @@ def test_a_packed_row_through_the_model_matches_transformers_dense_mask_losses_a
     # Today's path: transformers' sdpa, whose mask it builds densely from the restarting position ids.
     logits = dense(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0]
     ref_logp, ref_ent = token_logprobs_and_entropy(logits, x["targets"])
-    _, logp, ent = forward_logprobs(packed, x, 0.0)
+    _, logp, ent = forward_logprobs(packed, x, 0.0, fused=fused)
     assert logp.dtype == torch.float32 and logp.shape == ref_logp.shape
     torch.testing.assert_close(logp, ref_logp.float(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ent, ref_ent.float(), rtol=1e-6, atol=1e-6)

@@ -362,7 +362,7 @@ class Trainer(Strict, kw_only=True):
     """torch.compile each transformer block (GPU clusters; dense and MoE text models with cp 1, ep 1 and no
     LoRA): fuses the norms, rotary embedding and activations eager mode runs as separate kernels. Measured on
     an H200: 1.28x tokens/s and 0.75x memory for a Qwen3-0.6B shape, about 20 s of compiling at the first step
-    (docs/trainer.md, Attention and memory)."""
+    (docs/trainer.md, Attention and memory). The logprob head's per-chunk arithmetic is compiled too."""
     env: Env = {}
     """Variables for the trainer."""
     on_failure: EndsTheJob = EndsTheJob()

@@ -50,7 +50,8 @@ class TrainerConfig:
     train_vision: bool = False
     """`model.train_vision`: a vision-language model's image encoder trains too (default: frozen)."""
     compile: bool = False
-    """`trainer.compile`: each transformer block goes through torch.compile before FSDP2 wraps it."""
+    """`trainer.compile`: each transformer block goes through torch.compile before FSDP2 wraps it, and the logprob
+    head's per-chunk arithmetic is compiled (prl/trainer/logprobs.py, `fused_arithmetic`)."""
 
     @classmethod
     def from_plan(cls, plan: Plan) -> TrainerConfig:

@@ -16,12 +16,18 @@ Per token t with logits z (fp32), logZ = logsumexp(z), p = softmax(z):
 
 Only models whose causal-LM forward is `logits = lm_head(hidden_states)` with nothing after (no soft-capping, no
 logit scale) take this path: `HEAD_ONLY_MODEL_TYPES`; others keep the full logits.
+
+With `trainer.compile` the per-chunk arithmetic is compiled (`fused_arithmetic`): eager mode runs about a dozen
+ops per chunk, each reading or writing a [chunk, V] fp32 tensor (a GiB on a GPU), where the compiled forward
+reads the chunk's logits for one max and one pass of sums and the backward turns them into dL/dz in one
+elementwise kernel; no fp32 [chunk, V] buffer is made.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -44,23 +50,78 @@ def chunk_tokens(vocab: int, device_type: str = "cpu") -> int:
     return max(16, CHUNK_ELEMENTS.get(device_type, CHUNK_ELEMENTS["cpu"]) // max(vocab, 1))
 
 
+def chunk_stats(z: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A chunk's logits z [C, V] (the compute dtype) -> (logZ, logp of the targets, entropy) [C], in fp32."""
+    z = z.float()
+    lz = torch.logsumexp(z, dim=-1)
+    return lz, z.gather(-1, targets[:, None]).squeeze(-1) - lz, lz - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+
+def chunk_logits_grad(z: torch.Tensor, logz: torch.Tensor, entropy: torch.Tensor, grad_logp: torch.Tensor,
+                      grad_entropy: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """dL/dz [C, V] in z's dtype: g_lp ([j = target] - p) - g_h p (log p + H), written in place over one fp32
+    [C, V] buffer."""
+    logp_all = z.float() - logz[:, None]
+    p = torch.exp(logp_all)
+    gz = logp_all.add_(entropy[:, None]).mul_(grad_entropy[:, None]).add_(grad_logp[:, None]).mul_(p).neg_()
+    return gz.scatter_add_(-1, targets[:, None], grad_logp[:, None]).to(z.dtype)
+
+
+def _fusable_stats(z: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`chunk_stats` as one max and one pass of sums over z, for the compiler to fuse (no [C, V] buffer)."""
+    z = z.float()
+    m = z.amax(dim=-1, keepdim=True)
+    e = torch.exp(z - m)
+    s = e.sum(-1)
+    lz = m.squeeze(-1) + torch.log(s)
+    return lz, z.gather(-1, targets[:, None]).squeeze(-1) - lz, lz - (e * z).sum(-1) / s
+
+
+def _fusable_logits_grad(z: torch.Tensor, logz: torch.Tensor, entropy: torch.Tensor, grad_logp: torch.Tensor,
+                         grad_entropy: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`chunk_logits_grad` as one elementwise expression (the target's term a comparison, not a scatter)."""
+    logp_all = z.float() - logz[:, None]
+    hit = torch.arange(z.shape[-1], device=z.device) == targets[:, None]
+    gz = torch.where(hit, grad_logp[:, None], 0.0) - torch.exp(logp_all) * (
+        grad_logp[:, None] + grad_entropy[:, None] * (logp_all + entropy[:, None]))
+    return gz.to(z.dtype)
+
+
+@functools.cache
+def fused_arithmetic() -> tuple[Callable, Callable]:
+    """`chunk_stats` and `chunk_logits_grad` compiled (`trainer.compile`): each a kernel or two that reads a
+    chunk's logits once or twice, where eager mode runs a dozen ops, each over a [C, V] fp32 tensor. The row
+    count is dynamic from the first call (a step's last chunk is shorter), so each compiles once per dtype and
+    vocabulary (and once more for a chunk of one row, which the compiler specializes)."""
+
+    def rows_dynamic(fn: Callable) -> Callable:
+        compiled = torch.compile(fn)
+
+        def call(*tensors: torch.Tensor):
+            for t in tensors:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            return compiled(*tensors)
+
+        return call
+
+    return rows_dynamic(_fusable_stats), rows_dynamic(_fusable_logits_grad)
+
+
 class ChunkedLogprobs(torch.autograd.Function):
     """(hidden [T, H], weight [V, H], targets [T]) -> (logp [T], entropy [T]) in fp32, `chunk` tokens at a time."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk: int):
+    def forward(ctx, hidden, weight, targets, chunk: int, fused: bool):
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logp)
         logz = torch.empty_like(logp)
+        stats = fused_arithmetic()[0] if fused else chunk_stats
         for a in range(0, n, chunk):
-            z = F.linear(hidden[a:a + chunk], weight).float()
-            lz = torch.logsumexp(z, dim=-1)
-            logz[a:a + chunk] = lz
-            logp[a:a + chunk] = z.gather(-1, targets[a:a + chunk, None]).squeeze(-1) - lz
-            entropy[a:a + chunk] = lz - (torch.softmax(z, dim=-1) * z).sum(-1)
+            logz[a:a + chunk], logp[a:a + chunk], entropy[a:a + chunk] = stats(
+                F.linear(hidden[a:a + chunk], weight), targets[a:a + chunk])
         ctx.save_for_backward(hidden, weight, targets, logz, entropy)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.fused = chunk, fused
         return logp, entropy
 
     @staticmethod
@@ -70,27 +131,25 @@ class ChunkedLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
+        logits_grad = fused_arithmetic()[1] if ctx.fused else chunk_logits_grad
         for a in range(0, hidden.shape[0], chunk):
-            h = hidden[a:a + chunk]
-            logp_all = F.linear(h, weight).float() - logz[a:a + chunk, None]
-            p = torch.exp(logp_all)
-            g_lp, g_h = grad_logp[a:a + chunk, None], grad_entropy[a:a + chunk, None]
-            # dL/dz = g_lp ([j = target] - p) - g_h p (log p + H), written in place over logp_all.
-            gz = logp_all.add_(entropy[a:a + chunk, None]).mul_(g_h).add_(g_lp).mul_(p).neg_()
-            gz.scatter_add_(-1, targets[a:a + chunk, None], g_lp)
-            gz = gz.to(hidden.dtype)
+            rows = slice(a, a + chunk)
+            h = hidden[rows]
+            gz = logits_grad(F.linear(h, weight), logz[rows], entropy[rows], grad_logp[rows], grad_entropy[rows],
+                             targets[rows])
             if grad_hidden is not None:
-                grad_hidden[a:a + chunk] = gz @ weight
+                grad_hidden[rows] = gz @ weight
             if grad_weight is not None:  # the product in the compute dtype (fp32 accumulation inside the GEMM),
                 grad_weight += (gz.t() @ h).float()  # summed over chunks in fp32: a bf16 GEMM, not an fp32 one
-        return grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None
 
 
 def chunked_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                                 chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logprob of `targets` [T] and entropy per token, in fp32, from hidden [T, H] and the output weight [V, H]."""
+                                 chunk: int | None = None, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """logprob of `targets` [T] and entropy per token, in fp32, from hidden [T, H] and the output weight [V, H];
+    `fused`: the per-chunk arithmetic compiled (`fused_arithmetic`)."""
     chunk = chunk or chunk_tokens(weight.shape[0], hidden.device.type)
-    return ChunkedLogprobs.apply(hidden, weight, targets.long(), chunk)
+    return ChunkedLogprobs.apply(hidden, weight, targets.long(), chunk, fused)
 
 
 def supports_chunked_head(model: torch.nn.Module) -> bool:
@@ -101,7 +160,7 @@ def supports_chunked_head(model: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def logprob_head(model: torch.nn.Module, targets: torch.Tensor) -> Iterator[None]:
+def logprob_head(model: torch.nn.Module, targets: torch.Tensor, fused: bool = False) -> Iterator[None]:
     """Within: the model's `lm_head` returns [1, T, 2] = (logp of `targets`, entropy) instead of [1, T, V] logits.
 
     The forward that runs inside sees the head as part of the model (FSDP2 gathers its weight as usual).
@@ -109,7 +168,8 @@ def logprob_head(model: torch.nn.Module, targets: torch.Tensor) -> Iterator[None
     head = model.lm_head
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        logp, entropy = chunked_logprobs_and_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, targets)
+        logp, entropy = chunked_logprobs_and_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, targets,
+                                                     fused=fused)
         # Stacked last: a new tensor, not a view (FSDP2 warns of a root output that is a view).
         return torch.stack([t.reshape(hidden.shape[:-1]) for t in (logp, entropy)], dim=-1)
 

@@ -128,7 +128,7 @@ class SFTSpec(Spec):
         """This micro-batch's share of the step's token-mean NLL (plus the MoE router's load-balancing loss
         when `training.router_aux_loss_coef` > 0, as in RL)."""
         coef = self.cfg.training.router_aux_loss_coef
-        out, logp, entropy = forward_logprobs(model, x, coef)
+        out, logp, entropy = forward_logprobs(model, x, coef, fused=self.cfg.compile)
         loss, stats = nll_loss(logp, x["loss_mask"], n_loss_tokens, entropy=entropy)
         return add_router_aux(loss, stats, out, coef, aux_weight), stats
 
