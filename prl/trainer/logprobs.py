@@ -91,8 +91,9 @@ def _fusable_logits_grad(z: torch.Tensor, logz: torch.Tensor, entropy: torch.Ten
 def fused_arithmetic() -> tuple[Callable, Callable]:
     """`chunk_stats` and `chunk_logits_grad` compiled (`trainer.compile`): each a kernel or two that reads a
     chunk's logits once or twice, where eager mode runs a dozen ops, each over a [C, V] fp32 tensor. The row
-    count is dynamic from the first call (a step's last chunk is shorter), so each compiles once per dtype and
-    vocabulary (and once more for a chunk of one row, which the compiler specializes)."""
+    count is dynamic from the first call (a step's last chunk is shorter), the vocabulary static (a kernel
+    specialized to it; another vocabulary compiles its own), so each compiles once per dtype and vocabulary
+    (and once more for a chunk of one row, which the compiler specializes)."""
 
     def rows_dynamic(fn: Callable) -> Callable:
         compiled = torch.compile(fn)
@@ -100,6 +101,8 @@ def fused_arithmetic() -> tuple[Callable, Callable]:
         def call(*tensors: torch.Tensor):
             for t in tensors:
                 torch._dynamo.maybe_mark_dynamic(t, 0)
+                if t.dim() == 2:
+                    torch._dynamo.mark_static(t, 1)
             return compiled(*tensors)
 
         return call
