@@ -28,12 +28,13 @@ parts=(
     "trainer_ac 90 python3 bench/gpu_trainer.py --tokens 65536 --models dense --ac"
     "trainer_lora 90 python3 bench/gpu_trainer.py --tokens 16384 --lora 16 --lora-experts"
 )
+declare -A spec
 names=()
-for p in "${parts[@]}"; do names+=("${p%% *}"); done
+for p in "${parts[@]}"; do names+=("${p%% *}"); spec[${p%% *}]=$p; done
 wanted=("$@")
 [ ${#wanted[@]} -gt 0 ] || wanted=("${names[@]}")
 for w in "${wanted[@]}"; do
-    if [[ " ${names[*]} " != *" $w "* ]]; then
+    if [ -z "$w" ] || [ -z "${spec[$w]+set}" ]; then
         echo "gpu_session.sh: no part named '$w' (parts: ${names[*]})" >&2
         exit 2
     fi
@@ -58,10 +59,6 @@ part() {  # part NAME SECONDS ARGS...: one bounded step, its output teed into $o
     echo "== $name: exit $? after $((SECONDS - t0)) s"
 }
 for w in "${wanted[@]}"; do
-    for p in "${parts[@]}"; do
-        if [ "${p%% *}" = "$w" ]; then
-            read -r -a args <<< "$p"
-            part "${args[@]}"
-        fi
-    done
+    read -r -a args <<< "${spec[$w]}"
+    part "${args[@]}"
 done
