@@ -1,4 +1,4 @@
-"""Weight update latency, step end -> new weights served: filesystem vs memory, in one run (issue 19).
+"""Weight update latency, step end -> new weights served: filesystem vs memory vs broadcast, in one run (issue 19).
 
     VLLM_CPU_KVCACHE_SPACE=1 python bench/bench_weight_sync.py [--sizes 80,500,2000] [--repeats 3] [--warmup 1]
                                                                [--layers 8] [--wait-memory 900]
@@ -7,7 +7,7 @@ For each size in `--sizes` (MB of float32 weights) it builds a random Qwen3 of a
 (`--layers` layers, hidden the multiple of 128 that comes nearest, head_dim 64, the test
 tokenizer's ~500-token vocabulary, tied embeddings), starts one `python -m prl.inference` on it
 (vLLM, float32, `--enforce-eager`, the run's key) and, per repeat, times one update by each path
-the product has, the two alternating which goes first, so both see the same load. The first
+the product has, the three taking turns at going first, so each sees the same load. The first
 `--warmup` repeats are printed but not counted: on this VM the first writes of a size cost the most
 kernel time (a 2 GB `save_file` outside the bench: 22-39 s, almost all of it system time; 474 MB:
 5.9 s the first time, 0.13 s repeated); later writes still vary with the machine's memory state.
@@ -22,6 +22,10 @@ kernel time (a 2 GB `save_file` outside the bench: 22-39 s, almost all of it sys
                 rank), the step's record (`RunDir.write_weights_feed`), then
                 `POST /prl/weights {"step": N, "feeds": [address]}` (the server's workers read the
                 feed over TCP, prl/inference/feed_engine.py), then the probe.
+    broadcast   as memory, with a broadcast group in the body (`weights.transport: broadcast`, the
+                orchestrator's group for this one server: world 2, the feed's sender and its one
+                worker): the worker gets the header over the feed's socket and the tensors by gloo
+                broadcasts (prl/run/collective.py).
 
 Every step carries new noise, and the probe's greedy logprob must differ from the previous
 update's, whichever path that was (proof the new weights serve); otherwise the bench fails.
@@ -33,7 +37,7 @@ before vLLM's reload sees a tensor).
 
 Prints each update, then per size the medians (ms) and the ratio memory / filesystem of the
 medians: below 1 the memory path serves new weights sooner; issue 19's goal is <= 0.5 at 500 MB
-and above. Both paths run on this one machine: the feed crosses loopback TCP and the files a
+and above. Every path runs on this one machine: the feed crosses loopback TCP and the files a
 local disk whose page cache is hot, where a cluster has a network and a shared filesystem.
 A size needs about 6x the model in memory plus 3.5 GB (measured here: bench and server together
 held 6.4 GB at 474 MB, 4.1 GB at 76 MB); on a machine shared with other work the bench waits up
@@ -73,6 +77,11 @@ BENCH_COPIES, SERVER_COPIES, FIXED_GB = 4, 2, 3.5
 """Copies of the model each side holds at its peak (for the memory check): the bench its base state,
 the step's tensors, the feed's previous snapshot and the baseline's buffer; the server its weights
 and a reload's new tensors; plus what vLLM holds whatever the model (its 1 GiB KV cache, torch)."""
+
+
+PATHS = ("filesystem", "memory", "broadcast")
+"""The paths each repeat times, starting one later each repeat, so each sees the same load."""
+GROUP_TIMEOUT_S = 120.0
 
 
 def shape_for(mb: float, layers: int) -> int:
@@ -135,16 +144,19 @@ def by_filesystem(run: RunDir, server: Server, base: Path, tensors: dict, step: 
             "pause": out["pause_seconds"], "load": out["load_seconds"], "logprob": logprob}
 
 
-def by_memory(run: RunDir, server: Server, feed: FeedServer, tensors: dict, step: int) -> dict:
+def by_memory(run: RunDir, server: Server, feed: FeedServer, tensors: dict, step: int, group: bool = False) -> dict:
     t0 = time.perf_counter()
     feed.publish(step, sorted(tensors.items()))
-    run.write_weights_feed(step, [feed.address])
+    run.write_weights_feed(step, [feed.address], GROUP_TIMEOUT_S if group else None)
     t1 = time.perf_counter()
-    out = server.post("/prl/weights", {"step": step, "feeds": [feed.address]})
+    body = {"step": step, "feeds": [feed.address]}
+    if group:  # the orchestrator's group for one server of one worker: the feed's sender and that worker
+        body["group"] = {"token": os.urandom(16).hex(), "world": 2, "rank": 1, "timeout": GROUP_TIMEOUT_S}
+    out = server.post("/prl/weights", body)
     t2 = time.perf_counter()
     logprob = server.probe()
     t3 = time.perf_counter()
-    assert out["step"] == step and out["path"] == f"memory:step_{step}", out
+    assert out["step"] == step and out["path"] == f"memory:step_{step}" and out["group"] is group, out
     return {"total": t3 - t0, "write": t1 - t0, "post": t2 - t1, "load_only": t3 - t1,
             "pause": out["pause_seconds"], "load": out["load_seconds"], "logprob": logprob}
 
@@ -178,17 +190,16 @@ def bench_size(mb: float, args, tmp: Path) -> dict:
     run = RunDir(tmp / "run").create()
     run.create_api_key()
     key = run.read_api_key()
-    results = {"mb": size_mb, "params": params, "hidden": hidden, "filesystem": [], "memory": [], "raw": [], "read": []}
+    results = {"mb": size_mb, "params": params, "hidden": hidden, "raw": [], "read": [], **{p: [] for p in PATHS}}
     with start_inference(run.root, base, extra_args=("--max-model-len", "256", "--api-key-env", API_KEY_VAR),
                          env={API_KEY_VAR: key}, timeout=1800) as started, \
-            FeedServer("127.0.0.1", 0, key.encode()) as feed:
+            FeedServer("127.0.0.1", 0, key.encode(), groups=True, group_timeout=GROUP_TIMEOUT_S) as feed:
         server = Server(started.url, key)
         print(f"\n== {size_mb:.0f} MB: Qwen3 hidden {hidden}, {args.layers} layers, {params / 1e6:.1f}M params fp32; "
               f"server start {started.start_seconds:.0f} s", flush=True)
         last, step, buffer = server.probe(), 0, {k: torch.empty_like(v) for k, v in state.items()}
         for repeat in range(args.warmup + args.repeats):
-            order = ("filesystem", "memory") if repeat % 2 == 0 else ("memory", "filesystem")
-            for path in order:
+            for path in PATHS[repeat % len(PATHS):] + PATHS[:repeat % len(PATHS)]:
                 step += 1
                 tensors = noisy(state, step)
                 if path == "filesystem":
@@ -198,7 +209,7 @@ def bench_size(mb: float, args, tmp: Path) -> dict:
                     if step > 2:  # keep only the newest steps on disk (the server's rollback target among them)
                         shutil.rmtree(run.weights(step - 2), ignore_errors=True)
                 else:
-                    r = by_memory(run, server, feed, tensors, step)
+                    r = by_memory(run, server, feed, tensors, step, group=path == "broadcast")
                     del tensors  # the feed keeps them until the next publish
                     baseline = ("read", feed_read(feed, step, key), "feed read")
                 assert r["logprob"] != last, f"step {step} ({path}): the probe still sees the previous weights"
@@ -220,14 +231,14 @@ def summary(sizes: list[float], done: dict) -> None:
     med = statistics.median
     print(f"\nmedians in ms ({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, torch {torch.__version__})")
     print(f"{'size':>8} {'params':>8} | {'fs total':>9} {'write':>8} {'load-only':>9} {'raw':>8} | "
-          f"{'mem total':>9} {'publish':>8} {'POST':>8} {'load':>8} {'read':>8} | "
-          f"{'mem/fs':>6} {'mem/fs load-only':>16}")
+          f"{'mem total':>9} {'publish':>8} {'POST':>8} {'load':>8} {'read':>8} | {'bc total':>9} {'load':>8} | "
+          f"{'mem/fs':>6} {'mem/fs load-only':>16} {'bc/fs':>6}")
     for mb in sizes:
         r = done[mb]
         if isinstance(r, str):
             print(f"{mb:>6.0f}MB  {r}")
             continue
-        fs, mem = r["filesystem"], r["memory"]
+        fs, mem, bc = r["filesystem"], r["memory"], r["broadcast"]
 
         def m(runs, key):
             return med(x[key] for x in runs)
@@ -236,12 +247,13 @@ def summary(sizes: list[float], done: dict) -> None:
               f"{1000 * m(fs, 'write'):>8.1f} {1000 * m(fs, 'load_only'):>9.1f} {1000 * med(r['raw']):>8.1f} | "
               f"{1000 * m(mem, 'total'):>9.1f} "
               f"{1000 * m(mem, 'write'):>8.1f} {1000 * m(mem, 'post'):>8.1f} {1000 * m(mem, 'load'):>8.1f} "
-              f"{1000 * med(r['read']):>8.1f} | "
-              f"{m(mem, 'total') / m(fs, 'total'):>5.2f}x {m(mem, 'load_only') / m(fs, 'load_only'):>15.2f}x")
+              f"{1000 * med(r['read']):>8.1f} | {1000 * m(bc, 'total'):>9.1f} {1000 * m(bc, 'load'):>8.1f} | "
+              f"{m(mem, 'total') / m(fs, 'total'):>5.2f}x {m(mem, 'load_only') / m(fs, 'load_only'):>15.2f}x "
+              f"{m(bc, 'total') / m(fs, 'total'):>5.2f}x")
     print("write/publish: the trainer's part; load-only: POST + probe; load: the server's in-worker load; "
           "raw, read: the baselines")
     print("mem/fs: memory total / filesystem total (goal <= 0.5x at 500 MB+); load-only: both without the "
-          "trainer's write or publish")
+          "trainer's write or publish; bc/fs: broadcast total / filesystem total")
 
 
 def main() -> None:

@@ -7,7 +7,8 @@ It speaks the parts of the `prl inference` API the orchestrator uses:
     POST /inference/v1/generate        token-level generate (verifiers' train client)
     POST /v1/chat/completions          plain chat (the eval client)
     POST /prl/weights {"step": N}      "load" RUN/weights/step_N (checks the STABLE marker)
-    POST /prl/weights {"step": N, "feeds": [...]}   "load" step N from memory (502 unless `feed_step` is N)
+    POST /prl/weights {"step": N, "feeds": [...][, "group": {...}]}   "load" step N from memory (502 unless
+                                       `feed_step` is N, or with a group while `group_fail`)
     GET  /prl/live                     {"weights_step": N, ...}
     POST /pause, /resume               (vLLM's RL API, which prl servers mount)
 
@@ -89,6 +90,12 @@ class FakeEngine:
         self.feed_requests: list[int] = []
         self.feed_step: int | None = None
         """The step the trainer's feeds hold, as this server would find them (None: whatever it is asked)."""
+        self.workers: int | None = 1
+        """Its workers, as /prl/live says (None: it does not say)."""
+        self.groups: list[dict] = []
+        """The broadcast group of each update asked with one."""
+        self.group_fail = False
+        """Answer an update asked with a group 502, as a group that did not form."""
         self.generate_bodies: list[dict] = []
         self.generate_clients: set[str] = set()
         """The User-Agent products that sent generate requests (aiohttp: prl's fast path; AsyncOpenAI: the SDK)."""
@@ -181,6 +188,11 @@ class FakeEngine:
             return web.json_response({"error": "injected weight-load failure"}, status=500)
         if "feeds" in body:
             self.feed_requests.append(step)
+            if "group" in body:
+                self.groups.append(body["group"])
+                if self.group_fail:
+                    return web.json_response({"error": "weight feed h:1: group did not form; nothing was loaded"},
+                                             status=502)
             if self.feed_step not in (None, step):
                 return web.json_response({"error": f"weight feed h:1: holds step {self.feed_step}, not step {step}"},
                                          status=502)
@@ -190,7 +202,10 @@ class FakeEngine:
         return web.json_response({"weights_step": step})
 
     async def _live(self, request: web.Request) -> web.Response:
-        return web.json_response({"weights_step": self.weights_step, "paused": self.paused})
+        live = {"weights_step": self.weights_step, "paused": self.paused}
+        if self.workers is not None:
+            live["workers"] = self.workers
+        return web.json_response(live)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")

@@ -26,6 +26,8 @@ def test_lab_hetjob_runs_the_rl_loop(tmp_path, env, slurm_cluster):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["role"] == "trainer"] == [1, 2, 3]
     assert any(r.get("event") == "weights_loaded" for r in records), "the server never loaded trained weights"
+    # weights.transport: broadcast: step 1 (not a checkpoint step) came from both trainer nodes' feeds by broadcast.
+    assert any(r.get("event") == "weights_loaded" and r["step"] == 1 and r.get("group") for r in records), records
     # The orchestrator reached the server on its planned port; the endpoint is withdrawn once the server stopped.
     orchestrator_log = prl(env, "logs", run, "--role", "orchestrator", "-n", "500").stdout
     assert ":18000 loaded weights step 1" in orchestrator_log, orchestrator_log[-2000:]
@@ -86,6 +88,9 @@ def test_lab_pd_hetjob_runs_the_rl_loop(tmp_path, env, slurm_cluster):
     loaded = {(r["server"].rsplit(":", 1)[1], r["step"]) for r in records if r.get("event") == "weights_loaded"}
     want = {(port, step) for port in ("18000", "18001") for step in (1, 2)}  # prefill, decode (single_host ports)
     assert want <= loaded, f"prefill and decode must each load the weights of steps 1 and 2: {sorted(loaded)}"
+    broadcast = {(r["server"].rsplit(":", 1)[1], r["step"]) for r in records
+                 if r.get("event") == "weights_loaded" and r.get("group")}
+    assert {("18000", 1), ("18001", 1)} <= broadcast, f"step 1 reaches both servers in one group: {sorted(broadcast)}"
     teacher_scored(run, generated, [r for r in records if r["role"] == "trainer"])
 
 

@@ -6,6 +6,7 @@ import json
 import pickle
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -291,3 +292,113 @@ def test_a_delta_for_a_tensor_the_reader_does_not_hold_is_refused():
         feed.publish(2, [("a", torch.zeros(100)), ("b", torch.zeros(100))])
         with pytest.raises(FeedError, match="b: a delta for a tensor this reader does not hold as float32 \\[100\\]"):
             FeedReader(feed.address, 2, KEY, timeout=10, base=Base(first.id, {"a": got["a"]}))
+
+
+def group_of(world: int, rank: int, token: str | None = None, timeout: float = 10.0):
+    import os
+
+    from prl.run.collective import Group
+
+    return Group(token or os.urandom(16).hex(), world, rank, timeout)
+
+
+def read_in_threads(address: str, step: int, groups: list) -> list:
+    """Each group member's reader in a thread of its own (as the workers of servers): its tensors, or its error."""
+    got: list = [None] * len(groups)
+
+    def member(i: int) -> None:
+        try:
+            got[i] = list(FeedReader(address, step, KEY, 30, group=groups[i]))
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            got[i] = e
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(len(groups))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return got
+
+
+def test_a_group_gets_the_step_by_broadcast_and_is_sent_once():
+    """`weights.transport: broadcast`: every member of a group gets every tensor whole from the feed's one
+    sender; a feed without groups, a token used again and the same token with another world are refused."""
+    tensors = sample_tensors()
+    with FeedServer("127.0.0.1", 0, KEY, groups=True, group_timeout=10) as feed:
+        feed.publish(4, tensors)
+        first = group_of(3, 1)
+        got = read_in_threads(feed.address, 4, [first, group_of(3, 2, first.token)])
+        for member in got:
+            assert [name for name, _ in member] == [name for name, _ in tensors]
+            for (_, a), (_, b) in zip(member, tensors):
+                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        assert [(r["step"], r["world"], r.get("error")) for r in feed.group_log] == [(4, 3, None)]
+        assert feed.group_log[0]["bytes"] == sum(t.numel() * t.element_size() for _, t in tensors)
+        with pytest.raises(FeedError, match="has ended"):
+            FeedReader(feed.address, 4, KEY, 30, group=group_of(3, 1, first.token))
+    with FeedServer("127.0.0.1", 0, KEY) as plain:
+        plain.publish(4, tensors)
+        with pytest.raises(FeedError, match="sends to no groups"):
+            FeedReader(plain.address, 4, KEY, 30, group=group_of(2, 1))
+
+
+def test_a_group_a_member_never_joins_fails_on_every_side_within_its_bound():
+    with FeedServer("127.0.0.1", 0, KEY, groups=True, group_timeout=8) as feed:
+        feed.publish(1, sample_tensors())
+        waiting = group_of(3, 1, timeout=3)  # the member gives up first; the feed's sender 5 s later
+        start = time.monotonic()
+        got = read_in_threads(feed.address, 1, [waiting])
+        assert isinstance(got[0], FeedError) and "did not form within 3 s" in str(got[0])
+        with pytest.raises(FeedError, match="is sending step 1 to 3 members, not step 1 to 4"):
+            FeedReader(feed.address, 1, KEY, 30, group=group_of(4, 1, waiting.token))
+        while not feed.group_log:
+            assert time.monotonic() - start < 30, "the feed's sender is still waiting"
+            time.sleep(0.1)
+        assert "error" in feed.group_log[0] and feed.group_log[0]["bytes"] == 0
+
+
+MEMBER_THAT_DIES = """
+import os, sys
+from prl.run.collective import Group
+from prl.run.feed import FeedReader
+reader = FeedReader(sys.argv[1], 1, b"run-key", 30, group=Group(sys.argv[2], 3, 2, 5.0))
+for i, _ in enumerate(reader):
+    if i == 1:
+        os._exit(3)
+"""
+
+
+def test_a_member_that_dies_mid_broadcast_fails_the_others_within_the_bound():
+    """A server's worker killed in the middle of a broadcast: the feed's sender and the other member end with an
+    error within the group's timeout, never hang (their update fails; the orchestrator then reads the feeds)."""
+    import subprocess
+    import sys
+
+    tensors = [(f"t{i}", torch.full((1 << 20,), float(i))) for i in range(8)]
+    with FeedServer("127.0.0.1", 0, KEY, groups=True, group_timeout=5) as feed:
+        feed.publish(1, tensors)
+        survivor = group_of(3, 1, timeout=5)
+        dying = subprocess.Popen([sys.executable, "-c", MEMBER_THAT_DIES, feed.address, survivor.token])
+        start = time.monotonic()
+        got = read_in_threads(feed.address, 1, [survivor])
+        assert dying.wait(60) == 3
+        assert isinstance(got[0], FeedError) and survivor.token[:8] in str(got[0]), got[0]
+        assert time.monotonic() - start < 60
+        while not feed.group_log:
+            assert time.monotonic() - start < 60, "the feed's sender is still sending"
+            time.sleep(0.1)
+        assert "error" in feed.group_log[0]
+
+
+def test_the_fanout_benchmark_delivers_the_whole_step_both_ways():
+    """bench/bench_weight_fanout.py checks that every receiver got the step's bytes, pulled and by a group."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    done = subprocess.run([sys.executable, "bench/bench_weight_fanout.py", "--mb", "4", "--receivers", "2",
+                           "--repeats", "1"], cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    row = [fields for fields in map(str.split, done.stdout.splitlines()) if fields[:1] == ["2"] and len(fields) == 6]
+    assert len(row) == 1 and row[0][3].endswith("x") and float(row[0][3][:-1]) > 0, done.stdout

@@ -27,6 +27,7 @@ from prl.inference.checks import (
     UpdateRefused,
     checkpoint_layout,
     compare_layouts,
+    resolve_feeds,
     resolve_weights_dir,
 )
 from prl.run.rundir import RunDir
@@ -145,6 +146,24 @@ def test_resolve_rejects_bad_bodies(run, body):
     with pytest.raises(UpdateRefused) as e:
         resolve_weights_dir(run, body)
     assert e.value.status == 400
+
+
+GROUP = {"token": "0123456789abcdef" * 2, "world": 3, "rank": 1, "timeout": 5}
+
+
+def test_a_memory_update_may_name_a_broadcast_group():
+    target = resolve_feeds({"step": 2, "feeds": ["h:1"], "group": GROUP})
+    assert (target.group.token, target.group.world, target.group.rank, target.group.timeout) == (GROUP["token"], 3, 1, 5)
+    assert resolve_feeds({"step": 2, "feeds": ["h:1"]}).group is None
+
+
+@pytest.mark.parametrize("group", [{**GROUP, "rank": 0}, {**GROUP, "rank": 3}, {**GROUP, "world": 1},
+                                   {**GROUP, "token": "ABC"}, {**GROUP, "timeout": 0}, {**GROUP, "world": True},
+                                   {**GROUP, "extra": 1}, [1], None])
+def test_a_bad_broadcast_group_is_refused_before_anything_happens(group):
+    with pytest.raises(UpdateRefused) as e:
+        resolve_feeds({"step": 2, "feeds": ["h:1"], "group": group})
+    assert e.value.status == 400 and '"group"' in e.value.message
 
 
 def test_resolve_refuses_escapes_with_403(run, tmp_path):

@@ -246,6 +246,7 @@ def test_weights_in_memory_give_each_trainer_rank_a_feed_port():
     t = topo(weights={"transport": "memory"}, inference={"nodes": 1, "tp": 1, "dp": 1},
              trainer={"nodes": 2, "gpus_per_node": 2})
     assert plan(t, **LOCAL).trainer.feed_ports == (8600, 8601, 8602, 8603)  # one host: every rank its own
+    assert plan(topo(weights={"transport": "broadcast"})).trainer.feed_ports == p.trainer.feed_ports  # the same feeds
 
 
 LOCAL = {"slurm": False, "gpu_node": {"gpus": 0, "cpus": 2, "memory_gb": 8}}

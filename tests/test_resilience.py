@@ -455,6 +455,17 @@ def test_sigterm_checkpoints_the_last_finished_step_and_the_resume_continues_the
 # ---------------------------------------------------------------- the orchestrator's view of the servers
 
 
+async def until(watcher, what: str, probe, timeout: float = 30.0) -> None:
+    """Wait for `probe()` while `watcher` runs: a bound on waiting, not a timing check (generous under load)."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while not probe():
+        assert not watcher.error, watcher.error
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
 def test_the_watcher_drops_a_dead_server_and_takes_it_back_on_the_newest_weights(tmp_path):
     import asyncio
 
@@ -477,36 +488,29 @@ def test_the_watcher_drops_a_dead_server_and_takes_it_back_on_the_newest_weights
     pool = ServerPool(generate=[sa, sb], admin=[sa, sb], follow_endpoints=True)
     watcher = WeightWatcher(run, pool, poll=0.05)
 
-    async def until(what, probe, timeout=30.0):  # a bound on waiting, not a timing check: generous under load
-        deadline = time.monotonic() + timeout
-        while not probe():
-            assert not watcher.error, watcher.error
-            assert time.monotonic() < deadline, what
-            await asyncio.sleep(0.05)
-
     async def scenario():
         task = asyncio.create_task(watcher.run_forever())
         try:
-            await until("both on step 2", lambda: sa.version == sb.version == 2)
+            await until(watcher, "both on step 2", lambda: sa.version == sb.version == 2)
             # The pin follows on the watcher's next pass (a loaded machine saw the step-0 pin still in place).
-            await until("the pin on step 2", lambda: run.weight_pins() == {"orchestrator": 2})
+            await until(watcher, "the pin on step 2", lambda: run.weight_pins() == {"orchestrator": 2})
             # b dies: its task withdraws the endpoint. Out of rotation, no pushes, no failure of the orchestrator.
             b.stop()
             run.endpoint("inference", 1).unlink()
-            await until("b out of rotation", lambda: not sb.alive)
+            await until(watcher, "b out of rotation", lambda: not sb.alive)
             assert {pool.pick(0) for _ in range(20)} == {sa}
             run.publish_dir(run.weights(3), _write({"w": b"1"}), step=3)
-            await until("a on step 3", lambda: sa.version == 3)
+            await until(watcher, "a on step 3", lambda: sa.version == 3)
             assert pool.version == 3 and sb.version == 2
             assert run.weight_pins() == {"orchestrator": 2}, "b's last step stays pinned until it is back"
             # b is restarted on its port (base weights here): it rejoins only once on step 3.
             b2 = FakeEngine(run_dir=run.root, port=b.port).start()
             try:
                 endpoint(1, b2.url, 2.0)
-                await until("b rejoined", lambda: sb.alive)
+                await until(watcher, "b rejoined", lambda: sb.alive)
                 assert sb.version == 3 and b2.weight_requests == [3]
                 # The pin moves on the watcher's next pass, not with the rejoin itself.
-                await until("the pin on step 3", lambda: run.weight_pins() == {"orchestrator": 3})
+                await until(watcher, "the pin on step 3", lambda: run.weight_pins() == {"orchestrator": 3})
                 # A step that is not published (409) is waited for, never a failure of the server.
                 async with httpx.AsyncClient() as client:
                     await watcher.push(client, sb, 9)
@@ -539,13 +543,6 @@ def test_a_server_slow_to_load_a_step_holds_no_other_server_s_next_step(tmp_path
     pool = ServerPool(generate=[sa, sb], admin=[sa, sb])
     watcher = WeightWatcher(run, pool, poll=0.05, live_every=0.1)
 
-    async def until(what, probe, timeout=30.0):  # a bound on waiting, not a timing check
-        deadline = time.monotonic() + timeout
-        while not probe():
-            assert not watcher.error, watcher.error
-            assert time.monotonic() < deadline, what
-            await asyncio.sleep(0.05)
-
     def running() -> list[str]:
         return [url for url, push in watcher.pushes.items() if not push.done()]
 
@@ -553,15 +550,15 @@ def test_a_server_slow_to_load_a_step_holds_no_other_server_s_next_step(tmp_path
         task = asyncio.create_task(watcher.run_forever())
         try:
             run.publish_dir(run.weights(2), _write({"w": b"1"}), step=2)
-            await until("a on step 2, b loading it", lambda: sa.version == 2 and b.weight_requests == [2])
+            await until(watcher, "a on step 2, b loading it", lambda: sa.version == 2 and b.weight_requests == [2])
             run.publish_dir(run.weights(3), _write({"w": b"1"}), step=3)
-            await until("a on step 3 while b still loads step 2", lambda: sa.version == 3)
+            await until(watcher, "a on step 3 while b still loads step 2", lambda: sa.version == 3)
             assert sb.version == 0 and b.weight_requests == [2] and running() == [b.url]
             assert pool.pick(3) is sa and sb.alive
             await asyncio.sleep(0.3)  # a few rounds of `sync_live` (b answers /prl/live with step 0 meanwhile)
             assert sb.version == 0 and sb.failures == 0 and running() == [b.url]
             b.weights_gate.set()
-            await until("b on step 3", lambda: sb.version == 3)
+            await until(watcher, "b on step 3", lambda: sb.version == 3)
             assert b.weight_requests == [2, 3] and a.weight_requests == [2, 3] and sb.failures == 0
             assert pool.version == 3
         finally:
@@ -652,6 +649,56 @@ def test_the_watcher_pushes_steps_from_memory_and_follows_the_feeds_forward(tmp_
         assert (server.version, server.disk_version) == (4, 4)
         run.clear_weights_feed()
         assert run.weights_feed() is None
+
+
+def test_the_watcher_broadcasts_a_step_to_every_server_behind_and_a_failed_group_reads_the_feeds(tmp_path):
+    """weights.transport: broadcast: the servers behind on a step from memory get one group (one token, a world of
+    1 + their workers, each server's workers at the next ranks, the trainer's bound); a server whose group fails
+    reads the feeds at once, not counted as a failure; one whose worker count is unknown reads the feeds."""
+    import asyncio
+
+    import httpx
+
+    from prl.orchestrator.sync import Server, ServerPool, WeightWatcher
+    from tests.fake_engine import FakeEngine
+
+    run = RunDir(tmp_path / "run").create()
+    engines = [FakeEngine(run_dir=run.root).start() for _ in range(3)]
+    engines[1].workers, engines[2].workers = 2, None
+    servers = [Server(e.url) for e in engines]
+    watcher = WeightWatcher(run, ServerPool(generate=servers, admin=servers), poll=0.05)
+
+    async def scenario():
+        async with httpx.AsyncClient() as client:
+            await watcher.sync_live(client)
+        assert [s.workers for s in servers] == [1, 2, None]
+        task = asyncio.create_task(watcher.run_forever())
+        try:
+            run.write_weights_feed(2, ["h:1", "h:2"], group_timeout=7.0)
+            await until(watcher, "every server on step 2", lambda: all(s.version == 2 for s in servers))
+            a, b = engines[0].groups, engines[1].groups
+            assert len(a) == len(b) == 1 and a[0]["token"] == b[0]["token"] and len(a[0]["token"]) == 32
+            assert [(g["world"], g["rank"], g["timeout"]) for g in a + b] == [(4, 1, 7.0), (4, 2, 7.0)]
+            assert engines[2].groups == [] and engines[2].feed_requests == [2]
+
+            engines[1].group_fail = True
+            run.write_weights_feed(3, ["h:1", "h:2"], group_timeout=7.0)
+            await until(watcher, "every server on step 3", lambda: all(s.version == 3 for s in servers))
+            assert len(engines[1].groups) == 2 and engines[1].feed_requests == [2, 3, 3]
+            assert engines[0].feed_requests == [2, 3] and all(s.failures == 0 for s in servers)
+
+            run.write_weights_feed(4, ["h:1", "h:2"])  # feeds that send to no groups (weights.transport: memory)
+            await until(watcher, "every server on step 4", lambda: all(s.version == 4 for s in servers))
+            assert [len(e.groups) for e in engines] == [2, 2, 0]
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for e in engines:
+            e.stop()
 
 
 def test_a_restarted_server_starts_on_the_newest_published_weights(tmp_path):

@@ -185,6 +185,8 @@ CASES = [
      "prof.yaml:16 (default_time)", "time must look like"),
     ("delta-without-memory", "topo", ("slurm:\n", "weights:\n  delta: true\nslurm:\n"), [],
      "topo.yaml:26 (weights.delta)", "set weights.transport: memory"),
+    ("group-timeout", "topo", ("slurm:\n", "weights:\n  transport: broadcast\n  group_timeout_s: 0\nslurm:\n"), [],
+     "topo.yaml:27 (weights.group_timeout_s)", "greater than or equal to 1"),
     ("profile-override", "topo", None, ["cluster.max_nodes=0"], "override 'max_nodes=0' (max_nodes)",
      "greater than or equal to 1"),
 ]

@@ -50,13 +50,23 @@ class KeyedServer:
         return http_json("POST", self.url + path, body or {}, headers=self.headers, timeout=timeout)
 
 
-@server_fixture(scope="module")
-def keyed_server(tmp_path_factory, tiny_model_dir):
-    """A server with the run's key (the feed engine authenticates with it), on an empty run."""
+def keyed(tmp_path_factory, model_dir):
+    """A server with the run's key (the feed engine authenticates with it), on an empty run of its own."""
     run = RunDir(tmp_path_factory.mktemp("feed-run") / "run").create()
-    with start_inference(run.root, tiny_model_dir, extra_args=["--api-key-env", API_KEY_VAR],
+    with start_inference(run.root, model_dir, extra_args=["--api-key-env", API_KEY_VAR],
                          env={API_KEY_VAR: KEY}) as server:
         yield KeyedServer(server)
+
+
+@server_fixture(scope="module")
+def keyed_server(tmp_path_factory, tiny_model_dir):
+    yield from keyed(tmp_path_factory, tiny_model_dir)
+
+
+@server_fixture(scope="module")
+def second_server(tmp_path_factory, tiny_model_dir):
+    """Another keyed server: a broadcast group's second member."""
+    yield from keyed(tmp_path_factory, tiny_model_dir)
 
 
 def perturbed(tmp_path: Path, model_dir: Path, step: int) -> Path:
@@ -244,6 +254,70 @@ def test_deltas_move_only_what_changed_and_serve_what_whole_steps_would(keyed_se
         after_disk = server.post("/prl/weights", {"step": 22, "feeds": addresses})
         assert after_disk["delta"] is True
         assert_serves(server, ref22, prompts)
+    finally:
+        for feed in feeds:
+            feed.close()
+
+
+def group_update(servers: list, step: int, addresses: list[str], world: int | None = None,
+                 timeout: float = 30, token: str | None = None) -> list:
+    """`POST /prl/weights` with one broadcast group to every server at once, as the orchestrator sends it
+    (each server's workers at the next ranks); each server's answer, or its HTTPFailure."""
+    workers = [s.get("/prl/live")["workers"] for s in servers]
+    token = token or os.urandom(16).hex()
+    world = world or 1 + sum(workers)
+    answers: list = [None] * len(servers)
+
+    def post(i: int) -> None:
+        group = {"token": token, "world": world, "rank": 1 + sum(workers[:i]), "timeout": timeout}
+        try:
+            answers[i] = servers[i].post("/prl/weights", {"step": step, "feeds": addresses, "group": group})
+        except HTTPFailure as e:
+            answers[i] = e
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(len(servers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 120)
+    return answers
+
+
+def test_a_step_broadcast_to_two_servers_serves_on_both_and_a_group_that_cannot_form_changes_nothing(
+        keyed_server, second_server, tmp_path):
+    """`weights.transport: broadcast`: two trainer feeds each broadcast their share to the workers of two real
+    servers at once; both serve what transformers computes. A group one member short fails on every side
+    within its timeout, before any weight is touched; a group is never sent twice."""
+    servers = [keyed_server, second_server]
+    prompts = prompts_for(keyed_server.model_dir)
+    ref = perturbed(tmp_path, keyed_server.model_dir, 30)
+    feeds = [FeedServer("127.0.0.1", 0, KEY.encode(), groups=True, group_timeout=30) for _ in range(2)]
+    try:
+        addresses = deal(feeds, 30, ref)
+        token = os.urandom(16).hex()
+        answers = group_update(servers, 30, addresses, token=token)
+        for answer in answers:
+            assert isinstance(answer, dict), answer
+            assert answer["group"] is True and answer["received_bytes"] > 0 and answer["path"] == "memory:step_30"
+        for feed in feeds:
+            assert [(r["step"], r.get("error")) for r in feed.group_log] == [(30, None)] and feed.group_log[0]["bytes"]
+        after = [assert_serves(server, ref, prompts) for server in servers]
+
+        # One member never comes: every member gives up within the timeout, nothing is loaded anywhere.
+        deal(feeds, 31, perturbed(tmp_path, keyed_server.model_dir, 31))
+        start = time.monotonic()
+        answers = group_update(servers, 31, addresses, world=4, timeout=3)
+        assert time.monotonic() - start < 60
+        for answer in answers:
+            assert isinstance(answer, HTTPFailure) and answer.status == 502, answer
+            assert "did not form within 3 s" in answer.body["error"] and "nothing was loaded" in answer.body["error"]
+        # A group already sent is not sent again.
+        e = group_update(servers[:1], 31, addresses, world=3, token=token)[0]
+        assert isinstance(e, HTTPFailure) and e.status == 502 and "has ended" in e.body["error"]
+        for server, held in zip(servers, after):
+            live = server.get("/prl/live")
+            assert (live["weights_step"], live["weights_path"], live["ok"]) == (30, "memory:step_30", True)
+            assert [served(server, p)[1] for p in prompts] == held
     finally:
         for feed in feeds:
             feed.close()

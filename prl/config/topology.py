@@ -147,19 +147,25 @@ class Router(Strict, kw_only=True):
 
 
 class Weights(Strict, kw_only=True):
-    transport: Literal["filesystem", "memory"] = "filesystem"
+    transport: Literal["filesystem", "memory", "broadcast"] = "filesystem"
     """How each step's weights reach the inference servers: `filesystem` (every step published to
-    RUN/weights/step_N and read back), or `memory` (each trainer rank serves its share over TCP to the
-    servers' vLLM workers; only checkpoint steps and the last step are published to disk)."""
+    RUN/weights/step_N and read back), `memory` (each trainer rank serves its share over TCP to the
+    servers' vLLM workers, each worker reading it; only checkpoint steps and the last step are published
+    to disk), or `broadcast` (as `memory`, but the servers behind on a step get it together, each trainer
+    rank broadcasting its share once to all their workers over a torch.distributed gloo group; a server
+    the group fails for reads the feeds instead: docs/weights.md)."""
     delta: bool = False
-    """With `memory`: a server that loaded the previous step from memory gets only the elements that
-    changed (int32 index + value each), a tensor whole where that is no smaller; any other server gets
-    the whole step. Costs an element-wise compare per step on the trainer and a model's worth of CPU
-    memory per inference worker (the base the deltas apply to). Pays off in bf16, where most elements
-    of a small update round to the same value (docs/weights.md)."""
+    """With `memory` (or a server that reads the feeds under `broadcast`): a server that loaded the previous
+    step from memory gets only the elements that changed (int32 index + value each), a tensor whole where
+    that is no smaller; any other server gets the whole step. Costs an element-wise compare per step on the
+    trainer and a model's worth of CPU memory per inference worker (the base the deltas apply to). Pays
+    off in bf16, where most elements of a small update round to the same value (docs/weights.md)."""
+    group_timeout_s: Annotated[float, Meta(ge=1, le=3600)] = 60.0
+    """With `broadcast`: the longest a group's members wait at each stage (for every member to come, for
+    each tensor), so a server or trainer rank that dies mid-update holds the others at most this long."""
 
     def __post_init__(self):
-        if self.delta and self.transport != "memory":
+        if self.delta and self.transport == "filesystem":
             raise FieldValueError("delta", "deltas are sent by the weight feeds: set weights.transport: memory, "
                                            "or remove weights.delta")
 

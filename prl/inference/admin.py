@@ -5,8 +5,8 @@ RL API routes, which every prl server mounts behind the run's key (`POST /pause?
     GET  /prl/engine   200 when the engine itself answers (vLLM's /health asks only the API process), 503 not
     GET  /prl/live     {"ok", "weights_step", "weights_path", "disk_step", "paused", "model", "updates", ...}
                        (an inference pool's: "tenants" too; an attached run's: its own adapter's)
-    POST /prl/weights  {"step": N} | {"path": "/abs/dir"} | {"step": N, "feeds": ["host:port", ...]}
-                       [, "mode": "keep"|"wait"|"abort"]
+    POST /prl/weights  {"step": N} | {"path": "/abs/dir"} | {"step": N, "feeds": ["host:port", ...]
+                       [, "group": {"token", "world", "rank", "timeout"}]} [, "mode": "keep"|"wait"|"abort"]
                        -> {"step", "path", "seconds", "load_seconds", "pause_seconds", "kv_storage_cleared"}
     POST /prl/detach   a run attached to an inference pool: its adapter unloaded here (docs/inference.md,
                        Inference pools; an attached run's /prl/weights loads its own adapter: `tenant_update`)
@@ -27,7 +27,10 @@ through vLLM's weight-transfer RPCs (`start_weight_update`, `update_weights`,
 the "prl_feed" engine (prl/inference/feed_engine.py); `/prl/live` then
 reports `"weights_path": "memory:step_N"`. A feed that refuses (wrong key,
 another step) or a step whose tensors are not the served ones is refused
-before any weight is touched: 502, the old weights keep serving.
+before any weight is touched: 502, the old weights keep serving. With "group"
+(`weights.transport: broadcast`), the server's workers take ranks `rank`,
+`rank + 1`, ... of each feed's broadcast group (`/prl/live` says how many
+workers: "workers"); a group that does not form is refused the same way.
 
 If loading fails part-way, the last weights the server loaded from disk are
 loaded again (and reported); if that fails too, `/prl/live` answers 503 with
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import shutil
 import socket
@@ -214,6 +218,7 @@ async def live(request: Request):
         "updates": state.updates,
         "last_update": state.last_update,
         "updating": state.lock.locked(),
+        "workers": _engine(request).vllm_config.parallel_config.world_size,
     }
     if state.broken:
         body["error"] = state.broken
@@ -269,6 +274,7 @@ async def update_served(request: Request, state: AdminState, body: dict):
     t0 = time.perf_counter()
     try:
         target, mode = checked_target(state, body)
+        check_group(engine, target)
     except UpdateRefused as e:
         return _error(e.status, e.message)
 
@@ -276,7 +282,8 @@ async def update_served(request: Request, state: AdminState, body: dict):
         if state.broken:
             return _error(503, f"server is broken, refusing updates: {state.broken}")
         # Logged before the engine is asked anything: an update that never ends shows where it began.
-        source = (f"{len(target.feeds)} trainer feeds" if isinstance(target, FeedTarget) else str(target.path))
+        source = (f"{len(target.feeds)} trainer feeds{' by broadcast' if target.group else ''}"
+                  if isinstance(target, FeedTarget) else str(target.path))
         log.info("weights update begins: step %s from %s (pause %s)", target.step, source, mode)
         outcome, state.updating_since = "failed", time.monotonic()  # "failed": the answer says why
         try:
@@ -317,6 +324,15 @@ async def update_served(request: Request, state: AdminState, body: dict):
     return {"step": target.step, "path": str(target.path), "seconds": seconds,
             "pause_seconds": pause_seconds, "load_seconds": state.last_update["load_seconds"],
             "kv_storage_cleared": cleared, **transfer}
+
+
+def check_group(engine, target: WeightsTarget | FeedTarget) -> None:
+    """A broadcast group holds every worker of this server (UpdateRefused 400 if its ranks run past it)."""
+    group = getattr(target, "group", None)
+    workers = engine.vllm_config.parallel_config.world_size
+    if group is not None and group.rank + workers > group.world:
+        raise UpdateRefused(400, f'"group": this server\'s {workers} workers from rank {group.rank} do not fit in '
+                                 f"a world of {group.world}")
 
 
 def served(state: AdminState, target: WeightsTarget | FeedTarget, **numbers) -> None:
@@ -390,12 +406,16 @@ async def load(engine, target: WeightsTarget | FeedTarget) -> tuple[float, dict]
         return max(r["seconds"] for r in results), {}
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+    info = {"step": target.step, "feeds": list(target.feeds)}
+    if target.group is not None:
+        info["group"] = dataclasses.asdict(target.group)
     await engine.start_weight_update()
-    await engine.update_weights(WeightTransferUpdateRequest({"step": target.step, "feeds": list(target.feeds)}))
+    await engine.update_weights(WeightTransferUpdateRequest(info))
     await engine.finish_weight_update(weight_version=str(target.step))
     reports = await engine.collective_rpc("prl_feed_report")
     return max(r["seconds"] for r in reports), {"received_bytes": max(r["received"] for r in reports),
-                                                 "delta": all(r["delta"] for r in reports)}
+                                                 "delta": all(r["delta"] for r in reports),
+                                                 "group": all(r["group"] for r in reports)}
 
 
 async def load_adapter(request: Request, state: AdminState, target: WeightsTarget) -> float:
@@ -549,7 +569,7 @@ def _record_metrics(state: AdminState, request: Request) -> None:
             "role": "inference", "step": u.get("step"), "event": "weights_loaded",
             "server": f"{socket.gethostname()}:{request.url.port}",
             "weight_update_s": round(u.get("seconds", 0.0), 4), "weights_path": u.get("path"), "time": u.get("time"),
-            **{k: u[k] for k in ("received_bytes", "delta") if k in u},
+            **{k: u[k] for k in ("received_bytes", "delta", "group") if k in u},
         })
     except OSError:
         pass

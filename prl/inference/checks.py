@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prl.run.collective import Group
 from prl.run.rundir import RunDir, is_stable, step_of
 
 
@@ -69,6 +70,9 @@ class FeedTarget:
     step: int
     feeds: tuple[str, ...]
     """host:port of each feed, one per trainer rank."""
+    group: Group | None = None
+    """The broadcast group the step comes by (`weights.transport: broadcast`), at this server's first rank;
+    None: each worker reads the feeds."""
 
     @property
     def path(self) -> str:
@@ -84,8 +88,9 @@ def checked_step(step: Any) -> int:
 
 def resolve_feeds(body: Any) -> FeedTarget:
     """The step and feeds a `POST /prl/weights {"step", "feeds"}` body names, or `UpdateRefused(400)`."""
-    if not isinstance(body, dict) or set(body) != {"step", "feeds"}:
-        raise UpdateRefused(400, 'a memory update body is {"step": N, "feeds": ["host:port", ...]}, '
+    if not isinstance(body, dict) or set(body) - {"group"} != {"step", "feeds"}:
+        raise UpdateRefused(400, 'a memory update body is {"step": N, "feeds": ["host:port", ...]'
+                                 '[, "group": {"token", "world", "rank", "timeout"}]}, '
                                  f'got the fields {sorted(body)[:5] if isinstance(body, dict) else body!r}')
     step, feeds = checked_step(body["step"]), body["feeds"]
     if not isinstance(feeds, list) or not 1 <= len(feeds) <= MAX_FEEDS:
@@ -97,7 +102,18 @@ def resolve_feeds(body: Any) -> FeedTarget:
             raise UpdateRefused(400, f'"feeds" entries must be "host:port", got {str(feed)[:80]!r}')
     if len(set(feeds)) != len(feeds):
         raise UpdateRefused(400, '"feeds" names a feed twice')
-    return FeedTarget(step, tuple(feeds))
+    return FeedTarget(step, tuple(feeds), _group(body["group"]) if "group" in body else None)
+
+
+def _group(asked: Any) -> Group:
+    try:
+        group = Group(**asked) if isinstance(asked, dict) else None
+    except (TypeError, ValueError) as e:
+        raise UpdateRefused(400, f'"group": {e}') from None
+    if group is None or group.rank == 0:
+        raise UpdateRefused(400, '"group" is {"token": 32 hex digits, "world": W, "rank": this server\'s first '
+                                 f'rank, 1 and up[, "timeout": s]}}, got {str(asked)[:80]!r}')
+    return group
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -8,11 +8,15 @@ rebuilds each layer from checkpoint-format tensors. prl's part: the feed protoco
 weight is touched, and the CPU repacks a reload leaves out (worker.py).
 
     update_info = {"step": N, "feeds": ["host:port", ...]}   one feed per trainer rank
+                  [+ "group": {"token": hex, "world": W, "rank": R, "timeout": s}]   a broadcast group,
+                                                                 this server's workers at ranks R, R+1, ...
 
 Each worker opens every feed (the run's key comes from API_KEY_VAR in its environment, inherited
 from the server process) and checks that the feeds' headers together name exactly the served
 tensors; only then is the model touched, so a refused key or a wrong step leaves the old weights
-serving. The tensors then stream into `model.load_weights`, every feed read by a thread of its own
+serving. With a group (`weights.transport: broadcast`, prl/run/collective.py) each feed's header comes
+the same way, and its tensors by broadcast, once the group has formed (also before the model is
+touched). The tensors then stream into `model.load_weights`, every feed read by a thread of its own
 while the reload works on what arrived (`read_concurrently`, at most READ_AHEAD_BYTES ahead).
 `report` says what the last update did, so the server can tell an update refused before loading
 from one that failed part-way.
@@ -39,6 +43,7 @@ from vllm.model_executor.model_loader.reload import (
 
 from prl.inference.checks import UpdateRefused, checkpoint_layout, compare_layouts
 from prl.inference.worker import check_reloaded, repack_after_reload, tied_lm_head, unloaded_layers
+from prl.run.collective import Group
 from prl.run.feed import Base, FeedReader, read_concurrently
 from prl.run.rundir import API_KEY_VAR
 
@@ -56,6 +61,8 @@ class FeedInitInfo(WeightTransferInitInfo):
 class FeedUpdateInfo(WeightTransferUpdateInfo):
     step: int
     feeds: list[str] = field(default_factory=list)
+    group: dict | None = None
+    """A broadcast group ({"token", "world", "rank"}: this server's first rank), one per feed, or None."""
 
 
 class FeedEngine(WeightTransferEngine[FeedInitInfo, FeedUpdateInfo]):
@@ -66,7 +73,8 @@ class FeedEngine(WeightTransferEngine[FeedInitInfo, FeedUpdateInfo]):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.report: dict = {}
-        """The last update: {"step", "touched", "tensors", "bytes", "received", "delta", "seconds"[, "error"]}:
+        """The last update: {"step", "touched", "tensors", "bytes", "received", "delta", "group", "seconds"
+        [, "error"]}:
         `bytes` loaded, `received` read off the sockets (less with deltas)."""
         self._reloading = False
         self._kept: dict[str, Base] = {}
@@ -79,7 +87,7 @@ class FeedEngine(WeightTransferEngine[FeedInitInfo, FeedUpdateInfo]):
 
     def start_weight_update(self) -> None:
         self.report = {"step": None, "touched": False, "tensors": 0, "bytes": 0, "received": 0, "delta": False,
-                       "seconds": 0.0}
+                       "group": False, "seconds": 0.0}
 
     def update_weights(self, update_info: dict) -> None:
         """vLLM's update without its `torch.accelerator.synchronize()` (it raises on a CPU-only torch)."""
@@ -94,7 +102,8 @@ class FeedEngine(WeightTransferEngine[FeedInitInfo, FeedUpdateInfo]):
             if not key:
                 raise RuntimeError(f"{API_KEY_VAR} is not set in the worker's environment: "
                                    "start the server with --api-key-env to read weight feeds")
-            readers = [FeedReader(address, info.step, key.encode(), FEED_TIMEOUT_S, self._kept.get(address))
+            group = self._group(info.group)
+            readers = [FeedReader(address, info.step, key.encode(), FEED_TIMEOUT_S, self._kept.get(address), group)
                        for address in info.feeds]
             self.report["delta"] = any(r.delta for r in readers)
             self._check_layout(readers, info)
@@ -119,6 +128,16 @@ class FeedEngine(WeightTransferEngine[FeedInitInfo, FeedUpdateInfo]):
             raise
         finally:
             self.report["seconds"] = time.perf_counter() - start
+
+    def _group(self, asked: dict | None) -> Group | None:
+        """This worker's member of the update's group: the server's first rank + its own rank in the server."""
+        if asked is None:
+            return None
+        from vllm.distributed.parallel_state import get_world_group
+
+        self.report["group"] = True
+        return Group(asked["token"], asked["world"], asked["rank"] + get_world_group().rank_in_group,
+                     asked["timeout"])
 
     def finish_weight_update(self) -> None:
         if self._reloading:

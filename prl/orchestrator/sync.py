@@ -16,7 +16,10 @@ every server behind on it to load it (`POST /prl/weights {"step": K}`), with
 retries and back-off. With `weights.transport: memory` the trainer also records
 the newest step its ranks' feeds serve (`RunDir.weights_feed`); the newer of the
 two wins (disk on a tie), and a step from memory is posted as
-`{"step": K, "feeds": [...]}`. A feed that answers for a newer step than asked
+`{"step": K, "feeds": [...]}`. With `weights.transport: broadcast` the servers
+behind on a step from memory get it together: one broadcast group (`groups`),
+each server's workers at the next ranks; a server whose group fails reads the
+feeds at once. A feed that answers for a newer step than asked
 (the trainer moved on meanwhile) is not a failure: the watcher asks for the newer
 one. A server that still fails is recorded in state/orchestrator.json and
 metrics, and after `weight_update_retries` attempts the watcher fails the
@@ -29,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,6 +83,8 @@ class Server:
     """Its endpoint came back (a restart): it rejoins once it serves the newest published weights."""
     started: float | None = None
     """The `started` of the endpoint file it was found by: a new value is a new server process."""
+    workers: int | None = None
+    """Its vLLM workers, each a member of a broadcast group (`/prl/live`; None: not known yet)."""
 
 
 @dataclass(frozen=True)
@@ -283,12 +289,14 @@ async def served_model(fleet: Fleet) -> str:
 
 async def live_versions(client: httpx.AsyncClient, server: Server) -> tuple[int, int] | None:
     """The server's own account of its weights step and of the step it loaded last from disk, which it
-    rolls back to (the same step when it does not say); None if it does not answer."""
+    rolls back to (the same step when it does not say); None if it does not answer. Notes its worker count."""
     try:
         r = await client.get(f"{server.url}/prl/live", timeout=10)
         if r.status_code == 200:
             live = r.json()
             step = int(live.get("weights_step") or 0)  # null: still the base model
+            workers = live.get("workers")
+            server.workers = workers if isinstance(workers, int) and workers >= 1 else None
             return step, int(live.get("disk_step", step) or 0)
     except (httpx.HTTPError, ValueError, TypeError):
         pass
@@ -378,39 +386,54 @@ class WeightWatcher:
         published step, or a newer one the trainer's feeds serve from memory."""
         if not weights_trusted(self.run):
             return None
-        disk, feed = self.run.latest_stable("weights"), self.run.weights_feed()
-        if feed is not None and (disk is None or feed[0] > disk):
-            return feed[0], {"step": feed[0], "feeds": feed[1]}
+        disk, feed = self.run.latest_stable("weights"), self.run.weights_feed_record()
+        if feed is not None and (disk is None or feed["step"] > disk):
+            return feed["step"], {"step": feed["step"], "feeds": feed["feeds"]}
         return (disk, {"step": disk}) if disk is not None else None
 
-    async def push(self, client: httpx.AsyncClient, server: Server, step: int) -> None:
-        delay = 1.0
-        attempt = 0
+    def groups(self, servers: list[Server], step: int) -> dict[str, dict]:
+        """`weights.transport: broadcast`: one broadcast group for the servers behind on `step` when the feeds
+        serve it and send to groups (the `group` of each one's `/prl/weights` body, by URL: its workers at the
+        next ranks); {} otherwise, and for a server whose worker count is not known (it reads the feeds)."""
+        feed = self.run.weights_feed_record() if weights_trusted(self.run) else None
+        members = [s for s in servers if s.workers]
+        if feed is None or feed["step"] != step or feed["group_timeout"] is None or not members:
+            return {}
+        token, world, rank = secrets.token_hex(16), 1 + sum(s.workers for s in members), 1
+        groups = {}
+        for s in members:
+            groups[s.url] = {"token": token, "world": world, "rank": rank, "timeout": feed["group_timeout"]}
+            rank += s.workers
+        return groups
+
+    async def push(self, client: httpx.AsyncClient, server: Server, step: int, group: dict | None = None) -> None:
+        """Bring `server` to `step` (or a newer one), with retries. `group`: the first try joins that broadcast
+        group; if the group fails, the server reads the feeds at once (not counted as a failure)."""
+        delay, attempt, group_step = 1.0, 0, step
         while attempt < self.retries:
             attempt += 1
             newest = self.newest()
             body = {"step": step}
             if newest is not None and newest[0] >= step:
                 step, body = newest  # a newer step appeared while we retried; an older one may be cleaned up
+            if group is not None and "feeds" in body and step == group_step:  # the others ask for that step
+                body["group"] = group
+            group = None  # one try: a group is formed once
             t0 = time.monotonic()
             try:
                 r = await client.post(f"{server.url}/prl/weights", json=body, timeout=600)
                 if r.status_code == 200:
-                    server.version, server.failures, server.error = step, 0, None
-                    if "feeds" not in body:
-                        server.disk_version = step
-                    if server.rejoining:
-                        server.alive, server.rejoining = True, False
-                        log.info("%s rejoined on weights step %d", server.url, step)
-                    self.updates += 1
-                    self.update_s += time.monotonic() - t0
-                    log.info("%s loaded weights step %d in %.2f s", server.url, step, time.monotonic() - t0)
-                    return
+                    return self.loaded(server, body, time.monotonic() - t0)
                 if r.status_code == 409:
                     # Not published (any more): a resume is replacing steps, or cleanup outran us. Wait and
                     # look again at what is published; not a failure of the server.
                     log.info("%s: weights step %d is not published (409); waiting", server.url, step)
                     return
+                if "group" in body:
+                    log.info("%s: the broadcast of weights step %d failed (HTTP %d: %s); reading the feeds",
+                             server.url, step, r.status_code, r.text[:200])
+                    attempt -= 1
+                    continue
                 moved = self.newest()
                 if r.status_code == 502 and "feeds" in body and moved is not None and moved[0] > step:
                     # The feeds serve only their newest step, and the trainer published another meanwhile.
@@ -437,6 +460,20 @@ class WeightWatcher:
             f"{self.retries} attempts: {server.error}. Check its log (`prl logs --role {server.role}`)."
         )
 
+    def loaded(self, server: Server, body: dict, seconds: float) -> None:
+        """`server` answered the `/prl/weights` `body` with 200: it serves that step."""
+        step = body["step"]
+        server.version, server.failures, server.error = step, 0, None
+        if "feeds" not in body:
+            server.disk_version = step
+        if server.rejoining:
+            server.alive, server.rejoining = True, False
+            log.info("%s rejoined on weights step %d", server.url, step)
+        self.updates += 1
+        self.update_s += seconds
+        log.info("%s loaded weights step %d in %.2f s%s", server.url, step, seconds,
+                 " (broadcast)" if "group" in body else "")
+
     async def run_forever(self) -> None:
         async with server_client() as client:
             last_live = 0.0
@@ -451,9 +488,12 @@ class WeightWatcher:
                     if newest is not None and newest[0] > self.pool.target:
                         self.pool.target = newest[0]
                     self.collect()
-                    for s in self.pool.admin:
-                        if (s.alive or s.rejoining) and s.version < self.pool.target and s.url not in self.pushes:
-                            self.pushes[s.url] = asyncio.create_task(self.pushed(client, s, self.pool.target))
+                    behind = [s for s in self.pool.admin if (s.alive or s.rejoining)
+                              and s.version < self.pool.target and s.url not in self.pushes]
+                    groups = self.groups(behind, self.pool.target) if behind else {}
+                    for s in behind:
+                        self.pushes[s.url] = asyncio.create_task(
+                            self.pushed(client, s, self.pool.target, groups.get(s.url)))
                     await asyncio.sleep(self.poll)
             except asyncio.CancelledError:
                 raise
@@ -466,9 +506,9 @@ class WeightWatcher:
                 await asyncio.gather(*self.pushes.values(), return_exceptions=True)
                 self.pushes.clear()
 
-    async def pushed(self, client: httpx.AsyncClient, server: Server, step: int) -> None:
+    async def pushed(self, client: httpx.AsyncClient, server: Server, step: int, group: dict | None = None) -> None:
         """`push`, then what a changed version means for the others: the pins, and whoever waits on the pool."""
-        await self.push(client, server, step)
+        await self.push(client, server, step, group)
         self.pin()
         self.pool.notify()
 

@@ -518,7 +518,7 @@ def place_trainer(check: Checker, topo: Topology, layout: Layout, common_env: di
     return TrainerPlan(group=group.index, nodes=nodes, gpus_per_node=procs, world_size=mesh.world_size,
                        device="cuda" if cluster.gpu_node.gpus else "cpu", mesh=mesh,
                        master_port=cluster.port_base + RDZV_PORT_OFFSET,
-                       feed_ports=feed_ports(cluster, nodes, procs) if topo.weights.transport == "memory" else (),
+                       feed_ports=feed_ports(cluster, nodes, procs) if topo.weights.transport != "filesystem" else (),
                        activation_checkpointing=tr.activation_checkpointing, precision=tr.precision,
                        compile=tr.compile)
 

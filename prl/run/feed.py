@@ -12,7 +12,8 @@ record; a feed holds only the newest step, in memory.
 Protocol (one connection, one step):
 
     server -> client   prl-feed 1 <nonce hex>\\n
-    client -> server   {"step": N, "mac": hex HMAC-SHA256(key, nonce hex)[, "base": id]}\\n
+    client -> server   {"step": N, "mac": hex HMAC-SHA256(key, nonce hex)[, "base": id]
+                        [, "group": {"token": hex, "world": W, "rank": R, "timeout": s}]}\\n
     server -> client   {"error": "..."[, "step": held]}\\n            (wrong mac, or not step N; then closes)
                    or  {"step": N, "id": id, "deltas": bool, "tensors": [[name, dtype, shape, nbytes], ...]}\\n
                        the tensors' raw bytes, in header order
@@ -21,6 +22,13 @@ Protocol (one connection, one step):
                        per tensor, in header order: `changed` = -1, its raw bytes; else where the
                        `changed` elements are (form "index": their int32 flat indices; "mask": a bit per
                        element, numpy's packbits order), then their values
+                   or, asked with "group" (`weights.transport: broadcast`, a feed made with `groups`):
+                       the whole step's header, then {"store": "host:port"}\\n; the tensors then come
+                       by broadcast over that group (prl/run/collective.py), and the connection closes
+
+Groups: the first reader that names a group starts the feed's sender for it (rank 0 of `world`, on the
+step the feed held then); the others of the group get the same answer. A group is sent once: a reader
+naming a group that ended, or the same token with another step or world, is refused.
 
 Deltas (`FeedServer(..., delta=True)`, `weights.delta`): each publish also encodes what changed since the
 feed's previous snapshot, element by element (bitwise: -0.0, NaN and a value that rounds to the same
@@ -41,22 +49,29 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import math
 import os
 import socket
 import socketserver
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from prl.errors import FeedError
+from prl.run.collective import DEFAULT_TIMEOUT_S
+
+log = logging.getLogger("prl.feed")
 
 PROTOCOL = b"prl-feed 1"
 MAX_LINE_BYTES = 64 * 1024 * 1024
 """Longest protocol line (the header names every tensor: ~100 bytes each)."""
 MAX_REQUEST_BYTES = 4096
 """Longest client answer a server reads (a step and a mac)."""
+MAX_GROUPS_KEPT = 64
+"""Groups a feed remembers (to refuse a token used again)."""
 SEND_TIMEOUT_S = 600.0
 """How long a server waits on one client's socket: a worker reads at most READ_AHEAD_BYTES ahead of
 its reload, so a connection may idle while the reload catches up."""
@@ -161,15 +176,28 @@ def _delta(old, new):
 class FeedServer:
     """A threaded TCP server handing its newest snapshot to every authenticated reader."""
 
-    def __init__(self, host: str, port: int, key: bytes, delta: bool = False):
+    def __init__(self, host: str, port: int, key: bytes, delta: bool = False, groups: bool = False,
+                 group_timeout: float = DEFAULT_TIMEOUT_S):
         """`delta`: each publish also encodes what changed since the previous one, for readers that
-        hold the previous step (the cost: comparing every element at publish, and the delta's bytes)."""
+        hold the previous step (the cost: comparing every element at publish, and the delta's bytes).
+        `groups`: also broadcast steps to groups of readers (a rendezvous store on `host`), each group
+        bounded by `group_timeout` s per stage."""
         if not key:
             raise ValueError("a weight feed needs a non-empty key")
         self._key = key
         self._delta = delta
         self._snapshot: Snapshot | None = None
         self._lock = threading.Lock()
+        self._group_timeout = group_timeout
+        self._groups: dict[str, tuple[int, int, str]] = {}
+        """token -> (step, world, "sending" | "sent" | "failed"), the newest MAX_GROUPS_KEPT."""
+        self.group_log: deque[dict] = deque(maxlen=MAX_GROUPS_KEPT)
+        """What each ended group did: {"token", "step", "world", "bytes", "seconds"[, "error"]}."""
+        self._store = None
+        if groups:
+            from prl.run import collective
+
+            self._store = collective.store(host, group_timeout)
         feed = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -201,10 +229,16 @@ class FeedServer:
         with self._lock:
             self._snapshot = new
 
+    @property
+    def store_address(self) -> str | None:
+        """host:port of the groups' rendezvous store (None: this feed sends to no groups)."""
+        return None if self._store is None else f"{self._server.server_address[0]}:{self._store.port}"
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=10)
+        self._store = None  # its listening socket closes with it (a sender still running holds its own reference)
 
     def __enter__(self) -> FeedServer:
         return self
@@ -229,12 +263,66 @@ class FeedServer:
                 have = "no step yet" if held is None else f"step {held.step}"
                 return _send_line(sock, {"error": f"holds {have}, not step {request.get('step')}",
                                          "step": held.step if held else None})
+            if "group" in request:
+                return self._join(sock, request["group"], held)
             delta = held.base is not None and request.get("base") == held.base
             sock.sendall(held.delta_header if delta else held.header)
             for view in held.payload(delta):
                 sock.sendall(view)
         except (OSError, ValueError):
             return  # the reader went away or spoke nonsense: its fetch reports it
+
+    def _join(self, sock: socket.socket, asked, held: Snapshot) -> None:
+        """A reader of a group: the step's header and the store; the group's sender starts with its first."""
+        from prl.run.collective import Group
+
+        if self._store is None:
+            return _send_line(sock, {"error": "this feed sends to no groups (weights.transport: broadcast)"})
+        try:
+            group = Group(**asked) if isinstance(asked, dict) else None
+        except (TypeError, ValueError) as e:
+            return _send_line(sock, {"error": f"bad group: {e}"})
+        if group is None or group.rank == 0:
+            return _send_line(sock, {"error": "a group reader names its token, world, rank (1 and up) and timeout"})
+        with self._lock:
+            known = self._groups.get(group.token)
+            if known is None:
+                self._groups[group.token] = (held.step, group.world, "sending")
+                while len(self._groups) > MAX_GROUPS_KEPT:
+                    del self._groups[next(iter(self._groups))]
+                threading.Thread(target=self._send_group, args=(group.token, group.world, held),
+                                 name=f"prl-feed-group-{group.token[:8]}", daemon=True).start()
+        if known is not None and known != (held.step, group.world, "sending"):
+            step, world, state = known
+            why = ("has ended" if state != "sending" else f"is sending step {step} to {world} members, not step "
+                   f"{held.step} to {group.world}")
+            return _send_line(sock, {"error": f"group {group.token[:8]} {why}"})
+        sock.sendall(held.header)
+        _send_line(sock, {"store": self.store_address})
+
+    def _send_group(self, token: str, world: int, held: Snapshot) -> None:
+        """Rank 0 of a group: form it, broadcast `held`, drop it; bounded by the group timeout at each stage."""
+        from prl.run import collective
+
+        start = time.perf_counter()
+        record: dict = {"token": token, "step": held.step, "world": world, "bytes": 0}
+        try:
+            pg = collective.join("", collective.Group(token, world, 0, self._group_timeout),
+                                 self._server.server_address[0], served=self._store)
+            try:
+                record["bytes"] = collective.send(pg, held.tensors)
+            finally:
+                collective.close(pg)
+        except Exception as e:  # noqa: BLE001 - the members see it too: their update fails, they pull instead
+            record["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        record["seconds"] = time.perf_counter() - start
+        if "error" in record:
+            log.warning("weight feed %s: the broadcast of step %d to group %s (%d members) failed after %.1f s: %s",
+                        self.address, held.step, token[:8], world, record["seconds"], record["error"])
+        with self._lock:
+            if token in self._groups:
+                self._groups[token] = (held.step, world, "failed" if "error" in record else "sent")
+            self.group_log.append(record)
 
 
 def _send_line(sock: socket.socket, message: dict) -> None:
@@ -261,12 +349,20 @@ class FeedReader:
     With `base` (what this reader kept of the feed's previous snapshot), a feed that computes deltas
     sends only what changed, and each tensor is rebuilt on a copy of the base's: `delta` says whether it
     did. `id` is the snapshot's, `keep` whether the feed computes deltas (keeping what was read pays off),
-    `received` the bytes read off the socket so far."""
+    `received` the bytes read off the socket so far.
 
-    def __init__(self, address: str, step: int, key: bytes, timeout: float, base: Base | None = None):
+    With `group` (prl/run/collective.py) the reader joins that broadcast group instead (the whole step,
+    never a delta): the group is formed before the constructor returns, so a member that does not come
+    fails it before the caller touches anything; the group's timeout bounds each stage."""
+
+    def __init__(self, address: str, step: int, key: bytes, timeout: float, base: Base | None = None,
+                 group=None):
         self.address = address
         self.received = 0
-        self._base = base
+        self._base = None if group is not None else base
+        self._group = group
+        self._pg = None
+        self._receiving = False
         host, sep, port = address.rpartition(":")
         if not (sep and host and port.isdigit()):
             raise FeedError(address, "not a host:port address")
@@ -278,10 +374,25 @@ class FeedReader:
         self._file = self._sock.makefile("rb")
         try:
             self.tensors = self._handshake(step, key)
+            if group is not None:
+                self._pg = self._join_group()
         except BaseException:
             self.close()
             raise
         self.step = step
+
+    def _join_group(self):
+        from prl.run import collective
+
+        answer = self._json(self._line())
+        store = answer.get("store")
+        if not isinstance(store, str) or not store.rpartition(":")[2].isdigit():
+            raise FeedError(self.address, f"named no rendezvous store for group {self._group.token[:8]}: {answer}")
+        try:
+            return collective.join(store, self._group, self._sock.getsockname()[0])
+        except Exception as e:  # noqa: BLE001 - torch.distributed raises several kinds
+            raise FeedError(self.address, f"group {self._group.token[:8]} of {self._group.world} did not form "
+                                          f"within {self._group.timeout:g} s: {type(e).__name__}: {str(e)[:200]}") from None
 
     def _handshake(self, step: int, key: bytes) -> list[TensorMeta]:
         greeting = self._line()
@@ -291,6 +402,9 @@ class FeedReader:
         request = {"step": step, "mac": mac(key, nonce)}
         if self._base is not None:
             request["base"] = self._base.id
+        if self._group is not None:
+            request["group"] = {"token": self._group.token, "world": self._group.world, "rank": self._group.rank,
+                                "timeout": self._group.timeout}
         self._send(request)
         header = self._json(self._line())
         if "error" in header:
@@ -334,6 +448,9 @@ class FeedReader:
         """Each tensor in fresh storage (never a reused buffer: vLLM's layerwise reload keeps what it is
         handed until the layer is complete; a delta is applied to a copy of the base's tensor); FeedError
         if the stream ends or stalls early."""
+        if self._group is not None:
+            yield from self._received()
+            return
         import numpy as np
         import torch
 
@@ -362,6 +479,27 @@ class FeedReader:
         finally:
             self.close()
 
+    def _received(self) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821
+        from prl.run import collective
+
+        if self._pg is None:
+            raise FeedError(self.address, f"group {self._group.token[:8]}: the reader was closed")
+        self._receiving = True
+        try:
+            stream = collective.receive(self._pg, self.tensors)
+            for i in range(len(self.tensors)):
+                try:
+                    name, tensor = next(stream)
+                except Exception as e:  # noqa: BLE001 - a member or the sender died, or a broadcast timed out
+                    raise FeedError(self.address, f"group {self._group.token[:8]}, tensor {i + 1} of "
+                                                  f"{len(self.tensors)} ({self.tensors[i].name}): "
+                                                  f"{type(e).__name__}: {str(e)[:200]}") from None
+                self.received += self.tensors[i].nbytes
+                yield name, tensor
+        finally:
+            self._receiving = False
+            self.close()
+
     def _read(self, nbytes: int, what: str) -> "torch.Tensor":  # noqa: F821
         import torch
 
@@ -371,7 +509,13 @@ class FeedReader:
         return raw
 
     def close(self) -> None:
-        """Safe from another thread: a read blocked on this connection fails at once."""
+        """Safe from another thread: a read blocked on this connection fails at once (a broadcast blocked in
+        a group, at the group's timeout)."""
+        if self._pg is not None and not self._receiving:  # a broadcast in flight is not torn down under it
+            from prl.run import collective
+
+            pg, self._pg = self._pg, None
+            collective.close(pg)
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:

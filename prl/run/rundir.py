@@ -664,10 +664,14 @@ class RunDir:
     def weights_feed_file(self) -> Path:
         return self.state_dir / "weights_feed.json"
 
-    def write_weights_feed(self, step: int, feeds: list[str]) -> None:
+    def write_weights_feed(self, step: int, feeds: list[str], group_timeout: float | None = None) -> None:
         """Record that weights step `step` is served from memory by the trainer's feeds (host:port each);
-        `weights.transport: memory` writes it after each step's feeds hold the step (atomic replace)."""
-        atomic_write_json(self.weights_feed_file, {"step": step, "feeds": feeds, "time": time.time()})
+        `weights.transport: memory | broadcast` writes it after each step's feeds hold the step (atomic
+        replace). `group_timeout`: the feeds also broadcast to groups, each stage bounded so (`broadcast`)."""
+        record = {"step": step, "feeds": feeds, "time": time.time()}
+        if group_timeout is not None:
+            record["group_timeout"] = group_timeout
+        atomic_write_json(self.weights_feed_file, record)
 
     def clear_weights_feed(self) -> None:
         """A new trainer attempt's feeds are not the old one's: drop the record until it publishes."""
@@ -675,11 +679,19 @@ class RunDir:
 
     def weights_feed(self) -> tuple[int, list[str]] | None:
         """The newest step served from memory and its feeds (None: no record, or one not readable)."""
+        record = self.weights_feed_record()
+        return None if record is None else (record["step"], record["feeds"])
+
+    def weights_feed_record(self) -> dict | None:
+        """`weights_feed` and how the feeds send: {"step", "feeds", "group_timeout": seconds or None (they send
+        to no groups)}."""
         record = read_json(self.weights_feed_file)
         if not (isinstance(record, dict) and isinstance(record.get("step"), int)
                 and isinstance(record.get("feeds"), list) and record["feeds"]):
             return None
-        return record["step"], [str(f) for f in record["feeds"]]
+        timeout = record.get("group_timeout")
+        return {"step": record["step"], "feeds": [str(f) for f in record["feeds"]],
+                "group_timeout": float(timeout) if isinstance(timeout, int | float) and timeout > 0 else None}
 
     def pin_weights(self, owner: str, step: int) -> None:
         """Record that weights step `step` (and later) must stay on disk for `owner` (0: none needed)."""

@@ -38,11 +38,15 @@ class TrainerConfig:
     sft: Optional[SFT]
     """The SFT data settings (None: an RL run)."""
     feed_ports: tuple[int, ...] = ()
-    """`weights.transport: memory`: each rank's weight-feed port, by global rank (empty: weights go by disk)."""
+    """`weights.transport: memory | broadcast`: each rank's weight-feed port, by global rank (empty: weights go by
+    disk)."""
     feed_host: str = ""
     """The address this node's feeds listen on (the servers' workers connect to it)."""
     feed_delta: bool = False
     """`weights.delta`: the feeds also send what changed since their previous step."""
+    feed_group_timeout: Optional[float] = None
+    """`weights.transport: broadcast`: the feeds also broadcast to groups of servers, each stage bounded by
+    this many seconds (`weights.group_timeout_s`); None: they only serve readers."""
     scorers: tuple[str, ...] = ()
     """The scoring roles of the run (`teacher`, `reference`): their logprobs come in every batch."""
     lora: Optional[Lora] = None
@@ -65,5 +69,7 @@ class TrainerConfig:
                    max_model_len=settings.model.max_model_len, sft=settings.sft,
                    feed_ports=tr.feed_ports, feed_host=node_address(plan) if tr.feed_ports else "",
                    feed_delta=settings.weights.delta,
+                   feed_group_timeout=(settings.weights.group_timeout_s if settings.weights.transport == "broadcast"
+                                       else None),
                    scorers=plan.scorer_roles(), lora=settings.model.lora,
                    train_vision=settings.model.train_vision, compile=tr.compile)

@@ -493,9 +493,11 @@ def start_feed(run: RunDir, cfg: TrainerConfig, d: Dist, spec: Spec) -> tuple[Fe
     if not cfg.feed_ports:
         return None, ()
     if type(spec).publish is not Spec.publish or cfg.lora is not None:
-        raise ConfigError(f"weights.transport: memory sends the whole model; {type(spec).__name__} publishes "
-                          "weights of its own: use weights.transport: filesystem")
-    feed = FeedServer(cfg.feed_host, cfg.feed_ports[d.rank], run.read_api_key().encode(), cfg.feed_delta)
+        raise ConfigError(f"weights in memory (weights.transport: memory, broadcast) are the whole model; "
+                          f"{type(spec).__name__} publishes weights of its own: use weights.transport: filesystem")
+    groups = cfg.feed_group_timeout is not None
+    feed = FeedServer(cfg.feed_host, cfg.feed_ports[d.rank], run.read_api_key().encode(), cfg.feed_delta,
+                      groups=groups, group_timeout=cfg.feed_group_timeout or 0.0)
     addresses = [None] * d.world_size
     dist.all_gather_object(addresses, feed.address)
     return feed, tuple(addresses)
@@ -510,7 +512,7 @@ def publish(eng: Engine, spec: Spec, step: int, durable: bool = True) -> None:
     writers = publish_to_feed(eng.feed, step, eng.model, getattr(torch, eng.cfg.model_dtype), eng.d)
     dist.barrier()
     if eng.d.is_main:
-        eng.run.write_weights_feed(step, [eng.feeds[r] for r in writers])
+        eng.run.write_weights_feed(step, [eng.feeds[r] for r in writers], eng.cfg.feed_group_timeout)
 
 
 def checkpoint(eng: Engine, step: int) -> None:

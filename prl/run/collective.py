@@ -1,0 +1,134 @@
+"""A weight feed's snapshot broadcast to every inference worker at once, over a torch.distributed group.
+
+    group = Group("9f2c...", world=5, rank=3)      # the orchestrator names it; worker 3 of 4
+    pg = join(store_address, group, bind_host)     # every member, the feed's sender as rank 0
+    send(pg, tensors) / receive(pg, metas)          # one broadcast per tensor, in header order
+
+`weights.transport: broadcast`: the orchestrator gives every server behind on a step the same group
+(a random token, the world size: 1 sender + every worker of every server, and each server's first rank).
+Each worker asks the feed for the step over the feed's keyed protocol (prl/run/feed.py), naming the
+group; the feed answers with the step's header and the address of its rendezvous store, and the first
+member to ask starts the feed's sender. Each side then forms a gloo process group of its own, on its
+own store prefix (the token), independent of any default group a trainer rank or a vLLM worker
+already has, and the tensors go out as broadcasts from rank 0. Gloo's broadcast is a binomial tree
+(members pass each tensor on): the trainer's node sends each byte ceil(log2(world)) times instead of once
+per worker (3 times for 4 workers, 6 for 32), in as many rounds. One group per feed: a sharded
+trainer's writer ranks each broadcast their own share, and a worker receives from all of them at once.
+
+Every stage of it is bounded by the group's `timeout`: forming the group (a member that never comes), each
+broadcast (a member that died, a sender that died). A group that fails is dropped on every side; what
+the members do then is theirs (a worker's update fails, the orchestrator pulls the step instead).
+
+The backend is gloo over TCP, on CPU tensors, on every cluster: the same code path a CPU cluster tests.
+It binds to the address each side reaches the other with (never a wildcard). Like torch.distributed's
+own groups, the store and the gloo connections carry no key: the token is handed out only over keyed
+channels, so a stray process does not join by accident, but the store answers anyone who can reach it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import socket
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+MAX_WORLD = 4096
+"""Most members a group may have (1 sender + workers)."""
+DEFAULT_TIMEOUT_S = 60.0
+MAX_TIMEOUT_S = 3600.0
+TOKEN = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclass(frozen=True)
+class Group:
+    """One broadcast group as a member sees it."""
+
+    token: str
+    """32 hex digits, random per group: its store prefix."""
+    world: int
+    """Members: the sender (rank 0) and every worker."""
+    rank: int
+    """This member's rank (0: the sender)."""
+    timeout: float = DEFAULT_TIMEOUT_S
+    """Longest a member waits at each stage: for every member to come, for each broadcast
+    (`weights.group_timeout_s`; the sender keeps its own)."""
+
+    def __post_init__(self):
+        if not (isinstance(self.token, str) and TOKEN.fullmatch(self.token)):
+            raise ValueError(f"a group token is 32 lowercase hex digits, got {str(self.token)[:40]!r}")
+        for name, value, low, high in (("world", self.world, 2, MAX_WORLD), ("rank", self.rank, 0, self.world - 1),
+                                       ("timeout", self.timeout, 1, MAX_TIMEOUT_S)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+                raise ValueError(f"a group's {name} must be a number in [{low}, {high}], got {str(value)[:40]!r}")
+            if name != "timeout" and not isinstance(value, int):
+                raise ValueError(f"a group's {name} must be an integer, got {value!r}")
+
+
+def store(host: str, timeout: float):
+    """A rendezvous store served on `host` only, on a free port (`.port`): a feed's, for every group it sends to.
+    (Given a port alone, TCPStore listens on every interface: it is handed a socket bound to `host` instead.)"""
+    import torch.distributed as dist
+
+    listener = socket.create_server((host, 0), backlog=1024)
+    port = listener.getsockname()[1]
+    return dist.TCPStore(host, port, is_master=True, timeout=datetime.timedelta(seconds=timeout),
+                         wait_for_workers=False, master_listen_fd=listener.detach())
+
+
+def join(store_address: str, group: Group, bind_host: str, served=None):
+    """This member's gloo process group for `group`, formed through the store at `store_address` (or the
+    store object `served`, on the side that serves it); connections bound to `bind_host`. Raises when the
+    other members do not all come within the group's timeout."""
+    import torch.distributed as dist
+
+    limit = datetime.timedelta(seconds=group.timeout)
+    if served is None:
+        host, _, port = store_address.rpartition(":")
+        served = dist.TCPStore(host, int(port), is_master=False, timeout=limit)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+    options._timeout = limit
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"prl-weights/{group.token}", served), group.rank, group.world,
+                                 options)
+
+
+def _broadcast(pg, buffer) -> None:
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor = 0, 0
+    pg.broadcast([buffer], options).wait()
+
+
+def send(pg, tensors: Sequence) -> int:
+    """Broadcast each (name, contiguous CPU tensor) from rank 0 in order (never written: a root's buffer is
+    only read); the bytes sent."""
+    import torch
+
+    sent = 0
+    for _, tensor in tensors:
+        if tensor.numel():
+            _broadcast(pg, tensor.reshape(-1).view(torch.uint8))
+            sent += tensor.numel() * tensor.element_size()
+    return sent
+
+
+def receive(pg, metas: Sequence) -> Iterator[tuple[str, object]]:
+    """(name, tensor) for each header entry (`.name`, `.dtype`, `.shape`, `.nbytes`) as rank 0 broadcasts
+    it, each in fresh storage."""
+    import torch
+
+    for meta in metas:
+        raw = torch.empty(meta.nbytes, dtype=torch.uint8)
+        if meta.nbytes:
+            _broadcast(pg, raw)
+        yield meta.name, raw.view(getattr(torch, meta.dtype)).view(meta.shape)
+
+
+def close(pg) -> None:
+    """Drop a group (after its last broadcast, or a failure): its connections close."""
+    try:
+        pg.shutdown()
+    except Exception:  # noqa: BLE001 - already broken: nothing left to close
+        pass
