@@ -1,7 +1,7 @@
 """A weight feed's snapshot broadcast to every inference worker at once, over a torch.distributed group.
 
     group = Group("9f2c...", world=5, rank=3)      # the orchestrator names it; worker 3 of 4
-    pg = join(store_address, group, bind_host)     # every member, the feed's sender as rank 0
+    pg = join(group, bind_host, "host:port")       # every member (the feed's sender: rank 0, its own store)
     send(pg, tensors) / receive(pg, metas)          # one broadcast per tensor, in header order
 
 `weights.transport: broadcast`: the orchestrator gives every server behind on a step the same group
@@ -76,15 +76,16 @@ def store(host: str, timeout: float):
                          wait_for_workers=False, master_listen_fd=listener.detach())
 
 
-def join(store_address: str, group: Group, bind_host: str, served=None):
-    """This member's gloo process group for `group`, formed through the store at `store_address` (or the
-    store object `served`, on the side that serves it); connections bound to `bind_host`. Raises when the
-    other members do not all come within the group's timeout."""
+def join(group: Group, bind_host: str, rendezvous):
+    """This member's gloo process group for `group`, formed through `rendezvous`: the "host:port" of a feed's
+    store, or (on the side that serves it) the store itself; connections bound to `bind_host`. Raises when
+    the other members do not all come within the group's timeout."""
     import torch.distributed as dist
 
     limit = datetime.timedelta(seconds=group.timeout)
-    if served is None:
-        host, _, port = store_address.rpartition(":")
+    served = rendezvous
+    if isinstance(rendezvous, str):
+        host, _, port = rendezvous.rpartition(":")
         served = dist.TCPStore(host, int(port), is_master=False, timeout=limit)
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]

@@ -307,8 +307,8 @@ class FeedServer:
         start = time.perf_counter()
         record: dict = {"token": token, "step": held.step, "world": world, "bytes": 0}
         try:
-            pg = collective.join("", collective.Group(token, world, 0, self._group_timeout),
-                                 self._server.server_address[0], served=self._store)
+            pg = collective.join(collective.Group(token, world, 0, self._group_timeout),
+                                 self._server.server_address[0], self._store)
             try:
                 record["bytes"] = collective.send(pg, held.tensors)
             finally:
@@ -389,7 +389,7 @@ class FeedReader:
         if not isinstance(store, str) or not store.rpartition(":")[2].isdigit():
             raise FeedError(self.address, f"named no rendezvous store for group {self._group.token[:8]}: {answer}")
         try:
-            return collective.join(store, self._group, self._sock.getsockname()[0])
+            return collective.join(self._group, self._sock.getsockname()[0], store)
         except Exception as e:  # noqa: BLE001 - torch.distributed raises several kinds
             raise FeedError(self.address, f"group {self._group.token[:8]} of {self._group.world} did not form "
                                           f"within {self._group.timeout:g} s: {type(e).__name__}: {str(e)[:200]}") from None
