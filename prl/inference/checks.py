@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prl.run.collective import Group
+from prl.run.collective import Group, member
 from prl.run.rundir import RunDir, is_stable, step_of
 
 
@@ -107,13 +107,9 @@ def resolve_feeds(body: Any) -> FeedTarget:
 
 def _group(asked: Any) -> Group:
     try:
-        group = Group(**asked) if isinstance(asked, dict) else None
-    except (TypeError, ValueError) as e:
-        raise UpdateRefused(400, f'"group": {e}') from None
-    if group is None or group.rank == 0:
-        raise UpdateRefused(400, '"group" is {"token": 32 hex digits, "world": W, "rank": this server\'s first '
-                                 f'rank, 1 and up[, "timeout": s]}}, got {str(asked)[:80]!r}')
-    return group
+        return member(asked)
+    except ValueError as e:
+        raise UpdateRefused(400, f'"group" (this server\'s first rank): {e}') from None
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -65,6 +65,19 @@ class Group:
                 raise ValueError(f"a group's {name} must be an integer, got {value!r}")
 
 
+def member(asked) -> Group:
+    """A receiving member's group as a request names it ({"token", "world", "rank" >= 1[, "timeout"]}); ValueError
+    naming what is wrong."""
+    try:
+        group = Group(**asked) if isinstance(asked, dict) else None
+    except TypeError as e:
+        raise ValueError(str(e)) from None
+    if group is None or group.rank == 0:
+        raise ValueError('a member\'s group is {"token": 32 hex digits, "world": W, "rank": 1 and up[, "timeout": s]}, '
+                         f"got {str(asked)[:80]!r}")
+    return group
+
+
 def store(host: str, timeout: float):
     """A rendezvous store served on `host` only, on a free port (`.port`): a feed's, for every group it sends to.
     (Given a port alone, TCPStore listens on every interface: it is handed a socket bound to `host` instead.)"""

@@ -46,6 +46,7 @@ only when a feed is used: the control plane imports this module without it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -274,16 +275,14 @@ class FeedServer:
 
     def _join(self, sock: socket.socket, asked, held: Snapshot) -> None:
         """A reader of a group: the step's header and the store; the group's sender starts with its first."""
-        from prl.run.collective import Group
+        from prl.run.collective import member
 
         if self._store is None:
             return _send_line(sock, {"error": "this feed sends to no groups (weights.transport: broadcast)"})
         try:
-            group = Group(**asked) if isinstance(asked, dict) else None
-        except (TypeError, ValueError) as e:
+            group = member(asked)
+        except ValueError as e:
             return _send_line(sock, {"error": f"bad group: {e}"})
-        if group is None or group.rank == 0:
-            return _send_line(sock, {"error": "a group reader names its token, world, rank (1 and up) and timeout"})
         with self._lock:
             known = self._groups.get(group.token)
             if known is None:
@@ -403,8 +402,7 @@ class FeedReader:
         if self._base is not None:
             request["base"] = self._base.id
         if self._group is not None:
-            request["group"] = {"token": self._group.token, "world": self._group.world, "rank": self._group.rank,
-                                "timeout": self._group.timeout}
+            request["group"] = dataclasses.asdict(self._group)
         self._send(request)
         header = self._json(self._line())
         if "error" in header:
