@@ -7,6 +7,7 @@ The reward must clearly improve, and every step must report the train/inference 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -52,9 +53,20 @@ def test_local_moe_run_with_expert_parallelism_learns(tmp_path, env, family):
     assert max(abs(r["mismatch_ratio_mean"] - 1) for r in trained) < 0.1, [r["mismatch_ratio_mean"] for r in trained]
     weights = sorted((run / "weights").glob("step_*/model.safetensors.index.json"))
     assert weights, "the trainer published sharded weights (an index and one file per rank)"
-    if family == "qwen3_moe":  # the steps from memory (all but the checkpoint steps 10 and 20) came by broadcast
-        memory = [r for r in records if r.get("event") == "weights_loaded" and r["weights_path"].startswith("memory:")]
-        assert len(memory) >= 2 and all(r.get("group") for r in memory), memory
+    if family == "qwen3_moe":
+        assert_from_memory_by_broadcast(records, (run / "logs" / "attempt_1" / "orchestrator" / "rank_0.log").read_text())
+
+
+def assert_from_memory_by_broadcast(records: list[dict], orchestrator_log: str) -> None:
+    """The steps from memory (all but the checkpoint steps) came by broadcast, but where the trainer had already
+    moved on when a group was to form (the feeds hold only their newest step): the server then read the newest
+    step from the feeds at once, as the orchestrator's log says. No other failure of a group is expected here."""
+    memory = [r for r in records if r.get("event") == "weights_loaded" and r["weights_path"].startswith("memory:")]
+    pulled = [r["step"] for r in memory if not r.get("group")]
+    failed = [line for line in orchestrator_log.splitlines() if "the broadcast of weights step" in line]
+    assert len(memory) - len(pulled) >= 2, memory
+    assert len(pulled) <= len(failed) and all(re.search(r"holds step \d+, not step \d+", f) for f in failed), (
+        pulled, failed)
 
 
 # Mixtral: its checkpoint layout (block_sparse_moe, w1/w3/w2) is the one most unlike the in-memory names; GLM-4.5

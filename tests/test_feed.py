@@ -342,6 +342,32 @@ def test_a_group_gets_the_step_by_broadcast_and_is_sent_once():
             FeedReader(plain.address, 4, KEY, 30, group=group_of(2, 1))
 
 
+def test_a_group_forming_when_the_trainer_publishes_still_gets_the_step_it_began_on():
+    """The trainer may publish step 5 while a group for step 4 forms: its late member still gets step 4 (the
+    group completes rather than stalling its first members for the timeout); a new group or a pull is refused."""
+    step4, step5 = sample_tensors(), [(name, t + 1) for name, t in sample_tensors()]
+    with FeedServer("127.0.0.1", 0, KEY, groups=True, group_timeout=20) as feed:
+        feed.publish(4, step4)
+        early = group_of(3, 1)
+        got: list = [None, None]
+        first = threading.Thread(target=lambda: got.__setitem__(0, read_in_threads(feed.address, 4, [early])[0]))
+        first.start()
+        sender = f"prl-feed-group-{early.token[:8]}"
+        deadline = time.monotonic() + 20
+        while not any(t.name == sender for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        feed.publish(5, step5)
+        late = group_of(3, 2, early.token)
+        got[1] = read_in_threads(feed.address, 4, [late])[0]
+        first.join(60)
+        for member in got:
+            assert [(name, torch.equal(a, b)) for (name, a), (_, b) in zip(member, step4)] == [
+                (name, True) for name, _ in step4]
+        with pytest.raises(FeedError, match="holds step 5, not step 4"):
+            FeedReader(feed.address, 4, KEY, 30, group=group_of(2, 1))
+        assert [(r["step"], r.get("error")) for r in feed.group_log] == [(4, None)]
+
+
 def test_a_group_a_member_never_joins_fails_on_every_side_within_its_bound():
     with FeedServer("127.0.0.1", 0, KEY, groups=True, group_timeout=8) as feed:
         feed.publish(1, sample_tensors())

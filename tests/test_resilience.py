@@ -701,6 +701,36 @@ def test_the_watcher_broadcasts_a_step_to_every_server_behind_and_a_failed_group
             e.stop()
 
 
+def test_a_group_is_asked_for_the_step_it_was_formed_on_after_the_trainer_moved_on(tmp_path):
+    """Each member of a group asks for the group's step, even where the feeds already hold a newer one when its
+    push starts: a member asking for another step would leave the others waiting for it until the timeout."""
+    import asyncio
+
+    import httpx
+
+    from prl.orchestrator.sync import Server, ServerPool, WeightWatcher
+    from tests.fake_engine import FakeEngine
+
+    run = RunDir(tmp_path / "run").create()
+    with FakeEngine(run_dir=run.root) as engine:
+        server = Server(engine.url, workers=1)
+        watcher = WeightWatcher(run, ServerPool(generate=[server], admin=[server]), poll=0.05)
+        run.write_weights_feed(5, ["h:1"], group_timeout=7.0)
+        grouped = watcher.groups([server], watcher.newest())
+        assert grouped[server.url]["step"] == 5 and grouped[server.url]["feeds"] == ["h:1"]
+        run.write_weights_feed(6, ["h:1"], group_timeout=7.0)
+
+        async def push() -> None:
+            async with httpx.AsyncClient() as client:
+                await watcher.push(client, server, 5, grouped[server.url])
+
+        asyncio.run(push())
+        assert engine.feed_requests == [5] and engine.groups == [grouped[server.url]["group"]]
+        assert server.version == 5 and server.failures == 0
+        run.write_weights_feed(7, ["h:1"])  # feeds that send to no groups
+        assert watcher.groups([server], watcher.newest()) == {}
+
+
 def test_a_restarted_server_starts_on_the_newest_published_weights(tmp_path):
     from prl.job.runtimes import latest_weights_args
 

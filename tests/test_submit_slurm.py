@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -107,13 +108,18 @@ def test_time_limit_gives_timeout(lab, env):
     wait_for("TIMEOUT", lambda: status(env, run)["state"] == "TIMEOUT", timeout=150, interval=2)
 
 
+def says(log: Path, text: str) -> bool:
+    """`log` exists and has `text` (a role's log file appears when srun starts its step, after "running")."""
+    return log.is_file() and text in log.read_text()
+
+
 def test_requeue_starts_attempt_2_and_keeps_attempt_1_logs(lab, env):
     run, job = lab(hold=300)
     wait_for("every role running", lambda: _all_running(env, run), 60)
     first_log = run / "logs" / "attempt_1" / "trainer" / "rank_0.log"
-    wait_for("the trainer to log", lambda: "holding" in first_log.read_text(), 30)
+    wait_for("the trainer to log", lambda: says(first_log, "holding"), 60)
     first_inference = run / "logs" / "attempt_1" / "inference" / "rank_0.log"
-    wait_for("the inference server to log", lambda: "attempt 1" in first_inference.read_text(), 30)
+    wait_for("the inference server to log", lambda: says(first_inference, "attempt 1"), 60)
     subprocess.run(["scontrol", "requeue", job["job_id"]], check=True)
     wait_for("attempt 2 running", lambda: (s := status(env, run))["attempt"] == 2 and s["state"] == "RUNNING"
              and all(r["status"] == "running" for r in s["roles"]) and s, timeout=120, interval=1)
@@ -122,7 +128,7 @@ def test_requeue_starts_attempt_2_and_keeps_attempt_1_logs(lab, env):
     assert "preflight on" in text and "attempt 1" in text, "attempt 1's log was overwritten"
     # "running" means the launcher started the role's process; its first log line follows moments later
     second = run / "logs" / "attempt_2" / "trainer" / "rank_0.log"
-    wait_for("attempt 2's trainer to log", lambda: "attempt 2" in second.read_text(), 30)
+    wait_for("attempt 2's trainer to log", lambda: says(second, "attempt 2"), 60)
     assert "attempt 1" in first_inference.read_text(), "attempt 1's inference log was overwritten"
 
 

@@ -391,34 +391,37 @@ class WeightWatcher:
             return feed["step"], {"step": feed["step"], "feeds": feed["feeds"]}
         return (disk, {"step": disk}) if disk is not None else None
 
-    def groups(self, servers: list[Server], step: int) -> dict[str, dict]:
-        """`weights.transport: broadcast`: one broadcast group for the servers behind on `step` when the feeds
-        serve it and send to groups (the `group` of each one's `/prl/weights` body, by URL: its workers at the
-        next ranks); {} otherwise, and for a server whose worker count is not known (it reads the feeds)."""
-        feed = self.run.weights_feed_record() if weights_trusted(self.run) else None
+    def groups(self, servers: list[Server], newest: tuple[int, dict]) -> dict[str, dict]:
+        """`weights.transport: broadcast`: the `/prl/weights` body of each server behind (by URL) that loads
+        `newest` (a step from memory, as `newest()` found it) in one broadcast group with the others: one token,
+        its workers at the next ranks. {} when the feeds send to no groups; a server whose worker count is not
+        known is left out (it reads the feeds)."""
+        step, body = newest
+        feed = self.run.weights_feed_record() if "feeds" in body else None
         members = [s for s in servers if s.workers]
-        if feed is None or feed["step"] != step or feed["group_timeout"] is None or not members:
+        if feed is None or feed["group_timeout"] is None or not members:
             return {}
         token, world, rank = secrets.token_hex(16), 1 + sum(s.workers for s in members), 1
-        groups = {}
+        bodies = {}
         for s in members:
-            groups[s.url] = {"token": token, "world": world, "rank": rank, "timeout": feed["group_timeout"]}
+            group = {"token": token, "world": world, "rank": rank, "timeout": feed["group_timeout"]}
+            bodies[s.url] = {**body, "group": group}
             rank += s.workers
-        return groups
+        return bodies
 
-    async def push(self, client: httpx.AsyncClient, server: Server, step: int, group: dict | None = None) -> None:
-        """Bring `server` to `step` (or a newer one), with retries. `group`: the first try joins that broadcast
-        group; if the group fails, the server reads the feeds at once (not counted as a failure)."""
-        delay, attempt, group_step = 1.0, 0, step
+    async def push(self, client: httpx.AsyncClient, server: Server, step: int, grouped: dict | None = None) -> None:
+        """Bring `server` to `step` (or a newer one), with retries. `grouped` (`groups`): the first try joins
+        that broadcast group, on its step whatever the feeds hold by then (the others ask for that one); if the
+        group fails, the server reads the feeds at once (not counted as a failure)."""
+        delay, attempt = 1.0, 0
         while attempt < self.retries:
             attempt += 1
-            newest = self.newest()
-            body = {"step": step}
-            if newest is not None and newest[0] >= step:
-                step, body = newest  # a newer step appeared while we retried; an older one may be cleaned up
-            if group is not None and "feeds" in body and step == group_step:  # the others ask for that step
-                body["group"] = group
-            group = None  # one try: a group is formed once
+            if grouped is not None:
+                step, body, grouped = grouped["step"], grouped, None  # one try: a group is formed once
+            else:
+                newest, body = self.newest(), {"step": step}
+                if newest is not None and newest[0] >= step:
+                    step, body = newest  # a newer step appeared while we retried; an older one may be cleaned up
             t0 = time.monotonic()
             try:
                 r = await client.post(f"{server.url}/prl/weights", json=body, timeout=600)
@@ -490,10 +493,10 @@ class WeightWatcher:
                     self.collect()
                     behind = [s for s in self.pool.admin if (s.alive or s.rejoining)
                               and s.version < self.pool.target and s.url not in self.pushes]
-                    groups = self.groups(behind, self.pool.target) if behind else {}
+                    grouped = self.groups(behind, newest) if behind and newest and newest[0] == self.pool.target else {}
                     for s in behind:
                         self.pushes[s.url] = asyncio.create_task(
-                            self.pushed(client, s, self.pool.target, groups.get(s.url)))
+                            self.pushed(client, s, self.pool.target, grouped.get(s.url)))
                     await asyncio.sleep(self.poll)
             except asyncio.CancelledError:
                 raise
@@ -506,9 +509,9 @@ class WeightWatcher:
                 await asyncio.gather(*self.pushes.values(), return_exceptions=True)
                 self.pushes.clear()
 
-    async def pushed(self, client: httpx.AsyncClient, server: Server, step: int, group: dict | None = None) -> None:
+    async def pushed(self, client: httpx.AsyncClient, server: Server, step: int, grouped: dict | None = None) -> None:
         """`push`, then what a changed version means for the others: the pins, and whoever waits on the pool."""
-        await self.push(client, server, step, group)
+        await self.push(client, server, step, grouped)
         self.pin()
         self.pool.notify()
 

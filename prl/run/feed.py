@@ -27,8 +27,9 @@ Protocol (one connection, one step):
                        by broadcast over that group (prl/run/collective.py), and the connection closes
 
 Groups: the first reader that names a group starts the feed's sender for it (rank 0 of `world`, on the
-step the feed held then); the others of the group get the same answer. A group is sent once: a reader
-naming a group that ended, or the same token with another step or world, is refused.
+step the feed held then); the others of the group get the same answer, that step's, even once the feed
+holds a newer one (a group forming when the trainer publishes still completes). A group is sent once: a
+reader naming a group that ended, or the same token with another step or world, is refused.
 
 Deltas (`FeedServer(..., delta=True)`, `weights.delta`): each publish also encodes what changed since the
 feed's previous snapshot, element by element (bitwise: -0.0, NaN and a value that rounds to the same
@@ -192,6 +193,8 @@ class FeedServer:
         self._group_timeout = group_timeout
         self._groups: dict[str, tuple[int, int, str]] = {}
         """token -> (step, world, "sending" | "sent" | "failed"), the newest MAX_GROUPS_KEPT."""
+        self._sending: dict[str, Snapshot] = {}
+        """token -> the snapshot a group still sending was formed on (its late members get that step)."""
         self.group_log: deque[dict] = deque(maxlen=MAX_GROUPS_KEPT)
         """What each ended group did: {"token", "step", "world", "bytes", "seconds"[, "error"]}."""
         self._store = None
@@ -258,8 +261,11 @@ class FeedServer:
             if not (isinstance(request, dict) and isinstance(request.get("mac"), str)
                     and hmac.compare_digest(request["mac"], mac(self._key, nonce))):
                 return _send_line(sock, {"error": "authentication failed: wrong key"})
+            asked = request.get("group")
             with self._lock:
                 held = self._snapshot
+                if isinstance(asked, dict) and isinstance(asked.get("token"), str):
+                    held = self._sending.get(asked["token"], held)  # its members all get the step it began on
             if held is None or request.get("step") != held.step:
                 have = "no step yet" if held is None else f"step {held.step}"
                 return _send_line(sock, {"error": f"holds {have}, not step {request.get('step')}",
@@ -287,6 +293,7 @@ class FeedServer:
             known = self._groups.get(group.token)
             if known is None:
                 self._groups[group.token] = (held.step, group.world, "sending")
+                self._sending[group.token] = held
                 while len(self._groups) > MAX_GROUPS_KEPT:
                     del self._groups[next(iter(self._groups))]
                 threading.Thread(target=self._send_group, args=(group.token, group.world, held),
@@ -319,6 +326,7 @@ class FeedServer:
             log.warning("weight feed %s: the broadcast of step %d to group %s (%d members) failed after %.1f s: %s",
                         self.address, held.step, token[:8], world, record["seconds"], record["error"])
         with self._lock:
+            self._sending.pop(token, None)
             if token in self._groups:
                 self._groups[token] = (held.step, world, "failed" if "error" in record else "sent")
             self.group_log.append(record)
