@@ -65,7 +65,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model = build_tiny_model(tmp / "model", embed_scale=LORA_EMBED_SCALE)
-        common = [f"model.path={model}", f"training.max_steps={args.steps}", "--local"]
+        # configs/local-pool-run.yaml resamples groups without signal; the own-server runs do the same here
+        common = [f"model.path={model}", f"training.max_steps={args.steps}", "training.advantage.dynamic_sampling=4",
+                  "--local"]
         own = {n: tmp / f"own-{n}" for n in ("a", "b")}
         own_s = run_both([["submit", "configs/local-lora.yaml", f"name=own-{n}", f"run_dir={r}",
                            f"cluster.port_base={20000 + 100 * i}", *common] for i, (n, r) in enumerate(own.items())],
