@@ -94,7 +94,8 @@ def computed(url: str) -> float:
 
 def bench_servers(sizes: list[int], reps: int) -> None:
     from tests.tiny_model import build_tiny_model
-    from tests.vllm_fixtures import side_channel_port, start_router, start_servers
+    from tests.helpers import free_port
+    from tests.vllm_fixtures import start_router, start_servers
 
     from prl.run.rundir import RunDir
 
@@ -112,7 +113,7 @@ def bench_servers(sizes: list[int], reps: int) -> None:
         config = json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
         return {**common, "log_path": root / log, "extra_args": ("--max-model-len", max_len,
                                                                   "--kv-transfer-config", config),
-                "env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port()),
+                "env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
                         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}}
 
     specs = [nixl("kv_producer", "prefill.log"), nixl("kv_consumer", "decode.log"),

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from prl.run.rundir import RunDir
+from tests.helpers import free_port
 from tests.plans import write_plan
 from tests.tiny_model import build_tiny_model
-from tests.trainer_helpers import REPO, _free_port, make_plan, make_samples
+from tests.trainer_helpers import REPO, make_plan, make_samples
 
 WEIGHT = 0.5
 
@@ -99,7 +100,7 @@ def _setup(tmp_path) -> tuple[RunDir, int]:
 
 def _train(run: RunDir, vocab: int, stop_at: int = 0, resume: str = "none") -> subprocess.CompletedProcess:
     """The third spec on one CPU rank (no torchrun), SIGTERM to itself when step `stop_at` begins."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_free_port())}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
     cmd = [sys.executable, str(run.root.parent / "third_spec.py"), str(run.root), str(vocab), str(WEIGHT),
            str(stop_at), resume]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)

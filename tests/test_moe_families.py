@@ -22,10 +22,11 @@ import pytest
 import torch
 
 from prl.run.rundir import RunDir, is_stable
+from tests.helpers import free_port
 from tests.plans import write_plan
 from tests.test_trainer import _published_state, _reference
 from tests.tiny_model import MOE_FAMILIES, build_tiny_moe
-from tests.trainer_helpers import REPO, _free_port, make_plan
+from tests.trainer_helpers import REPO, make_plan
 
 STEPS = 3
 FAMILIES = [f for f in MOE_FAMILIES if f not in ("qwen3_moe", "qwen3_5_moe")]
@@ -52,7 +53,7 @@ def _train(root, runs: dict[tuple[str, str], tuple[object, tuple[str, ...]]], np
         dirs[mesh, family] = write_plan(RunDir(root / mesh / family), plan)
     out = root / "results.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(_free_port()), str(REPO / "tests" / "moe_family_worker.py"), str(out),
+           "127.0.0.1", "--master-port", str(free_port()), str(REPO / "tests" / "moe_family_worker.py"), str(out),
            str(STEPS), *(str(r.root) for r in dirs.values())]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

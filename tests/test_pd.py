@@ -36,6 +36,7 @@ from prl.inference.admin import (
 )
 from prl.inference.router import REMOTE_DECODE
 from prl.run.rundir import RunDir
+from tests.helpers import free_port
 from tests.test_inference import LOGPROB_TOL, hf_logprobs, prompts_for, publish_perturbed
 from tests.vllm_fixtures import (
     HTTPFailure,
@@ -43,7 +44,6 @@ from tests.vllm_fixtures import (
     metric_sum,
     prometheus,
     server_fixture,
-    side_channel_port,
     start_router,
     start_servers,
 )
@@ -83,7 +83,7 @@ def nixl_server(run: Path, model: Path, role: str, log: Path) -> dict:
     config = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
     return {"run_dir": run, "model_dir": model, "log_path": log, "timeout": START_TIMEOUT_S,
             "extra_args": ("--kv-transfer-config", json.dumps(config)),
-            "env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port()),
+            "env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
                     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", **UNPINNED}}
 
 

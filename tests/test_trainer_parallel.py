@@ -29,9 +29,10 @@ import torch
 
 from prl.run.batch import read_batch
 from prl.run.rundir import is_stable
+from tests.helpers import free_port
 from tests.test_trainer import _reference
 from tests.tiny_model import build_tiny_model, build_tiny_moe
-from tests.trainer_helpers import REPO, _free_port, launch, setup_run
+from tests.trainer_helpers import REPO, launch, setup_run
 
 STEPS = 4
 
@@ -221,7 +222,7 @@ def test_kill_in_the_middle_of_a_sharded_publish_accepts_no_partial_step(moe, tm
     script = tmp_path / "die_mid_publish.py"
     script.write_text(KILL_MID_PUBLISH)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(script), "--run-dir", str(run.root), "--resume", "none"]
+           "--master-port", str(free_port()), str(script), "--run-dir", str(run.root), "--resume", "none"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
@@ -281,7 +282,7 @@ def test_router_aux_loss_is_transformers_load_balancing_loss(moe, tmp_path, mode
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
     def step(coef: float) -> dict:
-        cmd = [sys.executable, str(script), str(model), str(vocab), str(coef), str(_free_port()), mode]
+        cmd = [sys.executable, str(script), str(model), str(vocab), str(coef), str(free_port()), mode]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-4000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -15,6 +15,7 @@ import numpy as np
 from prl.planner.model import Plan
 from prl.run.batch import Sample, publish_batch
 from prl.run.rundir import RunDir, is_stable
+from tests.helpers import free_port
 from tests.plans import local_plan, write_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,7 +106,7 @@ def launch(
     with `torchrun=True`, or with PRL_TEST_TORCHRUN=1 in the environment, torchrun starts them, as the job does."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     argv = ["--run-dir", str(run.root), "--resume", resume]
-    port = port or _free_port()
+    port = port or free_port()
     if torchrun is None:
         torchrun = os.environ.get("PRL_TEST_TORCHRUN") == "1"
     if wait and not torchrun:
@@ -138,14 +139,6 @@ def _forked(argv: list[str], env: dict[str, str], nproc: int, timeout: float) ->
     code = next((c for c in codes if c != 0), 0)
     assert code == 0, f"trainer failed (rank exit codes {codes}):\n{stdout[-4000:]}\n{stderr[-8000:]}"
     return subprocess.CompletedProcess(["prl.trainer", *argv], code, stdout, stderr)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_json(path: Path) -> dict:

@@ -25,9 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +38,7 @@ from pathlib import Path
 import pytest
 
 from prl.run.records import ENGINE_DIED_EXIT
+from tests.helpers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 600.0  # vLLM on 2 busy CPU cores has taken 300+ s to start
@@ -107,29 +106,6 @@ def http_json(method: str, url: str, body: dict | None = None, *, headers: dict 
             payload = raw.decode(errors="replace")
         raise HTTPFailure(e.code, payload) from None
     return json.loads(raw) if raw else {}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def side_channel_port() -> int:
-    """A free port below Linux's ephemeral range (32768-60999), as the planner's port_base + 300 is.
-
-    An ephemeral one (`free_port`) was taken, between the check and vLLM's bind, by one of the random
-    ports the three servers starting at once open for themselves: the prefill server's NIXL listener
-    then died ("Address already in use") and its engine hung at start-up waiting for it.
-    """
-    for port in random.Random().sample(range(20000, 32000), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32000 for a NIXL side channel")
 
 
 def _tail(path: Path, n: int) -> str:
