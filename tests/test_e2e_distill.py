@@ -96,7 +96,8 @@ def reference_scored(run: Path, made: list[dict], trained: list[dict]) -> None:
 
     assert all(r["reference_tokens_per_s"] > 0 for r in made), made
     # Step 1's samples come from the initial weights, which the reference serves: at every sampled token its
-    # logprob is the sampler's own (both fp32 vLLM, raw logprobs at temperature 1; measured: equal); 0 elsewhere.
+    # logprob is the sampler's own (both fp32 vLLM at temperature 1, where the sampler's processed logprobs are the
+    # raw ones; measured: equal); 0 elsewhere.
     first = read_batch(RunDir(run).rollouts(1)).arrays
     mask = first["loss_mask"].astype(bool)
     ref, sampled = first["reference_logprobs"], first["inference_logprobs"]

@@ -190,6 +190,33 @@ def test_a_packed_row_through_the_model_matches_transformers_dense_mask_losses_a
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("head", ["chunked head", "full logits"])
+def test_the_trainer_logprobs_are_at_the_sampling_temperature(monkeypatch, head):
+    """`training.temperature`: the logprobs and entropy of logits / T (what the servers sample from and report,
+    `--logprobs-mode processed_logprobs`), values and gradients, by both heads."""
+    from prl.trainer import engine
+
+    model = _tiny_qwen3()
+    if head == "full logits":
+        monkeypatch.setattr(engine, "supports_chunked_head", lambda m: False)
+    ids = torch.randint(0, 96, (24,), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(24)
+    x = {"input_ids": ids, "position_ids": pos, "full_position_ids": pos, "targets": torch.roll(ids, -1)}
+    logits = model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0] / 0.7
+    ref_logp, ref_ent = token_logprobs_and_entropy(logits, x["targets"])
+    (ref_logp.sum() + ref_ent.sum()).backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    _, logp, ent = engine.forward_logprobs(model, x, 0.0, temperature=0.7)
+    torch.testing.assert_close(logp, ref_logp.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ent, ref_ent.float(), rtol=1e-6, atol=1e-6)
+    (logp.sum() + ent.sum()).backward()
+    for (name, p), r in zip(model.named_parameters(), ref_grads, strict=True):
+        torch.testing.assert_close(p.grad, r, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    untempered = token_logprobs_and_entropy(logits * 0.7, x["targets"])[0]
+    assert (logp - untempered.float()).abs().max() > 1e-2, "the temperature changed nothing"
+
+
 def _fsdp_grads_and_layer_calls(model, checkpointing: bool, mesh) -> tuple[dict[str, torch.Tensor], list[int]]:
     """One forward/backward of `model` under FSDP2 (prl's apply_fsdp) on one packed row; each layer's MLP runs."""
     from prl.trainer.attention import install_packed

@@ -273,7 +273,7 @@ def test_the_rl_step_hands_a_custom_loss_its_inputs_and_uses_its_loss():
     CALLS.clear()
     cfg = types.SimpleNamespace(training=types.SimpleNamespace(
         loss=Loss(import_path="tests.custom_loss:scaled_pg", args={"scale": 0.5}), router_aux_loss_coef=0.0,
-        router_replay=False),
+        router_replay=False, temperature=1.0),
         scorers=("teacher",), compile=False)
     bad = types.SimpleNamespace(training=types.SimpleNamespace(loss=Loss(import_path="tests.custom_loss:nothing")),
                                 scorers=())

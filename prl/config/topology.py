@@ -584,7 +584,11 @@ class Training(Strict, kw_only=True):
     """Checkpoints kept on disk."""
     max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS)] = 1024
     """Most tokens generated per rollout turn."""
-    temperature: Annotated[float, Meta(ge=0)] = 1.0
+    temperature: Annotated[float, Meta(gt=0)] = 1.0
+    """Sampling temperature of the rollouts. The servers return the logprobs of the distribution they sample
+    from (`--logprobs-mode processed_logprobs`) and the trainer divides its logits by the same temperature, so the
+    importance ratio and the mismatch compare like with like (greedy, 0, cannot train: a group's rollouts would
+    all be the same). Teacher and reference logprobs stay at temperature 1."""
     loss: Loss = Loss()
     advantage: Advantage = Advantage()
     router_aux_loss_coef: Annotated[float, Meta(ge=0)] = 0.0

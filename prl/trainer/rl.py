@@ -102,7 +102,8 @@ class RLSpec(Spec):
     def micro_loss(self, model, x: dict[str, torch.Tensor], n_loss_tokens: int, aux_weight: float):
         """Loss share and stats of this rank's positions of one micro-batch (see `engine.prepare`)."""
         coef = self.cfg.training.router_aux_loss_coef
-        out, logp, entropy = forward_logprobs(model, x, coef, fused=self.cfg.compile)
+        out, logp, entropy = forward_logprobs(model, x, coef, fused=self.cfg.compile,
+                                              temperature=self.cfg.training.temperature)
         inputs = LossInputs(logp, x["inference_logprobs"], x["advantages"], x["loss_mask"],
                             sample_ids_of(x["position_ids"]), n_loss_tokens,
                             teacher_logprobs=x.get("teacher_logprobs"), reference_logprobs=x.get("reference_logprobs"))
