@@ -117,7 +117,8 @@ def test_local_vlm_run_learns_prl_shapes_on_pictures_trainer_and_server_agree_on
     trainer = [r for r in records if r["role"] == "trainer"]
     assert trainer[0]["mismatch_kl"] < 1e-6 and trainer[0]["loss_tokens"] > 0, trainer[0]
     orchestrator = [r for r in records if r["role"] == "orchestrator" and not r.get("eval")]
-    assert orchestrator[-1]["metric/answered"] > orchestrator[0]["metric/answered"]
+    answered = [r["metric/answered"] for r in orchestrator]  # per step: 0.125-0.41 in one run, so 4 steps each
+    assert sum(answered[-4:]) > sum(answered[:4]), answered
     loads = [r for r in records if r.get("event") == "weights_loaded"]
     # The newest, not each: how many it loads depends on the machine's load (7 of 16 in one CI rehearsal, more
     # when idle), so the count asked for is a floor that only a server that stopped loading misses.

@@ -251,7 +251,8 @@ ROUTER_AUX = textwrap.dedent("""
     from tests.trainer_helpers import make_samples
 
     model_dir, vocab, coef, mode = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[5]
-    training = types.SimpleNamespace(loss=Loss(), max_grad_norm=0.0, router_aux_loss_coef=coef, router_replay=False)
+    training = types.SimpleNamespace(loss=Loss(), max_grad_norm=0.0, router_aux_loss_coef=coef, router_replay=False,
+                                     temperature=1.0)
     cfg = types.SimpleNamespace(model_path=model_dir, mesh=Mesh(dp_replicate=1, dp_shard=1, cp=1, ep=1, world_size=1),
                                 precision="fp32", activation_checkpointing=False, master_port=int(sys.argv[4]),
                                 training=training, scorers=(), train_vision=False, compile=False)

@@ -10,8 +10,8 @@ logprob of the prompt's own token there (`prompt_logprobs: 0` asks for it alone;
 The whole sequence is sent (the model tokens' context), and the sample keeps the logprobs at its loss-mask
 positions only: the student's sampled tokens. Prompt, tool and user tokens of a multi-turn rollout get 0.
 The logprobs are the raw model's, at temperature 1 whatever `training.temperature` is (prompt logprobs are
-never processed by vLLM's sampler). Token in, logprob out: a scorer never sees text, so it must share the student's tokenizer
-(the planner checks it).
+never processed by vLLM's sampler). Token in, logprob out: a scorer never sees text, so it must share the
+student's tokenizer (the planner checks it).
 
 Scoring runs after a step's rollouts are made and before they are published; in continuous mode the next
 step's rollouts keep generating meanwhile. Up to `max_concurrent` requests are in flight per role.
