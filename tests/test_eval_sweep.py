@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from prl.errors import ConfigError
 from prl.ops.sweep import array_parameters, choose_steps
 from prl.orchestrator.eval import pass_at_k
 from prl.orchestrator.rollouts import Rollout
+from prl.orchestrator import sweep
 from prl.orchestrator.sweep import role_env, server_flags
 from prl.planner.model import Plan
 from prl.run.rundir import RunDir
@@ -32,6 +35,44 @@ def test_role_env_reads_references_like_the_step_script():
     assert role_env(pairs, {"TOKEN": "s3cret"}) == {"A": "plain", "B": "s3cret", "C": "x-fallback-y"}
     with pytest.raises(RuntimeError, match=r"\$\{TOKEN\} is not set"):
         role_env(pairs, {})
+
+
+HEALTH_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def test_an_evaluation_server_whose_port_was_taken_before_it_bound_starts_again_on_another(tmp_path, monkeypatch):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1], taken.getsockname()[1], sweep.free_port()])
+    monkeypatch.setattr(sweep, "free_port", lambda: next(ports))
+    log = tmp_path / "eval.log"
+    with taken:
+        server, url = sweep.start_server(lambda port: [sys.executable, "-c", HEALTH_SERVER, str(port)], {}, log)
+    try:
+        assert url.endswith(f":{server.args[-1]}") and server.poll() is None
+        assert log.read_text().count("Address already in use") == 2  # two starts refused, the third serves
+    finally:
+        sweep.stop(server)
+
+
+def test_an_evaluation_server_that_fails_for_another_reason_is_not_started_again(tmp_path):
+    starts = []
+
+    def argv(port: int) -> list[str]:
+        starts.append(port)
+        return [sys.executable, "-c", "raise SystemExit('no model here')"]
+
+    with pytest.raises(RuntimeError, match=r"exited with code 1 before it was healthy; its log: .*eval.log"):
+        sweep.start_server(argv, {}, tmp_path / "eval.log")
+    assert len(starts) == 1
 
 
 def rollouts(rewards: list[float], failed: int = 0) -> list[Rollout]:

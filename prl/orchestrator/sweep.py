@@ -30,11 +30,13 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from prl.planner.model import START_TIMEOUT_S
 
 KEY_VAR = "PRL_EVAL_API_KEY"
+BIND_TRIES = 3
+"""Starts of an evaluation server whose port another process took before it bound (start_server)."""
 FLEET_FLAGS = ("--model", "--port", "--host", "--data-parallel-size", "--data-parallel-size-local",
                "--data-parallel-address", "--data-parallel-rpc-port", "--data-parallel-start-rank",
                "--headless", "--api-server-count", "--kv-transfer-config", "--kv-offloading-size",
@@ -112,20 +114,19 @@ def evaluate_step(task: EvalTask) -> list[dict[str, Any]]:
     if task.step and not is_stable(run.weights(task.step)):
         raise RuntimeError(f"weights step {task.step} of {run.root} is not published (no STABLE marker)")
     served = plan.eval_server()
-    port, key = free_port(), secrets.token_urlsafe(24)
+    key = secrets.token_urlsafe(24)
     log_path = run.eval_log(task.step)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "prl.inference", "--run-dir", str(run.root), "--api-key-env", KEY_VAR,
-            "--model", model, *server_flags(served.args), "--host", "127.0.0.1", "--port", str(port)]
     step = next(st for st in plan.steps if st.name == served.step)
     env = {**dict(served.env), **os.environ, **role_env(step.env, dict(os.environ)), "PRL_ROLE": "inference",
            KEY_VAR: key}
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "ab") as log:
-        server = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  start_new_session=True)
+
+    def argv(port: int) -> list[str]:
+        return [sys.executable, "-m", "prl.inference", "--run-dir", str(run.root), "--api-key-env", KEY_VAR,
+                "--model", model, *server_flags(served.args), "--host", "127.0.0.1", "--port", str(port)]
+
+    server, url = start_server(argv, env, log_path)
     try:
-        wait_healthy(server, url, log_path)
         os.environ[KEY_VAR] = key  # prl eval's client reads the key from the variable it is named by
         rows = []
         for env_id in task.envs:
@@ -139,6 +140,36 @@ def evaluate_step(task: EvalTask) -> list[dict[str, Any]]:
     finally:
         os.environ.pop(KEY_VAR, None)
         stop(server)
+
+
+def start_server(argv: Callable[[int], list[str]], env: dict[str, str], log_path: Path) -> tuple[subprocess.Popen, str]:
+    """`argv(port)` started on a free port of 127.0.0.1 (its output appended to `log_path`), once healthy: the
+    process and its URL. Between `free_port()` and the server's bind another process can take the port (a
+    busy node, or array tasks of the same sweep side by side): a server that exits saying the address is in
+    use is started again on another port, BIND_TRIES times in all."""
+    attempt = 1
+    while True:
+        port = free_port()
+        logged = log_path.stat().st_size if log_path.exists() else 0
+        with open(log_path, "ab") as log:
+            server = subprocess.Popen(argv(port), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(server, url, log_path)
+            return server, url
+        except BaseException:
+            stop(server)
+            if attempt == BIND_TRIES or not port_taken(log_path, logged):
+                raise
+        attempt += 1
+
+
+def port_taken(log_path: Path, since: int) -> bool:
+    """Whether what the server logged after byte `since` says its port was taken."""
+    with open(log_path, "rb") as log:
+        log.seek(since)
+        return b"Address already in use" in log.read()
 
 
 def wait_healthy(server: subprocess.Popen, url: str, log_path: Path) -> None:
