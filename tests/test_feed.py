@@ -235,7 +235,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                                       b.reshape(-1).view(torch.uint8))
 
 
-def test_a_reader_holding_the_previous_step_gets_only_what_changed():
+def delta_steps() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Two steps whose tensors changed in every way a delta must carry (bitwise changes, whole tensors, masks)."""
     gen = torch.Generator().manual_seed(1)
     step1 = {"w": torch.randn(256, 64, generator=gen).to(torch.bfloat16), "norm": torch.zeros(64),
              "same": torch.randn(32, generator=gen), "ids": torch.arange(10), "mask": torch.tensor([True, False] * 8),
@@ -247,6 +248,11 @@ def test_a_reader_holding_the_previous_step_gets_only_what_changed():
     step2["ids"] = torch.arange(10) * 7 + 1      # all changed: sent whole
     step2["mask"][1] = True
     step2["dense"][::3] += 1.0                   # a third changed: a bit mask is smaller than the indices
+    return step1, step2
+
+
+def test_a_reader_holding_the_previous_step_gets_only_what_changed():
+    step1, step2 = delta_steps()
     with FeedServer("127.0.0.1", 0, KEY, delta=True) as feed:
         feed.publish(1, sorted(step1.items()))
         first, got1 = read_step(feed, 1)
@@ -302,13 +308,14 @@ def group_of(world: int, rank: int, token: str | None = None, timeout: float = 1
     return Group(token or os.urandom(16).hex(), world, rank, timeout)
 
 
-def read_in_threads(address: str, step: int, groups: list) -> list:
+def read_in_threads(address: str, step: int, groups: list, bases: list | None = None) -> list:
     """Each group member's reader in a thread of its own (as the workers of servers): its tensors, or its error."""
     got: list = [None] * len(groups)
+    bases = bases or [None] * len(groups)
 
     def member(i: int) -> None:
         try:
-            got[i] = list(FeedReader(address, step, KEY, 30, group=groups[i]))
+            got[i] = list(FeedReader(address, step, KEY, 30, base=bases[i], group=groups[i]))
         except Exception as e:  # noqa: BLE001 - the test looks at it
             got[i] = e
 
@@ -340,6 +347,36 @@ def test_a_group_gets_the_step_by_broadcast_and_is_sent_once():
         plain.publish(4, tensors)
         with pytest.raises(FeedError, match="sends to no groups"):
             FeedReader(plain.address, 4, KEY, 30, group=group_of(2, 1))
+
+
+def test_a_group_whose_members_all_hold_the_previous_step_gets_the_delta_by_broadcast():
+    """`weights.delta` with `broadcast`: the group is sent only what changed when every member kept the feed's
+    previous step; one member without it (a restarted server), and every member gets the whole step."""
+    step1, step2 = delta_steps()
+    step3 = {name: t.clone() for name, t in step2.items()}
+    step3["w"].view(-1)[5] = 9.0
+    with FeedServer("127.0.0.1", 0, KEY, delta=True, groups=True, group_timeout=20) as feed:
+        feed.publish(1, sorted(step1.items()))
+        first = group_of(3, 1)
+        got1 = read_in_threads(feed.address, 1, [first, group_of(3, 2, first.token)])
+        bases = [Base(feed._snapshot.id, dict(member)) for member in got1]
+        feed.publish(2, sorted(step2.items()))
+        second = group_of(3, 1)
+        got2 = read_in_threads(feed.address, 2, [second, group_of(3, 2, second.token)], bases)
+        kept = Base(feed._snapshot.id, dict(got2[0]))
+        feed.publish(3, sorted(step3.items()))
+        third = group_of(3, 1)
+        got3 = read_in_threads(feed.address, 3, [third, group_of(3, 2, third.token)], [kept, None])
+    for step, got in ((step2, got2), (step3, got3)):
+        for member in got:
+            assert not isinstance(member, Exception), member
+            assert dict(member).keys() == step.keys() and all(same_bits(dict(member)[n], step[n]) for n in step)
+    whole = sum(t.numel() * t.element_size() for t in step1.values())
+    log = [(r["step"], r["delta"], r.get("error")) for r in feed.group_log]
+    assert log == [(1, False, None), (2, True, None), (3, False, None)]
+    assert feed.group_log[0]["bytes"] == feed.group_log[2]["bytes"] == whole
+    assert feed.group_log[1]["bytes"] < whole / 20
+    assert all(same_bits(bases[0].tensors[n], step1[n]) for n in step1)  # a base is copied, never written
 
 
 def test_a_group_forming_when_the_trainer_publishes_still_gets_the_step_it_began_on():
@@ -377,6 +414,24 @@ def test_a_group_a_member_never_joins_fails_on_every_side_within_its_bound():
         assert isinstance(got[0], FeedError) and "did not form within 3 s" in str(got[0])
         with pytest.raises(FeedError, match="is sending step 1 to 3 members, not step 1 to 4"):
             FeedReader(feed.address, 1, KEY, 30, group=group_of(4, 1, waiting.token))
+        while not feed.group_log:
+            assert time.monotonic() - start < 30, "the feed's sender is still waiting"
+            time.sleep(0.1)
+        assert "error" in feed.group_log[0] and feed.group_log[0]["bytes"] == 0
+
+
+def test_members_waiting_for_the_rest_of_a_delta_group_give_up_at_the_feeds_bound():
+    """Members holding the base wait at the feed for the others before it tells them delta or whole: a member
+    that never comes fails them within the group timeout, with the reason."""
+    step1, step2 = delta_steps()
+    with FeedServer("127.0.0.1", 0, KEY, delta=True, groups=True, group_timeout=3) as feed:
+        feed.publish(1, sorted(step1.items()))
+        base = Base(feed._snapshot.id, step1)
+        feed.publish(2, sorted(step2.items()))
+        start = time.monotonic()
+        got = read_in_threads(feed.address, 2, [group_of(3, 1)], [base])
+        assert isinstance(got[0], FeedError) and "not all 2 members asked within 3 s" in str(got[0])
+        assert time.monotonic() - start < 15
         while not feed.group_log:
             assert time.monotonic() - start < 30, "the feed's sender is still waiting"
             time.sleep(0.1)

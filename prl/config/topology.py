@@ -156,9 +156,9 @@ class Weights(Strict, kw_only=True):
     its node sends it ceil(log2(1 + workers)) times; a server the group fails for reads the feeds instead:
     docs/weights.md)."""
     delta: bool = False
-    """With `memory` (or a server that reads the feeds under `broadcast`): a server that loaded the previous
-    step from memory gets only the elements that changed (int32 index + value each), a tensor whole where
-    that is no smaller; any other server gets the whole step. Costs an element-wise compare per step on the
+    """With `memory` or `broadcast`: a server that loaded the previous step from memory gets only the elements
+    that changed (int32 index + value each), a tensor whole where that is no smaller; any other server gets
+    the whole step (under `broadcast` a group gets the delta only if every server in it kept that step). Costs an element-wise compare per step on the
     trainer and a model's worth of CPU memory per inference worker (the base the deltas apply to). Pays
     off in bf16, where most elements of a small update round to the same value (docs/weights.md)."""
     group_timeout_s: Annotated[float, Meta(ge=1, le=3600)] = 60.0

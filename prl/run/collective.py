@@ -2,7 +2,7 @@
 
     group = Group("9f2c...", world=5, rank=3)      # the orchestrator names it; worker 3 of 4
     pg = join(group, bind_host, "host:port")       # every member (the feed's sender: rank 0, its own store)
-    send(pg, tensors) / receive(pg, metas)          # one broadcast per tensor, in header order
+    send(pg, buffers) / receive(pg, raw)            # one broadcast per buffer, in header order
 
 `weights.transport: broadcast`: the orchestrator gives every server behind on a step the same group
 (a random token, the world size: 1 sender + every worker of every server, and each server's first rank).
@@ -10,8 +10,9 @@ Each worker asks the feed for the step over the feed's keyed protocol (prl/run/f
 group; the feed answers with the step's header and the address of its rendezvous store, and the first
 member to ask starts the feed's sender. Each side then forms a gloo process group of its own, on its
 own store prefix (the token), independent of any default group a trainer rank or a vLLM worker
-already has, and the tensors go out as broadcasts from rank 0. Gloo's broadcast is a binomial tree
-(members pass each tensor on): the trainer's node sends each byte ceil(log2(world)) times instead of once
+already has, and the payload goes out as broadcasts from rank 0: the step's tensors, or (`weights.delta`,
+when every member holds the feed's previous step) the delta's buffers, the same ones a pull reads.
+Gloo's broadcast is a binomial tree (members pass each buffer on): the trainer's node sends each byte ceil(log2(world)) times instead of once
 per worker (3 times for 4 workers, 6 for 32), in as many rounds. One group per feed: a sharded
 trainer's writer ranks each broadcast their own share, and a worker receives from all of them at once.
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 import datetime
 import re
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 MAX_WORLD = 4096
@@ -115,29 +116,22 @@ def _broadcast(pg, buffer) -> None:
     pg.broadcast([buffer], options).wait()
 
 
-def send(pg, tensors: Sequence) -> int:
-    """Broadcast each (name, contiguous CPU tensor) from rank 0 in order (never written: a root's buffer is
-    only read); the bytes sent."""
+def send(pg, buffers: Iterable) -> int:
+    """Broadcast each contiguous CPU tensor from rank 0 in order (never written: a root's buffer is only read);
+    the bytes sent. The members receive the same sequence, each buffer's size known from the step's header."""
     import torch
 
     sent = 0
-    for _, tensor in tensors:
+    for tensor in buffers:
         if tensor.numel():
             _broadcast(pg, tensor.reshape(-1).view(torch.uint8))
             sent += tensor.numel() * tensor.element_size()
     return sent
 
 
-def receive(pg, metas: Sequence) -> Iterator[tuple[str, object]]:
-    """(name, tensor) for each header entry (`.name`, `.dtype`, `.shape`, `.nbytes`) as rank 0 broadcasts
-    it, each in fresh storage."""
-    import torch
-
-    for meta in metas:
-        raw = torch.empty(meta.nbytes, dtype=torch.uint8)
-        if meta.nbytes:
-            _broadcast(pg, raw)
-        yield meta.name, raw.view(getattr(torch, meta.dtype)).view(meta.shape)
+def receive(pg, raw) -> None:
+    """The next broadcast from rank 0 into `raw` (a uint8 CPU tensor of the size the header gave)."""
+    _broadcast(pg, raw)
 
 
 def close(pg) -> None:

@@ -23,13 +23,16 @@ Protocol (one connection, one step):
                        `changed` elements are (form "index": their int32 flat indices; "mask": a bit per
                        element, numpy's packbits order), then their values
                    or, asked with "group" (`weights.transport: broadcast`, a feed made with `groups`):
-                       the whole step's header, then {"store": "host:port"}\\n; the tensors then come
-                       by broadcast over that group (prl/run/collective.py), and the connection closes
+                       one of the two headers above, then {"store": "host:port"}\\n; the buffers it
+                       announces then come by broadcast over that group (prl/run/collective.py), each
+                       in a broadcast of its own, and the connection closes
 
 Groups: the first reader that names a group starts the feed's sender for it (rank 0 of `world`, on the
 step the feed held then); the others of the group get the same answer, that step's, even once the feed
 holds a newer one (a group forming when the trainer publishes still completes). A group is sent once: a
-reader naming a group that ended, or the same token with another step or world, is refused.
+reader naming a group that ended, or the same token with another step or world, is refused. A group
+gets the delta only if every member names the base (they wait for each other at the feed, within the
+group timeout); one member without it, and the whole group gets the whole step.
 
 Deltas (`FeedServer(..., delta=True)`, `weights.delta`): each publish also encodes what changed since the
 feed's previous snapshot, element by element (bitwise: -0.0, NaN and a value that rounds to the same
@@ -113,12 +116,26 @@ class Snapshot:
     delta: tuple = ()
     """Per tensor, in header order: (form, where, values) where they are smaller than the tensor, else None."""
 
-    def payload(self, delta: bool):
-        """The raw byte buffers after the header, in order."""
+    def parts(self, delta: bool):
+        """The non-empty tensors whose bytes follow the header (the delta's or the whole step's), in order."""
         for (_, t), change in zip(self.tensors, self.delta if delta else (None,) * len(self.tensors)):
             for part in change[1:] if change is not None else (t,):
                 if part.numel():
-                    yield _bytes_of(part)
+                    yield part
+
+    def payload(self, delta: bool):
+        """The raw byte buffers after the header, in order."""
+        return map(_bytes_of, self.parts(delta))
+
+
+@dataclass
+class _Round:
+    """One group a feed is sending to: the snapshot it was formed on and whether it gets the delta."""
+    held: Snapshot
+    asked: int = 0
+    """Members that asked so far."""
+    delta: bool | None = None
+    """None until decided: the delta once every member asked naming the snapshot's base, else the whole step."""
 
 
 def snapshot(step: int, tensors: Sequence[tuple[str, "torch.Tensor"]], deltas: bool = False,  # noqa: F821
@@ -190,13 +207,14 @@ class FeedServer:
         self._delta = delta
         self._snapshot: Snapshot | None = None
         self._lock = threading.Lock()
+        self._decided = threading.Condition(self._lock)
         self._group_timeout = group_timeout
         self._groups: dict[str, tuple[int, int, str]] = {}
         """token -> (step, world, "sending" | "sent" | "failed"), the newest MAX_GROUPS_KEPT."""
-        self._sending: dict[str, Snapshot] = {}
-        """token -> the snapshot a group still sending was formed on (its late members get that step)."""
+        self._sending: dict[str, _Round] = {}
+        """token -> a group still sending: the snapshot it was formed on (its late members get that step)."""
         self.group_log: deque[dict] = deque(maxlen=MAX_GROUPS_KEPT)
-        """What each ended group did: {"token", "step", "world", "bytes", "seconds"[, "error"]}."""
+        """What each ended group did: {"token", "step", "world", "delta", "bytes", "seconds"[, "error"]}."""
         self._store = None
         if groups:
             from prl.run import collective
@@ -264,14 +282,14 @@ class FeedServer:
             asked = request.get("group")
             with self._lock:
                 held = self._snapshot
-                if isinstance(asked, dict) and isinstance(asked.get("token"), str):
-                    held = self._sending.get(asked["token"], held)  # its members all get the step it began on
+                if isinstance(asked, dict) and isinstance(asked.get("token"), str) and asked["token"] in self._sending:
+                    held = self._sending[asked["token"]].held  # its members all get the step it began on
             if held is None or request.get("step") != held.step:
                 have = "no step yet" if held is None else f"step {held.step}"
                 return _send_line(sock, {"error": f"holds {have}, not step {request.get('step')}",
                                          "step": held.step if held else None})
             if "group" in request:
-                return self._join(sock, request["group"], held)
+                return self._join(sock, request["group"], held, request.get("base"))
             delta = held.base is not None and request.get("base") == held.base
             sock.sendall(held.delta_header if delta else held.header)
             for view in held.payload(delta):
@@ -279,8 +297,9 @@ class FeedServer:
         except (OSError, ValueError):
             return  # the reader went away or spoke nonsense: its fetch reports it
 
-    def _join(self, sock: socket.socket, asked, held: Snapshot) -> None:
-        """A reader of a group: the step's header and the store; the group's sender starts with its first."""
+    def _join(self, sock: socket.socket, asked, held: Snapshot, base) -> None:
+        """A reader of a group: the step's header (the delta's where every member holds its base) and the store;
+        the group's sender starts with its first."""
         from prl.run.collective import member
 
         if self._store is None:
@@ -293,30 +312,57 @@ class FeedServer:
             known = self._groups.get(group.token)
             if known is None:
                 self._groups[group.token] = (held.step, group.world, "sending")
-                self._sending[group.token] = held
+                self._sending[group.token] = _Round(held)
                 while len(self._groups) > MAX_GROUPS_KEPT:
                     del self._groups[next(iter(self._groups))]
                 threading.Thread(target=self._send_group, args=(group.token, group.world, held),
                                  name=f"prl-feed-group-{group.token[:8]}", daemon=True).start()
+            sent = self._sending.get(group.token)
         if known is not None and known != (held.step, group.world, "sending"):
             step, world, state = known
             why = ("has ended" if state != "sending" else f"is sending step {step} to {world} members, not step "
                    f"{held.step} to {group.world}")
             return _send_line(sock, {"error": f"group {group.token[:8]} {why}"})
-        sock.sendall(held.header)
+        delta = self._delta_for(sent, group.world, base)
+        if delta is None:
+            return _send_line(sock, {"error": f"group {group.token[:8]}: not all {group.world - 1} members asked "
+                                              f"within {self._group_timeout:g} s"})
+        sock.sendall(held.delta_header if delta else held.header)
         _send_line(sock, {"store": self.store_address})
 
+    def _delta_for(self, sent: _Round, world: int, base) -> bool | None:
+        """Whether the group gets its step as the delta: only if every member names the snapshot's base, so the
+        members that do wait for the others (at most the group timeout; None if they do not all come). A feed
+        without deltas, or a member without that base, decides at once: the whole step, for every member."""
+        deadline = time.monotonic() + self._group_timeout
+        with self._decided:
+            sent.asked += 1
+            if sent.held.base is None or base != sent.held.base:
+                sent.delta = False
+            elif sent.delta is None and sent.asked >= world - 1:
+                sent.delta = True
+            self._decided.notify_all()
+            while sent.delta is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._decided.wait(left)
+            return sent.delta
+
     def _send_group(self, token: str, world: int, held: Snapshot) -> None:
-        """Rank 0 of a group: form it, broadcast `held`, drop it; bounded by the group timeout at each stage."""
+        """Rank 0 of a group: form it, broadcast `held` (or its delta, as the members were told), drop it;
+        bounded by the group timeout at each stage."""
         from prl.run import collective
 
         start = time.perf_counter()
-        record: dict = {"token": token, "step": held.step, "world": world, "bytes": 0}
+        record: dict = {"token": token, "step": held.step, "world": world, "delta": False, "bytes": 0}
         try:
             pg = collective.join(collective.Group(token, world, 0, self._group_timeout),
                                  self._server.server_address[0], self._store)
             try:
-                record["bytes"] = collective.send(pg, held.tensors)
+                # Every member was answered before it joined: the group formed, so the choice is made.
+                record["delta"] = self._sending[token].delta is True
+                record["bytes"] = collective.send(pg, held.parts(record["delta"]))
             finally:
                 collective.close(pg)
         except Exception as e:  # noqa: BLE001 - the members see it too: their update fails, they pull instead
@@ -358,15 +404,15 @@ class FeedReader:
     did. `id` is the snapshot's, `keep` whether the feed computes deltas (keeping what was read pays off),
     `received` the bytes read off the socket so far.
 
-    With `group` (prl/run/collective.py) the reader joins that broadcast group instead (the whole step,
-    never a delta): the group is formed before the constructor returns, so a member that does not come
+    With `group` (prl/run/collective.py) the reader joins that broadcast group instead (the delta if every
+    member holds the base, else the whole step): the group is formed before the constructor returns, so a member that does not come
     fails it before the caller touches anything; the group's timeout bounds each stage."""
 
     def __init__(self, address: str, step: int, key: bytes, timeout: float, base: Base | None = None,
                  group=None):
         self.address = address
         self.received = 0
-        self._base = None if group is not None else base
+        self._base = base
         self._group = group
         self._pg = None
         self._receiving = False
@@ -453,13 +499,13 @@ class FeedReader:
     def __iter__(self) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821
         """Each tensor in fresh storage (never a reused buffer: vLLM's layerwise reload keeps what it is
         handed until the layer is complete; a delta is applied to a copy of the base's tensor); FeedError
-        if the stream ends or stalls early."""
-        if self._group is not None:
-            yield from self._received()
-            return
+        if the stream ends or stalls early (in a group: a broadcast fails or times out)."""
         import numpy as np
         import torch
 
+        if self._group is not None and self._pg is None:
+            raise FeedError(self.address, f"group {self._group.token[:8]}: the reader was closed")
+        self._receiving = self._group is not None
         try:
             for i, meta in enumerate(self.tensors):
                 what = f"tensor {i + 1} of {len(self.tensors)} ({meta.name})"
@@ -483,35 +529,27 @@ class FeedReader:
                 tensor.view(-1)[where] = values
                 yield meta.name, tensor
         finally:
-            self.close()
-
-    def _received(self) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821
-        from prl.run import collective
-
-        if self._pg is None:
-            raise FeedError(self.address, f"group {self._group.token[:8]}: the reader was closed")
-        self._receiving = True
-        try:
-            stream = collective.receive(self._pg, self.tensors)
-            for i in range(len(self.tensors)):
-                try:
-                    name, tensor = next(stream)
-                except Exception as e:  # noqa: BLE001 - a member or the sender died, or a broadcast timed out
-                    raise FeedError(self.address, f"group {self._group.token[:8]}, tensor {i + 1} of "
-                                                  f"{len(self.tensors)} ({self.tensors[i].name}): "
-                                                  f"{type(e).__name__}: {str(e)[:200]}") from None
-                self.received += self.tensors[i].nbytes
-                yield name, tensor
-        finally:
             self._receiving = False
             self.close()
 
     def _read(self, nbytes: int, what: str) -> "torch.Tensor":  # noqa: F821
+        """The next `nbytes` of the payload, off the socket or (in a group) by broadcast, in fresh storage."""
         import torch
 
         raw = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes:
+        if not nbytes:
+            return raw
+        if self._group is None:
             self._read_into(memoryview(raw.numpy()), what)
+            return raw
+        from prl.run import collective
+
+        try:
+            collective.receive(self._pg, raw)
+        except Exception as e:  # noqa: BLE001 - a member or the sender died, or a broadcast timed out
+            raise FeedError(self.address, f"group {self._group.token[:8]}, {what}: "
+                                          f"{type(e).__name__}: {str(e)[:200]}") from None
+        self.received += nbytes
         return raw
 
     def close(self) -> None:
