@@ -48,7 +48,7 @@ CHECKPOINT_KEEP = 1
 
 def trainer_rank(run: Path, rank: int) -> int:
     for pid, _, cmd in processes():
-        if "prl.trainer" in cmd and str(run) in cmd and "torch.distributed.run" not in cmd:
+        if "prl.trainer" in cmd and str(run) in cmd and "prl.trainer.launch" not in cmd:  # a rank, not torchrun
             try:
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:

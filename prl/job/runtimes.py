@@ -6,7 +6,9 @@ Called by `prl.job.role` after the preflight. Each role's runtime is a child pro
     teacher / reference            python -m prl.inference   (scoring servers) the same; never load new weights
     router                         python -m prl.inference.router  (P/D)  ready on /health
     orchestrator                   python -m prl.orchestrator         ready when it heartbeats
-    trainer                        torchrun -m prl.trainer            ready at once (it runs last)
+    trainer                        torchrun -m prl.trainer            ready at once (it runs last; torchrun as
+                                                                      prl.trainer.launch runs it: its store
+                                                                      bound to node 0's address)
 
 Servers, router and orchestrator get the run's API key (`RUN/api_key`, written by `prl submit`)
 in $PRL_INFERENCE_API_KEY, never on a command line; without the file they do not start.
@@ -53,6 +55,8 @@ def wait_endpoint(run: RunDir, role: str, index: int, stopped: Callable[[], bool
     return json.loads(path.read_text())
 
 
+TRAINER_RENDEZVOUS = "prl-static"
+"""torchrun's rendezvous backend for the trainer, registered by prl.trainer.launch (its BACKEND)."""
 HEALTH_EVERY_S = 5.0
 """How often a server's task probes /health once the server is ready."""
 
@@ -212,14 +216,15 @@ def run_orchestrator(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
 
 
 def run_trainer(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
-    """torchrun on this node; node 0 publishes the rendezvous address for the others."""
+    """torchrun on this node (prl.trainer.launch: its store bound to node 0's address); node 0 publishes the
+    rendezvous address for the others."""
     tr = plan.trainer
     if task == 0:
         atomic_write_json(run.endpoint("trainer", 0), {"host": node_address(plan), "port": tr.master_port})
     head = wait_endpoint(run, "trainer", 0, lambda: stop.signum is not None)
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={tr.nodes}",
-            f"--nproc-per-node={tr.gpus_per_node}", f"--node-rank={task}",
-            f"--master-addr={head['host']}", f"--master-port={head['port']}",
+    argv = [sys.executable, "-m", "prl.trainer.launch", f"--nnodes={tr.nodes}",
+            f"--nproc-per-node={tr.gpus_per_node}", f"--rdzv-backend={TRAINER_RENDEZVOUS}",
+            f"--rdzv-endpoint={head['host']}:{head['port']}", f"--rdzv-conf=rank={task}",
             "-m", "prl.trainer", "--run-dir", str(run.root)]
     return supervise(argv, dict(os.environ), stop, lambda: True, _ready_marker(run, "trainer", task))
 
