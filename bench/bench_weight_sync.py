@@ -1,4 +1,4 @@
-"""Weight update latency, step end -> new weights served: filesystem vs memory vs broadcast, in one run (issue 19).
+"""Weight update latency, step end -> new weights served: filesystem (hot and cold cache) vs memory vs broadcast (issue 19).
 
     VLLM_CPU_KVCACHE_SPACE=1 python bench/bench_weight_sync.py [--sizes 80,500,2000] [--repeats 3] [--warmup 1]
                                                                [--layers 8] [--wait-memory 900]
@@ -7,7 +7,7 @@ For each size in `--sizes` (MB of float32 weights) it builds a random Qwen3 of a
 (`--layers` layers, hidden the multiple of 128 that comes nearest, head_dim 64, the test
 tokenizer's ~500-token vocabulary, tied embeddings), starts one `python -m prl.inference` on it
 (vLLM, float32, `--enforce-eager`, the run's key) and, per repeat, times one update by each path
-the product has, the three taking turns at going first, so each sees the same load. The first
+the product has, the four taking turns at going first, so each sees the same load. The first
 `--warmup` repeats are printed but not counted: on this VM the first writes of a size cost the most
 kernel time (a 2 GB `save_file` outside the bench: 22-39 s, almost all of it system time; 474 MB:
 5.9 s the first time, 0.13 s repeated); later writes still vary with the machine's memory state.
@@ -17,6 +17,10 @@ kernel time (a 2 GB `save_file` outside the bench: 22-39 s, almost all of it sys
                 tokenizer in a temp dir, fsync, rename, STABLE), `POST /prl/weights {"step": N}`,
                 then one probe generate request. Also printed: the write, and the load-only part
                 (POST + probe, what this bench measured before it timed the write).
+    fs-cold     as filesystem, the step's files then dropped from the page cache (posix_fadvise
+                DONTNEED, counted in the write: milliseconds): the server reads them from the disk, as a server on another node
+                than the trainer's must (the writer's page cache is not its own). Still a local disk, not
+                a shared filesystem over a network.
     memory      the clock starts with the same kind of tensors in memory (the gathered state dict):
                 `FeedServer.publish(step, tensors)` (prl/run/feed.py; one feed, a trainer of one
                 rank), the step's record (`RunDir.write_weights_feed`), then
@@ -79,7 +83,7 @@ the step's tensors, the feed's previous snapshot and the baseline's buffer; the 
 and a reload's new tensors; plus what vLLM holds whatever the model (its 1 GiB KV cache, torch)."""
 
 
-PATHS = ("filesystem", "memory", "broadcast")
+PATHS = ("filesystem", "fs-cold", "memory", "broadcast")
 """The paths each repeat times, starting one later each repeat, so each sees the same load."""
 GROUP_TIMEOUT_S = 120.0
 
@@ -124,7 +128,7 @@ class Server:
         return self.post("/inference/v1/generate", PROBE)["choices"][0]["logprobs"]["content"][0]["logprob"]
 
 
-def by_filesystem(run: RunDir, server: Server, base: Path, tensors: dict, step: int) -> dict:
+def by_filesystem(run: RunDir, server: Server, base: Path, tensors: dict, step: int, cold: bool = False) -> dict:
     t0 = time.perf_counter()
 
     def write(tmp: Path) -> None:
@@ -134,6 +138,8 @@ def by_filesystem(run: RunDir, server: Server, base: Path, tensors: dict, step: 
                 shutil.copy2(f, tmp / f.name)
 
     run.publish_dir(run.weights(step), write, step=step)
+    if cold:
+        evict(run.weights(step))
     t1 = time.perf_counter()
     out = server.post("/prl/weights", {"step": step})
     t2 = time.perf_counter()
@@ -142,6 +148,17 @@ def by_filesystem(run: RunDir, server: Server, base: Path, tensors: dict, step: 
     assert out["step"] == step, out
     return {"total": t3 - t0, "write": t1 - t0, "post": t2 - t1, "load_only": t3 - t1,
             "pause": out["pause_seconds"], "load": out["load_seconds"], "logprob": logprob}
+
+
+def evict(published: Path) -> None:
+    """Drop the step's files from the page cache (written and fsynced, so clean): the server reads them from the
+    disk, as a server on another node than the trainer's does (its page cache never held them)."""
+    for f in published.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def by_memory(run: RunDir, server: Server, feed: FeedServer, tensors: dict, step: int, group: bool = False) -> dict:
@@ -198,16 +215,18 @@ def bench_size(mb: float, args, tmp: Path) -> dict:
         print(f"\n== {size_mb:.0f} MB: Qwen3 hidden {hidden}, {args.layers} layers, {params / 1e6:.1f}M params fp32; "
               f"server start {started.start_seconds:.0f} s", flush=True)
         last, step, buffer = server.probe(), 0, {k: torch.empty_like(v) for k, v in state.items()}
+        published: list[int] = []
         for repeat in range(args.warmup + args.repeats):
             for path in PATHS[repeat % len(PATHS):] + PATHS[:repeat % len(PATHS)]:
                 step += 1
                 tensors = noisy(state, step)
-                if path == "filesystem":
-                    r = by_filesystem(run, server, base, tensors, step)
+                if path in ("filesystem", "fs-cold"):
+                    r = by_filesystem(run, server, base, tensors, step, cold=path == "fs-cold")
                     del tensors  # before the baseline's load: one copy fewer at the peak
                     baseline = ("raw", raw_load(run.weights(step), buffer), "raw load + copy")
-                    if step > 2:  # keep only the newest steps on disk (the server's rollback target among them)
-                        shutil.rmtree(run.weights(step - 2), ignore_errors=True)
+                    published.append(step)
+                    while len(published) > 2:  # keep the newest two on disk (the server's rollback target among them)
+                        shutil.rmtree(run.weights(published.pop(0)), ignore_errors=True)
                 else:
                     r = by_memory(run, server, feed, tensors, step, group=path == "broadcast")
                     del tensors  # the feed keeps them until the next publish
@@ -218,7 +237,7 @@ def bench_size(mb: float, args, tmp: Path) -> dict:
                     results[path].append(r)
                     results[baseline[0]].append(baseline[1])
                 print(f"step {step} {path:10s}: {1000 * r['total']:8.1f} ms = "
-                      f"{'write' if path == 'filesystem' else 'publish':7s} {1000 * r['write']:7.1f} + "
+                      f"{'write' if path.startswith('f') else 'publish':7s} {1000 * r['write']:7.1f} + "
                       f"POST {1000 * r['post']:7.1f} (pause {1000 * r['pause']:5.1f}, load {1000 * r['load']:7.1f}) + "
                       f"probe {1000 * (r['load_only'] - r['post']):6.1f}"
                       + f"; {baseline[2]} {1000 * baseline[1]:.1f} ms; load average {os.getloadavg()[0]:.1f}"
@@ -231,29 +250,34 @@ def summary(sizes: list[float], done: dict) -> None:
     med = statistics.median
     print(f"\nmedians in ms ({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, torch {torch.__version__})")
     print(f"{'size':>8} {'params':>8} | {'fs total':>9} {'write':>8} {'load-only':>9} {'raw':>8} | "
+          f"{'cold total':>10} {'load':>8} | "
           f"{'mem total':>9} {'publish':>8} {'POST':>8} {'load':>8} {'read':>8} | {'bc total':>9} {'load':>8} | "
-          f"{'mem/fs':>6} {'mem/fs load-only':>16} {'bc/fs':>6}")
+          f"{'mem/fs':>6} {'mem/fs load-only':>16} {'bc/fs':>6} {'mem/cold':>8} {'bc/cold':>7}")
     for mb in sizes:
         r = done[mb]
         if isinstance(r, str):
             print(f"{mb:>6.0f}MB  {r}")
             continue
-        fs, mem, bc = r["filesystem"], r["memory"], r["broadcast"]
+        fs, cold, mem, bc = r["filesystem"], r["fs-cold"], r["memory"], r["broadcast"]
 
         def m(runs, key):
             return med(x[key] for x in runs)
 
         print(f"{r['mb']:>6.0f}MB {r['params'] / 1e6:>7.1f}M | {1000 * m(fs, 'total'):>9.1f} "
               f"{1000 * m(fs, 'write'):>8.1f} {1000 * m(fs, 'load_only'):>9.1f} {1000 * med(r['raw']):>8.1f} | "
+              f"{1000 * m(cold, 'total'):>10.1f} {1000 * m(cold, 'load'):>8.1f} | "
               f"{1000 * m(mem, 'total'):>9.1f} "
               f"{1000 * m(mem, 'write'):>8.1f} {1000 * m(mem, 'post'):>8.1f} {1000 * m(mem, 'load'):>8.1f} "
               f"{1000 * med(r['read']):>8.1f} | {1000 * m(bc, 'total'):>9.1f} {1000 * m(bc, 'load'):>8.1f} | "
               f"{m(mem, 'total') / m(fs, 'total'):>5.2f}x {m(mem, 'load_only') / m(fs, 'load_only'):>15.2f}x "
-              f"{m(bc, 'total') / m(fs, 'total'):>5.2f}x")
+              f"{m(bc, 'total') / m(fs, 'total'):>5.2f}x {m(mem, 'total') / m(cold, 'total'):>7.2f}x "
+              f"{m(bc, 'total') / m(cold, 'total'):>6.2f}x")
     print("write/publish: the trainer's part; load-only: POST + probe; load: the server's in-worker load; "
           "raw, read: the baselines")
     print("mem/fs: memory total / filesystem total (goal <= 0.5x at 500 MB+); load-only: both without the "
           "trainer's write or publish; bc/fs: broadcast total / filesystem total")
+    print("cold: the filesystem path with the step's files dropped from the page cache before the server reads "
+          "them (a server on another node than the trainer); mem/cold, bc/cold: against it")
 
 
 def main() -> None:
