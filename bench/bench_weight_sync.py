@@ -1,4 +1,4 @@
-"""Weight update latency, step end -> new weights served: filesystem (hot and cold cache) vs memory vs broadcast (issue 19).
+"""Weight update latency, step end -> new weights served: filesystem (hot, cold) vs memory vs broadcast (issue 19).
 
     VLLM_CPU_KVCACHE_SPACE=1 python bench/bench_weight_sync.py [--sizes 80,500,2000] [--repeats 3] [--warmup 1]
                                                                [--layers 8] [--wait-memory 900]
@@ -18,9 +18,9 @@ kernel time (a 2 GB `save_file` outside the bench: 22-39 s, almost all of it sys
                 then one probe generate request. Also printed: the write, and the load-only part
                 (POST + probe, what this bench measured before it timed the write).
     fs-cold     as filesystem, the step's files then dropped from the page cache (posix_fadvise
-                DONTNEED, counted in the write: milliseconds): the server reads them from the disk, as a server on another node
-                than the trainer's must (the writer's page cache is not its own). Still a local disk, not
-                a shared filesystem over a network.
+                DONTNEED, counted in the write: milliseconds): the server reads them from the disk, as a
+                server on another node than the trainer's must (the writer's page cache is not its own).
+                Still a local disk, not a shared filesystem over a network.
     memory      the clock starts with the same kind of tensors in memory (the gathered state dict):
                 `FeedServer.publish(step, tensors)` (prl/run/feed.py; one feed, a trainer of one
                 rank), the step's record (`RunDir.write_weights_feed`), then

@@ -31,7 +31,8 @@ def test_local_moe_run_with_expert_parallelism_learns(tmp_path, env, family):
         build_tiny_moe(model)
     run = tmp_path / "run"
     steps = 20
-    build = ["weights.transport=broadcast", "weights.delta=true"] if family == "qwen3_moe" else [f"model.build_tiny={family}"]
+    build = (["weights.transport=broadcast", "weights.delta=true"] if family == "qwen3_moe"
+             else [f"model.build_tiny={family}"])
     result = subprocess.run(
         [sys.executable, "-m", "prl.cli", "submit", "configs/local-moe.yaml", f"model.path={model}", *build,
          f"run_dir={run}", f"training.max_steps={steps}", "cluster.port_base=18950", "--local"],

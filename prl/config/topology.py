@@ -158,9 +158,10 @@ class Weights(Strict, kw_only=True):
     delta: bool = False
     """With `memory` or `broadcast`: a server that loaded the previous step from memory gets only the elements
     that changed (int32 index + value each), a tensor whole where that is no smaller; any other server gets
-    the whole step (under `broadcast` a group gets the delta only if every server in it kept that step). Costs an element-wise compare per step on the
-    trainer and a model's worth of CPU memory per inference worker (the base the deltas apply to). Pays
-    off in bf16, where most elements of a small update round to the same value (docs/weights.md)."""
+    the whole step (under `broadcast` a group gets the delta only if every server in it kept that step).
+    Costs an element-wise compare per step on the trainer and a model's worth of CPU memory per inference
+    worker (the base the deltas apply to). Pays off in bf16, where most elements of a small update round to
+    the same value (docs/weights.md)."""
     group_timeout_s: Annotated[float, Meta(ge=1, le=3600)] = 60.0
     """With `broadcast`: the longest a group's members wait at each stage (for every member to come, for
     each tensor), so a server or trainer rank that dies mid-update holds the others at most this long."""

@@ -12,9 +12,10 @@ member to ask starts the feed's sender. Each side then forms a gloo process grou
 own store prefix (the token), independent of any default group a trainer rank or a vLLM worker
 already has, and the payload goes out as broadcasts from rank 0: the step's tensors, or (`weights.delta`,
 when every member holds the feed's previous step) the delta's buffers, the same ones a pull reads.
-Gloo's broadcast is a binomial tree (members pass each buffer on): the trainer's node sends each byte ceil(log2(world)) times instead of once
-per worker (3 times for 4 workers, 6 for 32), in as many rounds. One group per feed: a sharded
-trainer's writer ranks each broadcast their own share, and a worker receives from all of them at once.
+Gloo's broadcast is a binomial tree (members pass each buffer on): the trainer's node sends each byte
+ceil(log2(world)) times instead of once per worker (3 times for 4 workers, 6 for 32), in as many rounds.
+One group per feed: a sharded trainer's writer ranks each broadcast their own share, and a worker
+receives from all of them at once.
 
 Every stage of it is bounded by the group's `timeout`: forming the group (a member that never comes), each
 broadcast (a member that died, a sender that died). A group that fails is dropped on every side; what

@@ -405,8 +405,9 @@ class FeedReader:
     `received` the bytes read off the socket so far.
 
     With `group` (prl/run/collective.py) the reader joins that broadcast group instead (the delta if every
-    member holds the base, else the whole step): the group is formed before the constructor returns, so a member that does not come
-    fails it before the caller touches anything; the group's timeout bounds each stage."""
+    member holds the base, else the whole step): the group is formed before the constructor returns, so a
+    member that does not come fails it before the caller touches anything; the group's timeout bounds each
+    stage."""
 
     def __init__(self, address: str, step: int, key: bytes, timeout: float, base: Base | None = None,
                  group=None):
