@@ -6,7 +6,7 @@ delta costs the trainer's feed at publish.
 
 For each published dtype and learning rate, runs `python -m prl.trainer` for `--steps` RL steps on the same
 rollout batches (bench_trainer.py's), every step published to disk (the durable record a feed mirrors).
-Then replays the steps through a real weight feed (`prl.run.feed`) with deltas on: step 1 is read whole, each
+Then replays the steps through a real weight feed (`prl.weights.feed`) with deltas on: step 1 is read whole, each
 later step by a reader that kept the one before, as an inference worker does; and through a feed that sends to
 broadcast groups (`weights.transport: broadcast`), a group of one such worker per step. Prints, per run, the
 bytes a worker reads per update (whole and delta, medians over steps 2..N; the group's broadcast bytes must
@@ -37,8 +37,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from bench_trainer import samples  # noqa: E402
 from prl.run.batch import publish_batch  # noqa: E402
-from prl.run.collective import Group  # noqa: E402
-from prl.run.feed import Base, FeedReader, FeedServer  # noqa: E402
+from prl.run.api import Group  # noqa: E402
+from prl.weights.feed import Base, FeedReader, FeedServer  # noqa: E402
 from prl.run.rundir import RunDir  # noqa: E402
 from tests.plans import write_plan  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
@@ -110,7 +110,7 @@ def replay(run: RunDir, steps: int) -> dict[str, float]:
 
 def broadcast(feed: FeedServer, step: int, kept: Base | None) -> tuple[Base, int]:
     """`step` broadcast from `feed` to a group of one worker that kept `kept`: what it holds now, the bytes sent."""
-    reader = FeedReader(feed.address, step, KEY, 60, kept, group=Group(os.urandom(16).hex(), 2, 1, 60.0))
+    reader = FeedReader(feed.address, step, KEY, 60, kept, group=Group(token=os.urandom(16).hex(), world=2, rank=1, timeout=60.0))
     got = dict(reader)
     assert reader.delta == (kept is not None), f"step {step}: the group's delta is {reader.delta}"
     deadline = time.monotonic() + 60

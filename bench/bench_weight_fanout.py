@@ -2,14 +2,14 @@
 
     python bench/bench_weight_fanout.py [--mb 474] [--receivers 1,2,4] [--repeats 5]
 
-The transport alone, without vLLM: one feed (prl/run/feed.py) in this process holds a step of `--mb` MB of
+The transport alone, without vLLM: one feed (prl/weights/feed.py) in this process holds a step of `--mb` MB of
 float32 tensors (16 of them, as a model's larger ones); N receiver processes, started once per N and kept,
 stand for the workers. Per repeat, the two ways take turns at going first:
 
     pull   every receiver reads the whole step from the feed over its own TCP connection at the same time
            (`weights.transport: memory`): the feed sends the step N times.
     group  every receiver asks the feed for the step naming one broadcast group of world N + 1 and gets the
-           tensors as gloo broadcasts (`weights.transport: broadcast`, prl/run/collective.py).
+           tensors as gloo broadcasts (`weights.transport: broadcast`, prl/weights/collective.py).
 
 The clock runs from the command to the receivers until the last says it holds the whole step (each drops
 the tensors as they come). Prints the medians and group / pull; below 1 the broadcast is faster. On one
@@ -31,19 +31,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from prl.run.feed import FeedServer  # noqa: E402
+from prl.weights.feed import FeedServer  # noqa: E402
 
 KEY = b"bench-fanout-key"
 TIMEOUT_S = 300.0
 RECEIVER = """
 import sys
-from prl.run.collective import Group
-from prl.run.feed import FeedReader
+from prl.run.api import Group
+from prl.weights.feed import FeedReader
 
 address, rank = sys.argv[1], int(sys.argv[2])
 for line in sys.stdin:
     token, world = line.split()
-    group = Group(token, int(world), rank, float(sys.argv[3])) if token != "-" else None
+    group = Group(token=token, world=int(world), rank=rank, timeout=float(sys.argv[3])) if token != "-" else None
     got = sum(t.numel() * t.element_size() for _, t in FeedReader(address, 1, sys.argv[4].encode(), 300, group=group))
     print(got, flush=True)
 """

@@ -22,21 +22,21 @@ kernel time (a 2 GB `save_file` outside the bench: 22-39 s, almost all of it sys
                 server on another node than the trainer's must (the writer's page cache is not its own).
                 Still a local disk, not a shared filesystem over a network.
     memory      the clock starts with the same kind of tensors in memory (the gathered state dict):
-                `FeedServer.publish(step, tensors)` (prl/run/feed.py; one feed, a trainer of one
+                `FeedServer.publish(step, tensors)` (prl/weights/feed.py; one feed, a trainer of one
                 rank), the step's record (`RunDir.write_weights_feed`), then
                 `POST /prl/weights {"step": N, "feeds": [address]}` (the server's workers read the
-                feed over TCP, prl/inference/feed_engine.py), then the probe.
+                feed over TCP, prl/inference/weight_engine.py), then the probe.
     broadcast   as memory, with a broadcast group in the body (`weights.transport: broadcast`, the
                 orchestrator's group for this one server: world 2, the feed's sender and its one
                 worker): the worker gets the header over the feed's socket and the tensors by gloo
-                broadcasts (prl/run/collective.py).
+                broadcasts (prl/weights/collective.py).
 
 Every step carries new noise, and the probe's greedy logprob must differ from the previous
 update's, whichever path that was (proof the new weights serve); otherwise the bench fails.
 Two baselines, outside the timed updates: for the filesystem, a raw `safetensors.torch.load_file`
 of the step's files plus a copy into preallocated tensors (what any in-place load must at least do;
 `load_file` alone is nearly free from a hot page cache, so it is not printed); for memory, reading
-the step from the feed in this process with `prl.run.feed.fetch` (what a server's worker does
+the step from the feed in this process with `prl.weights.feed.fetch` (what a server's worker does
 before vLLM's reload sees a tensor).
 
 Prints each update, then per size the medians (ms) and the ratio memory / filesystem of the
@@ -69,8 +69,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from prl.inference.checks import weight_files  # noqa: E402
-from prl.run.feed import FeedServer, fetch  # noqa: E402
+from prl.run.records import FeedRecord  # noqa: E402
+from prl.weights.feed import FeedServer, fetch  # noqa: E402
+from prl.weights.layout import weight_files  # noqa: E402
 from prl.run.rundir import API_KEY_VAR, RunDir  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 from tests.vllm_fixtures import http_json, start_inference  # noqa: E402
@@ -164,10 +165,12 @@ def evict(published: Path) -> None:
 def by_memory(run: RunDir, server: Server, feed: FeedServer, tensors: dict, step: int, group: bool = False) -> dict:
     t0 = time.perf_counter()
     feed.publish(step, sorted(tensors.items()))
-    run.write_weights_feed(step, [feed.address], GROUP_TIMEOUT_S if group else None)
+    run.write_weights_feed(FeedRecord(step=step, feeds=[feed.address], time=time.time(),
+                                      group_timeout=GROUP_TIMEOUT_S if group else None))
     t1 = time.perf_counter()
-    body = {"step": step, "feeds": [feed.address]}
+    body = {"transport": "memory", "step": step, "feeds": [feed.address]}
     if group:  # the orchestrator's group for one server of one worker: the feed's sender and that worker
+        body["transport"] = "broadcast"
         body["group"] = {"token": os.urandom(16).hex(), "world": 2, "rank": 1, "timeout": GROUP_TIMEOUT_S}
     out = server.post("/prl/weights", body)
     t2 = time.perf_counter()

@@ -19,9 +19,9 @@ model once as the server's `--model` directory, starts `python -m prl.inference`
           `prl.trainer.weights.publish_weights` (the trainer's sharded publish, a world of one:
           GPU -> CPU, safetensors, fsync, rename, STABLE) into RUN/weights/step_N on local disk,
           `POST /prl/weights {"step": N}`, one greedy probe request.
-  memory  perturb, `publish_to_feed` into this process's `FeedServer` (the trainer rank's feed:
-          GPU -> CPU, held in memory), `POST /prl/weights {"step": N, "feeds": [addr]}` (the
-          server's workers stream it over loopback TCP through the `prl_feed` engine), one probe.
+  memory  perturb, `shares` (the trainer rank's share: GPU -> CPU) published into this process's
+          `FeedServer` (held in memory), `POST /prl/weights {"transport": "memory", "step": N, "feeds":
+          [addr]}` (the server's workers stream it over loopback TCP through the "prl" engine), one probe.
 
 Each measurement runs from step end to the probe's answer, and the probe's logprob must differ
 from the previous step's (proof that new weights serve). It prints each step, then per size the
@@ -52,10 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from prl.run.feed import FeedReader, FeedServer  # noqa: E402
+from prl.weights.feed import FeedReader, FeedServer  # noqa: E402
 from prl.run.rundir import API_KEY_VAR, RunDir  # noqa: E402
 from prl.trainer.parallel import Dist  # noqa: E402
-from prl.trainer.weights import publish_to_feed, publish_weights  # noqa: E402
+from prl.trainer.weights import publish_weights, shares  # noqa: E402
 
 KEY = "gpu-weight-sync-bench"
 DTYPE = torch.bfloat16
@@ -240,8 +240,8 @@ def measure_size(name: str, shape: dict, tmp: Path, repeats: int, budget: Budget
                     publish_weights(run, step, model, base, DTYPE, d)
                     body = {"step": step}
                 else:
-                    publish_to_feed(feed, step, model, DTYPE, d)
-                    body = {"step": step, "feeds": [feed.address]}
+                    feed.publish(step, shares(model, DTYPE, d)[0])
+                    body = {"transport": "memory", "step": step, "feeds": [feed.address]}
                 t1 = time.perf_counter()
                 out = http_json("POST", server.url + "/prl/weights", body, headers=headers,
                                 timeout=max(1.0, budget.left()))
@@ -351,7 +351,8 @@ def check(tmp: Path) -> None:
     want2 = current()
     assert any(not torch.equal(want[n], want2[n]) for n in want), "optimizer_step changed nothing"
     with FeedServer("127.0.0.1", 0, KEY.encode()) as feed:
-        writers = publish_to_feed(feed, 2, model, DTYPE, d)
+        tensors, writers = shares(model, DTYPE, d)
+        feed.publish(2, tensors)
         got = dict(FeedReader(feed.address, 2, KEY.encode(), timeout=30))
     assert writers == [0] and set(got) == served_names, f"feed names {sorted(got)}"
     for n, t in got.items():

@@ -6,9 +6,10 @@ It speaks the parts of the `prl inference` API the orchestrator uses:
     GET  /v1/models                    {"data": [{"id": MODEL, "max_model_len": ...}]}
     POST /inference/v1/generate        token-level generate (verifiers' train client)
     POST /v1/chat/completions          plain chat (the eval client)
-    POST /prl/weights {"step": N}      "load" RUN/weights/step_N (checks the STABLE marker)
-    POST /prl/weights {"step": N, "feeds": [...][, "group": {...}]}   "load" step N from memory (502 unless
-                                       `feed_step` is N, or with a group while `group_fail`)
+    POST /prl/weights {"step": N}      "load" RUN/weights/step_N (checks the STABLE marker); the body is decoded
+                                       as a prl server does (prl.run.api.WeightsRequest)
+    POST /prl/weights {"transport": ..., "step": N, "feeds": [...][, "group": {...}]}   "load" step N from memory
+                                       (502 unless `feed_step` is N, or with a group while `group_fail`)
     GET  /prl/live                     {"weights_step": N, ...}
     POST /pause, /resume               (vLLM's RL API, which prl servers mount)
 
@@ -38,7 +39,11 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
+import msgspec
 from aiohttp import web
+
+from prl.run import api
+from prl.run.api import WeightsRequest
 
 
 class FakeEngine:
@@ -179,17 +184,18 @@ class FakeEngine:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model", "max_model_len": self.max_model_len}]})
 
     async def _weights(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        step = int(body["step"])
+        # Decoded as a prl server decodes it: what the orchestrator sends must be a valid request.
+        body = api.decode(await request.read(), WeightsRequest)
+        step = body.step
         self.weight_requests.append(step)
         while self.weights_gate is not None and not self.weights_gate.is_set():
             await asyncio.sleep(0.01)
         if self.weights_fail:
             return web.json_response({"error": "injected weight-load failure"}, status=500)
-        if "feeds" in body:
+        if body.feeds is not None:
             self.feed_requests.append(step)
-            if "group" in body:
-                self.groups.append(body["group"])
+            if body.group is not None:
+                self.groups.append(msgspec.to_builtins(body.group))
                 if self.group_fail:
                     return web.json_response({"error": "weight feed h:1: group did not form; nothing was loaded"},
                                              status=502)
@@ -202,7 +208,7 @@ class FakeEngine:
         return web.json_response({"weights_step": step})
 
     async def _live(self, request: web.Request) -> web.Response:
-        live = {"weights_step": self.weights_step, "paused": self.paused}
+        live = {"ok": True, "weights_step": self.weights_step, "paused": self.paused}
         if self.workers is not None:
             live["workers"] = self.workers
         return web.json_response(live)

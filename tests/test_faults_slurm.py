@@ -35,6 +35,9 @@ from pathlib import Path
 
 import pytest
 
+from prl import weights
+from prl.planner.model import Plan
+from prl.run import api
 from prl.run.rundir import RunDir
 from tests.helpers import descendants, engine_of, prl_cli as prl, processes, wait_for
 from tests.tiny_model import build_tiny_model
@@ -138,14 +141,14 @@ def server(run: Path) -> str:
 
 
 def newest_update(run: Path) -> dict:
-    """The `/prl/weights` body of the newest step, as the orchestrator's watcher builds it (feeds when newer)."""
+    """The `/prl/weights` body of the newest step, as the orchestrator's watcher builds it (the run's transport's
+    offer: from memory when newer)."""
     rundir = RunDir(run)
+    transport = weights.get(Plan.read(rundir).settings().weights.transport)
 
     def newest():
-        disk, feed = rundir.latest_stable("weights"), rundir.weights_feed()
-        if feed is not None and (disk is None or feed[0] > disk):
-            return {"step": feed[0], "feeds": feed[1]}
-        return {"step": disk} if disk is not None else None
+        offer = transport.offer(rundir)
+        return None if offer is None else api.encode(offer.request)
 
     return wait_for("a published weights step", newest, timeout=300, interval=1)
 
@@ -294,12 +297,13 @@ def kill_a_trainer_rank_mid_send(env: dict, run: Path) -> dict:
     step_of_attempt(env, run, 4)
     rundir = RunDir(run)
     # (A new attempt's trainer drops the old record: any record now is this attempt's feeds.)
-    wait_for("a step of attempt 4 served from memory", rundir.weights_feed, timeout=300, interval=0.5)
+    wait_for("a step of attempt 4 served from memory", rundir.read_weights_feed, timeout=300, interval=0.5)
     sent = {}
+    transport = Plan.read(rundir).settings().weights.transport
 
     def from_the_feeds() -> dict:
-        step, feeds = rundir.weights_feed()
-        return sent.setdefault("body", {"step": step, "feeds": feeds})
+        held = rundir.read_weights_feed()
+        return sent.setdefault("body", {"transport": transport, "step": held.step, "feeds": held.feeds})
 
     answer, body, killed = update_in_flight(run, 4, from_the_feeds, trainer_rank(run, 1))
     step = sent["body"]["step"]

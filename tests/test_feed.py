@@ -1,4 +1,4 @@
-"""The weight feed (prl/run/feed.py): a trainer rank's tensors over TCP, no vLLM, no Slurm."""
+"""The weight feed (prl/weights/feed.py): a trainer rank's tensors over TCP, no vLLM, no Slurm."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from prl.errors import FeedError
-from prl.run.feed import Base, FeedReader, FeedServer, fetch, read_concurrently
+from prl.weights.feed import Base, FeedReader, FeedServer, fetch, read_concurrently
 
 KEY = b"run-key"
 
@@ -303,9 +303,9 @@ def test_a_delta_for_a_tensor_the_reader_does_not_hold_is_refused():
 def group_of(world: int, rank: int, token: str | None = None, timeout: float = 10.0):
     import os
 
-    from prl.run.collective import Group
+    from prl.run.api import Group
 
-    return Group(token or os.urandom(16).hex(), world, rank, timeout)
+    return Group(token=token or os.urandom(16).hex(), world=world, rank=rank, timeout=timeout)
 
 
 def read_in_threads(address: str, step: int, groups: list, bases: list | None = None) -> list:
@@ -440,9 +440,9 @@ def test_members_waiting_for_the_rest_of_a_delta_group_give_up_at_the_feeds_boun
 
 MEMBER_THAT_DIES = """
 import os, sys
-from prl.run.collective import Group
-from prl.run.feed import FeedReader
-reader = FeedReader(sys.argv[1], 1, b"run-key", 30, group=Group(sys.argv[2], 3, 2, 5.0))
+from prl.run.api import Group
+from prl.weights.feed import FeedReader
+reader = FeedReader(sys.argv[1], 1, b"run-key", 30, group=Group(token=sys.argv[2], world=3, rank=2, timeout=5.0))
 for i, _ in enumerate(reader):
     if i == 1:
         os._exit(3)

@@ -4,11 +4,12 @@ Layers, lowest first; a module may import its own package and lower layers only:
 
     0  prl.errors prl.log prl.states            shared by everything
     1  prl.config                               schemas, loader
-    2  prl.run                                  run directory, batch format
-    3  prl.planner                              the typed Plan, make_plan, render, show
-    4  prl.ops  prl.job                         login-node commands / inside the job (job may use ops.slurm)
-    4  prl.inference prl.orchestrator prl.trainer   the roles: never ops, job or each other
-    5  prl.cli                                  the `prl` command
+    2  prl.run                                  run directory, its records, the HTTP bodies, batch format
+    3  prl.weights                              the weight transports (every side of each)
+    4  prl.planner                              the typed Plan, make_plan, render, show
+    5  prl.ops  prl.job                         login-node commands / inside the job (job may use ops.slurm)
+    5  prl.inference prl.orchestrator prl.trainer   the roles: never ops, job or each other
+    6  prl.cli                                  the `prl` command
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "vllm", "transformers", "verifiers", "safetensors", "numpy", "matplotlib", "wandb")
 LAYER = {
     "prl.errors": 0, "prl.log": 0, "prl.states": 0, "prl": 0,
-    "prl.config": 1, "prl.plugins": 1, "prl.run": 2, "prl.planner": 3,
-    "prl.ops": 4, "prl.job": 4, "prl.inference": 4, "prl.orchestrator": 4, "prl.trainer": 4,
-    "prl.cli": 5,
+    "prl.config": 1, "prl.plugins": 1, "prl.run": 2, "prl.weights": 3, "prl.planner": 4,
+    "prl.ops": 5, "prl.job": 5, "prl.inference": 5, "prl.orchestrator": 5, "prl.trainer": 5,
+    "prl.cli": 6,
 }
 ROLES = {"prl.inference", "prl.orchestrator", "prl.trainer"}
 ALLOWED_ACROSS = {("prl.job", "prl.ops.slurm"), ("prl.orchestrator", "prl.inference.routing")}

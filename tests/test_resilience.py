@@ -15,14 +15,17 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from prl import weights
 from prl.errors import ConfigError, RunDirError
 from prl.job import launch as launch_module
 from prl.job.launch import Launcher, RoleFailed, RoleHung, Running, restart_srun_args
 from prl.ops.status import collect, show
 from prl.planner.model import HANG_FLOOR_S
-from prl.run.records import Failure, LauncherRecord, RankBeat, ServerFailure, StepRecord
+from prl.run import api
+from prl.run.records import Failure, FeedRecord, LauncherRecord, RankBeat, ServerFailure, StepRecord
 from prl.run.rundir import MARKER, RunDir, atomic_write_json, is_stable
 from prl.states import LauncherStatus, RoleState, ServerAction
 from tests.helpers import tmpfs, wait_for
@@ -466,6 +469,24 @@ async def until(watcher, what: str, probe, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.05)
 
 
+def watcher_of(run: RunDir, pool, transport: str, **kwargs):
+    """The orchestrator's weight watcher over `pool`, with the run's transport named `transport`."""
+    from prl.orchestrator.sync import WeightWatcher
+
+    return WeightWatcher(run, pool, weights.get(transport), retries=5, poll=0.05, **kwargs)
+
+
+def offered(watcher) -> tuple[int, dict] | None:
+    """The watcher's newest offer as (step, the body it posts)."""
+    offer = watcher.newest()
+    return None if offer is None else (offer.step, api.encode(offer.request))
+
+
+def held(run: RunDir, step: int, feeds: list[str], group_timeout: float | None = None) -> None:
+    """What the trainer's rank 0 records once its feeds hold `step` (prl/weights/memory.py)."""
+    run.write_weights_feed(FeedRecord(step=step, feeds=feeds, time=time.time(), group_timeout=group_timeout))
+
+
 def test_the_watcher_drops_a_dead_server_and_takes_it_back_on_the_newest_weights(tmp_path):
     import asyncio
 
@@ -486,7 +507,7 @@ def test_the_watcher_drops_a_dead_server_and_takes_it_back_on_the_newest_weights
     endpoint(1, b.url, 1.0)
     sa, sb = Server(a.url), Server(b.url)
     pool = ServerPool(generate=[sa, sb], admin=[sa, sb], follow_endpoints=True)
-    watcher = WeightWatcher(run, pool, poll=0.05)
+    watcher = watcher_of(run, pool, "filesystem")
 
     async def scenario():
         task = asyncio.create_task(watcher.run_forever())
@@ -541,7 +562,7 @@ def test_a_server_slow_to_load_a_step_holds_no_other_server_s_next_step(tmp_path
     b.weights_gate = threading.Event()
     sa, sb = Server(a.url), Server(b.url)
     pool = ServerPool(generate=[sa, sb], admin=[sa, sb])
-    watcher = WeightWatcher(run, pool, poll=0.05, live_every=0.1)
+    watcher = watcher_of(run, pool, "filesystem", live_every=0.1)
 
     def running() -> list[str]:
         return [url for url, push in watcher.pushes.items() if not push.done()]
@@ -606,17 +627,18 @@ def test_the_watcher_pushes_steps_from_memory_and_follows_the_feeds_forward(tmp_
 
     import httpx
 
-    from prl.orchestrator.sync import Server, ServerPool, WeightWatcher
+    from prl.orchestrator.sync import Server, ServerPool
     from tests.fake_engine import FakeEngine
 
     run = RunDir(tmp_path / "run").create()
     run.publish_dir(run.weights(1), _write({"w": b"1"}), step=1)
     with FakeEngine(run_dir=run.root) as engine:
         server = Server(engine.url)
-        watcher = WeightWatcher(run, ServerPool(generate=[server], admin=[server]), poll=0.05)
-        assert watcher.newest() == (1, {"step": 1})
-        run.write_weights_feed(2, ["h:1", "h:2"])
-        assert watcher.newest() == (2, {"step": 2, "feeds": ["h:1", "h:2"]})
+        watcher = watcher_of(run, ServerPool(generate=[server], admin=[server]), "memory")
+        assert offered(watcher) == (1, {"step": 1})
+        held(run, 2, ["h:1", "h:2"])
+        assert offered(watcher) == (2, {"transport": "memory", "step": 2, "feeds": ["h:1", "h:2"]})
+        assert offered(watcher_of(run, watcher.pool, "filesystem")) == (1, {"step": 1})  # memory is not its
 
         async def push(step: int) -> None:
             async with httpx.AsyncClient() as client:
@@ -630,13 +652,13 @@ def test_the_watcher_pushes_steps_from_memory_and_follows_the_feeds_forward(tmp_
         assert run.weight_pins() == {"orchestrator": 0}
         watcher.pool.follow_endpoints = False
         # The trainer published step 4 to its feeds while step 3 was being asked for.
-        run.write_weights_feed(3, ["h:1"])
+        held(run, 3, ["h:1"])
         engine.feed_step = 4
         real_newest = watcher.newest
 
         def newest_then_moved():
             found = real_newest()
-            run.write_weights_feed(4, ["h:1"])  # from now on the record says 4
+            held(run, 4, ["h:1"])  # from now on the record says 4
             return found
 
         watcher.newest = newest_then_moved
@@ -644,11 +666,11 @@ def test_the_watcher_pushes_steps_from_memory_and_follows_the_feeds_forward(tmp_
         assert server.version == 4 and server.failures == 0 and engine.feed_requests == [2, 3, 4]
         watcher.newest = real_newest
         run.publish_dir(run.weights(4), _write({"w": b"1"}), step=4)
-        assert watcher.newest() == (4, {"step": 4})  # a checkpoint step: disk on a tie
+        assert offered(watcher) == (4, {"step": 4})  # a checkpoint step: disk on a tie
         asyncio.run(push(4))
         assert (server.version, server.disk_version) == (4, 4)
-        run.clear_weights_feed()
-        assert run.weights_feed() is None
+        weights.get("memory").forget(run)  # a new trainer attempt
+        assert run.read_weights_feed() is None
 
 
 def test_the_watcher_broadcasts_a_step_to_every_server_behind_and_a_failed_group_reads_the_feeds(tmp_path):
@@ -659,14 +681,14 @@ def test_the_watcher_broadcasts_a_step_to_every_server_behind_and_a_failed_group
 
     import httpx
 
-    from prl.orchestrator.sync import Server, ServerPool, WeightWatcher
+    from prl.orchestrator.sync import Server, ServerPool
     from tests.fake_engine import FakeEngine
 
     run = RunDir(tmp_path / "run").create()
     engines = [FakeEngine(run_dir=run.root).start() for _ in range(3)]
     engines[1].workers, engines[2].workers = 2, None
     servers = [Server(e.url) for e in engines]
-    watcher = WeightWatcher(run, ServerPool(generate=servers, admin=servers), poll=0.05)
+    watcher = watcher_of(run, ServerPool(generate=servers, admin=servers), "broadcast")
 
     async def scenario():
         async with httpx.AsyncClient() as client:
@@ -674,7 +696,7 @@ def test_the_watcher_broadcasts_a_step_to_every_server_behind_and_a_failed_group
         assert [s.workers for s in servers] == [1, 2, None]
         task = asyncio.create_task(watcher.run_forever())
         try:
-            run.write_weights_feed(2, ["h:1", "h:2"], group_timeout=7.0)
+            held(run, 2, ["h:1", "h:2"], group_timeout=7.0)
             await until(watcher, "every server on step 2", lambda: all(s.version == 2 for s in servers))
             a, b = engines[0].groups, engines[1].groups
             assert len(a) == len(b) == 1 and a[0]["token"] == b[0]["token"] and len(a[0]["token"]) == 32
@@ -682,12 +704,12 @@ def test_the_watcher_broadcasts_a_step_to_every_server_behind_and_a_failed_group
             assert engines[2].groups == [] and engines[2].feed_requests == [2]
 
             engines[1].group_fail = True
-            run.write_weights_feed(3, ["h:1", "h:2"], group_timeout=7.0)
+            held(run, 3, ["h:1", "h:2"], group_timeout=7.0)
             await until(watcher, "every server on step 3", lambda: all(s.version == 3 for s in servers))
             assert len(engines[1].groups) == 2 and engines[1].feed_requests == [2, 3, 3]
             assert engines[0].feed_requests == [2, 3] and all(s.failures == 0 for s in servers)
 
-            run.write_weights_feed(4, ["h:1", "h:2"])  # feeds that send to no groups (weights.transport: memory)
+            held(run, 4, ["h:1", "h:2"])  # feeds that send to no groups
             await until(watcher, "every server on step 4", lambda: all(s.version == 4 for s in servers))
             assert [len(e.groups) for e in engines] == [2, 2, 0]
         finally:
@@ -708,27 +730,27 @@ def test_a_group_is_asked_for_the_step_it_was_formed_on_after_the_trainer_moved_
 
     import httpx
 
-    from prl.orchestrator.sync import Server, ServerPool, WeightWatcher
+    from prl.orchestrator.sync import Server, ServerPool
     from tests.fake_engine import FakeEngine
 
     run = RunDir(tmp_path / "run").create()
     with FakeEngine(run_dir=run.root) as engine:
         server = Server(engine.url, workers=1)
-        watcher = WeightWatcher(run, ServerPool(generate=[server], admin=[server]), poll=0.05)
-        run.write_weights_feed(5, ["h:1"], group_timeout=7.0)
-        grouped = watcher.groups([server], watcher.newest())
-        assert grouped[server.url]["step"] == 5 and grouped[server.url]["feeds"] == ["h:1"]
-        run.write_weights_feed(6, ["h:1"], group_timeout=7.0)
+        watcher = watcher_of(run, ServerPool(generate=[server], admin=[server]), "broadcast")
+        held(run, 5, ["h:1"], group_timeout=7.0)
+        grouped = watcher.requests([server], watcher.newest())[server.url]
+        assert (grouped.step, grouped.feeds, grouped.transport) == (5, ["h:1"], "broadcast") and grouped.once
+        held(run, 6, ["h:1"], group_timeout=7.0)
 
         async def push() -> None:
             async with httpx.AsyncClient() as client:
-                await watcher.push(client, server, 5, grouped[server.url])
+                await watcher.push(client, server, 5, grouped)
 
         asyncio.run(push())
-        assert engine.feed_requests == [5] and engine.groups == [grouped[server.url]["group"]]
+        assert engine.feed_requests == [5] and engine.groups == [msgspec.to_builtins(grouped.group)]
         assert server.version == 5 and server.failures == 0
-        run.write_weights_feed(7, ["h:1"])  # feeds that send to no groups
-        assert watcher.groups([server], watcher.newest()) == {}
+        held(run, 7, ["h:1"])  # feeds that send to no groups
+        assert not watcher.requests([server], watcher.newest())[server.url].once
 
 
 def test_a_restarted_server_starts_on_the_newest_published_weights(tmp_path):

@@ -1,5 +1,5 @@
-"""Weights in memory: a real vLLM server loads a step from weight feeds (prl/run/feed.py) through the
-"prl_feed" weight-transfer engine (prl/inference/feed_engine.py), and what it then serves matches
+"""Weights in memory: a real vLLM server loads a step from weight feeds (prl/weights/feed.py) through the
+"prl" weight-transfer engine (prl/inference/weight_engine.py), and what it then serves matches
 transformers on the same weights; feeds that refuse, or a step that is not the served layout, change
 nothing; a stream cut part-way rolls back to the last weights on disk, and the next step from memory loads.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from prl.run.feed import FeedServer, mac
+from prl.weights.feed import FeedServer, mac
 from prl.run.rundir import API_KEY_VAR, RunDir
 from tests.helpers import engine_of
 from tests.test_inference import assert_serves, prompts_for, publish_perturbed, served
@@ -129,7 +129,7 @@ def test_a_step_from_memory_is_served_and_bad_feeds_change_nothing(keyed_server,
     feeds = feeds_of(ref, 2)
     try:
         addresses = [f.address for f in feeds]
-        memory = server.post("/prl/weights", {"step": 2, "feeds": addresses})
+        memory = server.post("/prl/weights", {"transport": "memory", "step": 2, "feeds": addresses})
         assert memory["step"] == 2 and memory["path"] == "memory:step_2"
         print(f"\ntiny model update: disk {disk['seconds']:.3f} s (load {disk['load_seconds']:.3f} s), "
               f"memory {memory['seconds']:.3f} s (load {memory['load_seconds']:.3f} s)")
@@ -141,16 +141,16 @@ def test_a_step_from_memory_is_served_and_bad_feeds_change_nothing(keyed_server,
         # A feed with another key: refused before any weight is touched, named in the answer.
         with FeedServer("127.0.0.1", 0, b"another run's key") as stranger:
             stranger.publish(3, list(iter_safetensors(ref)))
-            e = refused(server, {"step": 3, "feeds": [stranger.address]})
+            e = refused(server, {"transport": "memory", "step": 3, "feeds": [stranger.address]})
         assert e.status == 502 and stranger.address in e.body["error"] and "authentication failed" in e.body["error"]
         assert "nothing was loaded" in e.body["error"]
 
         # A step the feeds do not hold, and a step without some served tensors: refused the same way.
-        e = refused(server, {"step": 3, "feeds": addresses})
+        e = refused(server, {"transport": "memory", "step": 3, "feeds": addresses})
         assert e.status == 502 and "holds step 2, not step 3" in e.body["error"]
-        e = refused(server, {"step": 2, "feeds": addresses[:1]})
+        e = refused(server, {"transport": "memory", "step": 2, "feeds": addresses[:1]})
         assert e.status == 502 and "tensors missing" in e.body["error"]
-        e = refused(server, {"step": 2, "feeds": ["no-port"]})
+        e = refused(server, {"transport": "memory", "step": 2, "feeds": ["no-port"]})
         assert e.status == 400
 
         live = server.get("/prl/live")
@@ -203,7 +203,7 @@ def test_a_stream_cut_part_way_rolls_back_to_the_disk_weights(keyed_server, tmp_
 
     address, thread = cut_feed(perturbed(tmp_path, server.model_dir, 9), 9, after_bytes=200_000)
     start = time.monotonic()
-    e = refused(server, {"step": 9, "feeds": [address]})
+    e = refused(server, {"transport": "memory", "step": 9, "feeds": [address]})
     thread.join(10)
     assert e.status == 500 and address in e.body["error"] and f"rolled back to {os.path.realpath(on_disk)}" in e.body["error"]
     assert time.monotonic() - start < 60
@@ -215,7 +215,8 @@ def test_a_stream_cut_part_way_rolls_back_to_the_disk_weights(keyed_server, tmp_
     ref = perturbed(tmp_path, server.model_dir, 10)
     feeds = feeds_of(ref, 10)
     try:
-        assert server.post("/prl/weights", {"step": 10, "feeds": [f.address for f in feeds]})["step"] == 10
+        body = {"transport": "memory", "step": 10, "feeds": [f.address for f in feeds]}
+        assert server.post("/prl/weights", body)["step"] == 10
         assert_serves(server, ref, prompts_for(server.model_dir))
     finally:
         for feed in feeds:
@@ -235,12 +236,12 @@ def test_deltas_move_only_what_changed_and_serve_what_whole_steps_would(keyed_se
     feeds = feeds_of(ref20, 20, delta=True)
     try:
         addresses = [f.address for f in feeds]
-        whole = server.post("/prl/weights", {"step": 20, "feeds": addresses})
+        whole = server.post("/prl/weights", {"transport": "memory", "step": 20, "feeds": addresses})
         assert whole["delta"] is False and whole["received_bytes"] > 0
         assert_serves(server, ref20, prompts)
 
         deal(feeds, 21, ref21)
-        delta = server.post("/prl/weights", {"step": 21, "feeds": addresses})
+        delta = server.post("/prl/weights", {"transport": "memory", "step": 21, "feeds": addresses})
         print(f"\ndelta update: {delta['received_bytes']} bytes received against {whole['received_bytes']} whole")
         assert delta["delta"] is True and delta["received_bytes"] < whole["received_bytes"] / 5
         assert server.get("/prl/live")["weights_path"] == "memory:step_21"
@@ -251,7 +252,7 @@ def test_deltas_move_only_what_changed_and_serve_what_whole_steps_would(keyed_se
         server.post("/prl/weights", {"step": run.latest_stable("weights")})
         assert_serves(server, on_disk, prompts)
         deal(feeds, 22, ref22)
-        after_disk = server.post("/prl/weights", {"step": 22, "feeds": addresses})
+        after_disk = server.post("/prl/weights", {"transport": "memory", "step": 22, "feeds": addresses})
         assert after_disk["delta"] is True
         assert_serves(server, ref22, prompts)
     finally:
@@ -271,7 +272,8 @@ def group_update(servers: list, step: int, addresses: list[str], world: int | No
     def post(i: int) -> None:
         group = {"token": token, "world": world, "rank": 1 + sum(workers[:i]), "timeout": timeout}
         try:
-            answers[i] = servers[i].post("/prl/weights", {"step": step, "feeds": addresses, "group": group})
+            answers[i] = servers[i].post("/prl/weights", {"transport": "broadcast", "step": step, "feeds": addresses,
+                                                          "group": group})
         except HTTPFailure as e:
             answers[i] = e
 

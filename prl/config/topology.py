@@ -35,6 +35,10 @@ def _class_name(value: str) -> str:
     return "must be a class name: letters, digits, '_' and '.' only"
 
 
+def _transport_name(value: str) -> str:
+    return "must name a weight transport: lowercase letters, digits and '_' (docs/weights.md lists them)"
+
+
 class Lora(Strict, kw_only=True):
     """Train a low-rank adapter instead of every weight (prl/trainer/lora.py): the base model stays frozen,
     each target linear layer W gets W + (alpha / rank) * B @ A, and only A and B are trained, checkpointed and
@@ -147,8 +151,9 @@ class Router(Strict, kw_only=True):
 
 
 class Weights(Strict, kw_only=True):
-    transport: Literal["filesystem", "memory", "broadcast"] = "filesystem"
-    """How each step's weights reach the inference servers: `filesystem` (every step published to
+    transport: Annotated[str, Meta(max_length=32), explained(r"\A[a-z][a-z0-9_]*\Z", _transport_name)] = "filesystem"
+    """How each step's weights reach the inference servers, one of the transports of prl/weights (checked when
+    planned, with what each cannot carry): `filesystem` (every step published to
     RUN/weights/step_N and read back), `memory` (each trainer rank serves its share over TCP to the
     servers' vLLM workers, each worker reading it; only checkpoint steps and the last step are published
     to disk), or `broadcast` (as `memory`, but the servers behind on a step get it together, each trainer
@@ -165,11 +170,6 @@ class Weights(Strict, kw_only=True):
     group_timeout_s: Annotated[float, Meta(ge=1, le=3600)] = 60.0
     """With `broadcast`: the longest a group's members wait at each stage (for every member to come, for
     each tensor), so a server or trainer rank that dies mid-update holds the others at most this long."""
-
-    def __post_init__(self):
-        if self.delta and self.transport == "filesystem":
-            raise FieldValueError("delta", "deltas are sent by the weight feeds: set weights.transport: memory, "
-                                           "or remove weights.delta")
 
 
 class KVOffload(Strict, kw_only=True):
@@ -725,8 +725,6 @@ class Topology(Strict, kw_only=True):
                                   "an inference pool serves from unified servers of its own (inference.nodes)")
         if self.model.lora is not None:
             raise FieldValueError("lora", "an inference pool serves its base model; the attached runs set model.lora")
-        if self.weights.transport != "filesystem":
-            raise FieldValueError("weights", "an inference pool's model never changes: remove weights.transport")
 
     def scorers(self) -> dict[str, Scorer]:
         """The scoring server groups written (`teacher`, `reference`), by role, in het-group order."""
@@ -747,9 +745,6 @@ class Topology(Strict, kw_only=True):
             stray = [name for name in _RL_ONLY if given[name]]
             if stray:
                 raise FieldValueError(stray[0], f"an SFT topology (sft:) runs the trainer alone: remove {stray[0]}")
-            if self.weights.transport != "filesystem":
-                raise FieldValueError("weights", "an SFT topology (sft:) has no inference servers to send weights "
-                                                 "to: remove weights.transport")
         elif self.pool is None:
             for name in ("inference", "environment"):
                 if getattr(self, name) is None:
@@ -767,9 +762,6 @@ class Topology(Strict, kw_only=True):
         if self.attached and (self.teacher is not None or self.reference is not None):
             raise FieldValueError("attach", "a run on an inference pool's servers has no servers of its own: a "
                                             "teacher: or reference: section needs them (not supported yet)")
-        if self.model.lora is not None and self.weights.transport != "filesystem":
-            raise FieldValueError("weights", "model.lora sends only the adapter, through the run directory (a few MB): "
-                                             "remove weights.transport: memory, which streams whole models")
         if self.teacher is not None and self.teacher.path is None:
             # A teacher of the student's own initial weights is a reference: say so rather than guess.
             raise FieldValueError("teacher", "teacher needs a model: set teacher.path (the student's own initial "

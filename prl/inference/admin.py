@@ -3,17 +3,18 @@ RL API routes, which every prl server mounts behind the run's key (`POST /pause?
 `POST /resume`, `GET /is_paused`, `GET /weight_info`: prl.inference.server.RL_API_ROUTES).
 
     GET  /prl/engine   200 when the engine itself answers (vLLM's /health asks only the API process), 503 not
-    GET  /prl/live     {"ok", "weights_step", "weights_path", "disk_step", "paused", "model", "updates", ...}
-                       (an inference pool's: "tenants" too; an attached run's: its own adapter's)
-    POST /prl/weights  {"step": N} | {"path": "/abs/dir"} | {"step": N, "feeds": ["host:port", ...]
-                       [, "group": {"token", "world", "rank", "timeout"}]} [, "mode": "keep"|"wait"|"abort"]
-                       -> {"step", "path", "seconds", "load_seconds", "pause_seconds", "kv_storage_cleared"}
+    GET  /prl/live     LiveAnswer: {"ok", "weights_step", "weights_path", "disk_step", "paused", "model", "updates",
+                       ...} (an inference pool's: "tenants" too; an attached run's: its own adapter's)
+    POST /prl/weights  WeightsRequest: {"step": N} | {"path": "/abs/dir"} | {"transport": "memory", "step": N,
+                       "feeds": ["host:port", ...]} | ... [, "mode": "keep"|"wait"|"abort"]
+                       -> WeightsAnswer: {"step", "path", "seconds", "load_seconds", "pause_seconds", ...}
     POST /prl/detach   a run attached to an inference pool: its adapter unloaded here (docs/inference.md,
                        Inference pools; an attached run's /prl/weights loads its own adapter: `tenant_update`)
 
-A weight update is validated completely before any weight is touched (the
-directory is under RUN/weights/ and published, its tensors have the served
-names and shapes); then: pause generation (default "keep": in-flight requests
+The bodies are the typed structs of prl/run/api.py, decoded with a size bound. A weight update is validated
+completely before any weight is touched: the request names a registered weight transport (prl/weights,
+`"transport"`, default `filesystem`), whose `target` checks what it names (a directory under RUN/weights/ and
+published, its tensors the served names and shapes; the form of a step from memory); then: pause generation (default "keep": in-flight requests
 freeze and continue on the new weights; a multimodal model's finish first, "wait", since vLLM 0.32 cannot
 resume a preempted request with pictures), load in every worker, drop every KV
 computed with the old weights (`invalidate_kv`: the prefix cache, the KV
@@ -21,19 +22,13 @@ connector's cache, and `ExampleConnector`'s storage, which vLLM does not
 reset), resume (unless the server was paused before the update). Updates are
 serialized.
 
-With "feeds", the step comes from the trainer ranks' weight feeds, in memory,
-through vLLM's weight-transfer RPCs (`start_weight_update`, `update_weights`,
-`finish_weight_update`, which stamps vLLM's weight version with the step) and
-the "prl_feed" engine (prl/inference/feed_engine.py); `/prl/live` then
-reports `"weights_path": "memory:step_N"`. A feed that refuses (wrong key,
-another step) or a step whose tensors are not the served ones is refused
-before any weight is touched: 502, the old weights keep serving. With "group"
-(`weights.transport: broadcast`), the server's workers take ranks `rank`,
-`rank + 1`, ... of each feed's broadcast group (`/prl/live` says how many
-workers: "workers"); a group that does not form is refused the same way.
-
-If loading fails part-way, the last weights the server loaded from disk are
-loaded again (and reported); if that fails too, `/prl/live` answers 503 with
+The target loads itself in every worker (`Target.load`: the filesystem's through prl/inference/worker.py,
+a step from memory through vLLM's weight-transfer RPCs into the "prl" engine, prl/inference/weight_engine.py);
+`/prl/live` then reports where the weights came from (a directory, or `memory:step_N`) and how many workers
+the server has ("workers": the members a broadcast group needs). A load that fails before any worker touched a
+weight (`Target.untouched`: a feed that refuses, a step whose tensors are not the served ones, a group that
+does not form) is answered 502 and the old weights keep serving. If loading fails part-way, the last weights
+the server loaded from disk are loaded again (and reported); if that fails too, `/prl/live` answers 503 with
 `"ok": false` so the launcher replaces the server.
 """
 
@@ -41,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import shutil
 import socket
@@ -52,25 +46,17 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from prl.inference.checks import (
-    FeedTarget,
-    UpdateRefused,
-    WeightsTarget,
-    checkpoint_layout,
-    compare_layouts,
-    resolve_feeds,
-    resolve_weights_dir,
-)
+from prl import weights
 from prl.log import get_logger
+from prl.run import api
+from prl.run.api import ErrorAnswer, LiveAnswer, WeightsAnswer, WeightsRequest
 from prl.run.rundir import RunDir, step_of
 from prl.run.tenants import Registry, Tenant
+from prl.weights.filesystem import WeightsTarget
+from prl.weights.layout import UpdateRefused, checkpoint_layout
 
 router = APIRouter()
 log = get_logger("prl.inference")
-
-PAUSE_MODES = ("keep", "wait", "abort")
-MAX_BODY_BYTES = 64 * 1024
-"""Largest admin request body (they are a few small fields)."""
 
 KV_RESET_TIMEOUT_S = 90.0
 """How long an update waits at least for KV blocks held for another server (a NIXL prefill server
@@ -110,6 +96,8 @@ class AdminState:
     """Why the served weights are unknown after a failed update and a failed rollback."""
     lora: bool = False
     """Started with `--enable-lora`: updates are adapters (`model.lora`), served under the model's name."""
+    workers: int = 1
+    """Its vLLM workers (tensor x pipeline x data-parallel ranks of this server): a broadcast group's members."""
     tenants: Registry | None = None
     """A pool (`--tenants`): the attached runs, each loading its adapter under its own name (prl/run/tenants.py);
     the base model itself never changes."""
@@ -142,30 +130,15 @@ def _tenant(request: Request) -> Tenant | None:
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message, "status": status}, status_code=status)
+    return JSONResponse(api.encode(ErrorAnswer(error=message, status=status)), status_code=status)
 
 
-async def _body(request: Request) -> dict:
-    """The request's JSON object ({} for an empty body); UpdateRefused(413/400) otherwise."""
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise UpdateRefused(413, f"body of {len(raw)} bytes; admin requests take at most {MAX_BODY_BYTES}")
-    if not raw.strip():
-        return {}
+async def _body(request: Request) -> WeightsRequest:
+    """The request's `WeightsRequest` (its defaults for an empty body); UpdateRefused(413/400) otherwise."""
     try:
-        body = await request.json()
-    except (ValueError, RecursionError) as e:
-        raise UpdateRefused(400, f"body is not JSON: {str(e)[:200]}") from e
-    if not isinstance(body, dict):
-        raise UpdateRefused(400, f"body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-def _mode(body: dict, default: str) -> str:
-    mode = body.get("mode", default)
-    if not isinstance(mode, str) or mode not in PAUSE_MODES:
-        raise UpdateRefused(400, f'"mode" must be one of {", ".join(PAUSE_MODES)}, got {str(mode)[:40]!r}')
-    return mode
+        return api.decode(await request.body(), WeightsRequest, empty_ok=True)
+    except api.BodyError as e:
+        raise UpdateRefused(e.status, str(e)) from None
 
 
 @router.get("/prl/engine")
@@ -207,53 +180,32 @@ async def live(request: Request):
     state = _state(request)
     if (tenant := _tenant(request)) is not None:
         return tenant_live(state, tenant)
-    paused = await _engine(request).is_paused()
-    body = {
-        "ok": state.broken is None,
-        "weights_step": state.weights_step,
-        "weights_path": state.weights_path,
-        "disk_step": state.disk[1] if state.disk else None,
-        "paused": paused,
-        "model": state.model_name,
-        "updates": state.updates,
-        "last_update": state.last_update,
-        "updating": state.lock.locked(),
-        "workers": _engine(request).vllm_config.parallel_config.world_size,
-    }
-    if state.broken:
-        body["error"] = state.broken
+    live = LiveAnswer(
+        ok=state.broken is None, weights_step=state.weights_step, weights_path=state.weights_path,
+        disk_step=state.disk[1] if state.disk else None, paused=await _engine(request).is_paused(),
+        model=state.model_name, updates=state.updates, last_update=state.last_update, updating=state.lock.locked(),
+        workers=state.workers, error=state.broken)
     if state.tenants is not None:
         state.tenants.refresh()
-        body["tenants"] = {name: state.adapters.get(name, {}).get("step") for name in state.tenants.names()}
-    return JSONResponse(body, status_code=200 if state.broken is None else 503)
+        live.tenants = {name: state.adapters.get(name, {}).get("step") for name in state.tenants.names()}
+    return JSONResponse(api.encode(live), status_code=200 if state.broken is None else 503)
 
 
 def tenant_live(state: AdminState, tenant: Tenant) -> dict:
     """`/prl/live` as an attached run sees it: its own adapter (weights_step null: the base model serves it)."""
     loaded = state.adapters.get(tenant.name, {})
     step = loaded.get("step")
-    return {"ok": state.broken is None, "model": tenant.name, "weights_step": step, "disk_step": step,
-            "weights_path": loaded.get("path"), "updates": loaded.get("updates", 0),
-            "last_update": loaded.get("last_update"), "updating": state.lock.locked()}
+    return api.encode(LiveAnswer(ok=state.broken is None, model=tenant.name, weights_step=step, disk_step=step,
+                                 weights_path=loaded.get("path"), updates=loaded.get("updates", 0),
+                                 last_update=loaded.get("last_update"), updating=state.lock.locked()))
 
 
-def checked_target(state, body: dict) -> tuple[WeightsTarget | FeedTarget, str]:
-    """The weights step a `/prl/weights` body names and the pause mode, checked before the model is touched:
-    inside the run's weights, STABLE, readable, and laid out as the served model is (UpdateRefused if not).
-    A step from feeds is checked here for its form only; the worker checks its layout before loading."""
-    mode = _mode(body, "keep")
-    body = {k: v for k, v in body.items() if k != "mode"}
-    if "feeds" in body:
-        return resolve_feeds(body), mode
-    target = resolve_weights_dir(state.run, body)
-    if target.adapter != state.lora:
-        raise UpdateRefused(409, f"{target.path} is {'a LoRA adapter' if target.adapter else 'a whole model'}; this "
-                                 f"server {'serves adapters (--enable-lora)' if state.lora else 'runs without --enable-lora'}")
-    if state.layout is not None and not target.adapter:
-        compare_layouts(state.layout, checkpoint_layout(target.path), target.path)
-    else:
-        checkpoint_layout(target.path)  # at least readable safetensors (vLLM checks an adapter's names as it loads)
-    return target, mode
+def checked_target(state: AdminState, request: WeightsRequest) -> weights.Target:
+    """What a `/prl/weights` request names, checked by its transport before the model is touched (UpdateRefused
+    if not): a directory inside the run's weights, STABLE, readable and laid out as the served model is; a step
+    from memory for its form (each worker checks its layout before loading)."""
+    return weights.get(request.transport).target(state.run, request, layout=state.layout, lora=state.lora,
+                                                 workers=state.workers)
 
 
 @router.post("/prl/weights")
@@ -268,13 +220,13 @@ async def update_weights(request: Request):
     return await update_served(request, state, body)
 
 
-async def update_served(request: Request, state: AdminState, body: dict):
-    """`/prl/weights` of a run's own server: its model's weights (or its run's adapter) from disk or feeds."""
+async def update_served(request: Request, state: AdminState, body: WeightsRequest):
+    """`/prl/weights` of a run's own server: its model's weights (or its run's adapter), by the request's transport."""
     engine = _engine(request)
     t0 = time.perf_counter()
+    mode = body.mode
     try:
-        target, mode = checked_target(state, body)
-        check_group(engine, target)
+        target = checked_target(state, body)
     except UpdateRefused as e:
         return _error(e.status, e.message)
 
@@ -282,9 +234,7 @@ async def update_served(request: Request, state: AdminState, body: dict):
         if state.broken:
             return _error(503, f"server is broken, refusing updates: {state.broken}")
         # Logged before the engine is asked anything: an update that never ends shows where it began.
-        source = (f"{len(target.feeds)} trainer feeds{' by broadcast' if target.group else ''}"
-                  if isinstance(target, FeedTarget) else str(target.path))
-        log.info("weights update begins: step %s from %s (pause %s)", target.step, source, mode)
+        log.info("weights update begins: step %s from %s (pause %s)", target.step, target.describe(), mode)
         outcome, state.updating_since = "failed", time.monotonic()  # "failed": the answer says why
         try:
             was_paused = await engine.is_paused()
@@ -295,18 +245,19 @@ async def update_served(request: Request, state: AdminState, body: dict):
             pause_seconds = time.perf_counter() - t_pause
             try:
                 transfer = {}
-                if isinstance(target, WeightsTarget) and target.adapter:
+                if target.adapter:
                     load_seconds = await load_adapter(request, state, target)
                 else:
-                    load_seconds, transfer = await load(engine, target)
+                    load_seconds, transfer = await target.load(engine)
             except Exception as e:  # noqa: BLE001 - any worker failure: roll back, then report
-                return await recover(state, engine, target, f"loading {target.path} failed: {type(e).__name__}: {e}")
+                return await recover(state, engine, target,
+                                     f"loading {target.origin} failed: {type(e).__name__}: {e}")
             finally:
                 # KV computed with the old weights must not serve new requests; in-flight ones recompute.
                 try:
                     cleared = await invalidate_kv(engine)
                 except KVResetFailed as e:
-                    state.broken = f"after loading {target.path}: {e}"
+                    state.broken = f"after loading {target.origin}: {e}"
                 finally:
                     if not was_paused:
                         await engine.resume_generation()
@@ -321,30 +272,21 @@ async def update_served(request: Request, state: AdminState, body: dict):
             state.updating_since = None
             log.info("weights update ends: step %s, %s", target.step, outcome)
     _record_metrics(state, request)
-    return {"step": target.step, "path": str(target.path), "seconds": seconds,
-            "pause_seconds": pause_seconds, "load_seconds": state.last_update["load_seconds"],
-            "kv_storage_cleared": cleared, **transfer}
+    return api.encode(WeightsAnswer(step=target.step, path=target.origin, seconds=seconds,
+                                    pause_seconds=pause_seconds, load_seconds=state.last_update["load_seconds"],
+                                    kv_storage_cleared=cleared, **transfer))
 
 
-def check_group(engine, target: WeightsTarget | FeedTarget) -> None:
-    """A broadcast group holds every worker of this server (UpdateRefused 400 if its ranks run past it)."""
-    group = getattr(target, "group", None)
-    workers = engine.vllm_config.parallel_config.world_size
-    if group is not None and group.rank + workers > group.world:
-        raise UpdateRefused(400, f'"group": this server\'s {workers} workers from rank {group.rank} do not fit in '
-                                 f"a world of {group.world}")
-
-
-def served(state: AdminState, target: WeightsTarget | FeedTarget, **numbers) -> None:
+def served(state: AdminState, target: weights.Target, **numbers) -> None:
     """Record an update the server now serves (`/prl/live` and the next metrics line read it)."""
-    state.weights_path, state.weights_step = str(target.path), target.step
-    if isinstance(target, WeightsTarget) and not target.adapter:
-        state.disk = (str(target.path), target.step)
+    state.weights_path, state.weights_step = target.origin, target.step
+    if target.durable and not target.adapter:
+        state.disk = (target.origin, target.step)
     state.updates += 1
-    state.last_update = {"step": target.step, "path": str(target.path), **numbers, "time": time.time()}
+    state.last_update = {"step": target.step, "path": target.origin, **numbers, "time": time.time()}
 
 
-async def tenant_update(request: Request, state: AdminState, tenant: Tenant | None, body: dict) -> dict:
+async def tenant_update(request: Request, state: AdminState, tenant: Tenant | None, body: WeightsRequest) -> dict:
     """An attached run's `/prl/weights`: a published adapter step of its own run directory, loaded under its
     name (requests running keep the version they started with; no pause, no KV dropped: each version has a new
     LoRA id). UpdateRefused for the pool's own key, a whole model, or a step outside the run."""
@@ -353,12 +295,10 @@ async def tenant_update(request: Request, state: AdminState, tenant: Tenant | No
     if tenant is None:
         raise UpdateRefused(409, "this server is an inference pool: its base model does not change; attached runs "
                                  "load their adapters with their own keys")
-    body = {k: v for k, v in body.items() if k != "mode"}
-    target = resolve_weights_dir(RunDir(tenant.run_dir), body)
-    if not target.adapter:
-        raise UpdateRefused(409, f"{target.path} is a whole model; a run attached to an inference pool loads "
-                                 f"LoRA adapters only (model.lora)")
-    checkpoint_layout(target.path)  # readable safetensors (vLLM checks the adapter's names as it loads)
+    # The attached run's own run directory, checked by its transport as this server serves adapters (whole models
+    # and steps from memory are refused: an adapter comes from the run directory).
+    target = weights.get(body.transport).target(RunDir(tenant.run_dir), body, layout=None, lora=True,
+                                                workers=state.workers)
     t0 = time.perf_counter()
     async with state.lock:
         log.info("adapter update begins: run %s, step %s from %s", tenant.name, target.step, target.path)
@@ -397,27 +337,6 @@ async def detach(request: Request):
     return {"unloaded": [tenant.name] if held else [], "run": tenant.name}
 
 
-async def load(engine, target: WeightsTarget | FeedTarget) -> tuple[float, dict]:
-    """Load `target` in every worker: the slowest worker's seconds and, from feeds, what moved
-    (`received_bytes` off one worker's sockets, `delta`: every worker got only what changed)."""
-    if isinstance(target, WeightsTarget):
-        results = await engine.collective_rpc("prl_load_weights", args=(str(target.path),))
-        await engine.update_weight_version(str(target.step or 0))  # vLLM's stamp on outputs, as a feed update sets it
-        return max(r["seconds"] for r in results), {}
-    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-    info = {"step": target.step, "feeds": list(target.feeds)}
-    if target.group is not None:
-        info["group"] = dataclasses.asdict(target.group)
-    await engine.start_weight_update()
-    await engine.update_weights(WeightTransferUpdateRequest(info))
-    await engine.finish_weight_update(weight_version=str(target.step))
-    reports = await engine.collective_rpc("prl_feed_report")
-    return max(r["seconds"] for r in reports), {"received_bytes": max(r["received"] for r in reports),
-                                                 "delta": all(r["delta"] for r in reports),
-                                                 "group": all(r["group"] for r in reports)}
-
-
 async def load_adapter(request: Request, state: AdminState, target: WeightsTarget) -> float:
     """Load a published LoRA adapter under the served model's name: every request for that name (OpenAI routes
     and prl's generate route) then runs with it. Each version gets a new LoRA id, so no KV or cached adapter of
@@ -431,38 +350,23 @@ async def load_adapter(request: Request, state: AdminState, target: WeightsTarge
     return time.perf_counter() - t0
 
 
-async def recover(state: AdminState, engine, target: WeightsTarget | FeedTarget, error: str) -> JSONResponse:
-    """The answer to a failed load. A feed update refused before any worker touched its model keeps the
-    old weights (502); otherwise the last disk weights are loaded again, or the server is marked broken. A
-    weight-transfer session the failure left open is closed first, so the next feed update can start."""
-    if isinstance(target, FeedTarget):
-        with contextlib.suppress(Exception):  # a worker that cannot answer fails the rollback below, named
-            await engine.collective_rpc("prl_end_weight_update")
-    if isinstance(target, FeedTarget) and not await _feed_touched(engine):
+async def recover(state: AdminState, engine, target: weights.Target, error: str) -> JSONResponse:
+    """The answer to a failed load. One that touched no weight (`Target.untouched`: a step from memory refused
+    before any worker began, an adapter the engine refused whole) keeps the old weights (502); otherwise the
+    last disk weights are loaded again, or the server is marked broken."""
+    if await target.untouched(engine):
         return _error(502, f"{error}; nothing was loaded, still serving {state.weights_path}")
-    if isinstance(target, WeightsTarget) and target.adapter:  # the engine refused it whole: the old one serves
-        return _error(502, f"{error}; still serving {state.weights_path}")
     if state.disk is None:
         state.broken = f"{error}; the server has no weights on disk to roll back to"
         return _error(500, state.broken)
     path, step = state.disk
     try:
-        await engine.collective_rpc("prl_load_weights", args=(path,))
+        await WeightsTarget(Path(path), step).load(engine)  # as the directory was loaded, and stamped
     except Exception as e:  # noqa: BLE001
         state.broken = f"{error}; rollback to {path} failed too: {type(e).__name__}: {e}"
         return _error(500, state.broken)
     state.weights_path, state.weights_step = path, step
-    await engine.update_weight_version(str(step or 0))
     return _error(500, f"{error}; rolled back to {path}")
-
-
-async def _feed_touched(engine) -> bool:
-    """Whether any worker's feed engine began loading in the failed update (True when it cannot tell)."""
-    try:
-        reports = await engine.collective_rpc("prl_feed_report")
-    except Exception:  # noqa: BLE001 - unknown: assume the worst and roll back
-        return True
-    return any(r.get("touched", True) for r in reports)
 
 
 def is_multimodal(engine) -> bool:
@@ -576,7 +480,7 @@ def _record_metrics(state: AdminState, request: Request) -> None:
 
 
 def initial_state(run: RunDir, model: str, model_name: str, lora: bool = False,
-                  tenants: Registry | None = None) -> AdminState:
+                  tenants: Registry | None = None, workers: int = 1) -> AdminState:
     """AdminState for a server that just loaded `model` (a local dir or a hub id)."""
     path = Path(model)
     layout = None
@@ -589,4 +493,5 @@ def initial_state(run: RunDir, model: str, model_name: str, lora: bool = False,
     step = step_of(path) if path.is_dir() and path.resolve().parent == run.weights_root() else None
     weights_path = str(path.resolve()) if path.is_dir() else model
     return AdminState(run=run, model_name=model_name, weights_path=weights_path, layout=layout, weights_step=step,
-                      disk=(weights_path, step) if path.is_dir() else None, lora=lora, tenants=tenants)
+                      disk=(weights_path, step) if path.is_dir() else None, lora=lora, tenants=tenants,
+                      workers=workers)

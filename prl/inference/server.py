@@ -7,8 +7,8 @@ parser, `build_async_engine_client`, `build_app`, `init_app_state`,
 `serve_http`), with prl's routers included and
 `--worker-extension-cls prl.inference.worker.WeightUpdater` added so weight
 loading runs inside every worker, and `--weight-transfer-config
-'{"backend": "prl_feed"}'` so a worker can load a step from the trainer's
-weight feeds (prl/inference/feed_engine.py). Nothing in vLLM is patched.
+'{"backend": "prl"}'` so a worker can load a step the run's weight transport
+sends from memory (prl/inference/weight_engine.py, prl/weights). Nothing in vLLM is patched.
 
 `--routed-experts` (prl's flag; vLLM's own `--enable-return-routed-experts` runs only in its GPU Model
 Runner V2): the generate route returns the experts every MoE layer routed each token to, for router replay
@@ -39,12 +39,13 @@ from pathlib import Path
 
 from prl.errors import ConfigError
 from prl.log import get_logger, init_logging
+from prl.run import api
 from prl.run.rundir import API_KEY_VAR, RunDir
 from prl.run.records import ENGINE_DIED_EXIT
 
 WORKER_EXTENSION = "prl.inference.worker.WeightUpdater"
-FEED_BACKEND = "prl_feed"
-"""vLLM weight-transfer backend that loads steps from the trainer's weight feeds (prl/inference/feed_engine.py)."""
+WEIGHT_BACKEND = "prl"
+"""vLLM weight-transfer backend that loads the steps a weight transport sends (prl/inference/weight_engine.py)."""
 OPEN_PATHS = ("/health", "/prl/engine")
 """Paths served without the API key (the launcher's readiness probe)."""
 
@@ -92,8 +93,8 @@ def split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         rest += ["--worker-extension-cls", WORKER_EXTENSION]
     if "--weight-transfer-config" not in flags:
         # Every server can take a step from memory as well as from disk: the engine is idle until an
-        # update names feeds, so a server started from disk joins the in-memory stream with no flag.
-        rest += ["--weight-transfer-config", json.dumps({"backend": FEED_BACKEND})]
+        # update comes through it, so a server started from disk joins the in-memory stream with no flag.
+        rest += ["--weight-transfer-config", json.dumps({"backend": WEIGHT_BACKEND})]
     return ours, rest
 
 
@@ -303,7 +304,7 @@ def add_prl_routes(app, model_config) -> None:
     app.state.body_limits = {"/inference/v1/generate": generate.max_body_bytes(
                                  model_config.get_vocab_size(), model_config.max_model_len,
                                  multimodal=model_config.is_multimodal_model),
-                             **{path: admin.MAX_BODY_BYTES for _, path in RL_API_ROUTES}}
+                             **{path: api.MAX_BODY_BYTES for _, path in RL_API_ROUTES}}
 
 
 _API_KEY: str | None = None
@@ -401,7 +402,7 @@ def use_key(ours: argparse.Namespace, args: argparse.Namespace, run: RunDir, key
         global _API_KEY, _TENANTS, _BASE_MODEL
         _API_KEY, _TENANTS, _BASE_MODEL = key, registry, (args.served_model_name or [args.model])[0]
         args.middleware = [*(args.middleware or []), f"{__name__}.{'PoolAuth' if ours.tenants else 'ApiKeyAuth'}"]
-        # The weight-feed engine authenticates with the same key, in vLLM's spawned workers: they
+        # The weight-transfer engine authenticates with the same key, in vLLM's spawned workers: they
         # inherit this process's environment, under the one name they read.
         os.environ[API_KEY_VAR] = key
     return registry
@@ -413,7 +414,8 @@ async def init_prl_state(app, engine, run: RunDir, args: argparse.Namespace, ser
     worker recording its MoE layers' routes (prl/inference/worker.py `RouteCapture`) for the generate route."""
     from prl.inference import admin
 
-    app.state.prl_admin = admin.initial_state(run, args.model, served, lora=bool(args.enable_lora), tenants=tenants)
+    app.state.prl_admin = admin.initial_state(run, args.model, served, lora=bool(args.enable_lora), tenants=tenants,
+                                              workers=engine.vllm_config.parallel_config.world_size)
     if routed_experts:
         shape = (await engine.collective_rpc("prl_capture_routes"))[0]
         app.state.prl_routes = True

@@ -35,15 +35,15 @@ from pathlib import Path
 
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from prl.inference.checks import weight_files
-from prl.inference.server import FEED_BACKEND
+from prl.inference.server import WEIGHT_BACKEND
+from prl.weights.layout import weight_files
 
 log = logging.getLogger("prl.inference.worker")
 
 # vLLM imports this module by name in every worker before it loads the model (and creates the engine
 # named by --weight-transfer-config); a spawned worker does not inherit the parent's registry.
-if FEED_BACKEND not in WeightTransferEngineFactory._registry:
-    WeightTransferEngineFactory.register_engine(FEED_BACKEND, "prl.inference.feed_engine", "FeedEngine")
+if WEIGHT_BACKEND not in WeightTransferEngineFactory._registry:
+    WeightTransferEngineFactory.register_engine(WEIGHT_BACKEND, "prl.inference.weight_engine", "TransportEngine")
 
 
 def iter_safetensors(path: str | Path) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821
@@ -68,8 +68,9 @@ class WeightUpdater:
         check_reloaded(failed, tied_lm_head(self.model_config))
         return {"rank": getattr(self, "rank", 0), "seconds": time.perf_counter() - start, "repacked": repacked}
 
-    def prl_feed_report(self) -> dict:
-        """What this worker's last weight-feed update did (prl/inference/feed_engine.py `report`)."""
+    def prl_transfer_report(self) -> dict:
+        """What this worker's last update through the weight-transfer engine did (prl/inference/weight_engine.py
+        `report`)."""
         return {"rank": getattr(self, "rank", 0), **getattr(self.weight_transfer_engine, "report", {})}
 
     def prl_end_weight_update(self) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from prl.config.topology import Environment, Training
+from prl.config.topology import Environment, Training, Weights
 from prl.planner.model import Plan
 
 
@@ -35,6 +35,8 @@ class OrchestratorConfig:
     """`orchestrator.env_workers`: processes that run the environment's rollouts (0: this process)."""
     scorers: tuple[str, ...] = ()
     """The scoring roles (`teacher`, `reference`) whose logprobs every sample gets (prl/orchestrator/scoring.py)."""
+    weights: Weights = Weights()
+    """The `weights` section: which transport (prl/weights) brings each step to the servers."""
 
     @classmethod
     def from_plan(cls, plan: Plan) -> OrchestratorConfig:
@@ -43,7 +45,7 @@ class OrchestratorConfig:
                    model_path=settings.model.tokenizer or settings.model.path, dp_size=plan.trainer.mesh.dp,
                    served_model_name=plan.served_model_name, renderer=settings.model.renderer,
                    env_workers=plan.orchestrator.env_workers if plan.orchestrator else 0,
-                   scorers=plan.scorer_roles())
+                   scorers=plan.scorer_roles(), weights=settings.weights)
 
     @property
     def examples_per_step(self) -> int:

@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from prl import weights
 from prl.errors import PrlError
 from prl.log import get_logger, init_logging
 from prl.orchestrator.advantages import reward_stats
@@ -333,7 +334,7 @@ async def assemble(run: RunDir, cfg: OrchestratorConfig, fleet: Fleet, beat: Bea
 
     gen = generator(env)
     stream = TaskStream(env.taskset, t.seed)
-    watcher = WeightWatcher(run, pool, retries=t.weight_update_retries)
+    watcher = WeightWatcher(run, pool, weights.get(cfg.weights.transport), retries=t.weight_update_retries)
     display = make_display(t.max_steps, start)
     show = functools.partial(show_phase, beat, display)
     source: StepMode | Scheduler = (

@@ -11,20 +11,16 @@ servers found are a `Fleet`; the orchestrator builds its one `ServerPool` from i
 (`ServerPool.of`), and hands that to the generators and the weight watcher.
 Every request carries the run's API key (`auth_headers`) when the role runner set one.
 
-The weight watcher polls `weights/` for the newest STABLE step K and tells
-every server behind on it to load it (`POST /prl/weights {"step": K}`), with
-retries and back-off. With `weights.transport: memory` the trainer also records
-the newest step its ranks' feeds serve (`RunDir.weights_feed`); the newer of the
-two wins (disk on a tie), and a step from memory is posted as
-`{"step": K, "feeds": [...]}`. With `weights.transport: broadcast` the servers
-behind on a step from memory get it together: one broadcast group (`groups`),
-each server's workers at the next ranks; a server whose group fails reads the
-feeds at once. A feed that answers for a newer step than asked
-(the trainer moved on meanwhile) is not a failure: the watcher asks for the newer
-one. A server that still fails is recorded in state/orchestrator.json and
-metrics, and after `weight_update_retries` attempts the watcher fails the
-orchestrator with an error naming the server, the step and the server's answer. It also asks `GET /prl/live` now and then,
-so a server that restarted (back to the base weights) is noticed and updated.
+The weight watcher asks the run's weight transport (prl/weights, `weights.transport`) for the newest step the
+servers may load (`offer`: the newest STABLE step under weights/, or a newer one the trainer holds in memory)
+and tells every server behind on it to load it (`POST /prl/weights`, the transport's `WeightsRequest` for each
+server: the same for all, or one broadcast group of them), with retries and back-off. A request a group was
+formed for is tried once (`once`): a server whose group fails asks for the plain offer at once. A step from
+memory that the trainer replaced meanwhile (a 502 while a newer offer exists) is not a failure: the watcher
+asks for the newer one. A server that still fails is recorded in state/orchestrator.json and metrics, and after
+`weight_update_retries` attempts the watcher fails the orchestrator with an error naming the server, the step
+and the server's answer. It also asks `GET /prl/live` now and then, so a server that restarted (back to the
+base weights) is noticed and updated.
 """
 
 from __future__ import annotations
@@ -32,16 +28,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+import msgspec
 
+from prl import weights
 from prl.errors import PrlError, StepTimeout
 from prl.inference import routing
 from prl.planner.model import Plan
+from prl.run import api
+from prl.run.api import LiveAnswer, WeightsRequest
 from prl.run.rundir import API_KEY_VAR, RunDir
 
 log = logging.getLogger("prl.orchestrator")
@@ -292,27 +291,28 @@ async def live_versions(client: httpx.AsyncClient, server: Server) -> tuple[int,
     rolls back to (the same step when it does not say); None if it does not answer. Notes its worker count."""
     try:
         r = await client.get(f"{server.url}/prl/live", timeout=10)
-        if r.status_code == 200:
-            live = r.json()
-            step = int(live.get("weights_step") or 0)  # null: still the base model
-            workers = live.get("workers")
-            server.workers = workers if isinstance(workers, int) and workers >= 1 else None
-            return step, int(live.get("disk_step", step) or 0)
-    except (httpx.HTTPError, ValueError, TypeError):
-        pass
-    return None
+        if r.status_code != 200:
+            return None
+        live = api.decode(r.content, LiveAnswer, limit=api.MAX_ANSWER_BYTES)
+    except (httpx.HTTPError, api.BodyError):
+        return None
+    step = live.weights_step or 0  # null: still the base model
+    server.workers = live.workers
+    return step, step if live.disk_step is msgspec.UNSET else live.disk_step or 0
 
 
 class WeightWatcher:
-    """Keeps every server on the newest published weights; records failures on the run.
+    """Keeps every server on the newest weights the run's transport offers; records failures on the run.
 
     Each server's update runs as a task of its own (`pushes`, at most one per server): a server slow to load one
     step holds neither the other servers' next step nor the watcher's own rounds (`follow`, `sync_live`, which
     leave a server alone while its update runs)."""
 
-    def __init__(self, run: RunDir, pool: ServerPool, *, retries: int = 5, poll: float = 0.5, live_every: float = 10.0):
+    def __init__(self, run: RunDir, pool: ServerPool, transport: weights.Transport, *, retries: int,
+                 poll: float = 0.5, live_every: float = 10.0):
         self.run = run
         self.pool = pool
+        self.transport = transport
         self.retries = max(1, retries)
         self.poll = poll
         self.live_every = live_every
@@ -381,66 +381,52 @@ class WeightWatcher:
         if self.pool.admin and self.pool.follow_endpoints:
             self.run.pin_weights("orchestrator", min(min(s.version, s.disk_version) for s in self.pool.admin))
 
-    def newest(self) -> tuple[int, dict] | None:
-        """The newest weights step the servers may load and the `/prl/weights` body that loads it: the newest
-        published step, or a newer one the trainer's feeds serve from memory."""
-        if not weights_trusted(self.run):
-            return None
-        disk, feed = self.run.latest_stable("weights"), self.run.weights_feed_record()
-        if feed is not None and (disk is None or feed["step"] > disk):
-            return feed["step"], {"step": feed["step"], "feeds": feed["feeds"]}
-        return (disk, {"step": disk}) if disk is not None else None
+    def newest(self) -> weights.Offer | None:
+        """The newest weights step the servers may load and the request that loads it, as the run's transport
+        offers it: the newest published step, or a newer one the trainer holds in memory. None while the
+        trainer has not yet dropped the steps a resume replaces."""
+        return self.transport.offer(self.run) if weights_trusted(self.run) else None
 
-    def groups(self, servers: list[Server], newest: tuple[int, dict]) -> dict[str, dict]:
-        """`weights.transport: broadcast`: the `/prl/weights` body of each server behind (by URL) that loads
-        `newest` (a step from memory, as `newest()` found it) in one broadcast group with the others: one token,
-        its workers at the next ranks. {} when the feeds send to no groups; a server whose worker count is not
-        known is left out (it reads the feeds)."""
-        step, body = newest
-        feed = self.run.weights_feed_record() if "feeds" in body else None
-        members = [s for s in servers if s.workers]
-        if feed is None or feed["group_timeout"] is None or not members:
-            return {}
-        token, world, rank = secrets.token_hex(16), 1 + sum(s.workers for s in members), 1
-        bodies = {}
-        for s in members:
-            group = {"token": token, "world": world, "rank": rank, "timeout": feed["group_timeout"]}
-            bodies[s.url] = {**body, "group": group}
-            rank += s.workers
-        return bodies
+    def requests(self, servers: list[Server], offer: weights.Offer) -> dict[str, WeightsRequest]:
+        """The first request each server behind on `offer` is sent (by URL): the offer's, or (a transport that
+        sends to several servers at once) one that joins them."""
+        return self.transport.requests(offer, [weights.Behind(s.url, s.workers) for s in servers])
 
-    async def push(self, client: httpx.AsyncClient, server: Server, step: int, grouped: dict | None = None) -> None:
-        """Bring `server` to `step` (or a newer one), with retries. `grouped` (`groups`): the first try joins
-        that broadcast group, on its step whatever the feeds hold by then (the others ask for that one); if the
-        group fails, the server reads the feeds at once (not counted as a failure)."""
+    async def push(self, client: httpx.AsyncClient, server: Server, step: int,
+                   first: WeightsRequest | None = None) -> None:
+        """Bring `server` to `step` (or a newer one), with retries. `first` (`requests`): the first try's request,
+        on its step whatever the transport offers by then (a group's other members ask for that one); a group's
+        that fails is followed at once by the plain offer (not counted as a failure)."""
         delay, attempt = 1.0, 0
         while attempt < self.retries:
             attempt += 1
-            if grouped is not None:
-                step, body, grouped = grouped["step"], grouped, None  # one try: a group is formed once
+            if first is not None:
+                request, first = first, None
             else:
-                newest, body = self.newest(), {"step": step}
-                if newest is not None and newest[0] >= step:
-                    step, body = newest  # a newer step appeared while we retried; an older one may be cleaned up
+                offer, request = self.newest(), WeightsRequest(step=step)
+                if offer is not None and offer.step >= step:
+                    request = offer.request  # a newer step appeared while we retried; an older one may be cleaned up
+            step = request.step
             t0 = time.monotonic()
             try:
-                r = await client.post(f"{server.url}/prl/weights", json=body, timeout=600)
+                r = await client.post(f"{server.url}/prl/weights", json=api.encode(request), timeout=600)
                 if r.status_code == 200:
-                    return self.loaded(server, body, time.monotonic() - t0)
+                    return self.loaded(server, request, time.monotonic() - t0)
                 if r.status_code == 409:
                     # Not published (any more): a resume is replacing steps, or cleanup outran us. Wait and
                     # look again at what is published; not a failure of the server.
                     log.info("%s: weights step %d is not published (409); waiting", server.url, step)
                     return
-                if "group" in body:
-                    log.info("%s: the broadcast of weights step %d failed (HTTP %d: %s); reading the feeds",
-                             server.url, step, r.status_code, r.text[:200])
+                if request.once:
+                    log.info("%s: weights step %d together with other servers failed (HTTP %d: %s); asking for it "
+                             "alone", server.url, step, r.status_code, r.text[:200])
                     attempt -= 1
                     continue
                 moved = self.newest()
-                if r.status_code == 502 and "feeds" in body and moved is not None and moved[0] > step:
-                    # The feeds serve only their newest step, and the trainer published another meanwhile.
-                    log.info("%s: weights step %d left the feeds; asking for step %d", server.url, step, moved[0])
+                if r.status_code == 502 and not request.durable and moved is not None and moved.step > step:
+                    # A step from memory is held only while it is the newest, and the trainer sent another.
+                    log.info("%s: weights step %d left the trainer's memory; asking for step %d", server.url, step,
+                             moved.step)
                     attempt -= 1
                     continue
                 why = f"HTTP {r.status_code}: {r.text[:300]}"
@@ -463,11 +449,11 @@ class WeightWatcher:
             f"{self.retries} attempts: {server.error}. Check its log (`prl logs --role {server.role}`)."
         )
 
-    def loaded(self, server: Server, body: dict, seconds: float) -> None:
-        """`server` answered the `/prl/weights` `body` with 200: it serves that step."""
-        step = body["step"]
+    def loaded(self, server: Server, request: WeightsRequest, seconds: float) -> None:
+        """`server` answered `request` with 200: it serves that step."""
+        step = request.step
         server.version, server.failures, server.error = step, 0, None
-        if "feeds" not in body:
+        if request.durable:
             server.disk_version = step
         if server.rejoining:
             server.alive, server.rejoining = True, False
@@ -475,7 +461,7 @@ class WeightWatcher:
         self.updates += 1
         self.update_s += seconds
         log.info("%s loaded weights step %d in %.2f s%s", server.url, step, seconds,
-                 " (broadcast)" if "group" in body else "")
+                 "" if request.durable else f" (from memory: {request.transport})")
 
     async def run_forever(self) -> None:
         async with server_client() as client:
@@ -487,16 +473,16 @@ class WeightWatcher:
                         await self.sync_live(client)
                         last_live = time.monotonic()
                     self.pin()
-                    newest = self.newest()
-                    if newest is not None and newest[0] > self.pool.target:
-                        self.pool.target = newest[0]
+                    offer = self.newest()
+                    if offer is not None and offer.step > self.pool.target:
+                        self.pool.target = offer.step
                     self.collect()
                     behind = [s for s in self.pool.admin if (s.alive or s.rejoining)
                               and s.version < self.pool.target and s.url not in self.pushes]
-                    grouped = self.groups(behind, newest) if behind and newest and newest[0] == self.pool.target else {}
+                    firsts = self.requests(behind, offer) if behind and offer and offer.step == self.pool.target else {}
                     for s in behind:
                         self.pushes[s.url] = asyncio.create_task(
-                            self.pushed(client, s, self.pool.target, grouped.get(s.url)))
+                            self.pushed(client, s, self.pool.target, firsts.get(s.url)))
                     await asyncio.sleep(self.poll)
             except asyncio.CancelledError:
                 raise
@@ -509,9 +495,10 @@ class WeightWatcher:
                 await asyncio.gather(*self.pushes.values(), return_exceptions=True)
                 self.pushes.clear()
 
-    async def pushed(self, client: httpx.AsyncClient, server: Server, step: int, grouped: dict | None = None) -> None:
+    async def pushed(self, client: httpx.AsyncClient, server: Server, step: int,
+                     first: WeightsRequest | None = None) -> None:
         """`push`, then what a changed version means for the others: the pins, and whoever waits on the pool."""
-        await self.push(client, server, step, grouped)
+        await self.push(client, server, step, first)
         self.pin()
         self.pool.notify()
 

@@ -25,7 +25,7 @@ from prl.run.rundir import RunDir
 if TYPE_CHECKING:
     from prl.planner.settings import RunSettings
 
-PLAN_FORMAT = "prl.plan/2"
+PLAN_FORMAT = "prl.plan/3"
 """Bumped whenever a field changes meaning: a role refuses a plan.json of another format."""
 
 ServerRole = Literal["inference", "prefill", "decode", "teacher", "reference"]
@@ -188,8 +188,9 @@ class TrainerPlan(Frozen, kw_only=True):
     mesh: Mesh
     master_port: int
     """torchrun rendezvous port on the trainer's first node."""
-    feed_ports: tuple[int, ...] = ()
-    """Port of each rank's weight feed, by global rank (`weights.transport: memory`; empty otherwise)."""
+    weight_ports: tuple[int, ...] = ()
+    """Each rank's port for a weight transport that sends from memory (prl/weights), by global rank (empty when
+    every step goes through the run directory)."""
     activation_checkpointing: bool
     precision: Literal["bf16", "fp32", "fp8"]
     compile: bool = False
@@ -296,7 +297,7 @@ class EvalServer(Frozen, kw_only=True):
 
 
 class Plan(Frozen, kw_only=True):
-    format: Literal["prl.plan/2"] = PLAN_FORMAT
+    format: Literal["prl.plan/3"] = PLAN_FORMAT
     name: str
     job_name: str
     cluster: str
@@ -414,7 +415,7 @@ class Plan(Frozen, kw_only=True):
             ports.append(self.trainer.master_port)
         if role == "trainer":
             per_node = self.trainer.gpus_per_node
-            ports += self.trainer.feed_ports[task * per_node:(task + 1) * per_node]
+            ports += self.trainer.weight_ports[task * per_node:(task + 1) * per_node]
         return tuple(ports)
 
     def failure_policy(self, role: str) -> FailurePolicy:

@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from prl.config.cluster import ClusterProfile
 from prl.config.loader import Source
+from prl import weights
 from prl.config.topology import InferenceGroup, Lora, Pool, Scorer, Topology, Training
 from prl.errors import PlanError
 from prl.planner.capabilities import (VLLM_NO_LORA_ARCHITECTURES, ModelConfig, compile_refusals, cpu_lora_refusal,
@@ -61,8 +62,9 @@ ROUTER_PORT_OFFSET = 90
 DP_RPC_PORT_OFFSET = 200
 NIXL_SIDE_CHANNEL_PORT_OFFSET = 300
 RDZV_PORT_OFFSET = 500
-FEED_PORT_OFFSET = 600
-"""First weight-feed port (`weights.transport: memory`): one per trainer rank on its node (per host, locally)."""
+WEIGHT_PORT_OFFSET = 600
+"""First port of a weight transport that sends from memory (prl/weights): one per trainer rank on its node (per
+host, locally)."""
 MAX_PORT = 65535
 MAX_SERVERS = 100_000
 """Most inference server processes (and srun tasks) one plan places: each is a process, ports and a record."""
@@ -504,8 +506,18 @@ def trainer_mesh(check: Checker, topo: Topology) -> tuple[int, int, Mesh]:
         raise check.fail(("trainer", exc.field), str(exc)) from None
 
 
+def check_weights(check: Checker, topo: Topology) -> weights.Transport:
+    """The run's weight transport (prl/weights), and what it cannot carry refused at its line."""
+    if topo.weights.transport not in weights.names():
+        raise check.fail(("weights", "transport"), f"no weight transport {topo.weights.transport!r}: use one of "
+                                                   f"{', '.join(weights.names())} (docs/weights.md)")
+    transport = weights.get(topo.weights.transport)
+    transport.check(topo, check.fail)
+    return transport
+
+
 def place_trainer(check: Checker, topo: Topology, layout: Layout, common_env: dict[str, str],
-                  orchestrator: Optional[OrchestratorPlan]) -> TrainerPlan:
+                  orchestrator: Optional[OrchestratorPlan], transport: weights.Transport) -> TrainerPlan:
     """The trainer's group and step. It starts with the first roles, not after the servers: it waits for rollouts
     itself (heartbeating), so its model load overlaps the servers' start-up instead of following it."""
     tr = topo.trainer
@@ -521,14 +533,15 @@ def place_trainer(check: Checker, topo: Topology, layout: Layout, common_env: di
     return TrainerPlan(group=group.index, nodes=nodes, gpus_per_node=procs, world_size=mesh.world_size,
                        device="cuda" if cluster.gpu_node.gpus else "cpu", mesh=mesh,
                        master_port=cluster.port_base + RDZV_PORT_OFFSET,
-                       feed_ports=feed_ports(cluster, nodes, procs) if topo.weights.transport != "filesystem" else (),
+                       weight_ports=weight_ports(cluster, nodes, procs) if transport.feeds else (),
                        activation_checkpointing=tr.activation_checkpointing, precision=tr.precision,
                        compile=tr.compile)
 
 
-def feed_ports(cluster, nodes: int, procs: int) -> tuple[int, ...]:
-    """Each trainer rank's weight-feed port, by global rank: ranks of one node differ; on a shared host all do."""
-    base = cluster.port_base + FEED_PORT_OFFSET
+def weight_ports(cluster, nodes: int, procs: int) -> tuple[int, ...]:
+    """Each trainer rank's port for a transport that sends from memory, by global rank: ranks of one node differ;
+    on a shared host all do."""
+    base = cluster.port_base + WEIGHT_PORT_OFFSET
     return tuple(base + (rank if shared_host(cluster) else rank % procs) for rank in range(nodes * procs))
 
 
@@ -687,9 +700,9 @@ def check_ports(check: Checker, topo: Topology, servers: list[Server], router_po
     if trainer is None:
         return
     claim((trainer.group, 0), trainer.master_port, "the trainer rendezvous", ("port_base",), False)
-    for rank, port in enumerate(trainer.feed_ports):
-        claim((trainer.group, rank // trainer.gpus_per_node), port, f"trainer rank {rank}'s weight feed",
-              ("port_base",), False)
+    for rank, port in enumerate(trainer.weight_ports):
+        claim((trainer.group, rank // trainer.gpus_per_node), port,
+              f"trainer rank {rank}'s {topo.weights.transport} weights port", ("port_base",), False)
 
 
 def job_directives(check: Checker, topo: Topology, run_dir: str) -> tuple[list[str], list[str]]:
@@ -804,12 +817,13 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
     check_run_dir(check, run_dir)
     check_node_budget(check, topo)
     check_derived_totals(check, topo)
+    transport = check_weights(check, topo)
     if topo.pool is not None:
         return make_pool_plan(check, topo, run_dir, model_config)
     common_env = role_env(cluster, run_dir)
     layout = Layout()
     roles, servers, router_port, orchestrator = place_rl_roles(check, topo, layout, common_env, run_dir)
-    trainer = place_trainer(check, topo, layout, common_env, orchestrator)
+    trainer = place_trainer(check, topo, layout, common_env, orchestrator, transport)
     check_trainer_can_run(check, topo, model_config, trainer.mesh)
     check_serving(check, topo, model_config)
     check_single_allocation(check, layout)

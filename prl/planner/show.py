@@ -46,8 +46,8 @@ def placement_table(plan: Plan) -> Table:
             m = plan.trainer.mesh
             parallel = f"rep{m.dp_replicate} shard{m.dp_shard} cp{m.cp} ep{m.ep}"
             ports = f"{plan.trainer.master_port} (rdzv)"
-            if plan.trainer.feed_ports:
-                ports += f" (feeds {_ports(list(plan.trainer.feed_ports))})"
+            if plan.trainer.weight_ports:
+                ports += f" (weights {_ports(list(plan.trainer.weight_ports))})"
         elif step.name == "router":
             ports = str(plan.router_port)
         elif step.name == "orchestrator":

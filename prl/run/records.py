@@ -243,6 +243,20 @@ class TaskExit(Record, kw_only=True):
     """Stopped because another task of its multi-node replica failed (not a failure of its own)."""
 
 
+class FeedRecord(Record, kw_only=True):
+    """state/weights_feed.json: the newest weights step the trainer's feeds serve from memory
+    (`weights.transport: memory | broadcast`, prl/weights/memory.py), written by its rank 0 after every writer
+    rank's feed holds the step."""
+
+    step: Annotated[int, Meta(ge=1)]
+    feeds: Annotated[list[str], Meta(min_length=1)]
+    """host:port of each writer rank's feed, which together hold the step."""
+    time: Time
+    group_timeout: Optional[Annotated[float, Meta(gt=0)]] = None
+    """The feeds also broadcast to groups, each stage bounded by this many seconds (None: they send to no
+    groups)."""
+
+
 class StableMarker(msgspec.Struct, kw_only=True):
     """A published step's STABLE marker: what it holds, so a reader can check every file is there whole.
     Other fields (time, host, pid, attempt and a writer's own) are kept in the file and not read here."""

@@ -65,7 +65,7 @@ import msgspec
 
 from prl.errors import RunDirError, StepTimeout, disk_full
 from prl.run import records
-from prl.run.records import JobRecord, LauncherRecord, RankBeat, RoleStateRecord, TaskExit
+from prl.run.records import FeedRecord, JobRecord, LauncherRecord, RankBeat, RoleStateRecord, TaskExit
 from prl.states import Backend, RoleState
 
 ROLES = ("inference", "orchestrator", "trainer", "prefill", "decode", "router", "teacher", "reference")
@@ -664,34 +664,21 @@ class RunDir:
     def weights_feed_file(self) -> Path:
         return self.state_dir / "weights_feed.json"
 
-    def write_weights_feed(self, step: int, feeds: list[str], group_timeout: float | None = None) -> None:
-        """Record that weights step `step` is served from memory by the trainer's feeds (host:port each);
-        `weights.transport: memory | broadcast` writes it after each step's feeds hold the step (atomic
-        replace). `group_timeout`: the feeds also broadcast to groups, each stage bounded so (`broadcast`)."""
-        record = {"step": step, "feeds": feeds, "time": time.time()}
-        if group_timeout is not None:
-            record["group_timeout"] = group_timeout
+    def write_weights_feed(self, record: FeedRecord) -> None:
+        """Record the newest step the trainer's feeds serve from memory (atomic replace; prl/weights/memory.py)."""
         atomic_write_json(self.weights_feed_file, record)
 
     def clear_weights_feed(self) -> None:
         """A new trainer attempt's feeds are not the old one's: drop the record until it publishes."""
         self.weights_feed_file.unlink(missing_ok=True)
 
-    def weights_feed(self) -> tuple[int, list[str]] | None:
-        """The newest step served from memory and its feeds (None: no record, or one not readable)."""
-        record = self.weights_feed_record()
-        return None if record is None else (record["step"], record["feeds"])
-
-    def weights_feed_record(self) -> dict | None:
-        """`weights_feed` and how the feeds send: {"step", "feeds", "group_timeout": seconds or None (they send
-        to no groups)}."""
-        record = read_json(self.weights_feed_file)
-        if not (isinstance(record, dict) and isinstance(record.get("step"), int)
-                and isinstance(record.get("feeds"), list) and record["feeds"]):
+    def read_weights_feed(self) -> FeedRecord | None:
+        """The newest step served from memory and by which feeds; None without a record or for one that does not
+        read (being replaced, or written by another prl: the servers then load from disk)."""
+        try:
+            return records.read(self.weights_feed_file, FeedRecord)
+        except RunDirError:
             return None
-        timeout = record.get("group_timeout")
-        return {"step": record["step"], "feeds": [str(f) for f in record["feeds"]],
-                "group_timeout": float(timeout) if isinstance(timeout, int | float) and timeout > 0 else None}
 
     def pin_weights(self, owner: str, step: int) -> None:
         """Record that weights step `step` (and later) must stay on disk for `owner` (0: none needed)."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from typing import Optional
 
-from prl.config.topology import SFT, Lora, Training
+from prl.config.topology import SFT, Lora, Training, Weights
 from prl.planner.model import Mesh, Plan, node_address
 
 
@@ -37,16 +37,12 @@ class TrainerConfig:
     """Longest sequence; SFT cuts conversations there."""
     sft: Optional[SFT]
     """The SFT data settings (None: an RL run)."""
-    feed_ports: tuple[int, ...] = ()
-    """`weights.transport: memory | broadcast`: each rank's weight-feed port, by global rank (empty: weights go by
-    disk)."""
-    feed_host: str = ""
-    """The address this node's feeds listen on (the servers' workers connect to it)."""
-    feed_delta: bool = False
-    """`weights.delta`: the feeds also send what changed since their previous step."""
-    feed_group_timeout: Optional[float] = None
-    """`weights.transport: broadcast`: the feeds also broadcast to groups of servers, each stage bounded by
-    this many seconds (`weights.group_timeout_s`); None: they only serve readers."""
+    weights: Weights = Weights()
+    """The topology's weight settings themselves: which transport (prl/weights) moves each step to the servers."""
+    weight_ports: tuple[int, ...] = ()
+    """Each rank's port for a transport that sends from memory, by global rank (empty: every step goes to disk)."""
+    node_address: str = ""
+    """This node's address as the servers reach it (where such a transport listens)."""
     scorers: tuple[str, ...] = ()
     """The scoring roles of the run (`teacher`, `reference`): their logprobs come in every batch."""
     lora: Optional[Lora] = None
@@ -67,9 +63,7 @@ class TrainerConfig:
                    master_port=tr.master_port, training=settings.training,
                    tokenizer_path=settings.model.tokenizer or settings.model.path,
                    max_model_len=settings.model.max_model_len, sft=settings.sft,
-                   feed_ports=tr.feed_ports, feed_host=node_address(plan) if tr.feed_ports else "",
-                   feed_delta=settings.weights.delta,
-                   feed_group_timeout=(settings.weights.group_timeout_s if settings.weights.transport == "broadcast"
-                                       else None),
+                   weights=settings.weights, weight_ports=tr.weight_ports,
+                   node_address=node_address(plan) if tr.weight_ports else "",
                    scorers=plan.scorer_roles(), lora=settings.model.lora,
                    train_vision=settings.model.train_vision, compile=tr.compile)

@@ -8,8 +8,8 @@
         ranks agree to stop?               -> the last finished step gets its weights and a checkpoint; exit 143
         data = spec.load(step, ready)      this rank's micro-batches
         forward/backward each micro-batch (spec.inputs, spec.micro_loss), clip, optimizer step; spec.summarize
-        spec.publishes(step)   -> spec.publish (weights/step_N); with weights.transport: memory, only checkpoint
-                                  steps and the last step go to disk, the others to each rank's weight feed
+        spec.publishes(step)   -> spec.publish (weights/step_N); with a transport that sends from memory
+                                  (prl/weights), only checkpoint steps and the last step go to disk
         spec.checkpoints(step) -> save_checkpoint
         rank 0: spec.cleanup, the metrics record (the engine's fields + spec.record), one log line
         heartbeat with the step's busy time (the launcher's hang bound follows it)
@@ -48,11 +48,11 @@ calls them, with the variant each one is for:
 On SIGTERM the engine gives the last finished step its published weights and a checkpoint, unless it has
 them, whatever the spec: a requeued attempt resumes there.
 
-With `weights.transport: memory` every rank runs a weight feed (prl/run/feed.py) on its node from `start`.
-A step that is not a checkpoint step nor the last one is gathered as a sharded publish would gather it, but
-each writer rank's feed serves its share instead of a file; after a barrier rank 0 records the step and the
-writers' feeds (`RunDir.write_weights_feed`), which the orchestrator hands to the servers. Disk stays the
-durable record: checkpoint steps, the last step and a SIGTERM's step are published to weights/step_N.
+The weight transport (`weights.transport`, prl/weights) decides how a step reaches the servers. One that sends
+from memory gives every rank a `Sender` from `start`; a step that is not a checkpoint step nor the last one is
+gathered as a sharded publish would gather it (`shares`) and each rank hands its share to its sender instead
+of a file. Disk stays the durable record: checkpoint steps, the last step and a SIGTERM's step are published
+to weights/step_N.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ import torch.distributed as dist
 
 from prl.errors import ConfigError
 from prl.log import get_logger
+from prl import weights
 from prl.run.batch import MicroBatch
-from prl.run.feed import FeedServer
 from prl.run.rundir import RunDir, current_attempt
 from prl.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from prl.trainer.config import TrainerConfig
@@ -84,7 +84,7 @@ from prl.trainer.loss import merge_stats, token_logprobs_and_entropy
 from prl.trainer.parallel import Dist, all_reduce_stats, apply_fsdp, clip_grad_norm, init_distributed
 from prl.trainer.replay import set_routes
 from prl.trainer.vision import PIXEL_PREFIXES, SAMPLED_IMAGE_TOKEN, Pictures, set_picture_span
-from prl.trainer.weights import publish_to_feed, publish_weights
+from prl.trainer.weights import publish_weights, shares
 
 ROLE = "trainer"
 LABELS = ("loss_mask", "advantages", "inference_logprobs")
@@ -142,10 +142,8 @@ class Engine:
     """The newest step with a checkpoint."""
     published: int | None
     """The newest step with weights published to disk (a SIGTERM publishes the last finished step unless it is)."""
-    feed: FeedServer | None = None
-    """This rank's weight feed (`weights.transport: memory`; None: every step goes to disk)."""
-    feeds: tuple[str, ...] = ()
-    """Every rank's feed address, by global rank."""
+    sender: weights.Sender | None = None
+    """This rank's side of a transport that sends steps from memory (None: every step goes to disk)."""
 
 
 class Spec(ABC):
@@ -479,43 +477,34 @@ def start(run: RunDir, cfg: TrainerConfig, spec: Spec, resume_from: str) -> Engi
     if d.is_main:
         log.info("model loaded from %s: loading raised peak RSS by %.1f MiB (max over ranks)", cfg.model_path, load_rss)
     optim = torch.optim.AdamW(spec.parameters(model), lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
+    transport = weights.get(cfg.weights.transport)
     if d.is_main:
-        run.clear_weights_feed()  # a replaced attempt's feeds are gone; before `resume` marks the weights trusted
+        transport.forget(run)  # what a replaced attempt held in memory is gone; before `resume` trusts the weights
     step = resume(run, cfg, d, model, optim, resume_from)
     if d.is_main:
         log.info("world %d (dp %d, cp %d, ep %d) on %s; steps %d..%d", d.world_size, d.dp_size, d.cp, d.ep, d.device,
                  step + 1, cfg.training.max_steps)
     done = step if step > 0 else None
-    feed, feeds = start_feed(run, cfg, d, spec)
     return Engine(run, cfg, d, model, optim, step, heartbeat_of(run, d), StopFlag.install(), saved=done,
-                  published=done, feed=feed, feeds=feeds)
+                  published=done, sender=start_sender(run, cfg, transport, spec))
 
 
-def start_feed(run: RunDir, cfg: TrainerConfig, d: Dist, spec: Spec) -> tuple[FeedServer | None, tuple[str, ...]]:
-    """Collective: this rank's weight feed and every rank's address (none with weights by disk)."""
-    if not cfg.feed_ports:
-        return None, ()
-    if type(spec).publish is not Spec.publish or cfg.lora is not None:
-        raise ConfigError(f"weights in memory (weights.transport: memory, broadcast) are the whole model; "
-                          f"{type(spec).__name__} publishes weights of its own: use weights.transport: filesystem")
-    groups = cfg.feed_group_timeout is not None
-    feed = FeedServer(cfg.feed_host, cfg.feed_ports[d.rank], run.read_api_key().encode(), cfg.feed_delta,
-                      groups=groups, group_timeout=cfg.feed_group_timeout or 0.0)
-    addresses = [None] * d.world_size
-    dist.all_gather_object(addresses, feed.address)
-    return feed, tuple(addresses)
+def start_sender(run: RunDir, cfg: TrainerConfig, transport: weights.Transport, spec: Spec) -> weights.Sender | None:
+    """Collective: this rank's sender of the run's transport (None: every step goes to disk)."""
+    if transport.feeds and (type(spec).publish is not Spec.publish or cfg.lora is not None):
+        raise ConfigError(f"weights.transport {transport.name} sends whole models; {type(spec).__name__} publishes "
+                          f"weights of its own: use weights.transport: filesystem")
+    return transport.sender(run, cfg.weights, cfg.node_address, cfg.weight_ports)
 
 
 def publish(eng: Engine, spec: Spec, step: int, durable: bool = True) -> None:
-    """Collective: step `step`'s weights to disk (`durable`, or without feeds), else to the ranks' feeds."""
-    if eng.feed is None or durable:
+    """Collective: step `step`'s weights to disk (`durable`, or without a sender), else to the ranks' senders."""
+    if eng.sender is None or durable:
         spec.publish(eng, step)
         eng.published = step
         return
-    writers = publish_to_feed(eng.feed, step, eng.model, getattr(torch, eng.cfg.model_dtype), eng.d)
-    dist.barrier()
-    if eng.d.is_main:
-        eng.run.write_weights_feed(step, [eng.feeds[r] for r in writers], eng.cfg.feed_group_timeout)
+    tensors, writers = shares(eng.model, getattr(torch, eng.cfg.model_dtype), eng.d)
+    eng.sender.send(step, tensors, writers)
 
 
 def checkpoint(eng: Engine, step: int) -> None:
@@ -581,4 +570,6 @@ def train(run: RunDir, cfg: TrainerConfig, spec: Spec, resume_from: str = "lates
         # step_s: this step's longest stretch without a heartbeat; the launcher's hang bound grows with it.
         eng.beat(step=step, phase="trained", step_s=round(time.monotonic() - busy, 3))
     dist.barrier()
+    if eng.sender is not None:
+        eng.sender.close()  # the last step went to disk: no server reads the sender any more
     return 0

@@ -223,12 +223,12 @@ def unwrapped(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def publish_to_feed(feed, step: int, model: torch.nn.Module, dtype: torch.dtype, d) -> list[int]:
-    """Collective: every writer rank's feed serves its share of step `step` (the tensors a sharded publish
-    would write to its file); returns the writer ranks, whose feeds together hold the step."""
+def shares(model: torch.nn.Module, dtype: torch.dtype, d) -> tuple[list[tuple[str, torch.Tensor]], list[int]]:
+    """Collective: this rank's share of the weights (the tensors a sharded publish would write to its file, by
+    name; empty on a rank that writes none) and the writer ranks, whose shares together are the model: what a
+    transport that sends from memory sends (prl/weights)."""
     units, owners = publish_plan(model, d, dtype)
-    feed.publish(step, sorted(gather_owned(model, d, dtype, units, owners).items()))
-    return sorted(set(owners.values()))
+    return sorted(gather_owned(model, d, dtype, units, owners).items()), sorted(set(owners.values()))
 
 
 def _broadcast_str(value: str | None) -> str:

@@ -24,7 +24,7 @@ Protocol (one connection, one step):
                        element, numpy's packbits order), then their values
                    or, asked with "group" (`weights.transport: broadcast`, a feed made with `groups`):
                        one of the two headers above, then {"store": "host:port"}\\n; the buffers it
-                       announces then come by broadcast over that group (prl/run/collective.py), each
+                       announces then come by broadcast over that group (prl/weights/collective.py), each
                        in a broadcast of its own, and the connection closes
 
 Groups: the first reader that names a group starts the feed's sender for it (rank 0 of `world`, on the
@@ -35,8 +35,8 @@ gets the delta only if every member names the base (they wait for each other at 
 group timeout); one member without it, and the whole group gets the whole step.
 
 Deltas (`FeedServer(..., delta=True)`, `weights.delta`): each publish also encodes what changed since the
-feed's previous snapshot, element by element (bitwise: -0.0, NaN and a value that rounds to the same
-bf16 all count right), a tensor sent whole where its delta would not be smaller. A reader holding the
+feed's previous snapshot, element by element (prl/weights/delta.py), a tensor sent whole where its delta would
+not be smaller. A reader holding the
 previous snapshot's tensors (it names that snapshot's `id`, which is random per publish, so a
 restarted trainer's step 7 is never taken for the old one's) gets the delta and rebuilds each tensor
 on its own copy; any other reader gets the whole step. `deltas` tells a reader whether keeping this
@@ -50,7 +50,6 @@ only when a feed is used: the control plane imports this module without it.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import hmac
 import json
@@ -64,9 +63,13 @@ import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Optional
+
+import msgspec
 
 from prl.errors import FeedError
-from prl.run.collective import DEFAULT_TIMEOUT_S
+from prl.run.api import DEFAULT_GROUP_TIMEOUT_S, Group
+from prl.weights.delta import FORMS, BadDelta, encode as encode_change, positions, rebuild, where_bytes
 
 log = logging.getLogger("prl.feed")
 
@@ -87,6 +90,26 @@ DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16"
 
 def mac(key: bytes, nonce: bytes) -> str:
     return hmac.new(key, nonce, hashlib.sha256).hexdigest()
+
+
+class FeedRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A reader's request line: the step it wants and the proof that it holds the run's key."""
+
+    step: int
+    mac: str
+    """hex HMAC-SHA256(key, the server's nonce)."""
+    base: Optional[str] = None
+    """The snapshot id the reader holds (a delta from it is welcome)."""
+    group: Optional[Group] = None
+    """The broadcast group the reader receives by (its own rank)."""
+
+
+def read_request(line: bytes) -> FeedRequest | None:
+    """A request line as a FeedRequest; None for anything else (too deep, not JSON, another shape)."""
+    try:
+        return msgspec.json.decode(line, type=FeedRequest)
+    except (msgspec.DecodeError, RecursionError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -158,7 +181,7 @@ def snapshot(step: int, tensors: Sequence[tuple[str, "torch.Tensor"]], deltas: b
     if previous is None:
         return Snapshot(step, ident, header, tuple(kept))
     before = dict(previous.tensors)
-    delta = tuple(_delta(before.get(name), t) for name, t in kept)
+    delta = tuple(encode_change(before.get(name), t) for name, t in kept)
     entries = [meta + ([-1, ""] if d is None else [d[2].numel(), d[0]]) for meta, d in zip(metas, delta)]
     delta_header = _header({"step": step, "id": ident, "base": previous.id, "deltas": True, "tensors": entries})
     return Snapshot(step, ident, header, tuple(kept), previous.id, delta_header, delta)
@@ -168,35 +191,11 @@ def _header(fields: dict) -> bytes:
     return json.dumps(fields, separators=(",", ":")).encode() + b"\n"
 
 
-def _delta(old, new):
-    """(form, where, values) for the elements of `new` whose bits differ from `old`'s: `where` is their int32
-    flat indices or a bit mask, whichever is smaller; None where sending `new` whole is no larger (or `old`
-    is not the same kind of tensor)."""
-    import numpy as np
-    import torch
-
-    if old is None or old.dtype != new.dtype or old.shape != new.shape or new.numel() >= 2**31:
-        return None
-    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[new.element_size()]
-    flat_new, flat_old = new.reshape(-1), old.reshape(-1)
-    if new.dtype == torch.bool:
-        flat_new, flat_old = flat_new.view(torch.uint8), flat_old.view(torch.uint8)
-    moved = flat_new.view(bits) != flat_old.view(bits)
-    changed = int(moved.sum())
-    mask_bytes, index_bytes = (new.numel() + 7) // 8, 4 * changed
-    if min(mask_bytes, index_bytes) + changed * new.element_size() >= new.numel() * new.element_size():
-        return None
-    if index_bytes <= mask_bytes:
-        index = torch.nonzero(moved).reshape(-1)
-        return "index", index.to(torch.int32), new.reshape(-1)[index].contiguous()
-    return "mask", torch.from_numpy(np.packbits(moved.numpy())), new.reshape(-1)[moved].contiguous()
-
-
 class FeedServer:
     """A threaded TCP server handing its newest snapshot to every authenticated reader."""
 
     def __init__(self, host: str, port: int, key: bytes, delta: bool = False, groups: bool = False,
-                 group_timeout: float = DEFAULT_TIMEOUT_S):
+                 group_timeout: float = DEFAULT_GROUP_TIMEOUT_S):
         """`delta`: each publish also encodes what changed since the previous one, for readers that
         hold the previous step (the cost: comparing every element at publish, and the delta's bytes).
         `groups`: also broadcast steps to groups of readers (a rendezvous store on `host`), each group
@@ -217,7 +216,7 @@ class FeedServer:
         """What each ended group did: {"token", "step", "world", "delta", "bytes", "seconds"[, "error"]}."""
         self._store = None
         if groups:
-            from prl.run import collective
+            from prl.weights import collective
 
             self._store = collective.store(host, group_timeout)
         feed = self
@@ -275,39 +274,35 @@ class FeedServer:
             sock.sendall(PROTOCOL + b" " + nonce + b"\n")
             with sock.makefile("rb") as reader:
                 line = reader.readline(MAX_REQUEST_BYTES)
-            request = json.loads(line)
-            if not (isinstance(request, dict) and isinstance(request.get("mac"), str)
-                    and hmac.compare_digest(request["mac"], mac(self._key, nonce))):
+            request = read_request(line)
+            if request is None or not request.mac.isascii() or not hmac.compare_digest(request.mac,
+                                                                                        mac(self._key, nonce)):
                 return _send_line(sock, {"error": "authentication failed: wrong key"})
-            asked = request.get("group")
+            asked = request.group
             with self._lock:
                 held = self._snapshot
-                if isinstance(asked, dict) and isinstance(asked.get("token"), str) and asked["token"] in self._sending:
-                    held = self._sending[asked["token"]].held  # its members all get the step it began on
-            if held is None or request.get("step") != held.step:
+                if asked is not None and asked.token in self._sending:
+                    held = self._sending[asked.token].held  # its members all get the step it began on
+            if held is None or request.step != held.step:
                 have = "no step yet" if held is None else f"step {held.step}"
-                return _send_line(sock, {"error": f"holds {have}, not step {request.get('step')}",
+                return _send_line(sock, {"error": f"holds {have}, not step {request.step}",
                                          "step": held.step if held else None})
-            if "group" in request:
-                return self._join(sock, request["group"], held, request.get("base"))
-            delta = held.base is not None and request.get("base") == held.base
+            if asked is not None:
+                return self._join(sock, asked, held, request.base)
+            delta = held.base is not None and request.base == held.base
             sock.sendall(held.delta_header if delta else held.header)
             for view in held.payload(delta):
                 sock.sendall(view)
         except (OSError, ValueError):
             return  # the reader went away or spoke nonsense: its fetch reports it
 
-    def _join(self, sock: socket.socket, asked, held: Snapshot, base) -> None:
+    def _join(self, sock: socket.socket, group: Group, held: Snapshot, base: str | None) -> None:
         """A reader of a group: the step's header (the delta's where every member holds its base) and the store;
         the group's sender starts with its first."""
-        from prl.run.collective import member
-
         if self._store is None:
             return _send_line(sock, {"error": "this feed sends to no groups (weights.transport: broadcast)"})
-        try:
-            group = member(asked)
-        except ValueError as e:
-            return _send_line(sock, {"error": f"bad group: {e}"})
+        if group.rank == 0:
+            return _send_line(sock, {"error": "bad group: rank 0 is the feed's own (a reader's rank is 1 and up)"})
         with self._lock:
             known = self._groups.get(group.token)
             if known is None:
@@ -352,12 +347,12 @@ class FeedServer:
     def _send_group(self, token: str, world: int, held: Snapshot) -> None:
         """Rank 0 of a group: form it, broadcast `held` (or its delta, as the members were told), drop it;
         bounded by the group timeout at each stage."""
-        from prl.run import collective
+        from prl.weights import collective
 
         start = time.perf_counter()
         record: dict = {"token": token, "step": held.step, "world": world, "delta": False, "bytes": 0}
         try:
-            pg = collective.join(collective.Group(token, world, 0, self._group_timeout),
+            pg = collective.join(Group(token=token, world=world, rank=0, timeout=self._group_timeout),
                                  self._server.server_address[0], self._store)
             try:
                 # Every member was answered before it joined: the group formed, so the choice is made.
@@ -404,7 +399,7 @@ class FeedReader:
     did. `id` is the snapshot's, `keep` whether the feed computes deltas (keeping what was read pays off),
     `received` the bytes read off the socket so far.
 
-    With `group` (prl/run/collective.py) the reader joins that broadcast group instead (the delta if every
+    With `group` (prl/weights/collective.py) the reader joins that broadcast group instead (the delta if every
     member holds the base, else the whole step): the group is formed before the constructor returns, so a
     member that does not come fails it before the caller touches anything; the group's timeout bounds each
     stage."""
@@ -436,7 +431,7 @@ class FeedReader:
         self.step = step
 
     def _join_group(self):
-        from prl.run import collective
+        from prl.weights import collective
 
         answer = self._json(self._line())
         store = answer.get("store")
@@ -453,12 +448,9 @@ class FeedReader:
         proto, _, nonce = greeting.rstrip(b"\n").rpartition(b" ")
         if proto != PROTOCOL or not nonce:
             raise FeedError(self.address, f"not a prl weight feed (it said {greeting[:40]!r})")
-        request = {"step": step, "mac": mac(key, nonce)}
-        if self._base is not None:
-            request["base"] = self._base.id
-        if self._group is not None:
-            request["group"] = dataclasses.asdict(self._group)
-        self._send(request)
+        request = FeedRequest(step=step, mac=mac(key, nonce), base=None if self._base is None else self._base.id,
+                              group=self._group)
+        self._send(msgspec.to_builtins(request))
         header = self._json(self._line())
         if "error" in header:
             raise FeedError(self.address, str(header["error"])[:300])
@@ -480,7 +472,7 @@ class FeedReader:
             ok = (isinstance(name, str) and dtype in DTYPES and isinstance(nbytes, int)
                   and all(isinstance(n, int) and n >= 0 for n in shape) and len(rest) == 2 * self.delta
                   and isinstance(changed, int) and -1 <= changed <= math.prod(shape)
-                  and (form == "" if changed < 0 else form in ("index", "mask")))
+                  and (form == "" if changed < 0 else form in FORMS))
         except (TypeError, ValueError):
             ok = False
         if not ok:
@@ -501,7 +493,6 @@ class FeedReader:
         """Each tensor in fresh storage (never a reused buffer: vLLM's layerwise reload keeps what it is
         handed until the layer is complete; a delta is applied to a copy of the base's tensor); FeedError
         if the stream ends or stalls early (in a group: a broadcast fails or times out)."""
-        import numpy as np
         import torch
 
         if self._group is not None and self._pg is None:
@@ -515,20 +506,13 @@ class FeedReader:
                     yield meta.name, self._read(meta.nbytes, what).view(dtype).view(meta.shape)
                     continue
                 numel = math.prod(meta.shape)
-                if meta.form == "index":
-                    where = self._read(4 * meta.changed, what).view(torch.int32).long()
-                    if meta.changed and not (0 <= int(where.min()) and int(where.max()) < numel):
-                        raise FeedError(self.address, f"{what}: a delta index out of range")
-                else:
-                    packed = self._read((numel + 7) // 8, what).numpy()
-                    where = torch.from_numpy(np.unpackbits(packed, count=numel).view(np.bool_))
-                    if int(where.sum()) != meta.changed:
-                        raise FeedError(self.address, f"{what}: the mask marks {int(where.sum())} elements, "
-                                                      f"the header {meta.changed}")
+                raw = self._read(where_bytes(meta.form, numel, meta.changed), what)
+                try:
+                    where = positions(meta.form, raw, numel, meta.changed)
+                except BadDelta as e:
+                    raise FeedError(self.address, f"{what}: {e}") from None
                 values = self._read(meta.nbytes // max(1, numel) * meta.changed, what).view(dtype)
-                tensor = self._base.tensors[meta.name].clone()
-                tensor.view(-1)[where] = values
-                yield meta.name, tensor
+                yield meta.name, rebuild(self._base.tensors[meta.name], where, values)
         finally:
             self._receiving = False
             self.close()
@@ -543,7 +527,7 @@ class FeedReader:
         if self._group is None:
             self._read_into(memoryview(raw.numpy()), what)
             return raw
-        from prl.run import collective
+        from prl.weights import collective
 
         try:
             collective.receive(self._pg, raw)
@@ -557,7 +541,7 @@ class FeedReader:
         """Safe from another thread: a read blocked on this connection fails at once (a broadcast blocked in
         a group, at the group's timeout)."""
         if self._pg is not None and not self._receiving:  # a broadcast in flight is not torn down under it
-            from prl.run import collective
+            from prl.weights import collective
 
             pg, self._pg = self._pg, None
             collective.close(pg)

@@ -1,12 +1,12 @@
 """A weight feed's snapshot broadcast to every inference worker at once, over a torch.distributed group.
 
-    group = Group("9f2c...", world=5, rank=3)      # the orchestrator names it; worker 3 of 4
-    pg = join(group, bind_host, "host:port")       # every member (the feed's sender: rank 0, its own store)
-    send(pg, buffers) / receive(pg, raw)            # one broadcast per buffer, in header order
+    group = Group(token="9f2c...", world=5, rank=3)   # the orchestrator names it (prl.run.api.Group); worker 3 of 4
+    pg = join(group, bind_host, "host:port")          # every member (the feed's sender: rank 0, its own store)
+    send(pg, buffers) / receive(pg, raw)               # one broadcast per buffer, in header order
 
 `weights.transport: broadcast`: the orchestrator gives every server behind on a step the same group
 (a random token, the world size: 1 sender + every worker of every server, and each server's first rank).
-Each worker asks the feed for the step over the feed's keyed protocol (prl/run/feed.py), naming the
+Each worker asks the feed for the step over the feed's keyed protocol (prl/weights/feed.py), naming the
 group; the feed answers with the step's header and the address of its rendezvous store, and the first
 member to ask starts the feed's sender. Each side then forms a gloo process group of its own, on its
 own store prefix (the token), independent of any default group a trainer rank or a vLLM worker
@@ -25,59 +25,16 @@ The backend is gloo over TCP, on CPU tensors, on every cluster: the same code pa
 It binds to the address each side reaches the other with (never a wildcard). Like torch.distributed's
 own groups, the store and the gloo connections carry no key: the token is handed out only over keyed
 channels, so a stray process does not join by accident, but the store answers anyone who can reach it.
+A group's shape (token, world, rank, timeout) is the typed `prl.run.api.Group` that requests carry.
 """
 
 from __future__ import annotations
 
 import datetime
-import re
 import socket
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-MAX_WORLD = 4096
-"""Most members a group may have (1 sender + workers)."""
-DEFAULT_TIMEOUT_S = 60.0
-MAX_TIMEOUT_S = 3600.0
-TOKEN = re.compile(r"[0-9a-f]{32}")
-
-
-@dataclass(frozen=True)
-class Group:
-    """One broadcast group as a member sees it."""
-
-    token: str
-    """32 hex digits, random per group: its store prefix."""
-    world: int
-    """Members: the sender (rank 0) and every worker."""
-    rank: int
-    """This member's rank (0: the sender)."""
-    timeout: float = DEFAULT_TIMEOUT_S
-    """Longest a member waits at each stage: for every member to come, for each broadcast
-    (`weights.group_timeout_s`; the sender keeps its own)."""
-
-    def __post_init__(self):
-        if not (isinstance(self.token, str) and TOKEN.fullmatch(self.token)):
-            raise ValueError(f"a group token is 32 lowercase hex digits, got {str(self.token)[:40]!r}")
-        for name, value, low, high in (("world", self.world, 2, MAX_WORLD), ("rank", self.rank, 0, self.world - 1),
-                                       ("timeout", self.timeout, 1, MAX_TIMEOUT_S)):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-                raise ValueError(f"a group's {name} must be a number in [{low}, {high}], got {str(value)[:40]!r}")
-            if name != "timeout" and not isinstance(value, int):
-                raise ValueError(f"a group's {name} must be an integer, got {value!r}")
-
-
-def member(asked) -> Group:
-    """A receiving member's group as a request names it ({"token", "world", "rank" >= 1[, "timeout"]}); ValueError
-    naming what is wrong."""
-    try:
-        group = Group(**asked) if isinstance(asked, dict) else None
-    except TypeError as e:
-        raise ValueError(str(e)) from None
-    if group is None or group.rank == 0:
-        raise ValueError('a member\'s group is {"token": 32 hex digits, "world": W, "rank": 1 and up[, "timeout": s]}, '
-                         f"got {str(asked)[:80]!r}")
-    return group
+from prl.run.api import Group
 
 
 def store(host: str, timeout: float):

@@ -1,0 +1,181 @@
+"""What prl's processes say to each other over HTTP: the bodies of prl's own routes, typed.
+
+    POST /prl/weights   WeightsRequest -> WeightsAnswer        the orchestrator (or a user) -> an inference server
+    GET  /prl/live      LiveAnswer                             an inference server -> the orchestrator, `prl eval`
+    any route, refused  ErrorAnswer                            {"error": why, "status": HTTP code}
+
+The run directory's files are typed the same way in prl/run/records.py. A body is decoded by `decode`, which
+bounds its size before it reads it and turns every way it can be wrong (not JSON, too deep, a field of the
+wrong type or out of range, an unknown field) into one `BodyError` naming the field. Where a request names a
+broadcast group, the group is the one prl/weights/collective.py forms.
+
+Imports nothing of prl but the errors: the control plane, the roles and the servers' workers read these alike.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, Optional, TypeVar, Union
+
+import msgspec
+from msgspec import UNSET, Meta, UnsetType
+
+from prl.errors import PrlError
+
+MAX_BODY_BYTES = 64 * 1024
+"""Largest admin request body (a few small fields; a memory update names at most MAX_FEEDS feeds)."""
+MAX_ANSWER_BYTES = 1 << 20
+"""Largest answer a client reads from a server's admin route."""
+MAX_STEP = 2**31 - 1
+"""Largest weights step a request may name."""
+MAX_PATH = 4096
+"""Longest weights path a request may name (Linux's PATH_MAX)."""
+MAX_FEEDS = 1024
+"""Most weight feeds one memory update may name (one per trainer rank)."""
+MAX_WORLD = 4096
+"""Most members a broadcast group may have (1 sender + workers)."""
+DEFAULT_GROUP_TIMEOUT_S = 60.0
+MAX_GROUP_TIMEOUT_S = 3600.0
+PAUSE_MODES = ("keep", "wait", "abort")
+"""How a server pauses generation for an update: in-flight requests freeze, finish first, or end (vLLM's)."""
+
+Step = Annotated[int, Meta(ge=1, le=MAX_STEP)]
+Token = Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]
+_FEED = re.compile(r"([A-Za-z0-9._-]{1,253}):(\d{1,5})")
+
+
+class BodyError(PrlError):
+    """A body that is not the route's: `status` is the HTTP code to answer with (400, or 413 for one too large)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+class Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of a request body: unknown fields are refused (a misspelt field must not be silently ignored)."""
+
+
+class Group(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One broadcast group as a member sees it (`weights.transport: broadcast`, prl/weights/collective.py)."""
+
+    token: Token
+    """32 hex digits, random per group: its store prefix."""
+    world: Annotated[int, Meta(ge=2, le=MAX_WORLD)]
+    """Members: the sender (rank 0) and every worker."""
+    rank: Annotated[int, Meta(ge=0, lt=MAX_WORLD)]
+    """This member's rank (0: the sender); in a request, the server's first worker's."""
+    timeout: Annotated[float, Meta(ge=1, le=MAX_GROUP_TIMEOUT_S)] = DEFAULT_GROUP_TIMEOUT_S
+    """Longest a member waits at each stage: for every member to come, for each broadcast
+    (`weights.group_timeout_s`)."""
+
+    def __post_init__(self) -> None:
+        if self.rank >= self.world:
+            raise ValueError(f"rank {self.rank} is not in a world of {self.world}")
+
+
+class WeightsRequest(Body, kw_only=True, omit_defaults=True):
+    """`POST /prl/weights`: load a weights step. `transport` says where it comes from (prl/weights: the
+    registered transports) and which other fields it needs: `filesystem` exactly one of `step` (RUN/weights/step_N)
+    and `path` (a directory under RUN/weights/); `memory` `step` and `feeds`; `broadcast` those and `group`."""
+
+    transport: Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_]{0,31}$")] = "filesystem"
+    step: Optional[Step] = None
+    path: Optional[Annotated[str, Meta(min_length=1, max_length=MAX_PATH)]] = None
+    feeds: Optional[Annotated[list[str], Meta(min_length=1, max_length=MAX_FEEDS)]] = None
+    """host:port of each trainer rank's weight feed that holds a share of the step."""
+    group: Optional[Group] = None
+    """The broadcast group the step comes by, at this server's first worker's rank."""
+    mode: Literal["keep", "wait", "abort"] = "keep"
+    """How generation pauses while the step loads (PAUSE_MODES)."""
+
+    def __post_init__(self) -> None:
+        if self.path is not None and ("\0" in self.path or not self.path.startswith("/")):
+            raise ValueError(f'"path" must be an absolute path without NUL, got {self.path[:80]!r}')
+        for feed in self.feeds or ():
+            m = _FEED.fullmatch(feed)
+            if m is None or not 1 <= int(m.group(2)) <= 65535:
+                raise ValueError(f'"feeds" entries must be "host:port", got {feed[:80]!r}')
+        if self.feeds is not None and len(set(self.feeds)) != len(self.feeds):
+            raise ValueError('"feeds" names a feed twice')
+
+    @property
+    def durable(self) -> bool:
+        """From the run directory: a step a server can roll back to after a failed update."""
+        return self.feeds is None
+
+    @property
+    def once(self) -> bool:
+        """A group's request: its members were formed together, so it is tried once (a retry reads the feeds)."""
+        return self.group is not None
+
+
+class WeightsAnswer(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """`POST /prl/weights`'s answer: what the server now serves and what the update took."""
+
+    step: Optional[int]
+    path: str
+    """The weights' origin: a directory, or memory:step_N."""
+    seconds: float
+    load_seconds: float
+    pause_seconds: float
+    kv_storage_cleared: int
+    """KV entries deleted from a storage connector's directory."""
+    received_bytes: Optional[int] = None
+    """From memory: the bytes one worker read off its sockets (less than the step's with deltas)."""
+    delta: Optional[bool] = None
+    """From memory: every worker got only what changed."""
+    group: Optional[bool] = None
+    """From memory: the step came by broadcast."""
+
+
+class LiveAnswer(msgspec.Struct, kw_only=True):
+    """`GET /prl/live`: what an inference server serves (an attached run's view: its own adapter)."""
+
+    ok: bool
+    weights_step: Optional[int] = None
+    """The weights step served (None: the base model)."""
+    weights_path: Optional[str] = None
+    disk_step: Union[int, None, UnsetType] = UNSET
+    """The step it loaded last from disk, which a failed update rolls back to (unset: a server that does not say,
+    taken to be on `weights_step`)."""
+    paused: Optional[bool] = None
+    model: str = ""
+    updates: int = 0
+    last_update: Optional[dict] = None
+    updating: bool = False
+    workers: Optional[Annotated[int, Meta(ge=1)]] = None
+    """Its vLLM workers (each a member of a broadcast group)."""
+    error: Optional[str] = None
+    tenants: Optional[dict[str, Optional[int]]] = None
+    """An inference pool's: attached run -> the adapter step it serves."""
+
+
+class ErrorAnswer(msgspec.Struct, kw_only=True):
+    """What a refused request is answered with."""
+
+    error: str
+    status: int
+
+
+B = TypeVar("B")
+
+
+def decode(raw: bytes, kind: type[B], *, limit: int = MAX_BODY_BYTES, empty_ok: bool = False) -> B:
+    """`raw` as a `kind`, or BodyError saying what is wrong (413 when it is over `limit` bytes). An empty body is
+    the type's defaults when `empty_ok`."""
+    if len(raw) > limit:
+        raise BodyError(f"body of {len(raw)} bytes; this route takes at most {limit}", 413)
+    if empty_ok and not raw.strip():
+        raw = b"{}"
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as e:
+        raise BodyError(f"not a {kind.__name__}: {str(e)[:300]}") from None
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise BodyError(f"body is not a JSON object: {str(e)[:200]}") from None
+
+
+def encode(body: msgspec.Struct) -> dict:
+    """A body as JSON-ready builtins (what a client or a server sends; a request leaves out its defaults)."""
+    return msgspec.to_builtins(body)
