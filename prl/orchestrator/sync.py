@@ -419,7 +419,7 @@ class WeightWatcher:
                     return
                 if request.once:
                     log.info("%s: weights step %d together with other servers failed (HTTP %d: %s); asking for it "
-                             "alone", server.url, step, r.status_code, r.text[:200])
+                             "alone", server.url, step, r.status_code, r.text[:200])  # tests/test_e2e_moe.py reads it
                     attempt -= 1
                     continue
                 moved = self.newest()
