@@ -41,6 +41,7 @@ from vllm.model_executor.model_loader.reload import (
     initialize_layerwise_reload,
 )
 
+from prl.errors import ConfigError
 from prl.inference.checks import UpdateRefused, checkpoint_layout, compare_layouts
 from prl.inference.worker import check_reloaded, repack_after_reload, tied_lm_head, unloaded_layers
 from prl.run.collective import Group
@@ -100,8 +101,8 @@ class FeedEngine(WeightTransferEngine[FeedInitInfo, FeedUpdateInfo]):
         try:
             key = os.environ.get(API_KEY_VAR, "").strip()
             if not key:
-                raise RuntimeError(f"{API_KEY_VAR} is not set in the worker's environment: "
-                                   "start the server with --api-key-env to read weight feeds")
+                raise ConfigError(f"{API_KEY_VAR} is not set in the worker's environment: "
+                                  "start the server with --api-key-env to read weight feeds")
             group = self._group(info.group)
             readers = [FeedReader(address, info.step, key.encode(), FEED_TIMEOUT_S, self._kept.get(address), group)
                        for address in info.feeds]

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from prl.errors import WeightUpdateError
 from prl.inference.checks import weight_files
 from prl.inference.server import FEED_BACKEND
 
@@ -144,9 +145,9 @@ def check_reloaded(failed: list[str], tied_lm_head: bool) -> None:
     stale = sorted({name for name in failed if not name.endswith("RotaryEmbedding")
                     and not (name == "ParallelLMHead" and tied_lm_head)})
     if stale:
-        raise RuntimeError(f"vLLM's reload loaded none of the new weights of {', '.join(stale)} and kept their old "
-                           f"values: this server cannot take weight updates of this model (it would serve a mix of "
-                           f"two steps)")
+        raise WeightUpdateError(f"vLLM's reload loaded none of the new weights of {', '.join(stale)} and kept their "
+                                f"old values: this server cannot take weight updates of this model (it would serve a "
+                                f"mix of two steps)")
 
 
 def tied_lm_head(model_config) -> bool:
