@@ -1,11 +1,16 @@
 """The error contract (docs/architecture.md, "Entry points and errors"): an expected failure is a typed PrlError
 that its entry point's `run_entry` turns into one line and an exit code. Source checks, each with a probe
-showing it can fail."""
+showing it can fail, and the entry points run."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from tests.helpers import REPO
 
@@ -68,3 +73,81 @@ def test_the_runtime_error_check_sees_one(tmp_path):
     probe.write_text("class Auth:\n    def __init__(self):\n        raise RuntimeError('x')\n\n\n"
                      "def f():\n    raise RuntimeError\n\n\ndef g():\n    raise ValueError('fine')\n")
     assert bare_runtime_errors([probe]) == {(str(probe), "Auth.__init__"): 3, (str(probe), "f"): 7}
+
+
+ENTRY_POINTS = {
+    "launcher": (["prl.job.launch"], "prl launcher"),
+    "role": (["prl.job.role", "trainer"], "prl trainer"),
+    "orchestrator": (["prl.orchestrator"], "prl orchestrator"),
+    "trainer": (["prl.trainer"], "prl trainer"),
+}
+BAD_RUNS = {
+    "no plan": (None, 1, "no plan in {run}: {run}/plan.json is missing (run `prl plan` first)"),
+    "another format": ('{"format": "prl.plan/1"}', 2, "{run}/plan.json: Invalid enum value 'prl.plan/1'"),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_RUNS)
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_bad_run_directory_is_one_line_and_its_code(tmp_path, entry, bad):
+    """A RunDirError (1) or ConfigError (2) ends an entry point with one `PROG: error: ...` line, no traceback."""
+    module, prog = ENTRY_POINTS[entry]
+    plan, code, message = BAD_RUNS[bad]
+    run = tmp_path / "run"
+    run.mkdir()
+    if plan is not None:
+        (run / "plan.json").write_text(plan)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PRL_", "SLURM_"))}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run([sys.executable, "-m", *module, "--run-dir", str(run)], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=120)
+    lines = done.stderr.splitlines()
+    assert done.returncode == code and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith(f"{prog}: error: {message.format(run=run)}"), done.stderr[-3000:]
+
+
+def _is_main_block(node: ast.stmt) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+            and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value == "__main__")
+
+
+def _calls(node: ast.AST) -> set[str]:
+    return {n.func.id for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+
+
+def entry_modules(paths) -> dict[str, bool]:
+    """Module (as `python -m` names it) -> whether its `__main__` block reaches `run_entry`, itself or through a
+    function of the same module it calls, for every file with such a block."""
+    out = {}
+    for path in paths:
+        tree = ast.parse(path.read_text(), str(path))
+        blocks = [node for node in tree.body if _is_main_block(node)]
+        if not blocks:
+            continue
+        functions = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        called = set().union(*(_calls(b) for b in blocks))
+        reached = called | set().union(*(_calls(functions[name]) for name in called if name in functions))
+        parts = path.with_suffix("").parts
+        parts = parts[len(parts) - 1 - parts[::-1].index("prl"):]  # from the package's top, prl/
+        module = ".".join(parts[:-1] if parts[-1] == "__main__" else parts)
+        out[module] = "run_entry" in reached
+    return out
+
+
+def test_every_entry_point_goes_through_run_entry_and_is_in_the_docs():
+    found = entry_modules(prl_modules())
+    assert {"prl.cli", "prl.job.launch", "prl.job.role", "prl.inference", "prl.inference.router",
+            "prl.orchestrator", "prl.trainer", "prl.trainer.launch"} <= set(found), sorted(found)
+    assert all(found.values()), f"__main__ blocks that bypass run_entry: {[m for m, ok in found.items() if not ok]}"
+    doc = (REPO / "docs" / "architecture.md").read_text().split("## Entry points and errors")[1].split("\n## ")[0]
+    missing = [m for m in found if f"python -m {m}`" not in doc and f"python -m {m} " not in doc]
+    assert not missing, f"entry points missing from docs/architecture.md's 'Entry points and errors': {missing}"
+
+
+def test_the_entry_point_check_sees_a_bypass(tmp_path):
+    (tmp_path / "prl" / "tool").mkdir(parents=True)
+    good, bad = tmp_path / "prl" / "tool" / "__main__.py", tmp_path / "prl" / "tool" / "raw.py"
+    good.write_text("def cli():\n    return run_entry('prl tool', body)\n\n\nif __name__ == '__main__':\n    cli()\n")
+    bad.write_text("def main():\n    return 0\n\n\nif __name__ == '__main__':\n    main()\n")
+    assert entry_modules([good, bad]) == {"prl.tool": True, "prl.tool.raw": False}
