@@ -1,6 +1,6 @@
 """The error contract (docs/architecture.md, "Entry points and errors"): an expected failure is a typed PrlError
-that its entry point's `run_entry` turns into one line and an exit code. Source checks, each with a probe
-showing it can fail, and the entry points run."""
+that its entry point's `run_entry` turns into one line and an exit code, and every prl module logs through
+`prl.log.get_logger(__name__)`. Source checks, each with a probe showing it can fail, and the entry points run."""
 
 from __future__ import annotations
 
@@ -151,3 +151,60 @@ def test_the_entry_point_check_sees_a_bypass(tmp_path):
     good.write_text("def cli():\n    return run_entry('prl tool', body)\n\n\nif __name__ == '__main__':\n    cli()\n")
     bad.write_text("def main():\n    return 0\n\n\nif __name__ == '__main__':\n    main()\n")
     assert entry_modules([good, bad]) == {"prl.tool": True, "prl.tool.raw": False}
+
+
+def _string_constants(tree: ast.Module) -> dict[str, str]:
+    """Module-level `NAME = "text"` assignments: a logger name may be given through one."""
+    return {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+            for t in node.targets if isinstance(t, ast.Name)}
+
+
+def _is_prl_name(arg: ast.expr, constants: dict[str, str]) -> bool:
+    """Whether a logger name names a prl logger: `__name__` in a prl module, or a text that is `prl`/`prl.*`
+    (a name not known here counts as one: only prl/log.py may build prl names)."""
+    if isinstance(arg, ast.Name):
+        if arg.id == "__name__":
+            return True
+        if arg.id not in constants:
+            return True
+        text = constants[arg.id]
+    elif isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        text = arg.value
+    else:
+        return True
+    return text == "prl" or text.startswith("prl.")
+
+
+def logger_violations(paths) -> list[str]:
+    """`path:line` for each `logging.getLogger` of a prl logger and each `get_logger` not given `__name__`."""
+    out = []
+    for path in paths:
+        tree = ast.parse(path.read_text(), str(path))
+        constants = _string_constants(tree)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name == "getLogger" and node.args and _is_prl_name(node.args[0], constants):
+                out.append(f"{_rel(path)}:{node.lineno}: getLogger of a prl logger; use log = get_logger(__name__)")
+            elif name == "get_logger" and not (len(node.args) == 1 and isinstance(node.args[0], ast.Name)
+                                                and node.args[0].id == "__name__"):
+                out.append(f"{_rel(path)}:{node.lineno}: get_logger of another name than __name__")
+    return out
+
+
+def test_every_prl_module_gets_its_logger_one_way():
+    """Only prl/log.py sets up prl's loggers; every other module takes `log = get_logger(__name__)`."""
+    found = logger_violations(prl_modules(but=("prl/log.py",)))
+    assert not found, "loggers obtained another way:\n" + "\n".join(found)
+
+
+def test_the_logger_check_sees_a_violation(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('import logging\nfrom prl.log import get_logger\nVLLM = "vllm.reload"\nOURS = "prl.x"\n'
+                     'a = logging.getLogger("prl.feed")\nb = logging.getLogger(__name__)\nc = get_logger("prl.x")\n'
+                     'd = logging.getLogger(OURS)\n'
+                     'ok = [logging.getLogger("submitit"), logging.getLogger(VLLM), get_logger(__name__)]\n')
+    assert [v.split(":")[1] for v in logger_violations([probe])] == ["5", "6", "7", "8"]

@@ -66,7 +66,7 @@ from prl.run.rundir import RunDir, step_of
 from prl.run.tenants import Registry, Tenant
 
 router = APIRouter()
-log = get_logger("prl.inference")
+log = get_logger(__name__)
 
 PAUSE_MODES = ("keep", "wait", "abort")
 MAX_BODY_BYTES = 64 * 1024

@@ -38,8 +38,9 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from prl.errors import WeightUpdateError
 from prl.inference.checks import weight_files
 from prl.inference.server import FEED_BACKEND
+from prl.log import get_logger
 
-log = logging.getLogger("prl.inference.worker")
+log = get_logger(__name__)
 
 # vLLM imports this module by name in every worker before it loads the model (and creates the engine
 # named by --weight-transfer-config); a spawned worker does not inherit the parent's registry.

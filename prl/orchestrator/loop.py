@@ -58,7 +58,7 @@ from prl.run.rundir import RunDir
 
 ROLE = "orchestrator"
 
-log = get_logger("prl.orchestrator")
+log = get_logger(__name__)
 
 
 class Beat:

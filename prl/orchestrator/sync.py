@@ -30,7 +30,6 @@ so a server that restarted (back to the base weights) is noticed and updated.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import secrets
 import time
@@ -41,10 +40,11 @@ import httpx
 
 from prl.errors import PrlError, StepTimeout
 from prl.inference import routing
+from prl.log import get_logger
 from prl.planner.model import Plan
 from prl.run.rundir import API_KEY_VAR, RunDir
 
-log = logging.getLogger("prl.orchestrator")
+log = get_logger(__name__)
 
 ADMIN_ROLES = ("inference", "prefill", "decode")
 

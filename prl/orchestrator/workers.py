@@ -33,7 +33,7 @@ from typing import Any
 from prl.errors import ConfigError, StartError, StartTimeout
 from prl.log import get_logger
 
-log = get_logger("prl.orchestrator")
+log = get_logger(__name__)
 
 START_TIMEOUT_S = 300.0
 """How long the pool may take to bind and answer a health check (each worker imports verifiers and

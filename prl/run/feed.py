@@ -54,7 +54,6 @@ import dataclasses
 import hashlib
 import hmac
 import json
-import logging
 import math
 import os
 import socket
@@ -66,9 +65,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from prl.errors import FeedError
+from prl.log import get_logger
 from prl.run.collective import DEFAULT_TIMEOUT_S
 
-log = logging.getLogger("prl.feed")
+log = get_logger(__name__)
 
 PROTOCOL = b"prl-feed 1"
 MAX_LINE_BYTES = 64 * 1024 * 1024
