@@ -56,6 +56,21 @@ class StepTimeout(RunDirError):
     """A role waited longer than its limit for another role's step."""
 
 
+class StartError(PrlError):
+    """Something a role starts did not come up: it exited before it was ready (the environment worker pool, an
+    evaluation server), or did not come within its start limit (StartTimeout)."""
+
+
+class StartTimeout(StartError):
+    """What a start waits for (another role's endpoint, the worker pool's address, a server's /health) did not
+    come within its limit."""
+
+
+class StaleReload(PrlError):
+    """A server cannot take a weight update: vLLM's reload left trained weights at their old values. Raised in a
+    vLLM worker; its one message pickles across vLLM's RPC as it is."""
+
+
 class FeedError(PrlError):
     """A weight feed (prl/run/feed.py) could not hand over a step: refused, gone, or cut mid-stream."""
 

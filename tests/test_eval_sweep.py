@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from prl.errors import ConfigError
+from prl.errors import ConfigError, StartError
 from prl.ops.sweep import array_parameters, choose_steps
 from prl.orchestrator.eval import pass_at_k
 from prl.orchestrator.rollouts import Rollout
@@ -33,7 +33,7 @@ def test_an_evaluation_server_keeps_the_runs_flags_but_not_the_fleets():
 def test_role_env_reads_references_like_the_step_script():
     pairs = (("A", "plain"), ("B", "${oc.env:TOKEN}"), ("C", "x-${oc.env:MISSING,fallback}-y"))
     assert role_env(pairs, {"TOKEN": "s3cret"}) == {"A": "plain", "B": "s3cret", "C": "x-fallback-y"}
-    with pytest.raises(RuntimeError, match=r"\$\{TOKEN\} is not set"):
+    with pytest.raises(ConfigError, match=r"\$\{TOKEN\} is not set"):
         role_env(pairs, {})
 
 
@@ -70,7 +70,7 @@ def test_an_evaluation_server_that_fails_for_another_reason_is_not_started_again
         starts.append(port)
         return [sys.executable, "-c", "raise SystemExit('no model here')"]
 
-    with pytest.raises(RuntimeError, match=r"exited with code 1 before it was healthy; its log: .*eval.log"):
+    with pytest.raises(StartError, match=r"exited with code 1 before it was healthy; its log: .*eval.log"):
         sweep.start_server(argv, {}, tmp_path / "eval.log")
     assert len(starts) == 1
 

@@ -181,7 +181,7 @@ def test_task_stream_is_a_function_of_the_step():
     first_epoch = [t for s in steps[:2] for t in s] + steps[2][:2]
     assert sorted(first_epoch) == sorted(tasks)  # an epoch is a permutation
     assert TaskStream(tasks, seed=2).tasks_for(1, 4) != steps[0]
-    with pytest.raises(ValueError, match="no tasks"):
+    with pytest.raises(ConfigError, match="no tasks"):
         TaskStream([], seed=0)
 
 

@@ -67,4 +67,6 @@ def test_the_backend_needs_the_nodes_rank(tmp_path):
     result = subprocess.run([sys.executable, "-m", "prl.trainer.launch", "--nnodes=1", "--nproc-per-node=1",
                              "--rdzv-backend=prl-static", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "x.py"],
                             capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert result.returncode != 0 and "needs --rdzv-conf=rank=N" in result.stderr, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1:]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert last[0].startswith("prl trainer.launch: error: --rdzv-backend=prl-static needs --rdzv-conf=rank=N"), last

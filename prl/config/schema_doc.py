@@ -163,4 +163,8 @@ def reference() -> str:
 
 
 if __name__ == "__main__":
-    print(reference(), end="")
+    import sys
+
+    from prl.errors import run_entry
+
+    sys.exit(run_entry("prl schema_doc", lambda: print(reference(), end="")))

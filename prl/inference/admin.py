@@ -56,7 +56,7 @@ from prl.weights.filesystem import WeightsTarget
 from prl.weights.layout import UpdateRefused, checkpoint_layout
 
 router = APIRouter()
-log = get_logger("prl.inference")
+log = get_logger(__name__)
 
 KV_RESET_TIMEOUT_S = 90.0
 """How long an update waits at least for KV blocks held for another server (a NIXL prefill server

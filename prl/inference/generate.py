@@ -37,7 +37,6 @@ say where a decode server fetches the prompt's KV; null without a connector).
 
 from __future__ import annotations
 
-import logging
 import math
 from http import HTTPStatus
 from typing import Any
@@ -52,7 +51,9 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.utils import random_uuid
 
-logger = logging.getLogger("prl.inference.generate")
+from prl.log import get_logger
+
+log = get_logger(__name__)
 
 router = APIRouter()
 
@@ -296,7 +297,7 @@ def build_sampling_params(raw: dict[str, Any], defaults: dict[str, Any], room: i
     kwargs.update({k: v for k, v in raw.items() if k in CLIENT_SAMPLING_KEYS and v is not None})
     ignored = sorted(set(raw) - CLIENT_SAMPLING_KEYS)
     if ignored:
-        logger.debug("generate: ignoring sampling keys %s", ignored)
+        log.debug("generate: ignoring sampling keys %s", ignored)
     if kwargs.get("logit_bias"):
         kwargs["logit_bias"] = {int(k): float(v) for k, v in kwargs["logit_bias"].items()}
     kwargs.setdefault("max_tokens", room)
@@ -440,4 +441,4 @@ async def _release_remote_kv(engine, request_id: str, kv_transfer_params: dict[s
     try:
         await engine.notify_kv_transfer_request_rejected(request_id, kv_transfer_params)
     except Exception:  # noqa: BLE001 - best effort: the lease frees the blocks anyway
-        logger.warning("could not release the remote KV of refused request %s", request_id, exc_info=True)
+        log.warning("could not release the remote KV of refused request %s", request_id, exc_info=True)

@@ -60,7 +60,7 @@ from prl.inference import routing
 from prl.errors import run_entry
 from prl.log import get_logger, init_logging
 
-log = get_logger("prl.inference.router")
+log = get_logger(__name__)
 
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 FANOUT_PATHS = ("/prl/weights", "/pause", "/resume")

@@ -52,7 +52,7 @@ OPEN_PATHS = ("/health", "/prl/engine")
 START_METHOD_VAR = "VLLM_WORKER_MULTIPROC_METHOD"
 """How vLLM starts its engine core process (`cpu_engine_setup`)."""
 
-log = get_logger("prl.inference")
+log = get_logger(__name__)
 
 
 def split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -35,10 +35,12 @@ from pathlib import Path
 
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from prl.errors import StaleReload
 from prl.inference.server import WEIGHT_BACKEND
+from prl.log import get_logger
 from prl.weights.layout import weight_files
 
-log = logging.getLogger("prl.inference.worker")
+log = get_logger(__name__)
 
 # vLLM imports this module by name in every worker before it loads the model (and creates the engine
 # named by --weight-transfer-config); a spawned worker does not inherit the parent's registry.
@@ -145,9 +147,9 @@ def check_reloaded(failed: list[str], tied_lm_head: bool) -> None:
     stale = sorted({name for name in failed if not name.endswith("RotaryEmbedding")
                     and not (name == "ParallelLMHead" and tied_lm_head)})
     if stale:
-        raise RuntimeError(f"vLLM's reload loaded none of the new weights of {', '.join(stale)} and kept their old "
-                           f"values: this server cannot take weight updates of this model (it would serve a mix of "
-                           f"two steps)")
+        raise StaleReload(f"vLLM's reload loaded none of the new weights of {', '.join(stale)} and kept their "
+                                f"old values: this server cannot take weight updates of this model (it would serve a "
+                                f"mix of two steps)")
 
 
 def tied_lm_head(model_config) -> bool:

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from prl.errors import ConfigError, RunDirError, SlurmError, disk_full
+from prl.errors import ConfigError, RunDirError, SlurmError, disk_full, run_entry
 from prl.log import get_logger, init_logging
 from prl.planner.model import START_TIMEOUT_S, Plan, Step
 from prl.run.records import (DiskFull, Failure, LauncherRecord, ServerFailure, StepRecord, TaskExit,
@@ -698,8 +698,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m prl.job.launch")
     parser.add_argument("--run-dir", required=True)
     args = parser.parse_args(argv)
+    return run_entry("prl launcher", lambda: launch(args.run_dir))
+
+
+def launch(run_dir: str) -> int:
+    """One attempt of the job in `run_dir`: the run directory made ready for it, then the Launcher's run."""
     init_logging("launcher")
-    run = RunDir(args.run_dir)
+    run = RunDir(run_dir)
     plan = Plan.read(run)
     slurm = plan.slurm and "SLURM_JOB_ID" in os.environ
     # Under Slurm the attempt follows the requeue count; a PRL_ATTEMPT exported from the submitting shell is stale.

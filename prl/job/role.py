@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prl.errors import run_entry
 from prl.job import doctor
 from prl.job.runtimes import run_role
 from prl.log import get_logger, init_logging
@@ -119,11 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("role")
     parser.add_argument("--run-dir", required=True)
     args = parser.parse_args(argv)
-    into_rank_log(args.role, args.run_dir)
-    init_logging(args.role, task_index())
-    run = RunDir(args.run_dir)
+    return run_entry(f"prl {args.role}", lambda: one_task(args.role, args.run_dir))
+
+
+def one_task(role: str, run_dir: str) -> int:
+    """This task of `role`, its output in its rank log, its exit recorded; its exit code."""
+    into_rank_log(role, run_dir)
+    init_logging(role, task_index())
+    run = RunDir(run_dir)
     stop = _Stop()
-    return record_exit(run, args.role, run_task(run, args.role, stop), stop)
+    return record_exit(run, role, run_task(run, role, stop), stop)
 
 
 def record_exit(run: RunDir, role: str, code: int, stop: _Stop) -> int:

@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable
 
+from prl.errors import StartTimeout
 from prl.log import get_logger
 from prl.planner.model import START_TIMEOUT_S, Plan, node_address
 from prl.run.rundir import API_KEY_VAR, RunDir, atomic_write_json, is_stable
@@ -50,7 +51,7 @@ def wait_endpoint(run: RunDir, role: str, index: int, stopped: Callable[[], bool
     deadline = time.monotonic() + START_TIMEOUT_S
     while not path.exists():
         if time.monotonic() > deadline or stopped():
-            raise RuntimeError(f"{role}: no endpoint from {role} {index} after {START_TIMEOUT_S:.0f} s ({path})")
+            raise StartTimeout(f"{role}: no endpoint from {role} {index} after {START_TIMEOUT_S:.0f} s ({path})")
         time.sleep(0.2)
     return json.loads(path.read_text())
 

@@ -32,7 +32,7 @@ TIMEOUT_MINUTES = 120
 SACCT_BYPASS = "Bypassing sacct error"
 """What submitit logs on every poll where sacct fails (a cluster without job accounting)."""
 
-log = get_logger("prl.ops.sweep")
+log = get_logger(__name__)
 
 
 @dataclass

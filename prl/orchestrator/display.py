@@ -6,7 +6,7 @@ import sys
 
 from prl.log import get_logger
 
-log = get_logger("prl.orchestrator")
+log = get_logger(__name__)
 
 
 def _line(step: int, max_steps: int, m: dict) -> str:

@@ -18,13 +18,13 @@ without gets the same tasks for both (with a warning).
 from __future__ import annotations
 
 import importlib
-import logging
 import sys
 from typing import Any
 
 from prl.errors import ConfigError
+from prl.log import get_logger
 
-log = logging.getLogger("prl.orchestrator")
+log = get_logger(__name__)
 
 
 def taskset_module_id(env_id: str) -> str:

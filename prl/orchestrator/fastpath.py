@@ -31,12 +31,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-log = logging.getLogger("prl.orchestrator")
+from prl.log import get_logger
+
+log = get_logger(__name__)
 
 VERIFIERS_VERSION = "0.4.0"
 """The verifiers release whose interception server and train client these hooks were written against."""

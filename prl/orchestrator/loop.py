@@ -59,7 +59,7 @@ from prl.run.rundir import RunDir
 
 ROLE = "orchestrator"
 
-log = get_logger("prl.orchestrator")
+log = get_logger(__name__)
 
 
 class Beat:

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from prl.run.batch import Sample, picture_bytes
 from prl.config.topology import Advantage
+from prl.errors import ConfigError
 from prl.orchestrator.advantages import group_advantages, is_zero_group
 from prl.orchestrator.shaping import ShapingInputs, shape, shaper
 from prl.orchestrator.sync import Server, ServerPool
@@ -236,7 +237,7 @@ class TaskStream:
         self.seed = seed
         self._perms: dict[int, list[int]] = {}
         if self.tasks is not None and not self.tasks:
-            raise ValueError("the environment's train split has no tasks")
+            raise ConfigError("the environment's train split has no tasks")
 
     def at(self, g: int) -> Any:
         if self.tasks is None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from prl.errors import ConfigError, RunDirError, StartError, StartTimeout
 from prl.planner.model import START_TIMEOUT_S
 
 KEY_VAR = "PRL_EVAL_API_KEY"
@@ -87,7 +88,7 @@ def role_env(pairs: tuple[tuple[str, str], ...], environ: dict[str, str]) -> dic
         if name in environ:
             return environ[name]
         if default is None:
-            raise RuntimeError(f"${{{name}}} is not set where this evaluation runs (the inference role's env)")
+            raise ConfigError(f"${{{name}}} is not set where this evaluation runs (the inference role's env)")
         return default
 
     return {key: ENV_REFERENCE.sub(value, text) for key, text in pairs}
@@ -112,7 +113,7 @@ def evaluate_step(task: EvalTask) -> list[dict[str, Any]]:
     # tool-call parsing as training, whatever chat and tool flags the server has.
     tokenizer = settings.model.tokenizer or settings.model.path
     if task.step and not is_stable(run.weights(task.step)):
-        raise RuntimeError(f"weights step {task.step} of {run.root} is not published (no STABLE marker)")
+        raise RunDirError(f"weights step {task.step} of {run.root} is not published (no STABLE marker)")
     served = plan.eval_server()
     key = secrets.token_urlsafe(24)
     log_path = run.eval_log(task.step)
@@ -176,8 +177,8 @@ def wait_healthy(server: subprocess.Popen, url: str, log_path: Path) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"the evaluation server exited with code {server.returncode} before it was "
-                               f"healthy; its log: {log_path}")
+            raise StartError(f"the evaluation server exited with code {server.returncode} before it was "
+                             f"healthy; its log: {log_path}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
                 if response.status == 200:
@@ -185,7 +186,7 @@ def wait_healthy(server: subprocess.Popen, url: str, log_path: Path) -> None:
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(1.0)
-    raise RuntimeError(f"the evaluation server was not healthy after {START_TIMEOUT_S:.0f} s; its log: {log_path}")
+    raise StartTimeout(f"the evaluation server was not healthy after {START_TIMEOUT_S:.0f} s; its log: {log_path}")
 
 
 def stop(server: subprocess.Popen) -> None:

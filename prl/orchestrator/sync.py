@@ -26,7 +26,6 @@ base weights) is noticed and updated.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import time
 from collections.abc import Callable
@@ -38,12 +37,13 @@ import msgspec
 from prl import weights
 from prl.errors import PrlError, StepTimeout
 from prl.inference import routing
+from prl.log import get_logger
 from prl.planner.model import Plan
 from prl.run import api
 from prl.run.api import LiveAnswer, WeightsRequest
 from prl.run.rundir import API_KEY_VAR, RunDir
 
-log = logging.getLogger("prl.orchestrator")
+log = get_logger(__name__)
 
 ADMIN_ROLES = ("inference", "prefill", "decode")
 

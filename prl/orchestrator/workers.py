@@ -30,10 +30,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from prl.errors import ConfigError
+from prl.errors import ConfigError, StartError, StartTimeout
 from prl.log import get_logger
 
-log = get_logger("prl.orchestrator")
+log = get_logger(__name__)
 
 START_TIMEOUT_S = 300.0
 """How long the pool may take to bind and answer a health check (each worker imports verifiers and
@@ -105,9 +105,9 @@ class EnvWorkers:
             except queue.Empty:
                 waited += 1.0
                 if not server.is_alive():
-                    raise RuntimeError(f"the environment worker pool exited with code {server.exitcode} before "
-                                       f"it served (its log is the orchestrator's)") from None
-        raise RuntimeError(f"the environment worker pool did not start within {START_TIMEOUT_S:.0f} s")
+                    raise StartError(f"the environment worker pool exited with code {server.exitcode} before "
+                                     f"it served (its log is the orchestrator's)") from None
+        raise StartTimeout(f"the environment worker pool did not start within {START_TIMEOUT_S:.0f} s")
 
     async def run_slot(self, slot: Any, ctx: Any) -> Any:
         """One episode on a worker, with the server and sampling of `ctx` (a verifiers ModelContext)."""

@@ -20,6 +20,8 @@ from __future__ import annotations
 import socket
 import sys
 
+from prl.errors import ConfigError, run_entry
+
 BACKEND = "prl-static"
 
 
@@ -57,8 +59,8 @@ def create_handler(params):
     try:
         params.config["rank"] = int(params.config.get("rank", ""))
     except ValueError:
-        raise ValueError(f"--rdzv-backend={BACKEND} needs --rdzv-conf=rank=N (this node's rank), "
-                         f"got {params.config.get('rank')!r}") from None
+        raise ConfigError(f"--rdzv-backend={BACKEND} needs --rdzv-conf=rank=N (this node's rank), "
+                          f"got {params.config.get('rank')!r}") from None
     static = static_tcp_rendezvous.create_rdzv_handler(params)
     return BoundStaticRendezvous(static.master_addr, static.master_port, static.rank, static.world_size,
                                  static.run_id, int(static.timeout.total_seconds()))
@@ -73,4 +75,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_entry("prl trainer.launch", lambda: main(sys.argv[1:])))

@@ -382,4 +382,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from prl.errors import run_entry
+
+    sys.exit(run_entry("prl tiny_model", main))

@@ -53,7 +53,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import logging
 import math
 import os
 import socket
@@ -68,10 +67,11 @@ from typing import Optional
 import msgspec
 
 from prl.errors import FeedError
+from prl.log import get_logger
 from prl.run.api import DEFAULT_GROUP_TIMEOUT_S, Group
 from prl.weights.delta import FORMS, BadDelta, encode as encode_change, positions, rebuild, where_bytes
 
-log = logging.getLogger("prl.feed")
+log = get_logger(__name__)
 
 PROTOCOL = b"prl-feed 1"
 MAX_LINE_BYTES = 64 * 1024 * 1024
