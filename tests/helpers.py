@@ -165,3 +165,14 @@ def engine_of(run: Path, port: int) -> int:
     engines = [p for p in descendants(api[0][0], procs) if "EngineCore" in p[2]]
     assert engines, f"no EngineCore under the API server {api[0]}: {descendants(api[0][0], procs)}"
     return engines[0][0]
+
+
+def publish_endpoint(run, role: str, index: int, url: str, started: float | None = None) -> None:
+    """What a server's task publishes once it answers /health (prl/job/runtimes.py): its Endpoint record."""
+    from urllib.parse import urlsplit
+
+    from prl.run.records import Endpoint
+
+    where = urlsplit(url)
+    run.write_endpoint(Endpoint(role=role, index=index, host=where.hostname or "127.0.0.1", port=where.port,
+                                url=url, started=started))

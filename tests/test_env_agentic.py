@@ -12,6 +12,8 @@ import json
 import re
 
 import pytest
+
+from tests.helpers import publish_endpoint
 import verifiers.v1 as vf
 
 from prl.orchestrator import main
@@ -256,7 +258,7 @@ def test_one_orchestrator_step(tmp_path, tokenizer_dir, env_id):
                                                 *(f"training.{k}={v}" for k, v in training.items())])
     write_plan(run, plan)
     eng = FakeEngine(model="local-tiny", token_ids=range(3, 400), stop_id=2, run_dir=run.root).start()
-    atomic_write_json(run.endpoint("inference", 0), {"url": eng.url})
+    publish_endpoint(run, "inference", 0, eng.url)
     try:
         assert main(str(run.root)) == 0
     finally:

@@ -16,7 +16,7 @@ from prl.planner.model import Plan
 from prl.run.batch import read_batch
 from prl.run.rundir import RunDir, atomic_write_json
 from tests.fake_engine import FakeEngine
-from tests.helpers import REPO
+from tests.helpers import REPO, publish_endpoint
 from tests.plans import local_plan, write_plan
 
 
@@ -34,7 +34,7 @@ def make_run(tmp_path, tokenizer_dir, *overrides: str, **training) -> RunDir:
 
 def engine(run: RunDir, **kw) -> FakeEngine:
     eng = FakeEngine(model="local-tiny", token_ids=range(3, 400), stop_id=2, run_dir=run.root, **kw).start()
-    atomic_write_json(run.endpoint("inference", 0), {"url": eng.url})
+    publish_endpoint(run, "inference", 0, eng.url)
     return eng
 
 

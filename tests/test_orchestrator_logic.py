@@ -13,7 +13,9 @@ from prl.orchestrator.rollouts import Branch, Rollout, TaskStream, build_samples
 from prl.orchestrator.sync import Server, ServerPool, discover, read_endpoints
 from prl.planner.model import Plan
 from prl.run.batch import publish_batch, read_batch
+from prl.run.records import Endpoint
 from prl.run.rundir import RunDir, atomic_write_json
+from tests.helpers import publish_endpoint
 from tests.plans import local_plan
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -204,13 +206,14 @@ def test_endpoints_from_the_run_dir(tmp_path):
     plan = local_plan(run.root, tmp_path / "model", topology="moe-30b-pd")
     assert plan.expected_endpoints() == {("prefill", i) for i in range(4)} | {("decode", 0), ("decode", 1), ("router", 0)}
     for i in range(4):
-        atomic_write_json(run.endpoint("prefill", i), {"url": f"http://p{i}:8000/"})
+        publish_endpoint(run, "prefill", i, f"http://p{i}:8000/")
     for i in range(2):
-        atomic_write_json(run.endpoint("decode", i), {"url": f"http://d{i}:8000"})
-    atomic_write_json(run.endpoint("decode", 1001), {"host": "d1"})  # a multi-node head's address: no url
+        publish_endpoint(run, "decode", i, f"http://d{i}:8000")
+    run.write_endpoint(Endpoint(role="decode", index=1001, host="d1"))  # a multi-node head's address: no url
+    atomic_write_json(run.endpoint("decode", 7), {"url": "http://old:1"})  # another prl's file: not read
     with pytest.raises(StepTimeout, match="router.0"):
         discover(run, plan, timeout=0.2)
-    atomic_write_json(run.endpoint("router", 0), {"url": "http://r:8090"})
+    publish_endpoint(run, "router", 0, "http://r:8090")
     assert read_endpoints(run)["prefill"][0] == "http://p0:8000"
     pool = discover(run, plan, timeout=1)
     assert [s.url for s in pool.generate] == ["http://r:8090"]

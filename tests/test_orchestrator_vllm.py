@@ -16,6 +16,8 @@ import time
 
 import pytest
 
+from tests.helpers import publish_endpoint
+
 from prl.orchestrator import main
 from prl.run.batch import read_batch
 from prl.run.rundir import RunDir, atomic_write_json
@@ -48,7 +50,7 @@ def tiny_server(tmp_path_factory, tiny_model_dir):
 def test_orchestrator_writes_real_batches_and_loads_published_weights(tiny_server, tiny_model_dir):
     run = RunDir(tiny_server.run_dir)
     assert run.latest_stable("rollouts") is None and run.latest_stable("weights") is None
-    atomic_write_json(run.endpoint("inference", 0), {"url": tiny_server.url})
+    publish_endpoint(run, "inference", 0, tiny_server.url)
 
     def trainer():  # publishes weights/step_1 (the same tensors) once rollouts/step_1 exist
         deadline = time.monotonic() + 300

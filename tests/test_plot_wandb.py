@@ -164,11 +164,11 @@ def test_prl_wandb_logs_one_row_per_step_and_continues_the_same_run(tmp_path, ti
 
     run = make_run(tmp_path, tiny_model_dir, "run", records(3))
     assert sync(run, "prl-test", ended=lambda r: False) == 2  # step 3 may still get records
-    first_id = json.loads(run.wandb_cursor.read_text())["id"]
+    first_id = run.read_wandb_cursor().id
     for rec in records(5)[len(records(3)):]:
         run.append_metrics(rec)
     assert sync(run, "prl-test", ended=lambda r: True) == 3  # steps 3..5, nothing twice
-    assert json.loads(run.wandb_cursor.read_text()) == {"id": first_id, "step": 5}
+    assert (run.read_wandb_cursor().id, run.read_wandb_cursor().step) == (first_id, 5)
 
     files = sorted(run.wandb_dir.glob(f"offline-run-*-{first_id}/run-{first_id}.wandb"))
     assert len(files) == 2  # one W&B run id, synced twice

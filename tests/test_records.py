@@ -9,7 +9,9 @@ import pytest
 
 from prl.errors import RunDirError
 from prl.run import records
-from prl.run.records import (RECORD_VERSION, DiskFull, Failure, JobRecord, LauncherRecord, RankBeat,
+from prl.run.records import (RECORD_VERSION, DiskFull, Endpoint, Failure, FeedRecord, JobRecord, LauncherRecord,
+                             PreflightCheck, PreflightReport, RankBeat, ReadyMarker, StableMarker, StepPin,
+                             StopRequest, TenantRecord, WandbCursor,
                              RoleStateRecord, ServerFailure, StepRecord, TaskExit)
 from prl.run.rundir import RunDir, atomic_write_json
 from prl.states import Backend, LauncherStatus, RoleState, ServerAction
@@ -41,6 +43,17 @@ JOB = JobRecord(job_id="77", name="lab", backend=Backend.SLURM, cluster="example
     (RankBeat(attempt=1, heartbeat=5.0, step=3, phase="trained", step_s=0.5), lambda run: run.rank_beat("trainer", 1)),
     (TaskExit(exit_code=0, time=5.0, host="h", node="n1", reason="r", failed=True, lasting=True, with_replica=True),
      lambda run: run.task_exit("inference", 1)),
+    (Endpoint(role="inference", index=2, host="10.0.0.5", port=8000, url="http://10.0.0.5:8000", started=5.0,
+              restart=1), lambda run: run.endpoint("inference", 2)),
+    (ReadyMarker(host="n1", time=5.0), lambda run: run.task_ready("inference", 0)),
+    (PreflightReport(host="h", node="n1", checks=[PreflightCheck("ports", "error", "port 8000 is taken")], ok=False),
+     lambda run: run.preflight_report("trainer", 0)),
+    (StopRequest(attempt=2, time=5.0, signal=15), lambda run: run.stop_request),
+    (StepPin(step=3, time=5.0), lambda run: run.pins_dir / "orchestrator.json"),
+    (FeedRecord(step=4, feeds=["h:1", "h:2"], time=5.0, group_timeout=7.0), lambda run: run.weights_feed_file),
+    (WandbCursor(id="prl-ab", step=3), lambda run: run.wandb_cursor),
+    (TenantRecord(name="exp-a", run_dir="/runs/a", key_sha256="0" * 64, attached=5.0),
+     lambda run: run.root / "tenants" / "exp-a.json"),
 ])
 def test_a_record_reads_back_as_written_with_its_version(tmp_path, record, path):
     run = RunDir(tmp_path).create()
@@ -49,6 +62,26 @@ def test_a_record_reads_back_as_written_with_its_version(tmp_path, record, path)
     on_disk = json.loads(file.read_text())
     assert on_disk["version"] == RECORD_VERSION
     assert records.read(file, type(record)) == record
+
+
+def test_the_handoffs_between_processes_are_read_and_written_through_the_run_directory(tmp_path):
+    run = RunDir(tmp_path).create()
+    assert (run.read_endpoint("inference", 0), run.read_ready("inference", 0), run.read_preflight("trainer", 0),
+            run.read_weights_feed(), run.read_wandb_cursor()) == (None,) * 5
+    head = Endpoint(role="decode", index=1, host="n2")  # a multi-node head's address, before it serves
+    run.write_endpoint(head)
+    run.write_endpoint(Endpoint(role="router", index=0, host="n1", port=8090, url="http://n1:8090"))
+    assert run.endpoints() == {"decode": {1: head}, "router": {0: run.read_endpoint("router", 0)}}
+    assert run.mark_ready("inference", 3, "n1") == run.read_ready("inference", 3)
+    run.request_stop(run.replica_stop("decode", 1), attempt=2)
+    assert records.read(run.replica_stop("decode", 1), StopRequest).signal is None
+    run.pin_weights("orchestrator", 4)
+    run.hold_weights("inference.0", 2)
+    assert (run.weight_pins(), run.weight_holds()) == ({"orchestrator": 4}, {"inference.0": 2})
+    # What another prl left where a record belongs is not read as one (an endpoint written as a bare dict).
+    atomic_write_json(run.endpoint("inference", 5), {"url": "http://x:1"})
+    atomic_write_json(run.holds_dir / "stale.json", {"step": "two"})
+    assert 5 not in run.endpoints().get("inference", {}) and "stale" not in run.weight_holds()
 
 
 def test_the_rundir_readers_return_the_types(tmp_path):
@@ -77,6 +110,9 @@ OLD_LAUNCHER = {"attempt": 1, "mode": "run", "job_id": None, "pid": 321, "starte
                      "reason": "server exited with code 0 while the job was running", "action": "restarting",
                      "restarted": 4.0}]}},
                 "first_failure": None, "ended": None}
+OLD_PIN = {"step": 3, "time": 5.0}
+OLD_MARKER = {"attempt": 1, "files": {"model.safetensors": 4}, "host": "n1", "pid": 7, "step": 2, "time": 5.0}
+OLD_TENANT = {"name": "exp-a", "run_dir": "/runs/a", "key_sha256": "ab" * 32, "attached": 5.0}
 OLD_STATE = {"status": "running", "started": 1.0, "heartbeat": 2.0, "exit_code": None, "host": "h", "pid": 9,
              "attempt": 1, "updated": 2.0, "step": 3, "phase": "trained", "step_s": 0.25}
 
@@ -92,6 +128,14 @@ def test_a_run_directory_from_before_record_versions_still_reads(tmp_path):
     failure = launcher.steps["inference"].failures[0]
     assert failure.action is ServerAction.RESTARTING and failure.ready_after_s is None
     assert state.status is RoleState.RUNNING and state.step == 3 and state.weights_attempt is None
+    for path, old, kind in ((run.pins_dir / "orchestrator.json", OLD_PIN, StepPin),
+                            (run.root / "weights" / "step_2" / "STABLE", OLD_MARKER, StableMarker),
+                            (run.root / "tenants" / "exp-a.json", OLD_TENANT, TenantRecord)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(old))
+        assert records.read(path, kind).version == 1
+    assert run.weight_pins() == {"orchestrator": 3} and run.stable_steps("weights") == []  # its file is missing
+    assert records.read_marker(run.root / "weights" / "step_2" / "STABLE").step == 2
     # Written again, every field is there with its name as before, and the version.
     atomic_write_json(run.job_json, job)
     assert json.loads(run.job_json.read_text()) == {**OLD_JOB, "version": RECORD_VERSION}

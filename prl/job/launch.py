@@ -38,9 +38,9 @@ from typing import Any
 from prl.errors import ConfigError, RunDirError, SlurmError, disk_full, run_entry
 from prl.log import get_logger, init_logging
 from prl.planner.model import START_TIMEOUT_S, Plan, Step
-from prl.run.records import (DiskFull, Failure, LauncherRecord, ServerFailure, StepRecord, TaskExit,
+from prl.run.records import (DiskFull, Failure, LauncherRecord, ServerFailure, StepRecord, StopRequest, TaskExit,
                               server_exit_reason)
-from prl.run.rundir import RunDir, atomic_write_json, current_attempt, pid_alive, read_json
+from prl.run.rundir import RunDir, atomic_write_json, current_attempt, pid_alive
 from prl.states import LAUNCHER_ENDED, TERMINAL_STATES, Backend, JobState, LauncherStatus, RoleState, ServerAction
 
 log = get_logger(__name__)
@@ -160,7 +160,7 @@ class Launcher:
     def save(self) -> None:
         self.write(self.run.launcher_state, self.state)
 
-    def write(self, path: Path, obj: Any) -> bool:
+    def write(self, path: Path, obj: LauncherRecord | StopRequest) -> bool:
         """atomic_write_json that survives a full disk: the first ENOSPC gives back the run's reserve
         (state/reserve) and tries again; a write that still fails is logged and the job goes on (its
         state stays in memory). False when `path` could not be written."""
@@ -329,7 +329,7 @@ class Launcher:
             if not all(t in running.down for t in tasks) and not marker.exists():
                 log.warning(f"stopping the other tasks of {running.name} replica {replica} "
                             f"({[t for t in tasks if t not in running.down]}) to restart it whole")
-                self.write(marker, {"attempt": self.attempt, "time": time.time()})
+                self.write(marker, StopRequest(attempt=self.attempt, time=time.time()))
 
     def restart_replicas(self, running: Running) -> None:
         """Start again every replica whose tasks have all ended (a multi-node replica restarts whole)."""
@@ -358,9 +358,9 @@ class Launcher:
         changed = False
         for event in self.state.step(running.name).failures:
             if event.action == ServerAction.RESTARTING and event.restarted is not None and event.ready_after_s is None:
-                marker = read_json(self.run.task_ready(running.name, event.task))
-                if marker and float(marker["time"]) >= event.restarted:
-                    event.ready_after_s = round(float(marker["time"]) - event.time, 1)
+                marker = self.run.read_ready(running.name, event.task)
+                if marker is not None and marker.time >= event.restarted:
+                    event.ready_after_s = round(marker.time - event.time, 1)
                     event.action = ServerAction.RESTARTED
                     log.info(f"{running.name} task {event.task} ready again, {event.ready_after_s} s "
                              f"after it failed")
@@ -490,7 +490,7 @@ class Launcher:
         leave no time for a checkpoint. The tasks watch state/stop.json and pass SIGTERM on.
         """
         alive = [p for r in self.running.values() for p in r.procs if p.poll() is None]
-        asked = self.write(self.run.stop_request, {"attempt": self.attempt, "signal": signum, "time": time.time()})
+        asked = self.write(self.run.stop_request, StopRequest(attempt=self.attempt, time=time.time(), signal=signum))
         # Without the request the tasks cannot hear the stop: signal them at once.
         deadline = time.monotonic() + (float(self.plan.grace_seconds) if asked else 0.0)
         while any(p.poll() is None for p in alive) and time.monotonic() < deadline:

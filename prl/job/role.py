@@ -28,7 +28,7 @@ from prl.job.runtimes import run_role
 from prl.log import get_logger, init_logging
 from prl.planner.model import Plan
 from prl.run.records import TaskExit, server_exit_reason
-from prl.run.rundir import RunDir, atomic_write_json, current_attempt
+from prl.run.rundir import RunDir, current_attempt
 
 log = get_logger(__name__)
 
@@ -168,7 +168,7 @@ def run_task(run: RunDir, role: str, stop: _Stop) -> int:
     log.info(f"{mode} on {node} (attempt {attempt}, pid {os.getpid()})")
 
     checks = doctor.preflight(run, plan, role, task, strict=mode == "run")
-    atomic_write_json(run.preflight_report(role, task), doctor.report(checks))
+    run.write_preflight(role, task, doctor.report(checks))
     for line in doctor.format_checks(checks).splitlines():
         log.info(line)
     bad = doctor.failed(checks)
@@ -186,7 +186,7 @@ def run_task(run: RunDir, role: str, stop: _Stop) -> int:
         return 1
 
     if mode == "preflight":
-        atomic_write_json(run.task_ready(role, task), {"host": node, "time": time.time()})
+        run.mark_ready(role, task, node)
         code = _hold(run, role, task, float(os.environ.get("PRL_HOLD", "0")), stop)
     else:
         code = run_role(run, plan, role, task, stop)

@@ -32,7 +32,8 @@ from typing import Any, Callable
 from prl.errors import StartTimeout
 from prl.log import get_logger
 from prl.planner.model import START_TIMEOUT_S, Plan, node_address
-from prl.run.rundir import API_KEY_VAR, RunDir, atomic_write_json, is_stable
+from prl.run.records import Endpoint
+from prl.run.rundir import API_KEY_VAR, RunDir, is_stable
 from prl.states import RoleState
 
 log = get_logger(__name__)
@@ -46,14 +47,16 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def wait_endpoint(run: RunDir, role: str, index: int, stopped: Callable[[], bool]) -> dict[str, Any]:
-    path = run.endpoint(role, index)
+def wait_endpoint(run: RunDir, role: str, index: int, stopped: Callable[[], bool], *, url: bool = False) -> Endpoint:
+    """Task/replica `index` of `role`'s endpoint once it is published (with `url`: once it serves, not only its
+    head's address for the followers of a multi-node server)."""
     deadline = time.monotonic() + START_TIMEOUT_S
-    while not path.exists():
+    while (found := run.read_endpoint(role, index)) is None or url and found.url is None:
         if time.monotonic() > deadline or stopped():
-            raise StartTimeout(f"{role}: no endpoint from {role} {index} after {START_TIMEOUT_S:.0f} s ({path})")
+            raise StartTimeout(f"{role}: no endpoint from {role} {index} after {START_TIMEOUT_S:.0f} s "
+                               f"({run.endpoint(role, index)})")
         time.sleep(0.2)
-    return json.loads(path.read_text())
+    return found
 
 
 TRAINER_RENDEZVOUS = "prl-static"
@@ -123,7 +126,7 @@ def latest_weights_args(run: RunDir, args: list[str], holder: str) -> list[str]:
 
 
 def _ready_marker(run: RunDir, role: str, task: int) -> Callable[[], None]:
-    return lambda: atomic_write_json(run.task_ready(role, task), {"host": socket.gethostname(), "time": time.time()})
+    return lambda: run.mark_ready(role, task, socket.gethostname())
 
 
 def run_server(run: RunDir, plan: Plan, role: str, task: int, stop: Any) -> int:
@@ -142,9 +145,9 @@ def run_server(run: RunDir, plan: Plan, role: str, task: int, stop: Any) -> int:
     if server.address_from_head:
         # Multi-node replica: its head publishes its address (no url until healthy) for the followers.
         if server.head:
-            atomic_write_json(run.endpoint(role, server.replica), {"host": host})
+            run.write_endpoint(Endpoint(role=role, index=server.replica, host=host))
         head = wait_endpoint(run, role, server.replica, lambda: stop.signum is not None)
-        args += ["--data-parallel-address", head["host"]]
+        args += ["--data-parallel-address", head.host]
     restart = int(os.environ.get("PRL_RESTART", "0") or 0)
     holder = f"{role}.{task}"
     if restart and role not in ("teacher", "reference"):  # a scorer's model never changes
@@ -168,9 +171,8 @@ def _supervise_server(run: RunDir, plan: Plan, role: str, task: int, stop: Any, 
 
     def on_ready() -> None:
         # `started` tells the orchestrator a restarted server from the one it knew at the same url.
-        atomic_write_json(run.endpoint(role, server.replica), {"url": url, "host": host, "role": role,
-                                                                "replica": server.replica, "started": time.time(),
-                                                                "restart": restart})
+        run.write_endpoint(Endpoint(role=role, index=server.replica, host=host, port=server.port, url=url,
+                                    started=time.time(), restart=restart))
         mark()
 
     try:
@@ -188,7 +190,7 @@ def run_router(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     for role in urls:
         replicas = sorted({s.replica for s in plan.role_servers(role)})
-        urls[role] = [wait_endpoint(run, role, r, lambda: stop.signum is not None)["url"] for r in replicas]
+        urls[role] = [wait_endpoint(run, role, r, lambda: stop.signum is not None, url=True).url for r in replicas]
     env = {**os.environ, API_KEY_VAR: run.read_api_key()}
     argv = [sys.executable, "-m", "prl.inference.router", "--host", host, "--port", str(port),
             "--api-key-env", API_KEY_VAR]
@@ -198,7 +200,7 @@ def run_router(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
     url = f"http://{host}:{port}"
 
     def on_ready() -> None:
-        atomic_write_json(run.endpoint("router", 0), {"url": url, "role": "router", "replica": 0})
+        run.write_endpoint(Endpoint(role="router", index=0, host=host, port=port, url=url))
         _ready_marker(run, "router", task)()
 
     return supervise(argv, env, stop, lambda: http_ok(f"{url}/health"), on_ready)
@@ -221,11 +223,11 @@ def run_trainer(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
     rendezvous address for the others."""
     tr = plan.trainer
     if task == 0:
-        atomic_write_json(run.endpoint("trainer", 0), {"host": node_address(plan), "port": tr.master_port})
+        run.write_endpoint(Endpoint(role="trainer", index=0, host=node_address(plan), port=tr.master_port))
     head = wait_endpoint(run, "trainer", 0, lambda: stop.signum is not None)
     argv = [sys.executable, "-m", "prl.trainer.launch", f"--nnodes={tr.nodes}",
             f"--nproc-per-node={tr.gpus_per_node}", f"--rdzv-backend={TRAINER_RENDEZVOUS}",
-            f"--rdzv-endpoint={head['host']}:{head['port']}", f"--rdzv-conf=rank={task}",
+            f"--rdzv-endpoint={head.host}:{head.port}", f"--rdzv-conf=rank={task}",
             "-m", "prl.trainer", "--run-dir", str(run.root)]
     return supervise(argv, dict(os.environ), stop, lambda: True, _ready_marker(run, "trainer", task))
 

@@ -25,7 +25,7 @@ import msgspec
 from prl.errors import ConfigError, SlurmError
 from prl.planner.model import Plan, Step
 from prl.run.records import Failure, JobRecord, LauncherRecord, RoleStateRecord, ServerFailure, StepRecord
-from prl.run.rundir import RunDir, pid_alive, read_json
+from prl.run.rundir import RunDir, pid_alive
 from prl.ops.registry import entries, registry_path
 from prl.states import TERMINAL_STATES, Backend, JobState, LauncherStatus, RoleState, ServerAction
 
@@ -131,8 +131,8 @@ def _failed_log(run: RunDir, attempt: int, role: str) -> Path | None:
     """The log of the task that failed: one whose preflight failed, else the newest."""
     logs = run.rank_logs(attempt, role)
     for rank, log in logs:
-        report = read_json(run.preflight_report(role, rank))
-        if report and not report.get("ok"):
+        report = run.read_preflight(role, rank)
+        if report is not None and not report.ok:
             return log
     return max((log for _, log in logs), key=lambda p: p.stat().st_mtime) if logs else None
 

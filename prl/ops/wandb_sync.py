@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 from prl.errors import needs_extra
 from prl.ops.metrics import step_rows
-from prl.run.rundir import RunDir, atomic_write_json, read_json
+from prl.run.records import WandbCursor
+from prl.run.rundir import RunDir
 from prl.states import LauncherStatus
 
 FOLLOW_SECONDS = 10.0
@@ -34,12 +35,9 @@ def pending_rows(run: RunDir, after: int, ended: bool) -> dict[int, dict[str, fl
     return rows
 
 
-def cursor(run: RunDir) -> dict[str, Any]:
-    """{"id": W&B run id, "step": last step logged}; a new id on the first sync."""
-    found = read_json(run.wandb_cursor)
-    if found and isinstance(found.get("id"), str) and isinstance(found.get("step"), int):
-        return found
-    return {"id": f"prl-{secrets.token_hex(6)}", "step": -1}
+def cursor(run: RunDir) -> WandbCursor:
+    """The W&B run id and the last step logged; a new id on the first sync."""
+    return run.read_wandb_cursor() or WandbCursor(id=f"prl-{secrets.token_hex(6)}")
 
 
 def job_ended(run: RunDir) -> bool:
@@ -69,18 +67,18 @@ def sync(run: RunDir, project: str, entity: str | None = None, follow: bool = Fa
     plan = Plan.read(run)
     state = cursor(run)
     run.wandb_dir.mkdir(parents=True, exist_ok=True)
-    wb = wandb.init(project=project, entity=entity, id=state["id"], resume="allow", name=plan.name,
+    wb = wandb.init(project=project, entity=entity, id=state.id, resume="allow", name=plan.name,
                     dir=str(run.root), config=msgspec.to_builtins(plan.settings()),
                     settings=wandb.Settings(console="off"))
     logged = 0
     try:
         while True:
             done = ended(run)
-            for step, row in pending_rows(run, state["step"], done).items():
+            for step, row in pending_rows(run, state.step, done).items():
                 wb.log(row, step=step)
-                state["step"] = step
+                state.step = step
                 logged += 1
-            atomic_write_json(run.wandb_cursor, state)
+            run.write_wandb_cursor(state)
             if done or not follow:
                 return logged
             time.sleep(poll)

@@ -1,6 +1,6 @@
 """The inference servers as the orchestrator sees them, and the weight watcher.
 
-Where the servers are: `RUN/state/endpoints/<role>.<replica>.json` (`{"url": ...}`),
+Where the servers are: `RUN/state/endpoints/<role>.<replica>.json` (an `Endpoint` with its `url`),
 written by the role runner once a server is healthy; one per replica head in
 plan.json `servers`, plus `router.0` under prefill/decode disaggregation
 (plan `router_port`). Generation goes to the router when there is one, else
@@ -205,7 +205,7 @@ class ServerPool:
 
 def read_endpoints(run: RunDir) -> dict[str, list[str]]:
     """URLs by role from the run's published endpoints (entries without a url, e.g. multi-node heads, skipped)."""
-    urls = {role: [data["url"].rstrip("/") for _, data in sorted(by_index.items()) if data.get("url")]
+    urls = {role: [e.url.rstrip("/") for _, e in sorted(by_index.items()) if e.url]
             for role, by_index in run.endpoints().items()}
     return {role: found for role, found in urls.items() if found}
 
@@ -246,8 +246,8 @@ def discover(run: RunDir, plan: Plan, timeout: float) -> Fleet:
 
 def endpoint_starts(run: RunDir) -> dict[str, float | None]:
     """url -> `started` of every published server endpoint (what `WeightWatcher.follow` compares)."""
-    return {data["url"].rstrip("/"): data.get("started") for role in ADMIN_ROLES
-            for data in run.endpoints().get(role, {}).values() if data.get("url")}
+    return {e.url.rstrip("/"): e.started for role in ADMIN_ROLES
+            for e in run.endpoints().get(role, {}).values() if e.url}
 
 
 async def healthy(client: httpx.AsyncClient, server: Server) -> bool:

@@ -6,6 +6,15 @@
     state/<role>.json            RoleStateRecord the role's rank 0: claim, heartbeats, exit (`RunDir.write_state`)
     state/beats/<role>.<K>.json  RankBeat        rank K > 0 of a multi-rank role (`RunDir.rank_heartbeat`)
     state/exits/<role>.<K>.json  TaskExit        task K of a role, as it ends (prl/job/role.py)
+    state/endpoints/<role>.<K>.json  Endpoint    how to reach task or replica K of a role (its runtime)
+    state/ready/<role>.<K>.json  ReadyMarker     task K of a role is healthy (its runtime; the launcher reads it)
+    state/preflight/<role>.<K>.json  PreflightReport  task K's preflight checks (prl status reads them)
+    state/stop.json, state/stop/<role>.<R>.json  StopRequest  the launcher stops the job / one replica
+    state/weights_feed.json      FeedRecord      the newest weights step the trainer's feeds serve
+    state/pins/<owner>.json, state/holds/<owner>.json  StepPin  weights steps cleanup keeps
+    state/wandb.json             WandbCursor     `prl wandb`'s W&B run and the last step it logged
+    tenants/<name>.json          TenantRecord    a run attached to an inference pool (prl/run/tenants.py)
+    */step_N/STABLE              StableMarker    a published step's files (RunDir.finish_publish)
 
 Writers and readers go through `RunDir` (`write_state`, `read_state`, `read_launcher`, `read_job`, ...),
 which writes these as indented JSON with the field names below, atomically. Every file carries `version`
@@ -20,7 +29,7 @@ Imports nothing of prl but the errors and the state vocabularies: login nodes an
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional, TypeVar
+from typing import Annotated, Literal, Optional, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -257,12 +266,99 @@ class FeedRecord(Record, kw_only=True):
     groups)."""
 
 
-class StableMarker(msgspec.Struct, kw_only=True):
-    """A published step's STABLE marker: what it holds, so a reader can check every file is there whole.
-    Other fields (time, host, pid, attempt and a writer's own) are kept in the file and not read here."""
+class Endpoint(Record, kw_only=True):
+    """state/endpoints/<role>.<index>.json: how to reach task or replica `index` of a role (written by its
+    runtime, prl/job/runtimes.py): a server's or the router's URL once healthy, a multi-node server's head
+    address for its followers, the trainer's rendezvous."""
 
-    files: dict[str, int]
+    role: str
+    index: Count
+    """The replica (servers, the router) or the task (the trainer's node 0)."""
+    host: str
+    """The node's address, as the other nodes reach it."""
+    port: Optional[Annotated[int, Meta(ge=1, le=65535)]] = None
+    url: Optional[str] = None
+    """http://host:port of a server or the router, once it answers /health (None: a head's address alone)."""
+    started: Optional[Time] = None
+    """When this server process became healthy: a new value is a new process at the same URL (a restart)."""
+    restart: Count = 0
+    """Which restart of the task this is (0: the first start)."""
+
+
+class ReadyMarker(Record, kw_only=True):
+    """state/ready/<role>.<task>.json: the task is healthy; the launcher starts what waits for the role after all
+    of its tasks wrote one."""
+
+    host: str
+    time: Time
+
+
+class PreflightCheck(msgspec.Struct):
+    """One check of a task's preflight (prl/job/doctor.py)."""
+
+    name: str
+    level: Literal["ok", "warn", "error"]
+    detail: str
+
+
+class PreflightReport(Record, kw_only=True):
+    """state/preflight/<role>.<task>.json: what the task's preflight found (`prl status` names a failed one's log)."""
+
+    host: str
+    node: Optional[str] = None
+    checks: list[PreflightCheck] = msgspec.field(default_factory=list)
+    ok: bool
+
+
+class StopRequest(Record, kw_only=True):
+    """state/stop.json (every task of the attempt) or state/stop/<role>.<replica>.json (the live tasks of one
+    multi-node replica whose other task failed): the launcher asks them to stop; they pass SIGTERM on."""
+
+    attempt: Attempt
+    time: Time
+    signal: Optional[Signal] = None
+    """The signal that stopped the job (None: a replica restarted whole)."""
+
+
+class StepPin(Record, kw_only=True):
+    """state/pins/<owner>.json (keep weights step `step` and later) or state/holds/<owner>.json (keep step `step`
+    itself) for `owner` (the orchestrator, a restarted server's task): cleanup reads them."""
+
+    step: Annotated[int, Meta(ge=0)]
+    time: Time
+
+
+class WandbCursor(Record, kw_only=True):
+    """state/wandb.json: the W&B run `prl wandb` logs this run to, and the last step it logged."""
+
+    id: str
+    step: int = -1
+
+
+class TenantRecord(Record, kw_only=True):
+    """tenants/<name>.json in an inference pool's run directory: a run attached to it (prl/run/tenants.py)."""
+
+    name: str
+    run_dir: str
+    key_sha256: Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
+    """SHA-256 of the run's API key (the key itself stays in the run's directory)."""
+    attached: Optional[Time] = None
+
+
+class StableMarker(Record, kw_only=True):
+    """A published step's STABLE marker: what it holds, so a reader can check every file is there whole, and
+    who wrote it."""
+
+    files: dict[str, Annotated[int, Meta(ge=0)]]
     """Each file under the step (relative path) and its size in bytes."""
+    time: Optional[Time] = None
+    host: Optional[str] = None
+    pid: Optional[Pid] = None
+    attempt: Optional[Attempt] = None
+    step: Optional[int] = None
+    """The step published (weights, checkpoints, rollouts)."""
+    samples: Optional[Count] = None
+    """Rollouts: how many samples the batch holds."""
 
 
 MAX_MARKER_BYTES = 16 << 20

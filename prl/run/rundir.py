@@ -65,7 +65,8 @@ import msgspec
 
 from prl.errors import RunDirError, StepTimeout, disk_full
 from prl.run import records
-from prl.run.records import FeedRecord, JobRecord, LauncherRecord, RankBeat, RoleStateRecord, TaskExit
+from prl.run.records import (Endpoint, FeedRecord, JobRecord, LauncherRecord, PreflightReport, RankBeat, ReadyMarker,
+                             RoleStateRecord, StableMarker, StepPin, StopRequest, TaskExit, WandbCursor)
 from prl.states import Backend, RoleState
 
 ROLES = ("inference", "orchestrator", "trainer", "prefill", "decode", "router", "teacher", "reference")
@@ -135,7 +136,8 @@ def atomic_write_text(path: str | Path, text: str, mode: int = FILE_MODE) -> Pat
 
 def atomic_write_json(path: str | Path, obj: Any) -> Path:
     """`atomic_write_bytes` for a JSON document (indented, trailing newline); a record (`prl.run.records`)
-    is written with every field."""
+    is written with every field. The records a process hands another are read and written through RunDir's
+    methods (`write_endpoint`, `mark_ready`, ...), never as dicts."""
     if isinstance(obj, msgspec.Struct):
         obj = records.encode(obj)
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
@@ -171,14 +173,6 @@ def step_of(path: str | Path) -> int | None:
     """N for a step directory `.../step_N`; None for any other name."""
     m = _STEP_RE.match(Path(path).name)
     return int(m.group(1)) if m else None
-
-
-def read_json(path: str | Path) -> Any:
-    """A JSON file written with atomic_write_json, or None if it is not there (yet)."""
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        return None
 
 
 def is_stable(path: str | Path) -> bool:
@@ -524,20 +518,21 @@ class RunDir:
         tmp.mkdir()
         return tmp
 
-    def finish_publish(self, dest: Path, tmp: Path, **marker_fields: Any) -> Path:
+    def finish_publish(self, dest: Path, tmp: Path, *, step: int | None = None, samples: int | None = None) -> Path:
         """Write the marker (files and sizes) into `tmp` as PENDING_MARKER, fsync it all, rename `tmp` to
         `dest`, then the pending marker to STABLE (the module doc's protocol): only a directory under its
-        final name ever holds STABLE, and only the marker written for it."""
+        final name ever holds STABLE, and only the marker written for it (a `StableMarker`, with the step it
+        publishes and, for rollouts, its samples)."""
         dest = Path(dest)
         if (tmp / MARKER).exists():
             shutil.rmtree(tmp, ignore_errors=True)  # unpublishable, and no reader may find a marked temp dir
             raise RunDirError(f"{tmp / MARKER}: a directory being published holds a {MARKER} marker (copied "
                               f"from a published step?); the publish writes its own")
         files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        marker = {"time": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
-                  "attempt": current_attempt(), "files": files}
+        marker = StableMarker(files=files, time=time.time(), host=socket.gethostname(), pid=os.getpid(),
+                              attempt=current_attempt(), step=step, samples=samples)
         with open(os.open(tmp / PENDING_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE), "w") as f:
-            f.write(json.dumps({**marker, **marker_fields}, indent=2, sort_keys=True) + "\n")
+            f.write(json.dumps(records.encode(marker), indent=2, sort_keys=True) + "\n")
         fsync_tree(tmp)
         try:
             os.rename(tmp, dest)
@@ -548,7 +543,8 @@ class RunDir:
         _fsync_dir(dest.parent)
         return dest
 
-    def publish_dir(self, dest: Path, write: Callable[[Path], Any], **marker_fields: Any) -> Path:
+    def publish_dir(self, dest: Path, write: Callable[[Path], Any], *, step: int | None = None,
+                    samples: int | None = None) -> Path:
         """Publish a directory atomically: `write(tmp_dir)` fills it, then it becomes `dest` + STABLE.
 
         If `write` raises, the temp dir is removed and nothing is published.
@@ -559,7 +555,7 @@ class RunDir:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return self.finish_publish(dest, tmp, **marker_fields)
+        return self.finish_publish(dest, tmp, step=step, samples=samples)
 
     def wait_for_step(
         self,
@@ -683,8 +679,8 @@ class RunDir:
     def pin_weights(self, owner: str, step: int) -> None:
         """Record that weights step `step` (and later) must stay on disk for `owner` (0: none needed)."""
         path = self.pins_dir / f"{owner}.json"
-        if (read_json(path) or {}).get("step") != step:
-            atomic_write_json(path, {"step": step, "time": time.time()})
+        if self._steps_in(self.pins_dir).get(owner) != step:
+            atomic_write_json(path, StepPin(step=step, time=time.time()))
 
     def weight_pins(self) -> dict[str, int]:
         """owner -> the oldest weights step it still needs."""
@@ -697,7 +693,7 @@ class RunDir:
     def hold_weights(self, owner: str, step: int) -> None:
         """Keep weights step `step` itself (not the ones after it) on disk while `owner` lives: a server
         started with `--model RUN/weights/step_N` reads that directory as long as it runs."""
-        atomic_write_json(self.holds_dir / f"{owner}.json", {"step": step, "time": time.time()})
+        atomic_write_json(self.holds_dir / f"{owner}.json", StepPin(step=step, time=time.time()))
 
     def release_weights(self, owner: str) -> None:
         (self.holds_dir / f"{owner}.json").unlink(missing_ok=True)
@@ -711,9 +707,11 @@ class RunDir:
         steps = {}
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             try:
-                steps[path.stem] = int(json.loads(path.read_text())["step"])
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # being replaced: the next cleanup sees it
+                pin = records.read(path, StepPin)
+            except (OSError, RunDirError):
+                continue  # not a pin this prl reads (another version, a hand edit): the next cleanup looks again
+            if pin is not None:
+                steps[path.stem] = pin.step
         return steps
 
     # -- metrics
@@ -770,6 +768,15 @@ class RunDir:
         """state/wandb.json: the W&B run id and the last step `prl wandb` logged."""
         return self.state_dir / "wandb.json"
 
+    def read_wandb_cursor(self) -> WandbCursor | None:
+        try:
+            return records.read(self.wandb_cursor, WandbCursor)
+        except RunDirError:
+            return None
+
+    def write_wandb_cursor(self, cursor: WandbCursor) -> Path:
+        return atomic_write_json(self.wandb_cursor, cursor)
+
     def drop_metrics_after(self, role: str, step: int) -> int:
         """Rewrite metrics.jsonl without `role`'s records for steps > `step` (resume); return how many."""
         if not self.metrics_jsonl.exists():
@@ -810,9 +817,29 @@ class RunDir:
         _check_role(role)
         return self.state_dir / "ready" / f"{role}.{task}.json"
 
+    def mark_ready(self, role: str, task: int, host: str) -> ReadyMarker:
+        """Say that task `task` of `role` is healthy (the launcher reads it: `read_ready`)."""
+        marker = ReadyMarker(host=host, time=time.time())
+        atomic_write_json(self.task_ready(role, task), marker)
+        return marker
+
+    def read_ready(self, role: str, task: int) -> ReadyMarker | None:
+        """Task `task` of `role`'s readiness marker, or None while it is not ready (or withdrew it)."""
+        return records.read(self.task_ready(role, task), ReadyMarker)
+
     def preflight_report(self, role: str, task: int) -> Path:
         _check_role(role)
         return self.state_dir / "preflight" / f"{role}.{task}.json"
+
+    def write_preflight(self, role: str, task: int, report: PreflightReport) -> Path:
+        return atomic_write_json(self.preflight_report(role, task), report)
+
+    def read_preflight(self, role: str, task: int) -> PreflightReport | None:
+        """Task `task` of `role`'s preflight report; None when it wrote none (or one this prl does not read)."""
+        try:
+            return records.read(self.preflight_report(role, task), PreflightReport)
+        except RunDirError:
+            return None
 
     def probe_file(self) -> Path:
         """A scratch file of this process under state/ (the preflight's check that the run dir is writable)."""
@@ -885,6 +912,10 @@ class RunDir:
         _check_role(role)
         return self.state_dir / "stop" / f"{role}.{replica}.json"
 
+    def request_stop(self, path: Path, attempt: int, signum: int | None = None) -> Path:
+        """Write a stop request (`stop_request`, or a `replica_stop`) of `attempt`; the tasks watch for it."""
+        return atomic_write_json(path, StopRequest(attempt=attempt, time=time.time(), signal=signum))
+
     @property
     def endpoints_dir(self) -> Path:
         return self.state_dir / "endpoints"
@@ -894,15 +925,26 @@ class RunDir:
         _check_role(role)
         return self.endpoints_dir / f"{role}.{index}.json"
 
-    def endpoints(self) -> dict[str, dict[int, dict]]:
-        """Every endpoint published so far: role -> index -> what the task wrote (url, host, port...)."""
+    def write_endpoint(self, endpoint: Endpoint) -> Path:
+        return atomic_write_json(self.endpoint(endpoint.role, endpoint.index), endpoint)
+
+    def read_endpoint(self, role: str, index: int) -> Endpoint | None:
+        """Task/replica `index` of `role`'s endpoint, or None before it published one (or after it withdrew it)."""
+        return records.read(self.endpoint(role, index), Endpoint)
+
+    def endpoints(self) -> dict[str, dict[int, Endpoint]]:
+        """Every endpoint published so far: role -> index -> its Endpoint (one that does not read is left out:
+        being replaced, or another prl's)."""
         folder = self.endpoints_dir
-        out: dict[str, dict[int, dict]] = {}
+        out: dict[str, dict[int, Endpoint]] = {}
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             role, _, index = path.stem.partition(".")
-            data = read_json(path) if index.isdigit() else None
-            if data is not None:
-                out.setdefault(role, {})[int(index)] = data
+            try:
+                found = records.read(path, Endpoint) if index.isdigit() else None
+            except RunDirError:
+                found = None
+            if found is not None:
+                out.setdefault(role, {})[int(index)] = found
         return out
 
     def task_log_pattern(self, attempt: int, role: str) -> str:

@@ -4,7 +4,7 @@ A pool is a run directory whose servers (`python -m prl.inference --tenants ...`
 one base model to several RL runs that each train a LoRA adapter. A run attaches by writing its record into
 the pool's run directory:
 
-    POOL/tenants/<name>.json    {"name", "run_dir", "key_sha256", "attached"}    (mode 0600, atomic)
+    POOL/tenants/<name>.json    TenantRecord: {"name", "run_dir", "key_sha256", "attached"}  (mode 0600, atomic)
 
 `name` is the run's name in the pool (its adapter is served under it), `run_dir` the run's own directory
 (the only place its adapters are loaded from), `key_sha256` the digest of the run's API key (the key itself
@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prl.errors import ConfigError, RunDirError
-from prl.run.rundir import RunDir, atomic_write_json, read_json
+from prl.run import records
+from prl.run.records import TenantRecord
+from prl.run.rundir import RunDir, atomic_write_json
 
 TENANTS_DIR = "tenants"
 NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
@@ -78,8 +80,8 @@ def attach(pool: RunDir, name: str, run_dir: str | Path, key: str) -> Path:
     run_dir = Path(run_dir).resolve()
     check_attachable(pool, name, run_dir)
     path.parent.mkdir(mode=0o700, exist_ok=True)
-    atomic_write_json(path, {"name": name, "run_dir": str(run_dir), "key_sha256": digest(key).hex(),
-                             "attached": time.time()})
+    atomic_write_json(path, TenantRecord(name=name, run_dir=str(run_dir), key_sha256=digest(key).hex(),
+                                         attached=time.time()))
     return path
 
 
@@ -107,8 +109,8 @@ def leave(pool: RunDir, name: str, key: str, timeout: float = 10.0) -> list[str]
     import urllib.request
 
     done = []
-    for by_index in (pool.endpoints().get("inference") or {}).values():
-        url = str(by_index.get("url") or "").rstrip("/")
+    for endpoint in (pool.endpoints().get("inference") or {}).values():
+        url = (endpoint.url or "").rstrip("/")
         if not url:
             continue
         request = urllib.request.Request(f"{url}/prl/detach", data=b"{}", method="POST",
@@ -126,12 +128,12 @@ def leave(pool: RunDir, name: str, key: str, timeout: float = 10.0) -> list[str]
 def read_tenant(path: Path) -> Tenant | None:
     """The record at `path`; None when missing or not a record (a half-written one is never seen: atomic)."""
     try:
-        record = read_json(path)
-        attached = record.get("attached") if isinstance(record, dict) else None
-        return Tenant(str(record["name"]), Path(record["run_dir"]), bytes.fromhex(record["key_sha256"]),
-                      float(attached) if isinstance(attached, (int, float)) else None)
-    except (TypeError, KeyError, ValueError, OSError):
+        record = records.read(path, TenantRecord)
+    except (OSError, RunDirError):
         return None
+    if record is None:
+        return None
+    return Tenant(record.name, Path(record.run_dir), bytes.fromhex(record.key_sha256), record.attached)
 
 
 def read_tenants(pool: RunDir) -> dict[str, Tenant]:
