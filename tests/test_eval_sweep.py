@@ -15,19 +15,24 @@ from prl.ops.sweep import array_parameters, choose_steps
 from prl.orchestrator.eval import pass_at_k
 from prl.orchestrator.rollouts import Rollout
 from prl.orchestrator import sweep
-from prl.orchestrator.sweep import role_env, server_flags
+from prl.orchestrator.sweep import role_env
 from prl.planner.model import Plan
 from prl.run.rundir import RunDir
 from tests.helpers import prl_cli as prl
 from tests.tiny_model import build_tiny_model
 
 
-def test_an_evaluation_server_keeps_the_runs_flags_but_not_the_fleets():
-    fleet = ("--model", "/m", "--served-model-name", "x", "--dtype", "bfloat16", "--tensor-parallel-size", "8",
-             "--data-parallel-size", "4", "--data-parallel-rpc-port=13345", "--enable-expert-parallel",
-             "--kv-transfer-config", '{"kv_connector": "NixlConnector"}', "--port", "8000", "--enforce-eager")
-    assert server_flags(fleet) == ["--served-model-name", "x", "--dtype", "bfloat16", "--tensor-parallel-size",
-                                   "8", "--enforce-eager"]
+def test_an_evaluation_server_takes_what_one_server_of_the_model_takes_and_nothing_of_the_fleet(tmp_path):
+    """The plan says what a lone server of the run's model takes (its flags, tp, memory, the user's extra
+    arguments) without its place in the fleet: dp, ports, expert parallelism, KV transfer and offload."""
+    from tests.plans import local_plan
+
+    plan = local_plan(tmp_path / "run", tmp_path, ["inference.dp=2", "inference.extra_args=[--enforce-eager]"])
+    lone = plan.eval_server().args
+    assert lone == plan.inference[0].lone_args and "--enforce-eager" in lone
+    assert lone[:2] == ("--dtype", plan.settings().model.dtype) and "--tensor-parallel-size" in lone
+    fleet = set(plan.servers[0].args) - set(lone)
+    assert {"--data-parallel-size", "--port"} <= fleet and not {"--model", "--served-model-name"} & set(lone)
 
 
 def test_role_env_reads_references_like_the_step_script():
@@ -116,8 +121,8 @@ def test_an_sft_runs_evaluation_server_takes_the_models_own_settings(tmp_path, t
         topology="sft-tiny"))
     plan = Plan.read(run)
     served = plan.eval_server()
-    assert served.args == ("--served-model-name", "sft-tiny", "--dtype", "float32", "--max-model-len", "256",
-                           "--tokenizer", str(tiny_model_dir), "--enforce-eager")
+    assert served.args == ("--dtype", "float32", "--max-model-len", "256", "--tokenizer", str(tiny_model_dir),
+                           "--enforce-eager")  # the sweep adds the model, its name (plan.served_model_name), the port
     assert (served.step, served.group, served.env) == ("trainer", plan.trainer.group, (("VLLM_CPU_KVCACHE_SPACE", "2"),))
     assert array_parameters(plan, 2, 30)["cpus_per_task"] == plan.groups[plan.trainer.group].cpus_per_task
 

@@ -393,7 +393,7 @@ def planned_servers(config: str | Path, *overrides: str):
 
     plan = prepare(Path(config), list(overrides)).plan
     parser = make_arg_parser(FlexibleArgumentParser())
-    return [(s, parser.parse_args(list(s.args))) for s in plan.servers if s.head]
+    return [(s, parser.parse_args(list(s.argv()))) for s in plan.servers if s.head]
 
 
 REPO = Path(__file__).resolve().parents[1]

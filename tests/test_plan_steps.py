@@ -442,11 +442,12 @@ def test_scoring_groups_are_placed_after_inference_and_serve_their_own_model():
     assert [(r.name, r.group, r.replicas) for r in roles] == [("inference", 0, 4), ("teacher", 1, 1),
                                                                ("reference", 2, 1)]
     teacher = next(s for s in servers if s.role == "teacher")
-    args = dict(zip(teacher.args[::2], teacher.args[1::2]))
+    args = dict(zip(teacher.argv()[::2], teacher.argv()[1::2]))
     assert (args["--model"], args["--served-model-name"], args["--max-model-len"]) == ("/teacher", "teacher", "4097")
     assert args["--tensor-parallel-size"] == "4" and args["--data-parallel-size"] == "2"
     reference = next(s for s in servers if s.role == "reference")
-    assert reference.args[reference.args.index("--model") + 1] == "/m"  # the student's initial model
+    assert reference.model == "/m" and not reference.adapters  # the student's initial model
+    assert teacher.argv("/elsewhere")[:2] == ("--model", "/elsewhere") and "--model" not in teacher.args
     orchestrator = P.place_orchestrator(checker(), t, layout, {}, tuple(s.name for s in layout.steps))
     assert layout.steps[-1].start_after == ("inference", "teacher", "reference") and orchestrator.group == 3
     P.check_scorers(checker(), t)

@@ -752,31 +752,41 @@ def test_a_group_is_asked_for_the_step_it_was_formed_on_after_the_trainer_moved_
         assert not watcher.requests([server], watcher.newest())[server.url].once
 
 
+def planned_server(adapters: bool = False):
+    from prl.planner.model import Server
+
+    return Server(role="inference", replica=0, group=0, node=0, task=0, gpus=(), port=18001, rpc_port=None,
+                  side_channel_port=None, head=True, address_from_head=False, model="/models/base",
+                  served_name="x", adapters=adapters, args=("--port", "18001"))
+
+
 def test_a_restarted_server_starts_on_the_newest_published_weights(tmp_path):
-    from prl.job.runtimes import latest_weights_args
+    from prl.job.runtimes import restart_model
 
     run = RunDir(tmp_path).create()
-    args = ["--model", "/models/base", "--served-model-name", "x", "--port", "18001"]
-    assert latest_weights_args(run, args, "inference.0") == args, "nothing published yet: the base model"
+    server = planned_server()
+    assert restart_model(run, server, "inference.0") == "/models/base", "nothing published yet: the base model"
     assert run.weight_holds() == {}
     for s in (1, 2):
         run.publish_dir(run.weights(s), _write({"model.safetensors": b"w"}), step=s)
     run.publish_dir(run.weights(3), _write({"model.safetensors": b"w"}), step=3)
     (run.weights(3) / "model.safetensors").write_bytes(b"")  # damaged: not a published step any more
-    assert latest_weights_args(run, args, "inference.0") == ["--model", str(run.weights(2)), "--served-model-name",
-                                                             "x", "--port", "18001"]
+    model = restart_model(run, server, "inference.0")
+    assert server.argv(model) == ("--model", str(run.weights(2)), "--served-model-name", "x", "--port", "18001")
     assert run.weight_holds() == {"inference.0": 2}
+    # A server of adapters restarts on its base model: its steps are adapters the orchestrator loads.
+    assert restart_model(run, planned_server(adapters=True), "inference.1") == "/models/base"
 
 
 def test_the_step_a_restarted_server_started_from_outlives_the_staleness_window(tmp_path):
     """A server restarted with `--model RUN/weights/step_2` reads that directory as long as it runs: cleanup
     keeps step 2 itself (not every step after it) until the server releases it, however far training goes."""
-    from prl.job.runtimes import latest_weights_args
+    from prl.job.runtimes import restart_model
 
     run = RunDir(tmp_path).create()
     for s in (1, 2):
         run.publish_dir(run.weights(s), _write({"model.safetensors": b"w"}), step=s)
-    latest_weights_args(run, ["--model", "/models/base"], "inference.0")
+    restart_model(run, planned_server(), "inference.0")
     for s in range(3, 12):  # training goes on far past max_off_policy_steps + checkpoint_keep
         run.publish_dir(run.weights(s), _write({"model.safetensors": b"w"}), step=s)
         run.pin_weights("orchestrator", s - 1)  # the servers load each new step

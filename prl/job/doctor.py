@@ -103,8 +103,7 @@ def _model(plan: Plan, role: str) -> list[PreflightCheck]:
     if role in MODEL_ROLES:
         path = plan.settings().model.path
     elif role in plan.scorer_roles():
-        args = plan.role_servers(role)[0].args
-        path = args[args.index("--model") + 1]
+        path = plan.role_servers(role)[0].model
     else:
         return []
     local = path.startswith(("/", ".", "~")) or os.path.isdir(path)

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from prl.errors import StartTimeout
 from prl.log import get_logger
-from prl.planner.model import START_TIMEOUT_S, Plan, node_address
+from prl.planner.model import START_TIMEOUT_S, Plan, Server, node_address
 from prl.run.records import Endpoint
 from prl.run.rundir import API_KEY_VAR, RunDir, is_stable
 from prl.states import RoleState
@@ -108,21 +108,20 @@ def supervise(argv: list[str], env: dict[str, str], stop: Any, ready: Callable[[
     return 128 - code if code < 0 else code
 
 
-def latest_weights_args(run: RunDir, args: list[str], holder: str) -> list[str]:
-    """A restarted server's arguments: `--model` set to the newest published weights step, if any, so it
-    rejoins on the weights the others serve instead of the base model. The step is held for `holder`
-    (cleanup keeps it) until `run.release_weights(holder)`: vLLM reads `--model` as long as it runs."""
+def restart_model(run: RunDir, server: Server, holder: str) -> str:
+    """What a restarted server serves: the newest published weights step, if any, so it rejoins on the weights
+    the others serve instead of its base model. The step is held for `holder` (cleanup keeps it) until
+    `run.release_weights(holder)`: vLLM reads `--model` as long as it runs."""
     step = run.latest_stable("weights")
     # A LoRA server starts on the base model: its steps are adapters, which the weight watcher loads once it is up.
-    if step is None or "--model" not in args or "--enable-lora" in args:
-        return args
+    if step is None or server.adapters:
+        return server.model
     run.hold_weights(holder, step)
     if not is_stable(run.weights(step)):  # a cleanup took it between the look and the hold: look again
         run.release_weights(holder)
-        return latest_weights_args(run, args, holder)
-    i = args.index("--model")
-    log.info(f"restart: serving weights step {step} ({run.weights(step)}) instead of {args[i + 1]}")
-    return [*args[:i + 1], str(run.weights(step)), *args[i + 2:]]
+        return restart_model(run, server, holder)
+    log.info(f"restart: serving weights step {step} ({run.weights(step)}) instead of {server.model}")
+    return str(run.weights(step))
 
 
 def _ready_marker(run: RunDir, role: str, task: int) -> Callable[[], None]:
@@ -133,7 +132,7 @@ def run_server(run: RunDir, plan: Plan, role: str, task: int, stop: Any) -> int:
     """One vLLM server process: a whole replica, or one node's share of a multi-node replica."""
     server = plan.server(role, task)
     host = node_address(plan)
-    args = list(server.args)
+    extra: list[str] = []
     env = dict(os.environ)
     if server.gpus and os.environ.get("PRL_DEVICE") != "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, server.gpus))
@@ -147,14 +146,14 @@ def run_server(run: RunDir, plan: Plan, role: str, task: int, stop: Any) -> int:
         if server.head:
             run.write_endpoint(Endpoint(role=role, index=server.replica, host=host))
         head = wait_endpoint(run, role, server.replica, lambda: stop.signum is not None)
-        args += ["--data-parallel-address", head.host]
+        extra += ["--data-parallel-address", head.host]
     restart = int(os.environ.get("PRL_RESTART", "0") or 0)
     holder = f"{role}.{task}"
-    if restart and role not in ("teacher", "reference"):  # a scorer's model never changes
-        args = latest_weights_args(run, args, holder)
+    # A scorer's model never changes; the others' restart on the newest published step.
+    model = restart_model(run, server, holder) if restart and role not in ("teacher", "reference") else None
     env[API_KEY_VAR] = run.read_api_key()
     argv = [sys.executable, "-m", "prl.inference", "--run-dir", str(run.root), "--api-key-env", API_KEY_VAR,
-            *args, "--host", host]
+            *server.argv(model), *extra, "--host", host]
     try:
         return _supervise_server(run, plan, role, task, stop, argv, env, host, restart)
     finally:

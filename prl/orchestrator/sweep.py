@@ -38,15 +38,6 @@ from prl.planner.model import START_TIMEOUT_S
 KEY_VAR = "PRL_EVAL_API_KEY"
 BIND_TRIES = 3
 """Starts of an evaluation server whose port another process took before it bound (start_server)."""
-FLEET_FLAGS = ("--model", "--port", "--host", "--data-parallel-size", "--data-parallel-size-local",
-               "--data-parallel-address", "--data-parallel-rpc-port", "--data-parallel-start-rank",
-               "--headless", "--api-server-count", "--kv-transfer-config", "--kv-offloading-size",
-               "--kv-offloading-backend", "--enable-expert-parallel")
-"""Server flags of the training fleet an evaluation server does not take (every one takes a value but
---headless and --enable-expert-parallel)."""
-_NO_VALUE = ("--headless", "--enable-expert-parallel")
-
-
 @dataclass(frozen=True)
 class EvalTask:
     run_dir: str
@@ -61,21 +52,6 @@ class EvalTask:
 
     def __call__(self) -> list[dict[str, Any]]:
         return evaluate_step(self)
-
-
-def server_flags(args: tuple[str, ...]) -> list[str]:
-    """A fleet server's vLLM flags without those of FLEET_FLAGS (and their values)."""
-    out, skip = [], False
-    for arg in args:
-        if skip:
-            skip = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in FLEET_FLAGS:
-            skip = "=" not in arg and name not in _NO_VALUE
-            continue
-        out.append(arg)
-    return out
 
 
 def role_env(pairs: tuple[tuple[str, str], ...], environ: dict[str, str]) -> dict[str, str]:
@@ -124,7 +100,8 @@ def evaluate_step(task: EvalTask) -> list[dict[str, Any]]:
 
     def argv(port: int) -> list[str]:
         return [sys.executable, "-m", "prl.inference", "--run-dir", str(run.root), "--api-key-env", KEY_VAR,
-                "--model", model, *server_flags(served.args), "--host", "127.0.0.1", "--port", str(port)]
+                "--model", model, "--served-model-name", plan.served_model_name, *served.args, "--host", "127.0.0.1",
+                "--port", str(port)]
 
     server, url = start_server(argv, env, log_path)
     try:

@@ -91,8 +91,19 @@ class Server(Frozen, kw_only=True):
     """True for the process that serves HTTP for its replica."""
     address_from_head: bool
     """A follower of a multi-node replica: the launcher adds the head's address."""
+    model: str
+    """The weights it starts from (`--model`): the run's model, or a scoring role's own."""
+    served_name: str
+    """The model name it answers to (`--served-model-name`)."""
+    adapters: bool
+    """It serves LoRA adapters (`--enable-lora`): its updates are adapters, it restarts on the base model."""
     args: tuple[str, ...]
-    """`vllm serve` arguments; the launcher adds --host (and the head's address for followers)."""
+    """The rest of its `vllm serve` arguments; `argv` adds the model and its name, the launcher --host (and the
+    head's address for followers)."""
+
+    def argv(self, model: Optional[str] = None) -> tuple[str, ...]:
+        """Its `vllm serve` arguments, serving `model` instead of its own when given (a restart's newest step)."""
+        return ("--model", model or self.model, "--served-model-name", self.served_name, *self.args)
 
 
 def side_channel_ports(peers: Sequence[Server], server: Server, dp: int) -> tuple[int, ...]:
@@ -119,6 +130,9 @@ class InferenceRole(Frozen, kw_only=True):
     servers_per_node: int
     kv_role: Optional[Literal["kv_producer", "kv_consumer"]]
     """The role's side of the KV connector under prefill/decode disaggregation."""
+    lone_args: tuple[str, ...] = ()
+    """What one server of this role's model takes on its own, wherever it runs (an evaluation server of the run's
+    weights): the model's flags, tp, memory, the user's extra arguments, without its place in the fleet."""
 
 
 class Mesh(Frozen, kw_only=True):
@@ -287,7 +301,7 @@ class EvalServer(Frozen, kw_only=True):
     """The shape of a server `prl eval --run` starts on a run's weights (`Plan.eval_server`)."""
 
     args: tuple[str, ...]
-    """vLLM flags (those only a training fleet takes are dropped by the sweep)."""
+    """Its vLLM flags but the model, the name it answers to and where it listens (the sweep adds those)."""
     step: RoleName
     """The step whose env the server runs with."""
     group: int
@@ -351,15 +365,16 @@ class Plan(Frozen, kw_only=True):
                               f"run `prl plan` again") from None
 
     def eval_server(self) -> EvalServer:
-        """What an evaluation server of this run's weights takes: the first inference server's flags, its step's
-        env and its group; for a trainer-only (SFT) run, the model's own settings (dtype, context length,
-        tokenizer) with the trainer's env, on a node of the trainer's group."""
+        """What an evaluation server of this run's weights takes: what one server of the first inference role's
+        model takes on its own (`InferenceRole.lone_args`), its step's env and its group; for a trainer-only (SFT)
+        run, the model's own settings (dtype, context length, tokenizer) with the trainer's env, on a node of the
+        trainer's group."""
         head = next((s for s in self.servers if s.head), None)
         if head is not None:
-            return EvalServer(args=head.args, step=head.role, group=head.group)
+            role = next(r for r in self.inference if r.name == head.role)
+            return EvalServer(args=role.lone_args, step=head.role, group=head.group)
         model = self.settings().model
-        args = ("--served-model-name", self.served_model_name, "--dtype", model.dtype,
-                "--max-model-len", str(model.max_model_len))
+        args = ("--dtype", model.dtype, "--max-model-len", str(model.max_model_len))
         args += ("--tokenizer", model.tokenizer) if model.tokenizer else ()
         if self.trainer.device != "cpu":
             return EvalServer(args=args, step="trainer", group=self.trainer.group)

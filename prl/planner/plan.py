@@ -243,16 +243,27 @@ def check_extra_args(check: Checker, field: tuple[str, ...], group: InferenceGro
                 f"change that field instead of passing it in extra_args"))
 
 
-def served_model(topo: Topology, role: str) -> list[str]:
-    """The model arguments of a role's servers: the student's model (served as the topology's name), or a scoring
-    group's own (served as `teacher` / `reference`; a reference without a path serves the student's model)."""
+@dataclass(frozen=True)
+class Served:
+    """What a role's servers serve: the model they start from, the name they answer to, whether they take LoRA
+    adapters, and the model's own vLLM flags (whatever the server's place in the fleet)."""
+
+    model: str
+    name: str
+    adapters: bool
+    args: tuple[str, ...]
+
+
+def served_model(topo: Topology, role: str) -> Served:
+    """The model of a role's servers: the student's model (served as the topology's name), or a scoring group's own
+    (served as `teacher` / `reference`; a reference without a path serves the student's model)."""
     m = topo.model
     scorer = topo.scorers().get(role)
     if scorer is None:
         # The sampled tokens' logprobs under the distribution sampled from (after temperature), as the trainer's
         # (`training.temperature`); at temperature 1 the same as vLLM's default raw logprobs.
-        args = ["--model", m.path, "--served-model-name", topo.name, "--dtype", m.dtype,
-                "--max-model-len", str(m.max_model_len), "--logprobs-mode", "processed_logprobs",
+        model, name = m.path, topo.name
+        args = ["--dtype", m.dtype, "--max-model-len", str(m.max_model_len), "--logprobs-mode", "processed_logprobs",
                 ] + lora_args(m.lora) + pool_args(topo.pool)
         assert topo.inference is not None
         if topo.inference.quantization is not None:
@@ -261,10 +272,11 @@ def served_model(topo: Topology, role: str) -> list[str]:
             args += ["--routed-experts", "--no-enable-prefix-caching"]
         tokenizer = m.tokenizer
     else:
-        args = ["--model", scorer.path or m.path, "--served-model-name", role, "--dtype", scorer.dtype,
-                "--max-model-len", str(scorer_max_len(topo, scorer))]
+        model, name = scorer.path or m.path, role
+        args = ["--dtype", scorer.dtype, "--max-model-len", str(scorer_max_len(topo, scorer))]
         tokenizer = scorer.tokenizer or (None if scorer.path else m.tokenizer)
-    return args + (["--tokenizer", tokenizer] if tokenizer else [])
+    args += ["--tokenizer", tokenizer] if tokenizer else []
+    return Served(model, name, "--enable-lora" in args, tuple(args))
 
 
 LORA_SLOTS = 2
@@ -293,11 +305,18 @@ def scorer_max_len(topo: Topology, scorer: Scorer) -> int:
     return scorer.max_model_len or topo.model.max_model_len + 1
 
 
+def lone_server_args(served: Served, group: InferenceGroup) -> tuple[str, ...]:
+    """What one server of the group's model takes wherever it runs (an evaluation server of the run's weights):
+    the model's flags, its tensor parallelism and memory, the user's extra arguments."""
+    memory = ["--gpu-memory-utilization", str(group.gpu_memory_utilization)] if group.gpu_memory_utilization else []
+    return (*served.args, "--tensor-parallel-size", str(group.tp), *memory, *group.extra_args)
+
+
 def server_args(topo: Topology, group: InferenceGroup, port: Optional[int], dp_local: int, dp_start: int,
                 nodes_per_replica: int, rpc_port: Optional[int], kv_role: Optional[str],
                 run_dir: str, role: str = "inference") -> tuple[str, ...]:
-    """`vllm serve` arguments of one server process of `role`."""
-    args = served_model(topo, role) + ["--tensor-parallel-size", str(group.tp)]
+    """`vllm serve` arguments of one server process of `role`, but its model and name (`Server.argv` adds them)."""
+    args = list(served_model(topo, role).args) + ["--tensor-parallel-size", str(group.tp)]
     if port is not None:
         args += ["--port", str(port)]
     if group.dp > 1:
@@ -389,6 +408,7 @@ def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: 
         kv_role = KV_ROLES.get(role) if disagg else None
         side_channel = nixl and kv_role is not None
         dp_local = per_replica // group.tp if nodes_per_replica == 1 else gpn // group.tp
+        served = served_model(topo, role)
         replicas = group.nodes // nodes_per_replica * per_node
         for replica in range(replicas):
             first_node, slot = replica // per_node * nodes_per_replica, replica % per_node
@@ -408,7 +428,8 @@ def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: 
                                    run_dir, role)
                 servers.append(Server(role=role, replica=replica, group=g.index, node=first_node + k, task=task,
                                       gpus=gpus, port=port, rpc_port=rpc_port, side_channel_port=side, head=head,
-                                      address_from_head=nodes_per_replica > 1, args=args))
+                                      address_from_head=nodes_per_replica > 1, model=served.model,
+                                      served_name=served.name, adapters=served.adapters, args=args))
                 task += 1
         layout.steps.append(Step(name=role, group=g.index, nodes=group.nodes, ntasks_per_node=per_node,
                                  cpus_per_task=cpus, gpus_per_node=gpn, overlap=False, start_after=(),
@@ -416,7 +437,8 @@ def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: 
                                  env=merged_env(common_env, group.env, {"PRL_ROLE": role})))
         roles.append(InferenceRole(name=role, group=g.index, nodes=group.nodes, tp=group.tp, dp=group.dp,
                                    expert_parallel=group.expert_parallel, replicas=replicas,
-                                   nodes_per_replica=nodes_per_replica, servers_per_node=per_node, kv_role=kv_role))
+                                   nodes_per_replica=nodes_per_replica, servers_per_node=per_node, kv_role=kv_role,
+                                   lone_args=lone_server_args(served, group)))
         if group.expert_parallel and group.tp * group.dp == 1:
             check.warnings.append(f"{role}: expert_parallel with tp*dp = 1 has nothing to spread experts over")
     return roles, servers
