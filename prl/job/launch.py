@@ -41,7 +41,8 @@ from prl.planner.model import START_TIMEOUT_S, Plan, Step
 from prl.run.records import (DiskFull, Failure, LauncherRecord, ServerFailure, StepRecord, TaskExit,
                               server_exit_reason)
 from prl.run.rundir import RunDir, atomic_write_json, current_attempt, pid_alive, read_json
-from prl.states import LAUNCHER_ENDED, TERMINAL_STATES, Backend, JobState, LauncherStatus, RoleState, ServerAction
+from prl.states import (HEARTBEAT_ROLES, LAUNCHER_ENDED, SERVER_ROLES, TERMINAL_STATES, Backend, JobState,
+                        LauncherStatus, RoleState, ServerAction)
 
 log = get_logger(__name__)
 
@@ -67,11 +68,6 @@ class RoleHung(RoleFailed):
 
 class Stopped(Exception):
     pass
-
-
-SERVER_ROLES = ("inference", "prefill", "decode", "teacher", "reference")
-HANG_ROLES = ("trainer", "orchestrator")
-"""Roles whose main loop heartbeats in state/<role>.json; the launcher watches its age."""
 
 
 @dataclass
@@ -389,7 +385,7 @@ class Launcher:
     # -- hangs: the trainer's and orchestrator's main loops heartbeat in state/<role>.json
     def check_hangs(self) -> None:
         now = time.time()
-        for name in HANG_ROLES:
+        for name in HEARTBEAT_ROLES:
             running = self.running.get(name)
             if running is None or running.exit_code is not None:
                 continue
@@ -436,7 +432,7 @@ class Launcher:
             self.check()
             pending = [n for n in waiting if not self.ready(n)]
             for n in [n for n in pending if self.running[n].exit_code == 0]:
-                if n not in HANG_ROLES:
+                if n not in HEARTBEAT_ROLES:
                     raise RoleFailed(n, 1, "exited 0 before it was ready")
                 # Its work was already done (a requeued orchestrator finds every rollouts step published):
                 # what waits on it (the trainer) has what it needs.

@@ -29,11 +29,11 @@ from prl.log import get_logger, init_logging
 from prl.planner.model import Plan
 from prl.run.records import TaskExit, server_exit_reason
 from prl.run.rundir import RunDir, atomic_write_json, current_attempt
+from prl.states import SERVER_ROLES
 
 log = get_logger(__name__)
 
 HEARTBEAT_SECONDS = 5.0
-SERVER_ROLES = ("inference", "prefill", "decode", "teacher", "reference")
 
 
 class _Stop:

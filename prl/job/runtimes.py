@@ -33,7 +33,7 @@ from prl.errors import StartTimeout
 from prl.log import get_logger
 from prl.planner.model import START_TIMEOUT_S, Plan, node_address
 from prl.run.rundir import API_KEY_VAR, RunDir, atomic_write_json, is_stable
-from prl.states import RoleState
+from prl.states import KV_ROLES, SCORER_ROLES, SERVER_ROLES, Role, RoleState
 
 log = get_logger(__name__)
 
@@ -147,7 +147,7 @@ def run_server(run: RunDir, plan: Plan, role: str, task: int, stop: Any) -> int:
         args += ["--data-parallel-address", head["host"]]
     restart = int(os.environ.get("PRL_RESTART", "0") or 0)
     holder = f"{role}.{task}"
-    if restart and role not in ("teacher", "reference"):  # a scorer's model never changes
+    if restart and role not in SCORER_ROLES:  # a scorer's model never changes
         args = latest_weights_args(run, args, holder)
     env[API_KEY_VAR] = run.read_api_key()
     argv = [sys.executable, "-m", "prl.inference", "--run-dir", str(run.root), "--api-key-env", API_KEY_VAR,
@@ -185,7 +185,7 @@ def _supervise_server(run: RunDir, plan: Plan, role: str, task: int, stop: Any, 
 def run_router(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
     host = node_address(plan)
     port = plan.router_port
-    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    urls: dict[str, list[str]] = {role: [] for role in KV_ROLES}
     for role in urls:
         replicas = sorted({s.replica for s in plan.role_servers(role)})
         urls[role] = [wait_endpoint(run, role, r, lambda: stop.signum is not None)["url"] for r in replicas]
@@ -198,8 +198,8 @@ def run_router(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
     url = f"http://{host}:{port}"
 
     def on_ready() -> None:
-        atomic_write_json(run.endpoint("router", 0), {"url": url, "role": "router", "replica": 0})
-        _ready_marker(run, "router", task)()
+        atomic_write_json(run.endpoint(Role.ROUTER, 0), {"url": url, "role": Role.ROUTER, "replica": 0})
+        _ready_marker(run, Role.ROUTER, task)()
 
     return supervise(argv, env, stop, lambda: http_ok(f"{url}/health"), on_ready)
 
@@ -208,12 +208,12 @@ def run_orchestrator(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
     started = time.time()
 
     def heartbeating() -> bool:
-        state = run.read_state("orchestrator")
+        state = run.read_state(Role.ORCHESTRATOR)
         return state is not None and state.status == RoleState.RUNNING and (state.heartbeat or 0.0) >= started
 
     argv = [sys.executable, "-m", "prl.orchestrator", "--run-dir", str(run.root)]
     env = {**os.environ, API_KEY_VAR: run.read_api_key()}
-    return supervise(argv, env, stop, heartbeating, _ready_marker(run, "orchestrator", task))
+    return supervise(argv, env, stop, heartbeating, _ready_marker(run, Role.ORCHESTRATOR, task))
 
 
 def run_trainer(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
@@ -221,23 +221,23 @@ def run_trainer(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
     rendezvous address for the others."""
     tr = plan.trainer
     if task == 0:
-        atomic_write_json(run.endpoint("trainer", 0), {"host": node_address(plan), "port": tr.master_port})
-    head = wait_endpoint(run, "trainer", 0, lambda: stop.signum is not None)
+        atomic_write_json(run.endpoint(Role.TRAINER, 0), {"host": node_address(plan), "port": tr.master_port})
+    head = wait_endpoint(run, Role.TRAINER, 0, lambda: stop.signum is not None)
     argv = [sys.executable, "-m", "prl.trainer.launch", f"--nnodes={tr.nodes}",
             f"--nproc-per-node={tr.gpus_per_node}", f"--rdzv-backend={TRAINER_RENDEZVOUS}",
             f"--rdzv-endpoint={head['host']}:{head['port']}", f"--rdzv-conf=rank={task}",
             "-m", "prl.trainer", "--run-dir", str(run.root)]
-    return supervise(argv, dict(os.environ), stop, lambda: True, _ready_marker(run, "trainer", task))
+    return supervise(argv, dict(os.environ), stop, lambda: True, _ready_marker(run, Role.TRAINER, task))
 
 
 RUNTIMES: dict[str, Callable[..., int]] = {
-    "trainer": run_trainer,
-    "orchestrator": run_orchestrator,
-    "router": run_router,
+    Role.TRAINER: run_trainer,
+    Role.ORCHESTRATOR: run_orchestrator,
+    Role.ROUTER: run_router,
 }
 
 
 def run_role(run: RunDir, plan: Plan, role: str, task: int, stop: Any) -> int:
-    if role in ("inference", "prefill", "decode", "teacher", "reference"):
+    if role in SERVER_ROLES:
         return run_server(run, plan, role, task, stop)
     return RUNTIMES[role](run, plan, task, stop)

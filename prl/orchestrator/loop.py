@@ -56,8 +56,9 @@ from prl.planner.model import START_TIMEOUT_S, Plan
 from prl.run.batch import publish_batch, read_meta
 from prl.run.lifecycle import role_lifecycle
 from prl.run.rundir import RunDir
+from prl.states import Role
 
-ROLE = "orchestrator"
+ROLE = Role.ORCHESTRATOR
 
 log = get_logger(__name__)
 

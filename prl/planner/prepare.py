@@ -18,6 +18,7 @@ from prl.config.loader import Source, load_document, validate
 from prl.planner.plan import Plan, make_plan
 from prl.planner.tokenizers import tokenizer_difference
 from prl.config.topology import Topology, cluster_overrides
+from prl.states import Role
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def _attached_pool(topo: Topology, source: Source, cwd: Path) -> Topology:
 
     if not topo.attached:
         return topo
-    field = ("inference", "attach")
+    field = (Role.INFERENCE, "attach")
     pool = RunDir(str(Path(_absolute(topo.inference.attach, cwd)).resolve()))
     if not pool.plan_json.is_file():
         raise source.error(field, f"{pool.root} is not a prl run directory (no plan.json): plan and submit the pool "

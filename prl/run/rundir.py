@@ -66,9 +66,9 @@ import msgspec
 from prl.errors import RunDirError, StepTimeout, disk_full
 from prl.run import records
 from prl.run.records import FeedRecord, JobRecord, LauncherRecord, RankBeat, RoleStateRecord, TaskExit
-from prl.states import Backend, RoleState
+from prl.states import Backend, Role, RoleState
 
-ROLES = ("inference", "orchestrator", "trainer", "prefill", "decode", "router", "teacher", "reference")
+ROLES = tuple(Role)
 """Roles that may write state, logs and checkpoints under a run."""
 
 KINDS = ("rollouts", "weights", "checkpoints")
@@ -467,7 +467,7 @@ class RunDir:
         return d / role
 
     def _published(self, kind: str, step: int, role: str | None) -> Path:
-        return self.checkpoints(step, role or "trainer") if kind == "checkpoints" else self.step_dir(kind, step)
+        return self.checkpoints(step, role or Role.TRAINER) if kind == "checkpoints" else self.step_dir(kind, step)
 
     def steps(self, kind: str) -> list[int]:
         """All step numbers that have a directory of `kind`, stable or not, ascending."""

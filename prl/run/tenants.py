@@ -33,6 +33,7 @@ from pathlib import Path
 
 from prl.errors import ConfigError, RunDirError
 from prl.run.rundir import RunDir, atomic_write_json, read_json
+from prl.states import Role
 
 TENANTS_DIR = "tenants"
 NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
@@ -107,7 +108,7 @@ def leave(pool: RunDir, name: str, key: str, timeout: float = 10.0) -> list[str]
     import urllib.request
 
     done = []
-    for by_index in (pool.endpoints().get("inference") or {}).values():
+    for by_index in (pool.endpoints().get(Role.INFERENCE) or {}).values():
         url = str(by_index.get("url") or "").rstrip("/")
         if not url:
             continue

@@ -74,6 +74,7 @@ from prl.log import get_logger
 from prl import weights
 from prl.run.batch import MicroBatch
 from prl.run.rundir import RunDir, current_attempt
+from prl.states import Role
 from prl.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from prl.trainer.config import TrainerConfig
 from prl.trainer.attention import boundary_kwargs
@@ -86,7 +87,7 @@ from prl.trainer.replay import set_routes
 from prl.trainer.vision import PIXEL_PREFIXES, SAMPLED_IMAGE_TOKEN, Pictures, set_picture_span
 from prl.trainer.weights import publish_weights, shares
 
-ROLE = "trainer"
+ROLE = Role.TRAINER
 LABELS = ("loss_mask", "advantages", "inference_logprobs")
 """The micro-batch arrays `prepare` moves to the label side (position p carries token p+1's)."""
 
