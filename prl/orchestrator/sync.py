@@ -41,7 +41,7 @@ from prl.log import get_logger
 from prl.planner.model import Plan
 from prl.run import api
 from prl.run.api import LiveAnswer, WeightsRequest
-from prl.run.rundir import API_KEY_VAR, RunDir
+from prl.run.rundir import API_KEY_VAR, HEARTBEAT_S, RunDir
 from prl.states import WEIGHT_ROLES, Role
 
 log = get_logger(__name__)
@@ -194,7 +194,7 @@ class ServerPool:
                     f"waited {timeout:.0f} s for weights step {min_version} on every server ({behind}); newest "
                     f"published weights step is {self.target}. Is the trainer running? See `prl status`."
                 )
-            if on_wait is not None and now - last_beat > 10:
+            if on_wait is not None and now - last_beat > HEARTBEAT_S:
                 on_wait()
                 last_beat = now
             await self.moved(1.0)

@@ -71,6 +71,10 @@ from prl.states import Backend, Role, RoleState
 ROLES = tuple(Role)
 """Roles that may write state, logs and checkpoints under a run."""
 
+HEARTBEAT_S = 10.0
+"""How often a role's main loop heartbeats (state/<role>.json) while it waits for another role's step (and
+the orchestrator at most this often as rollouts finish): a role silent for several beats is hung."""
+
 KINDS = ("rollouts", "weights", "checkpoints")
 """Per-step directories under a run."""
 
@@ -569,7 +573,7 @@ class RunDir:
         heartbeat: Callable[[], Any] | None = None,
         *,
         poll: float = 0.5,
-        heartbeat_every: float = 10.0,
+        heartbeat_every: float = HEARTBEAT_S,
         role: str | None = None,
     ) -> Path:
         """Block until step `step` of `kind` is published; return its directory.
