@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prl.errors import run_entry
+from prl.errors import run_entry, signal_exit
 from prl.job import doctor
 from prl.job.runtimes import run_role
 from prl.log import get_logger, init_logging
@@ -113,7 +113,7 @@ def _hold(run: RunDir, role: str, task: int, seconds: float, stop: _Stop) -> int
         time.sleep(0.1)
     if stop.signum is not None:
         log.info(f"stopped by signal {stop.signum}")
-        return 128 + stop.signum
+        return signal_exit(stop.signum)
     return 0
 
 

@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable
 
-from prl.errors import StartTimeout
+from prl.errors import StartTimeout, child_exit
 from prl.log import get_logger
 from prl.planner.model import START_TIMEOUT_S, Plan, node_address
 from prl.run.rundir import API_KEY_VAR, RunDir, atomic_write_json, is_stable
@@ -101,8 +101,7 @@ def supervise(argv: list[str], env: dict[str, str], stop: Any, ready: Callable[[
         if killed_at and now - killed_at > 10:
             proc.kill()
         time.sleep(0.5)
-    code = proc.returncode
-    return 128 - code if code < 0 else code
+    return child_exit(proc.returncode)
 
 
 def latest_weights_args(run: RunDir, args: list[str], holder: str) -> list[str]:

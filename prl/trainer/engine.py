@@ -69,7 +69,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from prl.errors import ConfigError
+from prl.errors import ConfigError, signal_exit
 from prl.log import get_logger
 from prl import weights
 from prl.run.batch import MicroBatch
@@ -522,7 +522,7 @@ def stop_after(eng: Engine, spec: Spec, step: int) -> int:
             publish(eng, spec, step)
         if eng.saved != step:
             checkpoint(eng, step)
-    return 128 + signal.SIGTERM
+    return signal_exit(signal.SIGTERM)
 
 
 def record_step(eng: Engine, spec: Spec, step: int, data: StepData, metrics: dict,
