@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from prl.errors import StartTimeout, child_exit
 from prl.log import get_logger
-from prl.planner.model import START_TIMEOUT_S, Plan, node_address
+from prl.planner.model import RENDEZVOUS_BACKEND, START_TIMEOUT_S, Plan, node_address
 from prl.run.rundir import API_KEY_VAR, RunDir, atomic_write_json, is_stable
 from prl.states import KV_ROLES, SCORER_ROLES, SERVER_ROLES, Role, RoleState
 
@@ -56,8 +56,6 @@ def wait_endpoint(run: RunDir, role: str, index: int, stopped: Callable[[], bool
     return json.loads(path.read_text())
 
 
-TRAINER_RENDEZVOUS = "prl-static"
-"""torchrun's rendezvous backend for the trainer, registered by prl.trainer.launch (its BACKEND)."""
 HEALTH_EVERY_S = 5.0
 """How often a server's task probes /health once the server is ready."""
 
@@ -223,7 +221,7 @@ def run_trainer(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
         atomic_write_json(run.endpoint(Role.TRAINER, 0), {"host": node_address(plan), "port": tr.master_port})
     head = wait_endpoint(run, Role.TRAINER, 0, lambda: stop.signum is not None)
     argv = [sys.executable, "-m", "prl.trainer.launch", f"--nnodes={tr.nodes}",
-            f"--nproc-per-node={tr.gpus_per_node}", f"--rdzv-backend={TRAINER_RENDEZVOUS}",
+            f"--nproc-per-node={tr.gpus_per_node}", f"--rdzv-backend={RENDEZVOUS_BACKEND}",
             f"--rdzv-endpoint={head['host']}:{head['port']}", f"--rdzv-conf=rank={task}",
             "-m", "prl.trainer", "--run-dir", str(run.root)]
     return supervise(argv, dict(os.environ), stop, lambda: True, _ready_marker(run, Role.TRAINER, task))

@@ -177,6 +177,11 @@ def derive_mesh(world_size: int, dp_replicate: int, dp_shard: int, cp: int, ep: 
     return Mesh(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, ep=ep, world_size=world_size)
 
 
+RENDEZVOUS_BACKEND = "prl-static"
+"""torchrun's `--rdzv-backend` for the trainer: registered by prl.trainer.launch, named by the job's trainer task
+(prl/job/runtimes.py); its store listens at `TrainerPlan.master_port` on the trainer's first node."""
+
+
 class TrainerPlan(Frozen, kw_only=True):
     group: int
     nodes: int
