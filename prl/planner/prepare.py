@@ -19,6 +19,7 @@ from prl.planner.plan import Plan, make_plan
 from prl.planner.tokenizers import tokenizer_difference
 from prl.config.topology import Topology, cluster_overrides
 from prl.states import Role
+from prl.weights.layout import ADAPTER_CONFIG
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def _weights_of_run(topo: Topology, source: Source, cwd: Path) -> Topology:
         shown_steps = ", ".join(map(str, published[-10:]))
         raise source.error(("model", "from_step"), f"{run.root} has no published weights step {step} "
                                                    f"(published: {shown_steps})")
-    if (run.weights(step) / "adapter_config.json").is_file():
+    if (run.weights(step) / ADAPTER_CONFIG).is_file():
         raise source.error(("model", "from_run"), f"{run.weights(step)} is a LoRA adapter (model.lora), not a model: "
                                                   f"merge it first, `prl export {run.root} --step {step} --merged -o "
                                                   f"DIR`, and use model.path: DIR")
