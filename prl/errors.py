@@ -1,19 +1,31 @@
 """The project's error types. The CLI turns these into one-line messages.
 
 Exit codes: 2 for bad input (the user can fix the file or the flag),
-1 for failures of the system (Slurm, the run, a role).
+1 for failures of the system (Slurm, the run, a role), 128 + N for a process
+that ended on signal N (`signal_exit`: 143 for SIGTERM, 130 for Ctrl-C).
 """
 
 from __future__ import annotations
 
 import errno
 import importlib
+import signal
 import sys
 from collections.abc import Callable
 from types import ModuleType
 
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 """errnos of a full disk (or a used-up quota): a role that gets one says so in one line and exits 1."""
+
+
+def signal_exit(signum: int) -> int:
+    """The exit code of a process that ends on signal `signum`: the shell's 128 + N."""
+    return 128 + signum
+
+
+def child_exit(returncode: int) -> int:
+    """A child's exit code as the shell reports it: Popen's -N (killed by signal N) becomes `signal_exit(N)`."""
+    return signal_exit(-returncode) if returncode < 0 else returncode
 
 
 def disk_full(exc: BaseException) -> bool:
@@ -119,4 +131,4 @@ def run_entry(prog: str | None, body: Callable[[], int | None]) -> int:
         return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted" if prog else "interrupted", file=sys.stderr, flush=True)
-        return 130
+        return signal_exit(signal.SIGINT)

@@ -1,4 +1,4 @@
-"""Every closed vocabulary of states, listed once: the job's, the launcher's, a role's; and where a job runs.
+"""Every closed vocabulary, listed once: the job's, the launcher's and a role's states, where a job runs, the roles.
 
 The members are `str`s whose value is what Slurm prints, what the JSON files under a
 run hold and what `prl status` shows, so `json.dumps`, f-strings and `==` against a
@@ -121,3 +121,44 @@ class ServerAction(_Str):
     """Started again; not ready yet."""
     RESTARTED = "restarted"
     """Ready again (`ready_after_s` after it failed)."""
+
+
+class Role(_Str):
+    """A role of a run: a step of the job (plan.json `steps[].name`), its files under the run (state/<role>.json,
+    logs/attempt_N/<role>/) and `PRL_ROLE` in its environment."""
+
+    INFERENCE = "inference"
+    """vLLM servers that generate the rollouts (unified: prefill and decode in one server)."""
+    PREFILL = "prefill"
+    """vLLM servers that only prefill, handing the KV cache to decode (prefill/decode disaggregation)."""
+    DECODE = "decode"
+    """vLLM servers that decode from the KV cache prefill handed over."""
+    TEACHER = "teacher"
+    """vLLM servers of the teacher model that score every sample (on-policy distillation)."""
+    REFERENCE = "reference"
+    """vLLM servers of a frozen reference model that score every sample (a KL term to it)."""
+    ROUTER = "router"
+    """The prefill/decode router in front of the disaggregated servers."""
+    ORCHESTRATOR = "orchestrator"
+    """Runs the environment: rollouts on the servers, scored, batched into rollouts/step_N."""
+    TRAINER = "trainer"
+    """Trains on each step's rollouts (or an SFT job's data) and publishes weights/step_N."""
+
+
+SERVER_ROLES = (Role.INFERENCE, Role.PREFILL, Role.DECODE, Role.TEACHER, Role.REFERENCE)
+"""Roles that run vLLM servers (`python -m prl.inference`), one task per server process."""
+
+WEIGHT_ROLES = (Role.INFERENCE, Role.PREFILL, Role.DECODE)
+"""Servers of the policy: they load each new weights step (the orchestrator's weight watcher updates them)."""
+
+SCORER_ROLES = (Role.TEACHER, Role.REFERENCE)
+"""Servers that score samples with a model that never changes; also their topology sections, in het-group order."""
+
+KV_ROLES = (Role.PREFILL, Role.DECODE)
+"""The two sides of prefill/decode disaggregation, in het-group order (the router waits for both)."""
+
+HEARTBEAT_ROLES = (Role.TRAINER, Role.ORCHESTRATOR)
+"""Roles whose main loop heartbeats in state/<role>.json; the launcher stops the job when a beat is too old."""
+
+MODEL_ROLES = (Role.TRAINER, *WEIGHT_ROLES)
+"""Roles that load the student's model (`model.path`); a scorer loads its own."""

@@ -1,4 +1,5 @@
-"""Imports flow one way, and the control plane imports nothing heavy (login nodes are slow).
+"""Imports flow one way, the control plane imports nothing heavy (login nodes are slow), functions stay short and
+role names are written only as `prl.states.Role` members.
 
 Layers, lowest first; a module may import its own package and lower layers only:
 
@@ -202,6 +203,79 @@ def test_the_length_check_sees_a_long_function(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("def short():\n    return 1\n\n\ndef long():\n" + "    x = 1\n" * 60 + "    return x\n")
     assert long_functions([probe]) == [f"{probe}:5 long (62 lines)"]
+
+
+ROLE_NAMES = frozenset({"inference", "prefill", "decode", "teacher", "reference", "router", "orchestrator", "trainer"})
+"""Written out here, not read from prl.states.Role: a member renamed or dropped there fails
+`test_the_role_names_checked_are_the_roles`, not silently the check."""
+NOT_ROLES = {
+    ("prl/cli.py", '"trainer": (trainer, _trainer_args), "orchestrator": (orchestrator, _orchestrator_args),'):
+        "`prl trainer` and `prl orchestrator` are command names (what a user types), which run those roles",
+    ("prl/config/topology.py", 'placement: Literal["own", "trainer", "inference"] = "own"'):
+        "`orchestrator.placement` values, a Literal of the user's schema (docs/reference.md lists its values)",
+    ("prl/planner/model.py", 'placement: Literal["own", "trainer", "inference"]'):
+        "the plan's copy of `orchestrator.placement` (the same Literal: plan.json keeps its values)",
+    ("prl/trainer/float8.py", 'ROUTER_NAMES = frozenset({"gate", "router"})'):
+        "the name of a MoE router's linear layer (GPT-OSS's `mlp.router`), not the P/D router role",
+}
+"""(file, line) -> why a string there that equals a role name is not a role."""
+
+
+def role_literals(files: dict[Path, str]) -> list[str]:
+    """`file:line 'name'` for each string constant equal to a role name in `files` (path -> name relative to the
+    repository), docstrings excluded, outside prl/states.py (where `Role` lists them) and the lines of NOT_ROLES."""
+    out = []
+    for path, name in files.items():
+        text = path.read_text()
+        lines = text.splitlines()
+        tree = ast.parse(text, str(path))
+        docstrings = {id(n.value) for n in ast.walk(tree)
+                      if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and node.value in ROLE_NAMES and id(node) not in docstrings
+                    and name != "prl/states.py" and (name, lines[node.lineno - 1].strip()) not in NOT_ROLES):
+                out.append(f"{name}:{node.lineno} {node.value!r}")
+    return sorted(out)
+
+
+def prl_sources() -> dict[Path, str]:
+    return {p: p.relative_to(REPO).as_posix() for p in sorted((REPO / "prl").rglob("*.py"))}
+
+
+def test_role_names_are_written_only_as_role_members():
+    """Roles are one closed vocabulary (prl.states.Role and its kind sets): a bare "trainer" elsewhere is a second
+    list waiting to drift. A string that only looks like a role goes in NOT_ROLES, with why."""
+    found = role_literals(prl_sources())
+    assert not found, ("role names written as strings (use prl.states.Role, or list the line in NOT_ROLES with "
+                       "why it is not a role):\n" + "\n".join(found))
+
+
+def test_every_not_a_role_line_is_still_there():
+    """A NOT_ROLES entry whose line changed or went away no longer excuses anything: drop or update it."""
+    lines = {(name, line.strip()) for path, name in prl_sources().items() for line in path.read_text().splitlines()}
+    assert not set(NOT_ROLES) - lines, f"NOT_ROLES lines not found in prl/: {sorted(set(NOT_ROLES) - lines)}"
+
+
+def test_the_role_names_checked_are_the_roles():
+    from prl.states import Role
+
+    assert {r.value for r in Role} == ROLE_NAMES
+
+
+def test_the_role_check_sees_role_strings(tmp_path):
+    """A bare role name in code is reported with its line; the same name in a docstring, in prl/states.py, or on a
+    NOT_ROLES line is not (the check can fail)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text('"""The trainer."""\n'
+                     'def f(role):\n'
+                     '    """inference"""\n'
+                     '    return role == "decode" or role in ("trainer", "training")\n'
+                     'ROUTER_NAMES = frozenset({"gate", "router"})\n')
+    assert role_literals({probe: "prl/probe.py"}) == [
+        "prl/probe.py:4 'decode'", "prl/probe.py:4 'trainer'", "prl/probe.py:5 'router'"]
+    assert role_literals({probe: "prl/trainer/float8.py"}) == [
+        "prl/trainer/float8.py:4 'decode'", "prl/trainer/float8.py:4 'trainer'"]
+    assert role_literals({probe: "prl/states.py"}) == []
 
 
 @pytest.mark.parametrize("module", ["prl.cli", "prl.planner.prepare", "prl.planner.plan", "prl.planner.render",

@@ -47,12 +47,10 @@ def listeners(tmp_path, *rendezvous: str) -> list[str]:
 
 
 def test_the_trainers_rendezvous_store_listens_on_the_nodes_address_only(tmp_path):
-    from prl.job.runtimes import TRAINER_RENDEZVOUS
-    from prl.trainer.launch import BACKEND
+    from prl.planner.model import RENDEZVOUS_BACKEND  # what the job's trainer task names and the launcher registers
 
-    assert TRAINER_RENDEZVOUS == BACKEND  # the job starts torchrun with the backend the launcher registers
     port = free_port()
-    assert listeners(tmp_path, f"--rdzv-backend={BACKEND}", f"--rdzv-endpoint=127.0.0.1:{port}",
+    assert listeners(tmp_path, f"--rdzv-backend={RENDEZVOUS_BACKEND}", f"--rdzv-endpoint=127.0.0.1:{port}",
                      "--rdzv-conf=rank=0") == [LOOPBACK]
 
 

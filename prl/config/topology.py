@@ -18,6 +18,7 @@ from prl.config.cluster import (MAX_CPUS, MAX_GB, MAX_GPUS_PER_NODE, MAX_ITEMS, 
                                 PathText, SlurmTime, Strict, Text, Token, checked_time)
 from prl.config.fields import FieldValueError, shown
 from prl.config.loader import Source, explained, load
+from prl.states import KV_ROLES, SCORER_ROLES, Role
 
 MAX_DEGREE = 4096
 """Largest tp, dp, cp, ep or dp_replicate."""
@@ -290,7 +291,7 @@ class Inference(Strict, kw_only=True):
 
     def __post_init__(self) -> None:
         if self.attach is not None:
-            written = [name for name in ("nodes", "prefill", "decode") if getattr(self, name) is not None]
+            written = [name for name in ("nodes", *KV_ROLES) if getattr(self, name) is not None]
             written += [name for name in _UNIFIED if getattr(self, name) is not UNSET]
             written += [name for name, default in _DISAGGREGATED.items()
                         if getattr(self, name) is not UNSET and getattr(self, name) is not default]
@@ -332,14 +333,14 @@ class Inference(Strict, kw_only=True):
         if self.attach is not None:
             return {}
         if self.prefill is not None and self.decode is not None:
-            return {"prefill": self.prefill, "decode": self.decode}
+            return {Role.PREFILL: self.prefill, Role.DECODE: self.decode}
         assert self.nodes is not None
         written = {name: getattr(self, name) for name in _UNIFIED if getattr(self, name) is not UNSET}
-        return {"inference": InferenceGroup(nodes=self.nodes, **written)}
+        return {Role.INFERENCE: InferenceGroup(nodes=self.nodes, **written)}
 
 
 _UNIFIED = ("tp", "dp", "expert_parallel", "gpu_memory_utilization", "extra_args", "env")
-_DISAGGREGATED = {"kv_connector": KVConnector(), "router": Router()}
+_DISAGGREGATED = {"kv_connector": KVConnector(), Role.ROUTER: Router()}
 """Fields only prefill + decode read, with what an unwritten one becomes (compared by identity, as
 DEFAULT_ORCHESTRATOR, so that `msgspec.structs.replace`, which re-runs `__post_init__`, keeps accepting it)."""
 
@@ -623,7 +624,7 @@ class Training(Strict, kw_only=True):
     """A trainer or orchestrator whose main loop has not reported progress (heartbeat) for this long is
     hung: the launcher stops the job (and requeues it when the profile allows). None: max(900 s,
     4 x the slowest step seen so far in this attempt), see docs/jobs.md. At least 30 s: a waiting role
-    beats every 10 s. Servers: their task probes
+    heartbeats every `HEARTBEAT_S` (prl/run/rundir.py). Servers: their task probes
     /prl/engine (the engine itself answers); one that does not answer for this long (None: 300 s) is failed and
     handled by `on_failure`."""
 
@@ -713,15 +714,16 @@ class Topology(Strict, kw_only=True):
         return self.inference is not None and self.inference.attach is not None
 
     def _check_pool(self) -> None:
-        stray = [name for name in ("trainer", "training", "sft", "environment", "teacher", "reference")
+        stray = [name for name in (Role.TRAINER, "training", "sft", "environment", *SCORER_ROLES)
                  if getattr(self, name) is not None]
-        stray += ["orchestrator"] if not (self.orchestrator is UNSET or self.orchestrator is DEFAULT_ORCHESTRATOR) else []
+        written = not (self.orchestrator is UNSET or self.orchestrator is DEFAULT_ORCHESTRATOR)
+        stray += [Role.ORCHESTRATOR] if written else []
         if stray:
             raise FieldValueError(stray[0], f"an inference pool (pool:) runs inference servers only: remove {stray[0]}")
         if self.inference is None:
-            raise FieldValueError("inference", "missing: an inference pool (pool:) needs inference: (its servers)")
+            raise FieldValueError(Role.INFERENCE, "missing: an inference pool (pool:) needs inference: (its servers)")
         if self.inference.attach is not None or self.inference.disaggregated:
-            raise FieldValueError("attach" if self.inference.attach else "prefill",
+            raise FieldValueError("attach" if self.inference.attach else Role.PREFILL,
                                   "an inference pool serves from unified servers of its own (inference.nodes)")
         if self.model.lora is not None:
             raise FieldValueError("lora", "an inference pool serves its base model; the attached runs set model.lora")
@@ -734,26 +736,26 @@ class Topology(Strict, kw_only=True):
         if self.pool is not None:
             self._check_pool()
         else:
-            for name in ("trainer", "training"):
+            for name in (Role.TRAINER, "training"):
                 if getattr(self, name) is None:
                     raise FieldValueError(name, f"required field is missing: {name} (every topology but an "
                                                 f"inference pool's, `pool:`)")
         if self.sft is not None:
-            given = {"inference": self.inference is not None, "environment": self.environment is not None,
-                     "teacher": self.teacher is not None, "reference": self.reference is not None,
-                     "orchestrator": not (self.orchestrator is UNSET or self.orchestrator is DEFAULT_ORCHESTRATOR)}
+            given = {Role.INFERENCE: self.inference is not None, "environment": self.environment is not None,
+                     Role.TEACHER: self.teacher is not None, Role.REFERENCE: self.reference is not None,
+                     Role.ORCHESTRATOR: not (self.orchestrator is UNSET or self.orchestrator is DEFAULT_ORCHESTRATOR)}
             stray = [name for name in _RL_ONLY if given[name]]
             if stray:
                 raise FieldValueError(stray[0], f"an SFT topology (sft:) runs the trainer alone: remove {stray[0]}")
         elif self.pool is None:
-            for name in ("inference", "environment"):
+            for name in (Role.INFERENCE, "environment"):
                 if getattr(self, name) is None:
                     raise FieldValueError(name, "missing: an RL topology needs inference: and environment: "
                                                 "(or give sft: for supervised fine-tuning)")
         if self.attached and self.model.lora is None:
             raise FieldValueError("attach", "a run on an inference pool's servers loads its LoRA adapter there: set "
                                             "model.lora (the pool's base model stays as it is)")
-        if self.attached and self.orchestrator is not UNSET and self.orchestrator.placement == "inference":
+        if self.attached and self.orchestrator is not UNSET and self.orchestrator.placement == Role.INFERENCE:
             raise FieldValueError("placement", "a run on an inference pool's servers has no inference nodes of its "
                                                "own to place the orchestrator on: use own or trainer")
         if self.attached and self.training.router_replay:
@@ -764,10 +766,10 @@ class Topology(Strict, kw_only=True):
                                             "teacher: or reference: section needs them (not supported yet)")
         if self.teacher is not None and self.teacher.path is None:
             # A teacher of the student's own initial weights is a reference: say so rather than guess.
-            raise FieldValueError("teacher", "teacher needs a model: set teacher.path (the student's own initial "
+            raise FieldValueError(Role.TEACHER, "teacher needs a model: set teacher.path (the student's own initial "
                                              "model is a reference: use a reference: section and kl_ref_coef)")
         if self.orchestrator is UNSET:  # unset only to tell a written one from the default (frozen: force)
-            msgspec.structs.force_setattr(self, "orchestrator", DEFAULT_ORCHESTRATOR)
+            msgspec.structs.force_setattr(self, Role.ORCHESTRATOR, DEFAULT_ORCHESTRATOR)
         if self.run_dir is None:
             return
         parts = self.run_dir.split("/")
@@ -777,9 +779,7 @@ class Topology(Strict, kw_only=True):
             raise FieldValueError("run_dir", f"run_dir must name a directory of its own, not {shown(self.run_dir)}")
 
 
-SCORER_ROLES = ("teacher", "reference")
-"""Topology sections (and server roles) of the scoring servers, in het-group order."""
-_RL_ONLY = ("inference", "orchestrator", "environment", "teacher", "reference")
+_RL_ONLY = (Role.INFERENCE, Role.ORCHESTRATOR, "environment", *SCORER_ROLES)
 
 
 def load_topology(path: Path, overrides: Sequence[str] = ()) -> tuple[Topology, Source]:

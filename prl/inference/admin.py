@@ -52,6 +52,7 @@ from prl.run import api
 from prl.run.api import ErrorAnswer, LiveAnswer, WeightsAnswer, WeightsRequest
 from prl.run.rundir import RunDir, step_of
 from prl.run.tenants import Registry, Tenant
+from prl.states import Role
 from prl.weights.filesystem import WeightsTarget
 from prl.weights.layout import UpdateRefused, checkpoint_layout
 
@@ -470,7 +471,7 @@ def _record_metrics(state: AdminState, request: Request) -> None:
     u = state.last_update or {}
     try:
         state.run.append_metrics({
-            "role": "inference", "step": u.get("step"), "event": "weights_loaded",
+            "role": Role.INFERENCE, "step": u.get("step"), "event": "weights_loaded",
             "server": f"{socket.gethostname()}:{request.url.port}",
             "weight_update_s": round(u.get("seconds", 0.0), 4), "weights_path": u.get("path"), "time": u.get("time"),
             **{k: u[k] for k in ("received_bytes", "delta", "group") if k in u},

@@ -59,6 +59,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prl.inference import routing
 from prl.errors import run_entry
 from prl.log import get_logger, init_logging
+from prl.states import Role
 
 log = get_logger(__name__)
 
@@ -108,13 +109,13 @@ class Balancer:
         self.prefill, self.decode, self.policy = prefill, decode, policy
         self.in_flight = {u: 0 for u in [*prefill, *decode]}
         self.sent = dict.fromkeys(self.in_flight, 0)
-        self._cycles = {"prefill": itertools.cycle(prefill), "decode": itertools.cycle(decode)}
+        self._cycles = {Role.PREFILL: itertools.cycle(prefill), Role.DECODE: itertools.cycle(decode)}
 
     def pick(self, kind: str, key: str | None) -> str:
         """A `kind` ("prefill" or "decode") server for a request with routing `key`."""
         if self.policy == "round_robin":
             return next(self._cycles[kind])
-        return routing.choose(key, self.prefill if kind == "prefill" else self.decode, self.in_flight)
+        return routing.choose(key, self.prefill if kind == Role.PREFILL else self.decode, self.in_flight)
 
     def acquire(self, url: str) -> str:
         """Count one more request on `url`; pair with `release`."""
@@ -321,7 +322,7 @@ class Proxy:
             return JSONResponse({"error": str(e)}, status_code=400)
         headers = {**forwarded_headers(request), "content-type": "application/json"}
         key = routing.request_key(request.headers, body)
-        with self.balancer.holding(self.balancer.pick("prefill", key)) as url:
+        with self.balancer.holding(self.balancer.pick(Role.PREFILL, key)) as url:
             p = await self.client.post(url + path, json=prefill_body(path, body), headers=headers)
         if p.status_code != 200:  # the prompt is bad or the prefill server is: say so, skip decode
             return relayed(p)
@@ -340,7 +341,7 @@ class Proxy:
 
     async def relay_decode(self, path: str, key: str | None, content: bytes, headers: dict, stream: bool) -> Response:
         """Send the decode request and relay its answer (streamed when the client streams)."""
-        url = self.balancer.acquire(self.balancer.pick("decode", key))
+        url = self.balancer.acquire(self.balancer.pick(Role.DECODE, key))
         try:
             request = self.client.build_request("POST", url + path, content=content, headers=headers)
             resp = await self.client.send(request, stream=True)
@@ -377,7 +378,7 @@ class Proxy:
                 pass
             except BadBody as e:
                 return JSONResponse({"error": str(e)}, status_code=400)
-        url = self.balancer.pick("decode", None)
+        url = self.balancer.pick(Role.DECODE, None)
         r = await self.client.request(request.method, url + "/" + rest, content=content,
                                       headers=forwarded_headers(request), params=request.query_params)
         return relayed(r)
@@ -400,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     key = api_key(args.api_key_env)  # fails closed: no key, no router
     import uvicorn
 
-    init_logging("router")
+    init_logging(Role.ROUTER)
     app = build_app([u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode], key or None,
                     policy=args.policy, kv_handoff=not args.no_kv_handoff)
     # After a graceful shutdown uvicorn re-raises the SIGTERM/SIGINT it stopped on, with the handler it found

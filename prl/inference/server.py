@@ -42,6 +42,7 @@ from prl.log import get_logger, init_logging
 from prl.run import api
 from prl.run.rundir import API_KEY_VAR, RunDir
 from prl.run.records import ENGINE_DIED_EXIT
+from prl.states import Role
 
 WORKER_EXTENSION = "prl.inference.worker.WeightUpdater"
 WEIGHT_BACKEND = "prl"
@@ -504,5 +505,5 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(rest)
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
-    init_logging("inference")
+    init_logging(Role.INFERENCE)
     uvloop.run(serve(ours, args))

@@ -22,18 +22,15 @@ from pathlib import Path
 from prl.planner.model import Plan
 from prl.run.records import PreflightCheck, PreflightReport
 from prl.run.rundir import RunDir
+from prl.states import MODEL_ROLES, SERVER_ROLES, Role
 
 ROLE_PACKAGES = {
-    "trainer": ("torch", "transformers", "safetensors"),
-    "inference": ("vllm",),
-    "prefill": ("vllm",),
-    "decode": ("vllm",),
-    "teacher": ("vllm",),
-    "reference": ("vllm",),
-    "orchestrator": ("verifiers",),
-    "router": (),
+    Role.TRAINER: ("torch", "transformers", "safetensors"),
+    **{role: ("vllm",) for role in SERVER_ROLES},
+    Role.ORCHESTRATOR: ("verifiers",),
+    Role.ROUTER: (),
 }
-MODEL_ROLES = ("trainer", "inference", "prefill", "decode")
+"""The Python packages each role's process imports (found, not imported, by the preflight)."""
 MIN_FREE_GB = 5.0
 
 

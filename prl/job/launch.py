@@ -35,13 +35,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from prl.errors import ConfigError, RunDirError, SlurmError, disk_full, run_entry
+from prl.errors import ConfigError, RunDirError, SlurmError, child_exit, disk_full, run_entry, signal_exit
 from prl.log import get_logger, init_logging
 from prl.planner.model import START_TIMEOUT_S, Plan, Step
 from prl.run.records import (DiskFull, Failure, LauncherRecord, ServerFailure, StepRecord, StopRequest, TaskExit,
                               server_exit_reason)
 from prl.run.rundir import RunDir, atomic_write_json, current_attempt, pid_alive
-from prl.states import LAUNCHER_ENDED, TERMINAL_STATES, Backend, JobState, LauncherStatus, RoleState, ServerAction
+from prl.states import (HEARTBEAT_ROLES, LAUNCHER_ENDED, SERVER_ROLES, TERMINAL_STATES, Backend, JobState,
+                        LauncherStatus, RoleState, ServerAction)
 
 log = get_logger(__name__)
 
@@ -67,11 +68,6 @@ class RoleHung(RoleFailed):
 
 class Stopped(Exception):
     pass
-
-
-SERVER_ROLES = ("inference", "prefill", "decode", "teacher", "reference")
-HANG_ROLES = ("trainer", "orchestrator")
-"""Roles whose main loop heartbeats in state/<role>.json; the launcher watches its age."""
 
 
 @dataclass
@@ -100,7 +96,7 @@ class Running:
         codes = [p.poll() for p in self.procs]
         failed = [c for c in codes if c not in (None, 0)]
         if failed:
-            return _code(failed[0])
+            return child_exit(failed[0])
         if any(c is None for c in codes):
             return None
         return 0
@@ -137,11 +133,6 @@ def ended_jobs(runs: list[RunDir], *, local_pids: bool) -> dict[Path, str]:
             if own and (state := slurm.merge_state(own)) in TERMINAL_STATES:
                 out[root] = str(state)
     return out
-
-
-def _code(returncode: int) -> int:
-    # Popen gives -N for death by signal N; the shell convention is 128 + N.
-    return 128 - returncode if returncode < 0 else returncode
 
 
 class Launcher:
@@ -286,7 +277,7 @@ class Launcher:
             if record and record.time >= running.task_started[t]:
                 ended[t] = record
             elif proc.poll() is not None:
-                code = _code(proc.returncode)
+                code = child_exit(proc.returncode)
                 ended[t] = TaskExit(exit_code=code, time=time.time(),
                                     reason=f"task ended (exit {code}) without recording why")
         return ended
@@ -389,7 +380,7 @@ class Launcher:
     # -- hangs: the trainer's and orchestrator's main loops heartbeat in state/<role>.json
     def check_hangs(self) -> None:
         now = time.time()
-        for name in HANG_ROLES:
+        for name in HEARTBEAT_ROLES:
             running = self.running.get(name)
             if running is None or running.exit_code is not None:
                 continue
@@ -436,7 +427,7 @@ class Launcher:
             self.check()
             pending = [n for n in waiting if not self.ready(n)]
             for n in [n for n in pending if self.running[n].exit_code == 0]:
-                if n not in HANG_ROLES:
+                if n not in HEARTBEAT_ROLES:
                     raise RoleFailed(n, 1, "exited 0 before it was ready")
                 # Its work was already done (a requeued orchestrator finds every rollouts step published):
                 # what waits on it (the trainer) has what it needs.
@@ -583,7 +574,7 @@ class Launcher:
         if self.cancelled():
             # A requeue that raced the user's cancel: this attempt must not start anything.
             log.warning("the job was cancelled before this attempt began: exiting")
-            return self.finish(LauncherStatus.STOPPED, 128 + signal.SIGTERM)
+            return self.finish(LauncherStatus.STOPPED, signal_exit(signal.SIGTERM))
         self.start_wandb()
         try:
             for step in start_order(self.plan.steps):
@@ -625,7 +616,7 @@ class Launcher:
         self.stop_all(signum)
         if warning and self.plan.requeue:
             return self.requeue()
-        return self.finish(LauncherStatus.STOPPED, 128 + signum)
+        return self.finish(LauncherStatus.STOPPED, signal_exit(signum))
 
     def cancelled(self) -> bool:
         """The user cancelled this job: its record says so (`prl cancel` writes it before scancel), or a TERM
@@ -644,7 +635,7 @@ class Launcher:
 
         if self.cancelled():
             log.warning("the job was cancelled: not requeued")
-            return self.finish(LauncherStatus.STOPPED, 128 + (self.signum or signal.SIGTERM))
+            return self.finish(LauncherStatus.STOPPED, signal_exit(self.signum or signal.SIGTERM))
         # Recorded first: requeueing ends this process.
         code = self.finish(LauncherStatus.REQUEUED, 0)
         try:

@@ -22,18 +22,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prl.errors import run_entry
+from prl.errors import run_entry, signal_exit
 from prl.job import doctor
 from prl.job.runtimes import run_role
 from prl.log import get_logger, init_logging
 from prl.planner.model import Plan
 from prl.run.records import TaskExit, server_exit_reason
 from prl.run.rundir import RunDir, current_attempt
+from prl.states import SERVER_ROLES
 
 log = get_logger(__name__)
 
-HEARTBEAT_SECONDS = 5.0
-SERVER_ROLES = ("inference", "prefill", "decode", "teacher", "reference")
+HOLD_BEAT_S = 5.0
+"""How often a preflight's hold (`--hold S`) heartbeats and logs the time it has left: its own cadence, within
+HEARTBEAT_S (what the hang bound counts on), so that a hold of a few seconds still shows its countdown."""
 
 
 class _Stop:
@@ -107,11 +109,11 @@ def _hold(run: RunDir, role: str, task: int, seconds: float, stop: _Stop) -> int
             if task == 0:
                 run.heartbeat(role)
             log.info(f"holding the allocation, {deadline - time.monotonic():.0f} s left")
-            next_beat = time.monotonic() + HEARTBEAT_SECONDS
+            next_beat = time.monotonic() + HOLD_BEAT_S
         time.sleep(0.1)
     if stop.signum is not None:
         log.info(f"stopped by signal {stop.signum}")
-        return 128 + stop.signum
+        return signal_exit(stop.signum)
     return 0
 
 

@@ -29,12 +29,12 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable
 
-from prl.errors import StartTimeout
+from prl.errors import StartTimeout, child_exit
 from prl.log import get_logger
-from prl.planner.model import START_TIMEOUT_S, Plan, Server, node_address
+from prl.planner.model import RENDEZVOUS_BACKEND, START_TIMEOUT_S, Plan, Server, node_address
 from prl.run.records import Endpoint
 from prl.run.rundir import API_KEY_VAR, RunDir, is_stable
-from prl.states import RoleState
+from prl.states import KV_ROLES, SCORER_ROLES, SERVER_ROLES, Role, RoleState
 
 log = get_logger(__name__)
 
@@ -59,8 +59,6 @@ def wait_endpoint(run: RunDir, role: str, index: int, stopped: Callable[[], bool
     return found
 
 
-TRAINER_RENDEZVOUS = "prl-static"
-"""torchrun's rendezvous backend for the trainer, registered by prl.trainer.launch (its BACKEND)."""
 HEALTH_EVERY_S = 5.0
 """How often a server's task probes /health once the server is ready."""
 
@@ -104,8 +102,7 @@ def supervise(argv: list[str], env: dict[str, str], stop: Any, ready: Callable[[
         if killed_at and now - killed_at > 10:
             proc.kill()
         time.sleep(0.5)
-    code = proc.returncode
-    return 128 - code if code < 0 else code
+    return child_exit(proc.returncode)
 
 
 def restart_model(run: RunDir, server: Server, holder: str) -> str:
@@ -150,7 +147,7 @@ def run_server(run: RunDir, plan: Plan, role: str, task: int, stop: Any) -> int:
     restart = int(os.environ.get("PRL_RESTART", "0") or 0)
     holder = f"{role}.{task}"
     # A scorer's model never changes; the others' restart on the newest published step.
-    model = restart_model(run, server, holder) if restart and role not in ("teacher", "reference") else None
+    model = restart_model(run, server, holder) if restart and role not in SCORER_ROLES else None
     env[API_KEY_VAR] = run.read_api_key()
     argv = [sys.executable, "-m", "prl.inference", "--run-dir", str(run.root), "--api-key-env", API_KEY_VAR,
             *server.argv(model), *extra, "--host", host]
@@ -186,7 +183,7 @@ def _supervise_server(run: RunDir, plan: Plan, role: str, task: int, stop: Any, 
 def run_router(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
     host = node_address(plan)
     port = plan.router_port
-    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    urls: dict[str, list[str]] = {role: [] for role in KV_ROLES}
     for role in urls:
         replicas = sorted({s.replica for s in plan.role_servers(role)})
         urls[role] = [wait_endpoint(run, role, r, lambda: stop.signum is not None, url=True).url for r in replicas]
@@ -199,8 +196,8 @@ def run_router(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
     url = f"http://{host}:{port}"
 
     def on_ready() -> None:
-        run.write_endpoint(Endpoint(role="router", index=0, host=host, port=port, url=url))
-        _ready_marker(run, "router", task)()
+        run.write_endpoint(Endpoint(role=Role.ROUTER, index=0, host=host, port=port, url=url))
+        _ready_marker(run, Role.ROUTER, task)()
 
     return supervise(argv, env, stop, lambda: http_ok(f"{url}/health"), on_ready)
 
@@ -209,12 +206,12 @@ def run_orchestrator(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
     started = time.time()
 
     def heartbeating() -> bool:
-        state = run.read_state("orchestrator")
+        state = run.read_state(Role.ORCHESTRATOR)
         return state is not None and state.status == RoleState.RUNNING and (state.heartbeat or 0.0) >= started
 
     argv = [sys.executable, "-m", "prl.orchestrator", "--run-dir", str(run.root)]
     env = {**os.environ, API_KEY_VAR: run.read_api_key()}
-    return supervise(argv, env, stop, heartbeating, _ready_marker(run, "orchestrator", task))
+    return supervise(argv, env, stop, heartbeating, _ready_marker(run, Role.ORCHESTRATOR, task))
 
 
 def run_trainer(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
@@ -222,23 +219,23 @@ def run_trainer(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
     rendezvous address for the others."""
     tr = plan.trainer
     if task == 0:
-        run.write_endpoint(Endpoint(role="trainer", index=0, host=node_address(plan), port=tr.master_port))
-    head = wait_endpoint(run, "trainer", 0, lambda: stop.signum is not None)
+        run.write_endpoint(Endpoint(role=Role.TRAINER, index=0, host=node_address(plan), port=tr.master_port))
+    head = wait_endpoint(run, Role.TRAINER, 0, lambda: stop.signum is not None)
     argv = [sys.executable, "-m", "prl.trainer.launch", f"--nnodes={tr.nodes}",
-            f"--nproc-per-node={tr.gpus_per_node}", f"--rdzv-backend={TRAINER_RENDEZVOUS}",
+            f"--nproc-per-node={tr.gpus_per_node}", f"--rdzv-backend={RENDEZVOUS_BACKEND}",
             f"--rdzv-endpoint={head.host}:{head.port}", f"--rdzv-conf=rank={task}",
             "-m", "prl.trainer", "--run-dir", str(run.root)]
-    return supervise(argv, dict(os.environ), stop, lambda: True, _ready_marker(run, "trainer", task))
+    return supervise(argv, dict(os.environ), stop, lambda: True, _ready_marker(run, Role.TRAINER, task))
 
 
 RUNTIMES: dict[str, Callable[..., int]] = {
-    "trainer": run_trainer,
-    "orchestrator": run_orchestrator,
-    "router": run_router,
+    Role.TRAINER: run_trainer,
+    Role.ORCHESTRATOR: run_orchestrator,
+    Role.ROUTER: run_router,
 }
 
 
 def run_role(run: RunDir, plan: Plan, role: str, task: int, stop: Any) -> int:
-    if role in ("inference", "prefill", "decode", "teacher", "reference"):
+    if role in SERVER_ROLES:
         return run_server(run, plan, role, task, stop)
     return RUNTIMES[role](run, plan, task, stop)

@@ -17,6 +17,8 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable
 
+from prl.states import Role
+
 SKIP = frozenset({"role", "step", "time", "eval", "server", "event"})
 
 
@@ -42,7 +44,7 @@ def step_rows(records: Iterable[dict[str, Any]]) -> dict[int, dict[str, float]]:
         step = record.get("step")
         if isinstance(step, bool) or not isinstance(step, int):
             continue
-        if record.get("role") == "inference":
+        if record.get("role") == Role.INFERENCE:
             servers[step][record.get("server")] = _numbers(record)
         else:
             last[(prefix(record), step)] = _numbers(record)

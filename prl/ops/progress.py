@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from prl.run.rundir import RunDir
+from prl.states import Role
 
 POLL_S = 1.0
 REWARD_WINDOW = 4  # steps averaged at each end of the run for the summary line
@@ -65,12 +66,12 @@ class Progress:
         step, role = record.get("step"), record.get("role")
         if not isinstance(step, int):
             return
-        if role == "orchestrator" and record.get("eval"):
+        if role == Role.ORCHESTRATOR and record.get("eval"):
             self.say(f"eval at step {step}: reward {record.get('reward_mean', float('nan')):.3f}")
-        elif role == "orchestrator" and "reward_mean" in record:
+        elif role == Role.ORCHESTRATOR and "reward_mean" in record:
             self.rewards[step] = record["reward_mean"]
             self.lags[step] = record.get("policy_lag_max", 0)
-        elif role == "trainer":
+        elif role == Role.TRAINER:
             self.trained.append(step)
             self.say(self.line(step, record))
 

@@ -27,7 +27,7 @@ from prl.planner.model import Plan, Step
 from prl.run.records import Failure, JobRecord, LauncherRecord, RoleStateRecord, ServerFailure, StepRecord
 from prl.run.rundir import RunDir, pid_alive
 from prl.ops.registry import entries, registry_path
-from prl.states import TERMINAL_STATES, Backend, JobState, LauncherStatus, RoleState, ServerAction
+from prl.states import TERMINAL_STATES, Backend, JobState, LauncherStatus, Role, RoleState, ServerAction
 
 LOG_TAIL_LINES = 15
 
@@ -322,13 +322,13 @@ def _last_step(records: list[dict[str, Any]]) -> int | None:
 def _progress(run: RunDir, plan: Plan) -> dict[str, Any]:
     if plan.pool is not None:
         return {}  # an inference pool trains nothing: its attached runs show theirs
-    if not any(step.name == "orchestrator" for step in plan.steps):
+    if not any(step.name == Role.ORCHESTRATOR for step in plan.steps):
         # SFT: the trainer alone, weights only with checkpoints; its own records say where it is.
-        last = next(iter(reversed(run.read_metrics("trainer"))), {})
+        last = next(iter(reversed(run.read_metrics(Role.TRAINER))), {})
         return {"trainer_step": last.get("step"), "last_loss": last.get("loss"), "epoch": last.get("epoch"),
                 "checkpoint": run.latest_stable("checkpoints")}
     # Under `weights.transport: memory` only checkpoint steps reach weights/: the trainer's records say the rest.
-    trained = [s for s in (run.latest_stable("weights"), _last_step(run.read_metrics("trainer"))) if s is not None]
+    trained = [s for s in (run.latest_stable("weights"), _last_step(run.read_metrics(Role.TRAINER))) if s is not None]
     trainer_step = max(trained, default=None)
     rollout_step = run.latest_stable("rollouts")
     lag = rollout_step - trainer_step if None not in (rollout_step, trainer_step) else None

@@ -55,9 +55,10 @@ from prl.orchestrator.workers import EnvWorkers, check_env_id
 from prl.planner.model import START_TIMEOUT_S, Plan
 from prl.run.batch import publish_batch, read_meta
 from prl.run.lifecycle import role_lifecycle
-from prl.run.rundir import RunDir
+from prl.run.rundir import HEARTBEAT_S, RunDir
+from prl.states import Role
 
-ROLE = "orchestrator"
+ROLE = Role.ORCHESTRATOR
 
 log = get_logger(__name__)
 
@@ -67,7 +68,7 @@ class Beat:
     phase change, and `tick()` (at most every `every` s) as rollout groups finish and while waiting for weights.
     A side task would keep beating for a loop that is stuck."""
 
-    def __init__(self, run: RunDir, every: float = 10.0):
+    def __init__(self, run: RunDir, every: float = HEARTBEAT_S):
         self.run = run
         self.every = every
         self.fields: dict[str, Any] = {}

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from prl.config.topology import Shaping
 from prl.errors import ConfigError
 from prl.plugins import load_function
+from prl.states import Role
 
 SETTING = "training.advantage.shaping.import_path"
 
@@ -62,7 +63,7 @@ def shaper(cfg: Shaping | None) -> Shaper | None:
 @functools.lru_cache(maxsize=8)
 def _load(import_path: str, args_json: str) -> Shaper:
     args = json.loads(args_json)
-    fn = load_function(import_path, SETTING, args, ("inputs", "advantage"), "orchestrator")
+    fn = load_function(import_path, SETTING, args, ("inputs", "advantage"), Role.ORCHESTRATOR)
     return functools.partial(fn, **args)
 
 

@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 from prl.errors import ConfigError, RunDirError, StartError, StartTimeout
 from prl.planner.model import START_TIMEOUT_S
+from prl.states import Role
 
 KEY_VAR = "PRL_EVAL_API_KEY"
 BIND_TRIES = 3
@@ -95,7 +96,7 @@ def evaluate_step(task: EvalTask) -> list[dict[str, Any]]:
     log_path = run.eval_log(task.step)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     step = next(st for st in plan.steps if st.name == served.step)
-    env = {**dict(served.env), **os.environ, **role_env(step.env, dict(os.environ)), "PRL_ROLE": "inference",
+    env = {**dict(served.env), **os.environ, **role_env(step.env, dict(os.environ)), "PRL_ROLE": Role.INFERENCE,
            KEY_VAR: key}
 
     def argv(port: int) -> list[str]:

@@ -41,12 +41,10 @@ from prl.log import get_logger
 from prl.planner.model import Plan
 from prl.run import api
 from prl.run.api import LiveAnswer, WeightsRequest
-from prl.run.rundir import API_KEY_VAR, RunDir
+from prl.run.rundir import API_KEY_VAR, HEARTBEAT_S, RunDir
+from prl.states import WEIGHT_ROLES, Role
 
 log = get_logger(__name__)
-
-ADMIN_ROLES = ("inference", "prefill", "decode")
-
 
 def auth_headers() -> dict[str, str]:
     """The run's API key as a bearer header ($PRL_INFERENCE_API_KEY, set by the role runner); {} without one."""
@@ -66,7 +64,7 @@ class WeightUpdateError(PrlError):
 @dataclass(eq=False)
 class Server:
     url: str
-    role: str = "inference"
+    role: str = Role.INFERENCE
     version: int = 0
     """Weights step this server is known to serve (0: the base model)."""
     disk_version: int = 0
@@ -196,7 +194,7 @@ class ServerPool:
                     f"waited {timeout:.0f} s for weights step {min_version} on every server ({behind}); newest "
                     f"published weights step is {self.target}. Is the trainer running? See `prl status`."
                 )
-            if on_wait is not None and now - last_beat > 10:
+            if on_wait is not None and now - last_beat > HEARTBEAT_S:
                 on_wait()
                 last_beat = now
             await self.moved(1.0)
@@ -236,8 +234,8 @@ def discover(run: RunDir, plan: Plan, timeout: float) -> Fleet:
                 f"after {timeout:.0f} s; are the servers up? (`prl status`, `prl logs --role inference`)"
             )
         time.sleep(0.5)
-    admin = [Server(u, role) for role in ADMIN_ROLES for u in found.get(role, [])]
-    gen = [Server(u, "router") for u in found.get("router", [])] or [s for s in admin if s.role == "inference"]
+    admin = [Server(u, role) for role in WEIGHT_ROLES for u in found.get(role, [])]
+    gen = [Server(u, Role.ROUTER) for u in found.get(Role.ROUTER, [])] or [s for s in admin if s.role == Role.INFERENCE]
     if not gen:
         raise PrlError(f"endpoints {found} have neither a router nor an inference server to generate with")
     return Fleet(generate=gen, admin=admin, follow_endpoints=True,
@@ -246,7 +244,7 @@ def discover(run: RunDir, plan: Plan, timeout: float) -> Fleet:
 
 def endpoint_starts(run: RunDir) -> dict[str, float | None]:
     """url -> `started` of every published server endpoint (what `WeightWatcher.follow` compares)."""
-    return {e.url.rstrip("/"): e.started for role in ADMIN_ROLES
+    return {e.url.rstrip("/"): e.started for role in WEIGHT_ROLES
             for e in run.endpoints().get(role, {}).values() if e.url}
 
 
@@ -264,7 +262,7 @@ def weights_trusted(run: RunDir) -> bool:
     (`weights_attempt` in its state): until then a published step may belong to the attempt being replaced."""
     from prl.run.rundir import current_attempt
 
-    state = run.read_state("trainer")
+    state = run.read_state(Role.TRAINER)
     return state is None or (state.weights_attempt or 0) >= current_attempt()
 
 
@@ -379,7 +377,7 @@ class WeightWatcher:
         """Keep on disk every weights step a server serves or could roll back to (the run's cleanup reads it):
         a server on a step from memory rolls back to the step it last loaded from disk."""
         if self.pool.admin and self.pool.follow_endpoints:
-            self.run.pin_weights("orchestrator", min(min(s.version, s.disk_version) for s in self.pool.admin))
+            self.run.pin_weights(Role.ORCHESTRATOR, min(min(s.version, s.disk_version) for s in self.pool.admin))
 
     def newest(self) -> weights.Offer | None:
         """The newest weights step the servers may load and the request that loads it, as the run's transport
@@ -440,7 +438,7 @@ class WeightWatcher:
             server.failures += 1
             server.error = f"weights step {step}: {why}"
             log.warning("%s failed to load weights step %d (attempt %d/%d): %s", server.url, step, attempt, self.retries, why)
-            self.run.heartbeat("orchestrator", server_errors={server.url: server.error})
+            self.run.heartbeat(Role.ORCHESTRATOR, server_errors={server.url: server.error})
             if attempt < self.retries:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)

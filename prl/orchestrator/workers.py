@@ -35,7 +35,7 @@ from prl.log import get_logger
 
 log = get_logger(__name__)
 
-START_TIMEOUT_S = 300.0
+POOL_START_TIMEOUT_S = 300.0
 """How long the pool may take to bind and answer a health check (each worker imports verifiers and
 transformers and loads the environment)."""
 
@@ -81,7 +81,7 @@ class EnvWorkers:
             try:
                 address = await asyncio.to_thread(self._address, addresses, server)
                 self.client = EnvClient(address)
-                await self.client.wait_for_server_startup(timeout=START_TIMEOUT_S)
+                await self.client.wait_for_server_startup(timeout=POOL_START_TIMEOUT_S)
                 log.info("environment runs in %d worker process(es) at %s", self.workers, address)
                 yield self
             finally:
@@ -99,7 +99,7 @@ class EnvWorkers:
     def _address(addresses: Any, server: Any) -> str:
         """The address the pool bound, or the reason it did not start."""
         waited = 0.0
-        while waited < START_TIMEOUT_S:
+        while waited < POOL_START_TIMEOUT_S:
             try:
                 return addresses.get(timeout=1.0)
             except queue.Empty:
@@ -107,7 +107,7 @@ class EnvWorkers:
                 if not server.is_alive():
                     raise StartError(f"the environment worker pool exited with code {server.exitcode} before "
                                      f"it served (its log is the orchestrator's)") from None
-        raise StartTimeout(f"the environment worker pool did not start within {START_TIMEOUT_S:.0f} s")
+        raise StartTimeout(f"the environment worker pool did not start within {POOL_START_TIMEOUT_S:.0f} s")
 
     async def run_slot(self, slot: Any, ctx: Any) -> Any:
         """One episode on a worker, with the server and sampling of `ctx` (a verifiers ModelContext)."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import msgspec
 
+from prl.states import Role
+
 Field = tuple[str, ...]
 
 
@@ -85,7 +87,7 @@ def ep_refusals(model_config: ModelConfig | None, ep: int) -> list[tuple[Field, 
     if ep == 1 or model_config is None:
         return []
     arch = model_config.architecture
-    field = ("trainer", "ep")
+    field = (Role.TRAINER, "ep")
     if arch not in EP_ARCHITECTURES:
         kind = "an MoE model without an EP implementation in the trainer" if arch in KNOWN_MOE_ARCHITECTURES \
             else "dense"
@@ -111,7 +113,7 @@ def cp_refusals(model_config: ModelConfig | None, cp: int) -> list[tuple[Field, 
     text = model_config.text
     heads = text.num_attention_heads
     kv_heads = text.num_key_value_heads or heads
-    field = ("trainer", "cp")
+    field = (Role.TRAINER, "cp")
     if not isinstance(heads, int) or not isinstance(kv_heads, int):
         return [(field, f"trainer.cp({cp}): the model's config.json has no num_attention_heads; "
                         f"context parallelism needs it; use cp: 1")]
@@ -141,11 +143,11 @@ def trainer_refusals(
     out: list[tuple[Field, str]] = []
     for name, value in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("cp", cp), ("ep", ep)):
         if value < 1:
-            out.append((("trainer", name), f"trainer.{name}({value}) must be at least 1"))
+            out.append(((Role.TRAINER, name), f"trainer.{name}({value}) must be at least 1"))
     if out:
         return out
     if (dp_shard * cp) % ep:
-        out.append((("trainer", "ep"), f"trainer.ep({ep}) must divide dp_shard({dp_shard}) * cp({cp}) = "
+        out.append(((Role.TRAINER, "ep"), f"trainer.ep({ep}) must divide dp_shard({dp_shard}) * cp({cp}) = "
                                        f"{dp_shard * cp}: experts are sharded over the dp_shard x cp ranks"))
     out += ep_refusals(model_config, ep)
     out += cp_refusals(model_config, cp)
@@ -175,7 +177,7 @@ def vision_refusals(model_config: ModelConfig | None, cp: int, train_vision: boo
                                             f"vision-language model (its config.json has no vision_config)")
                 ] if train_vision else []
     if cp > 1 and model_config.model_type not in CP_PICTURE_CONNECTORS:
-        return [(("trainer", "cp"), f"trainer.cp({cp}): {model_config.architecture} is a vision-language model "
+        return [((Role.TRAINER, "cp"), f"trainer.cp({cp}): {model_config.architecture} is a vision-language model "
                                     f"whose pictures' features prl cannot split over cp ranks (it can for "
                                     f"{', '.join(sorted(CP_PICTURE_CONNECTORS))}); use cp: 1")]
     return []
@@ -193,7 +195,7 @@ def compile_refusals(model_config: ModelConfig | None, gpus: bool, cp: int, ep: 
                (lora, "model.lora's adapters were not compiled and measured yet"),
                (vlm, f"{model_config.architecture if vlm else ''} is a vision-language model")]
     why = next((text for applies, text in reasons if applies), None)
-    return [(("trainer", "compile"), f"trainer.compile: {why}; use compile: false")] if why else []
+    return [((Role.TRAINER, "compile"), f"trainer.compile: {why}; use compile: false")] if why else []
 
 
 FP8_GPUS = "gpu_node.fp8: true in the cluster profile (GPUs of compute capability 8.9+: H100, H200, L40S, B200)"
@@ -210,7 +212,7 @@ def precision_refusals(model_config: ModelConfig | None, gpus: bool, fp8_gpus: b
                (vlm, f"{model_config.architecture if vlm else ''} is a vision-language model (float8 training of "
                      f"it was not tested)")]
     why = next((text for applies, text in reasons if applies), None)
-    return [(("trainer", "precision"), f"trainer.precision: fp8: {why}; use precision: bf16")] if why else []
+    return [((Role.TRAINER, "precision"), f"trainer.precision: fp8: {why}; use precision: bf16")] if why else []
 
 
 def quantization_refusals(model_config: ModelConfig | None, gpus: bool, fp8_gpus: bool) -> list[tuple[Field, str]]:
@@ -224,7 +226,7 @@ def quantization_refusals(model_config: ModelConfig | None, gpus: bool, fp8_gpus
                (stored is not None, f"the model is stored quantized (config.json quantization_config: {stored}), "
                                     f"which vLLM serves as it is")]
     why = next((text for applies, text in reasons if applies), None)
-    return [(("inference", "quantization"), f"inference.quantization: fp8: {why}; remove inference.quantization")
+    return [((Role.INFERENCE, "quantization"), f"inference.quantization: fp8: {why}; remove inference.quantization")
             ] if why else []
 
 

@@ -21,16 +21,13 @@ import msgspec
 
 from prl.errors import ConfigError, RunDirError
 from prl.run.rundir import RunDir
+from prl.states import SCORER_ROLES, Role
 
 if TYPE_CHECKING:
     from prl.planner.settings import RunSettings
 
 PLAN_FORMAT = "prl.plan/3"
 """Bumped whenever a field changes meaning: a role refuses a plan.json of another format."""
-
-ServerRole = Literal["inference", "prefill", "decode", "teacher", "reference"]
-RoleName = Literal["inference", "prefill", "decode", "teacher", "reference", "router", "orchestrator", "trainer"]
-
 
 def node_address(plan: Plan) -> str:
     """This node's address as other nodes reach it (the profile's interface when it names one)."""
@@ -71,7 +68,8 @@ class Group(Frozen, kw_only=True):
 class Server(Frozen, kw_only=True):
     """One vLLM server process: a whole replica, or one node's share of a multi-node replica."""
 
-    role: ServerRole
+    role: Role
+    """One of SERVER_ROLES."""
     replica: int
     group: int
     node: int
@@ -119,7 +117,8 @@ def side_channel_ports(peers: Sequence[Server], server: Server, dp: int) -> tupl
 class InferenceRole(Frozen, kw_only=True):
     """One group of identical vLLM replicas (the unified group, or prefill, or decode)."""
 
-    name: ServerRole
+    name: Role
+    """One of SERVER_ROLES."""
     group: int
     nodes: int
     tp: int
@@ -192,6 +191,11 @@ def derive_mesh(world_size: int, dp_replicate: int, dp_shard: int, cp: int, ep: 
     return Mesh(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, ep=ep, world_size=world_size)
 
 
+RENDEZVOUS_BACKEND = "prl-static"
+"""torchrun's `--rdzv-backend` for the trainer: registered by prl.trainer.launch, named by the job's trainer task
+(prl/job/runtimes.py); its store listens at `TrainerPlan.master_port` on the trainer's first node."""
+
+
 class TrainerPlan(Frozen, kw_only=True):
     group: int
     nodes: int
@@ -223,7 +227,7 @@ class OrchestratorPlan(Frozen, kw_only=True):
 class Step(Frozen, kw_only=True):
     """One `srun` of the job: a role on some nodes of a group."""
 
-    name: RoleName
+    name: Role
     group: int
     nodes: int
     ntasks_per_node: int
@@ -231,7 +235,7 @@ class Step(Frozen, kw_only=True):
     gpus_per_node: int
     overlap: bool
     """Shares nodes with another step (`srun --overlap`)."""
-    start_after: tuple[RoleName, ...]
+    start_after: tuple[Role, ...]
     """The roles whose tasks must all be ready (healthy) before this one works."""
     waits_itself: bool = False
     """The role waits for its `start_after` roles itself (their endpoints), so the launcher starts it with the
@@ -252,7 +256,7 @@ class Step(Frozen, kw_only=True):
 class FailurePolicy(Frozen, kw_only=True):
     """What the launcher does when one of a role's processes exits before the job is stopping."""
 
-    role: RoleName
+    role: Role
     policy: Literal["restart", "fail"]
     """`restart`: start that server's task(s) again in the allocation; `fail`: end the job."""
     max_restarts: int
@@ -302,7 +306,7 @@ class EvalServer(Frozen, kw_only=True):
 
     args: tuple[str, ...]
     """Its vLLM flags but the model, the name it answers to and where it listens (the sweep adds those)."""
-    step: RoleName
+    step: Role
     """The step whose env the server runs with."""
     group: int
     """The hetjob group whose directives (partition, account, GPUs) the evaluation array takes."""
@@ -377,11 +381,11 @@ class Plan(Frozen, kw_only=True):
         args = ("--dtype", model.dtype, "--max-model-len", str(model.max_model_len))
         args += ("--tokenizer", model.tokenizer) if model.tokenizer else ()
         if self.trainer.device != "cpu":
-            return EvalServer(args=args, step="trainer", group=self.trainer.group)
+            return EvalServer(args=args, step=Role.TRAINER, group=self.trainer.group)
         # On CPU nodes as the shipped CPU topologies serve: no compile warm-up (half of a start there), and a
         # KV cache of its own size (vLLM's CPU default reserves 92% of the node's memory and refuses to start
         # when less is free).
-        return EvalServer(args=args + ("--enforce-eager",), step="trainer", group=self.trainer.group,
+        return EvalServer(args=args + ("--enforce-eager",), step=Role.TRAINER, group=self.trainer.group,
                           env=(("VLLM_CPU_KVCACHE_SPACE", "2"),))
 
     def settings(self) -> RunSettings:
@@ -410,7 +414,7 @@ class Plan(Frozen, kw_only=True):
 
     def scorer_roles(self) -> tuple[str, ...]:
         """The scoring server roles this run has (`teacher`, `reference`), in order."""
-        return tuple(r.name for r in self.inference if r.name in ("teacher", "reference"))
+        return tuple(r.name for r in self.inference if r.name in SCORER_ROLES)
 
     def role_servers(self, role: str) -> tuple[Server, ...]:
         return tuple(s for s in self.servers if s.role == role)
@@ -424,11 +428,11 @@ class Plan(Frozen, kw_only=True):
         for s in self.servers:
             if s.role == role and s.task == task:
                 ports += self.side_channel_ports(s)
-        if role == "router" and self.router_port:
+        if role == Role.ROUTER and self.router_port:
             ports.append(self.router_port)
-        if role == "trainer" and task == 0:
+        if role == Role.TRAINER and task == 0:
             ports.append(self.trainer.master_port)
-        if role == "trainer":
+        if role == Role.TRAINER:
             per_node = self.trainer.gpus_per_node
             ports += self.trainer.weight_ports[task * per_node:(task + 1) * per_node]
         return tuple(ports)
@@ -471,7 +475,7 @@ class Plan(Frozen, kw_only=True):
         """(role, replica) of every server head, plus the router: what the orchestrator waits for."""
         want = {(s.role, s.replica) for s in self.servers if s.head}
         if self.router_port:
-            want.add(("router", 0))
+            want.add((Role.ROUTER, 0))
         return want
 
 

@@ -39,6 +39,7 @@ from prl.planner.capabilities import (VLLM_NO_LORA_ARCHITECTURES, ModelConfig, c
                                      served_lora_rank, trainer_refusals, update_warnings, vision_refusals)
 from prl.planner.settings import RunSettings
 from prl.run.rundir import RunDir
+from prl.states import KV_ROLES, WEIGHT_ROLES, Role
 from prl.planner.model import (
     ContainerPlan,
     FailurePolicy,
@@ -72,7 +73,8 @@ MAX_JOB_GPUS = 262_144
 """Most GPUs one job may use: more than any cluster has, and few enough that the plan's per-GPU records stay small."""
 SHARED_ORCHESTRATOR_CPUS = 4
 KV_OFFLOAD_MEMORY_FRACTION = 0.8
-KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+VLLM_KV_ROLE = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}
+"""vLLM's `kv_role` of each side of prefill/decode disaggregation."""
 
 _UNSAFE_PATH = set(" \t\n\r'\"`$;\\")
 PLANNED_SERVER_OPTIONS = frozenset({
@@ -154,9 +156,9 @@ def check_node_budget(check: Checker, topo: Topology) -> None:
     cluster = check.cluster
     counts = {role: g.nodes for role, g in server_groups(topo).items()}
     if topo.inference and topo.orchestrator.placement == "own":
-        counts["orchestrator"] = 1
+        counts[Role.ORCHESTRATOR] = 1
     if topo.trainer is not None:
-        counts["trainer"] = topo.trainer.nodes
+        counts[Role.TRAINER] = topo.trainer.nodes
     total = sum(counts.values())
     if total <= cluster.max_nodes:
         return
@@ -184,7 +186,7 @@ def check_derived_totals(check: Checker, topo: Topology) -> None:
     tr = topo.trainer
     fields = {group_field(topo, role) + ("nodes",): (role, g.nodes, gpn) for role, g in groups.items()}
     if tr is not None:
-        fields[("trainer", "nodes")] = ("trainer", tr.nodes, tr.gpus_per_node or gpn)
+        fields[(Role.TRAINER, "nodes")] = (Role.TRAINER, tr.nodes, tr.gpus_per_node or gpn)
     gpus = sum(nodes * per_node for _, nodes, per_node in fields.values())
     if gpus > MAX_JOB_GPUS:
         parts = " + ".join(f"{role} nodes({nodes}) x {per_node}" for role, nodes, per_node in fields.values())
@@ -314,7 +316,7 @@ def lone_server_args(served: Served, group: InferenceGroup) -> tuple[str, ...]:
 
 def server_args(topo: Topology, group: InferenceGroup, port: Optional[int], dp_local: int, dp_start: int,
                 nodes_per_replica: int, rpc_port: Optional[int], kv_role: Optional[str],
-                run_dir: str, role: str = "inference") -> tuple[str, ...]:
+                run_dir: str, role: str = Role.INFERENCE) -> tuple[str, ...]:
     """`vllm serve` arguments of one server process of `role`, but its model and name (`Server.argv` adds them)."""
     args = list(served_model(topo, role).args) + ["--tensor-parallel-size", str(group.tp)]
     if port is not None:
@@ -405,7 +407,7 @@ def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: 
         check_extra_args(check, field, group, PLANNED_SERVER_OPTIONS | (QUANTIZATION_OPTIONS if quantized else set()))
         cpus = max(1, cluster.gpu_node.cpus // per_node)
         g = layout.add_group(cluster, role, cluster.partitions.inference, group.nodes, per_node, cpus, gpn)
-        kv_role = KV_ROLES.get(role) if disagg else None
+        kv_role = VLLM_KV_ROLE.get(role) if disagg else None
         side_channel = nixl and kv_role is not None
         dp_local = per_replica // group.tp if nodes_per_replica == 1 else gpn // group.tp
         served = served_model(topo, role)
@@ -449,9 +451,9 @@ def place_router(check: Checker, topo: Topology, layout: Layout, common_env: dic
     if not topo.inference.disaggregated:
         return None
     port = topo.inference.router.port or check.cluster.port_base + ROUTER_PORT_OFFSET
-    layout.steps.append(Step(name="router", group=0, nodes=1, ntasks_per_node=1, cpus_per_task=2, gpus_per_node=0,
-                             overlap=True, start_after=("prefill", "decode"), health="http",
-                             script="scripts/router.sh", env=merged_env(common_env, {"PRL_ROLE": "router"})))
+    layout.steps.append(Step(name=Role.ROUTER, group=0, nodes=1, ntasks_per_node=1, cpus_per_task=2, gpus_per_node=0,
+                             overlap=True, start_after=KV_ROLES, health="http",
+                             script="scripts/router.sh", env=merged_env(common_env, {"PRL_ROLE": Role.ROUTER})))
     if check.cluster.gpu_node.gpus and topo.inference.kv_connector.name == "ExampleConnector":
         check.warnings.append("kv_connector ExampleConnector moves KV through shared storage: a CPU test "
                               "connector, slow on GPU clusters (use NixlConnector)")
@@ -469,7 +471,7 @@ def check_kv_offload(check: Checker, topo: Topology, roles: list[InferenceRole])
     need = off.cpu_gb * per_node
     have = cluster.gpu_node.memory_gb * KV_OFFLOAD_MEMORY_FRACTION
     if need > have:
-        raise check.fail(("inference", "kv_offload", "cpu_gb"), (
+        raise check.fail((Role.INFERENCE, "kv_offload", "cpu_gb"), (
             f"KV offload needs cpu_gb({off.cpu_gb:g}) * {per_node} servers per node = {need:g} GiB, "
             f"over {KV_OFFLOAD_MEMORY_FRACTION:.0%} of a node's {cluster.gpu_node.memory_gb:g} GiB on cluster "
             f"'{cluster.name}'; use cpu_gb <= {have / per_node:g}"))
@@ -480,23 +482,23 @@ def place_orchestrator(check: Checker, topo: Topology, layout: Layout, common_en
     """A CPU node of its own, or a few cores on the first node of the trainer or of inference."""
     orch = topo.orchestrator
     cluster = check.cluster
-    env = merged_env(common_env, orch.env, {"PRL_ROLE": "orchestrator"})
+    env = merged_env(common_env, orch.env, {"PRL_ROLE": Role.ORCHESTRATOR})
     if orch.placement == "own":
         node = cluster.orchestrator_node
         cpus = orch.cpus or node.cpus
         if cpus > node.cpus:
-            raise check.fail(("orchestrator", "cpus"), (
+            raise check.fail((Role.ORCHESTRATOR, "cpus"), (
                 f"orchestrator asks for {cpus} CPUs but a node of its partition has {node.cpus}"))
-        group = layout.add_group(cluster, "orchestrator", cluster.partitions.orchestrator, 1, 1, cpus, 0).index
+        group = layout.add_group(cluster, Role.ORCHESTRATOR, cluster.partitions.orchestrator, 1, 1, cpus, 0).index
     else:
         # The trainer's group comes right after the inference groups when the orchestrator has none.
-        group = len(layout.groups) if orch.placement == "trainer" else 0
+        group = len(layout.groups) if orch.placement == Role.TRAINER else 0
         cpus = orch.cpus or SHARED_ORCHESTRATOR_CPUS
         if cpus > cluster.gpu_node.cpus:
-            raise check.fail(("orchestrator", "cpus"), (
+            raise check.fail((Role.ORCHESTRATOR, "cpus"), (
                 f"orchestrator asks for {cpus} CPUs on a {orch.placement} node, which has {cluster.gpu_node.cpus} "
                 f"on cluster '{cluster.name}'"))
-    layout.steps.append(Step(name="orchestrator", group=group, nodes=1, ntasks_per_node=1, cpus_per_task=cpus,
+    layout.steps.append(Step(name=Role.ORCHESTRATOR, group=group, nodes=1, ntasks_per_node=1, cpus_per_task=cpus,
                              gpus_per_node=0, overlap=orch.placement != "own", start_after=after,
                              waits_itself=True, health="heartbeat", script="scripts/orchestrator.sh", env=env))
     if orch.env_workers + 1 > cpus:
@@ -512,11 +514,11 @@ def trainer_mesh(check: Checker, topo: Topology) -> tuple[int, int, Mesh]:
     gpn = check.cluster.gpu_node.gpus
     procs = tr.gpus_per_node or (gpn or 1)
     if gpn and procs > gpn:
-        raise check.fail(("trainer", "gpus_per_node"), (
+        raise check.fail((Role.TRAINER, "gpus_per_node"), (
             f"trainer.gpus_per_node({procs}) is more than the {gpn} GPUs of a node on cluster '{check.cluster.name}'"))
     cpus = check.cluster.gpu_node.cpus
     if not gpn and procs > cpus:
-        raise check.fail(("trainer", "gpus_per_node"), (
+        raise check.fail((Role.TRAINER, "gpus_per_node"), (
             f"trainer.gpus_per_node({procs}) ranks per node on CPU cluster '{check.cluster.name}' over-commit its "
             f"{cpus} CPUs; use gpus_per_node <= {cpus}"))
     world = tr.nodes * procs
@@ -525,7 +527,7 @@ def trainer_mesh(check: Checker, topo: Topology) -> tuple[int, int, Mesh]:
         return tr.nodes, procs, derive_mesh(world, tr.dp_replicate, tr.dp_shard, tr.cp, tr.ep, where,
                                             unit='GPUs' if gpn else 'ranks')
     except MeshError as exc:
-        raise check.fail(("trainer", exc.field), str(exc)) from None
+        raise check.fail((Role.TRAINER, exc.field), str(exc)) from None
 
 
 def check_weights(check: Checker, topo: Topology) -> weights.Transport:
@@ -546,12 +548,12 @@ def place_trainer(check: Checker, topo: Topology, layout: Layout, common_env: di
     cluster = check.cluster
     nodes, procs, mesh = trainer_mesh(check, topo)
     gpus = procs if cluster.gpu_node.gpus else 0
-    group = layout.add_group(cluster, "trainer", cluster.partitions.trainer, nodes, 1, cluster.gpu_node.cpus, gpus)
-    layout.steps.append(Step(name="trainer", group=group.index, nodes=nodes, ntasks_per_node=1,
+    group = layout.add_group(cluster, Role.TRAINER, cluster.partitions.trainer, nodes, 1, cluster.gpu_node.cpus, gpus)
+    layout.steps.append(Step(name=Role.TRAINER, group=group.index, nodes=nodes, ntasks_per_node=1,
                              cpus_per_task=cluster.gpu_node.cpus, gpus_per_node=gpus,
-                             overlap=orchestrator is not None and orchestrator.placement == "trainer",
+                             overlap=orchestrator is not None and orchestrator.placement == Role.TRAINER,
                              start_after=(), health="heartbeat", script="scripts/trainer.sh",
-                             env=merged_env(common_env, tr.env, {"PRL_ROLE": "trainer"})))
+                             env=merged_env(common_env, tr.env, {"PRL_ROLE": Role.TRAINER})))
     return TrainerPlan(group=group.index, nodes=nodes, gpus_per_node=procs, world_size=mesh.world_size,
                        device="cuda" if cluster.gpu_node.gpus else "cpu", mesh=mesh,
                        master_port=cluster.port_base + RDZV_PORT_OFFSET,
@@ -663,7 +665,7 @@ def check_advantage(check: Checker, t: Training) -> None:
             f"ramps up over the last overlong_buffer tokens"))
 
 
-SCORED_LOSSES = {"distill_coef": "teacher", "kl_ref_coef": "reference"}
+SCORED_LOSSES = {"distill_coef": Role.TEACHER, "kl_ref_coef": Role.REFERENCE}
 """Loss settings that need a scoring section: a setting above 0 without its section is refused at its line."""
 
 
@@ -718,7 +720,7 @@ def check_ports(check: Checker, topo: Topology, servers: list[Server], router_po
             claim((s.group, s.node), side, f"{s.role} server {s.replica}'s NIXL side channel", ("port_base",), False)
     if router_port is not None:
         # Last: when the user's router port collides, the error points at it.
-        claim((0, 0), router_port, "the router", ("inference", "router", "port"), topo.inference.router.port is not None)
+        claim((0, 0), router_port, "the router", (Role.INFERENCE, Role.ROUTER, "port"), topo.inference.router.port is not None)
     if trainer is None:
         return
     claim((trainer.group, 0), trainer.master_port, "the trainer rendezvous", ("port_base",), False)
@@ -932,7 +934,7 @@ def failure_policies(topo: Topology, steps: list[Step]) -> tuple[FailurePolicy, 
         if step.name in topo.scorers():
             p = topo.scorers()[step.name].on_failure
             out.append(FailurePolicy(role=step.name, policy=p.policy, max_restarts=p.max_restarts))
-        elif step.name in ("inference", "prefill", "decode") and topo.inference is not None:
+        elif step.name in WEIGHT_ROLES and topo.inference is not None:
             p = topo.inference.on_failure
             out.append(FailurePolicy(role=step.name, policy=p.policy, max_restarts=p.max_restarts))
         else:
@@ -952,7 +954,7 @@ def group_field(topo: Topology, role: str) -> tuple[str, ...]:
     """Where a server group's fields are written: `inference`, `inference.prefill`, `teacher`, ..."""
     if role in topo.scorers():
         return (role,)
-    return ("inference", role) if topo.inference.disaggregated else ("inference",)
+    return (Role.INFERENCE, role) if topo.inference.disaggregated else (Role.INFERENCE,)
 
 
 def role_env(cluster: ClusterProfile, run_dir: str) -> dict[str, str]:

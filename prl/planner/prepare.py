@@ -18,6 +18,8 @@ from prl.config.loader import Source, load_document, validate
 from prl.planner.plan import Plan, make_plan
 from prl.planner.tokenizers import tokenizer_difference
 from prl.config.topology import Topology, cluster_overrides
+from prl.states import Role
+from prl.weights.layout import ADAPTER_CONFIG
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ def _weights_of_run(topo: Topology, source: Source, cwd: Path) -> Topology:
         shown_steps = ", ".join(map(str, published[-10:]))
         raise source.error(("model", "from_step"), f"{run.root} has no published weights step {step} "
                                                    f"(published: {shown_steps})")
-    if (run.weights(step) / "adapter_config.json").is_file():
+    if (run.weights(step) / ADAPTER_CONFIG).is_file():
         raise source.error(("model", "from_run"), f"{run.weights(step)} is a LoRA adapter (model.lora), not a model: "
                                                   f"merge it first, `prl export {run.root} --step {step} --merged -o "
                                                   f"DIR`, and use model.path: DIR")
@@ -109,7 +111,7 @@ def _attached_pool(topo: Topology, source: Source, cwd: Path) -> Topology:
 
     if not topo.attached:
         return topo
-    field = ("inference", "attach")
+    field = (Role.INFERENCE, "attach")
     pool = RunDir(str(Path(_absolute(topo.inference.attach, cwd)).resolve()))
     if not pool.plan_json.is_file():
         raise source.error(field, f"{pool.root} is not a prl run directory (no plan.json): plan and submit the pool "

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.markup import escape
 
 from prl.planner.model import Plan
+from prl.states import Role
 
 
 def _ports(ports: list[int]) -> str:
@@ -42,15 +43,15 @@ def placement_table(plan: Plan) -> Table:
             side = plan.role_side_channel_ports(step.name)
             if side:
                 ports += f" (nixl {_ports(side)})"
-        elif step.name == "trainer":
+        elif step.name == Role.TRAINER:
             m = plan.trainer.mesh
             parallel = f"rep{m.dp_replicate} shard{m.dp_shard} cp{m.cp} ep{m.ep}"
             ports = f"{plan.trainer.master_port} (rdzv)"
             if plan.trainer.weight_ports:
                 ports += f" (weights {_ports(list(plan.trainer.weight_ports))})"
-        elif step.name == "router":
+        elif step.name == Role.ROUTER:
             ports = str(plan.router_port)
-        elif step.name == "orchestrator":
+        elif step.name == Role.ORCHESTRATOR:
             parallel = "shares node" if step.overlap else ""
         # A role that waits itself starts with the first roles; the others start once what they wait for is ready.
         waits = ", ".join(step.start_after) + (" (starts alongside)" if step.waits_itself and step.start_after else "")

@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prl.errors import RunDirError
+from prl.states import Role
 
 if TYPE_CHECKING:
     import numpy as np
@@ -91,7 +92,7 @@ ROUTE_FIELDS = ("routed_experts", "routed_mask")
 ROUTE_DTYPES = ("uint8", "uint16")
 MAX_SAMPLE_IMAGE_BYTES = 64 * 2**20
 """A sample's pictures, encoded, at most (the most a server takes in one request's pictures)."""
-SCORE_FIELDS = {"teacher": "teacher_logprobs", "reference": "reference_logprobs"}
+SCORE_FIELDS = {Role.TEACHER: "teacher_logprobs", Role.REFERENCE: "reference_logprobs"}
 """Per-token logprobs of the scoring servers (by role), present when the run has them."""
 
 

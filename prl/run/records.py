@@ -35,7 +35,7 @@ import msgspec
 from msgspec import Meta
 
 from prl.errors import RunDirError
-from prl.states import Backend, LauncherStatus, RoleState, ServerAction
+from prl.states import Backend, LauncherStatus, Role, RoleState, ServerAction
 
 RECORD_VERSION = 1
 """The version of every record written now; bumped whenever a field changes meaning."""
@@ -271,7 +271,7 @@ class Endpoint(Record, kw_only=True):
     runtime, prl/job/runtimes.py): a server's or the router's URL once healthy, a multi-node server's head
     address for its followers, the trainer's rendezvous."""
 
-    role: str
+    role: Role
     index: Count
     """The replica (servers, the router) or the task (the trainer's node 0)."""
     host: str

@@ -67,10 +67,14 @@ from prl.errors import RunDirError, StepTimeout, disk_full
 from prl.run import records
 from prl.run.records import (Endpoint, FeedRecord, JobRecord, LauncherRecord, PreflightReport, RankBeat, ReadyMarker,
                              RoleStateRecord, StableMarker, StepPin, StopRequest, TaskExit, WandbCursor)
-from prl.states import Backend, RoleState
+from prl.states import Backend, Role, RoleState
 
-ROLES = ("inference", "orchestrator", "trainer", "prefill", "decode", "router", "teacher", "reference")
+ROLES = tuple(Role)
 """Roles that may write state, logs and checkpoints under a run."""
+
+HEARTBEAT_S = 10.0
+"""How often a role's main loop heartbeats (state/<role>.json) while it waits for another role's step (and
+the orchestrator at most this often as rollouts finish): a role silent for several beats is hung."""
 
 KINDS = ("rollouts", "weights", "checkpoints")
 """Per-step directories under a run."""
@@ -461,7 +465,7 @@ class RunDir:
         return d / role
 
     def _published(self, kind: str, step: int, role: str | None) -> Path:
-        return self.checkpoints(step, role or "trainer") if kind == "checkpoints" else self.step_dir(kind, step)
+        return self.checkpoints(step, role or Role.TRAINER) if kind == "checkpoints" else self.step_dir(kind, step)
 
     def steps(self, kind: str) -> list[int]:
         """All step numbers that have a directory of `kind`, stable or not, ascending."""
@@ -565,7 +569,7 @@ class RunDir:
         heartbeat: Callable[[], Any] | None = None,
         *,
         poll: float = 0.5,
-        heartbeat_every: float = 10.0,
+        heartbeat_every: float = HEARTBEAT_S,
         role: str | None = None,
     ) -> Path:
         """Block until step `step` of `kind` is published; return its directory.

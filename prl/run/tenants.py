@@ -35,6 +35,7 @@ from prl.errors import ConfigError, RunDirError
 from prl.run import records
 from prl.run.records import TenantRecord
 from prl.run.rundir import RunDir, atomic_write_json
+from prl.states import Role
 
 TENANTS_DIR = "tenants"
 NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
@@ -109,7 +110,7 @@ def leave(pool: RunDir, name: str, key: str, timeout: float = 10.0) -> list[str]
     import urllib.request
 
     done = []
-    for endpoint in (pool.endpoints().get("inference") or {}).values():
+    for endpoint in (pool.endpoints().get(Role.INFERENCE) or {}).values():
         url = (endpoint.url or "").rstrip("/")
         if not url:
             continue

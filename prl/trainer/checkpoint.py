@@ -38,9 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 from prl.errors import RunDirError
 from prl.run.rundir import RunDir, is_stable
 from prl.trainer.moe import ExpertParallelExperts
+from prl.states import Role
 from prl.trainer.parallel import Dist
-
-ROLE = "trainer"
 
 
 def _broadcast_str(value: str | None) -> str:
@@ -106,7 +105,7 @@ def save_checkpoint(
     """Collective: save model, optimizer, RNG and progress after `step`."""
     from safetensors.torch import save_file
 
-    dest = run.checkpoints(step, ROLE)
+    dest = run.checkpoints(step, Role.TRAINER)
     tmp = Path(_broadcast_str(str(run.begin_publish(dest, tag=f"step{step}")) if d.is_main else None))
     dcp.save(_renamed(_state(model, optim), _ep_names(model, d)), checkpoint_id=str(tmp / "dcp"))
     (tmp / "rng").mkdir(exist_ok=True)
@@ -135,7 +134,7 @@ def resolve_resume(run: RunDir, resume: str) -> int:
     'none': a fresh start; refused if the run already has trainer output.
     'N': exactly that checkpoint.
     """
-    available = run.stable_steps("checkpoints", ROLE)
+    available = run.stable_steps("checkpoints", Role.TRAINER)
     if resume == "latest":
         return available[-1] if available else 0
     if resume == "none":
@@ -159,7 +158,7 @@ def load_checkpoint(
     """Collective: restore model, optimizer and RNG from step N's checkpoint; return its progress dict."""
     from safetensors.torch import load_file
 
-    path = run.checkpoints(step, ROLE)
+    path = run.checkpoints(step, Role.TRAINER)
     if not is_stable(path):
         raise RunDirError(f"{path} is not a complete checkpoint (no STABLE marker)")
     progress = json.loads((path / "trainer_state.json").read_text())

@@ -69,11 +69,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from prl.errors import ConfigError
+from prl.errors import ConfigError, signal_exit
 from prl.log import get_logger
 from prl import weights
 from prl.run.batch import MicroBatch
 from prl.run.rundir import RunDir, current_attempt
+from prl.states import Role
 from prl.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from prl.trainer.config import TrainerConfig
 from prl.trainer.attention import boundary_kwargs
@@ -86,7 +87,7 @@ from prl.trainer.replay import set_routes
 from prl.trainer.vision import PIXEL_PREFIXES, SAMPLED_IMAGE_TOKEN, Pictures, set_picture_span
 from prl.trainer.weights import publish_weights, shares
 
-ROLE = "trainer"
+ROLE = Role.TRAINER
 LABELS = ("loss_mask", "advantages", "inference_logprobs")
 """The micro-batch arrays `prepare` moves to the label side (position p carries token p+1's)."""
 
@@ -521,7 +522,7 @@ def stop_after(eng: Engine, spec: Spec, step: int) -> int:
             publish(eng, spec, step)
         if eng.saved != step:
             checkpoint(eng, step)
-    return 128 + signal.SIGTERM
+    return signal_exit(signal.SIGTERM)
 
 
 def record_step(eng: Engine, spec: Spec, step: int, data: StepData, metrics: dict,

@@ -3,9 +3,9 @@
 torchrun's static rendezvous (`--master-addr/--master-port`) starts the job's TCPStore on node 0 with a
 port alone, and a TCPStore given a port alone listens on every interface of the node ("::" or 0.0.0.0),
 where anyone who reaches the node can read and write the ranks' rendezvous keys. This entry registers
-the rendezvous backend BACKEND, torch's static rendezvous whose store on node 0 is handed a socket bound
-to the endpoint's host (as prl/run/collective.py does for the weight feeds' stores), then runs torchrun
-(`torch.distributed.run`) with the arguments it was given. The job starts the trainer with it
+the rendezvous backend RENDEZVOUS_BACKEND (prl/planner/model.py), torch's static rendezvous whose store on
+node 0 is handed a socket bound to the endpoint's host (as prl/run/collective.py does for the weight feeds'
+stores), then runs torchrun (`torch.distributed.run`) with the arguments it was given. The job starts the trainer with it
 (prl/job/runtimes.py):
 
     python -m prl.trainer.launch --nnodes=2 --nproc-per-node=4 --rdzv-backend=prl-static \\
@@ -21,8 +21,7 @@ import socket
 import sys
 
 from prl.errors import ConfigError, run_entry
-
-BACKEND = "prl-static"
+from prl.planner.model import RENDEZVOUS_BACKEND
 
 
 def listening_socket(host: str, port: int) -> int:
@@ -41,13 +40,13 @@ def listening_socket(host: str, port: int) -> int:
 
 
 def create_handler(params):
-    """torchrun's rendezvous handler for BACKEND (`--rdzv-conf=rank=N` is this node's rank)."""
+    """torchrun's rendezvous handler for RENDEZVOUS_BACKEND (`--rdzv-conf=rank=N` is this node's rank)."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
 
     class BoundStaticRendezvous(static_tcp_rendezvous.StaticTCPRendezvous):
         def get_backend(self) -> str:
-            return BACKEND
+            return RENDEZVOUS_BACKEND
 
         def next_rendezvous(self):
             if self._store is None and self.rank == 0:  # the arguments static rendezvous gives, plus the socket
@@ -59,7 +58,7 @@ def create_handler(params):
     try:
         params.config["rank"] = int(params.config.get("rank", ""))
     except ValueError:
-        raise ConfigError(f"--rdzv-backend={BACKEND} needs --rdzv-conf=rank=N (this node's rank), "
+        raise ConfigError(f"--rdzv-backend={RENDEZVOUS_BACKEND} needs --rdzv-conf=rank=N (this node's rank), "
                           f"got {params.config.get('rank')!r}") from None
     static = static_tcp_rendezvous.create_rdzv_handler(params)
     return BoundStaticRendezvous(static.master_addr, static.master_port, static.rank, static.world_size,
@@ -70,7 +69,7 @@ def main(argv: list[str]) -> None:
     from torch.distributed import run
     from torch.distributed.elastic.rendezvous import registry
 
-    registry.handler_registry.register(BACKEND, create_handler)
+    registry.handler_registry.register(RENDEZVOUS_BACKEND, create_handler)
     run.main(argv)
 
 

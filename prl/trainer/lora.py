@@ -35,9 +35,9 @@ from torch import nn
 from prl.config.topology import Lora
 from prl.errors import ConfigError
 from prl.run.rundir import RunDir
+from prl.weights.layout import ADAPTER_CONFIG
 
 LEAVES = ("lora_A", "lora_B")
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 

@@ -70,6 +70,7 @@ import torch
 from prl.config.topology import Loss
 from prl.errors import ConfigError
 from prl.plugins import load_function
+from prl.states import Role
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,7 @@ def load_custom_loss(cfg: Loss) -> CustomLoss | None:
     """
     if cfg.import_path is None:
         return None
-    return load_function(cfg.import_path, "training.loss.import_path", cfg.args, ("inputs",), "trainer")
+    return load_function(cfg.import_path, "training.loss.import_path", cfg.args, ("inputs",), Role.TRAINER)
 
 
 def custom_loss(fn: CustomLoss, inputs: LossInputs, cfg: Loss, entropy: torch.Tensor | None = None

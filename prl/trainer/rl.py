@@ -1,6 +1,6 @@
 """RL as a spec of the training engine (prl/trainer/engine.py): policy-gradient steps on the orchestrator's rollouts.
 
-    wait for rollouts/step_N (heartbeat every 10 s meanwhile), check its token ids against the model's vocab
+    wait for rollouts/step_N (a heartbeat every HEARTBEAT_S meanwhile), check its token ids against the model's vocab
     this rank's micro-batches of it (the batch's packing, repacked if the trainer's dp size differs)
     loss: the policy-gradient loss of prl/trainer/loss.py (`training.loss`: a built-in kind or your own
           import_path, loaded at start) (+ the MoE router's aux loss), with the
@@ -19,7 +19,7 @@ import torch
 
 from prl.errors import StepTimeout
 from prl.run.batch import SCORE_FIELDS, BatchError, MicroBatch, read_batch
-from prl.run.rundir import RunDir
+from prl.run.rundir import HEARTBEAT_S, RunDir
 from prl.trainer.config import TrainerConfig
 from prl.trainer.engine import (LABELS, Engine, Spec, StepData, StopFlag, add_router_aux, forward_logprobs,
                                 picture_inputs)
@@ -28,7 +28,7 @@ from prl.trainer.parallel import Dist
 
 
 def wait_rollouts(run: RunDir, step: int, cfg: TrainerConfig, stop: StopFlag, heartbeat) -> Path | None:
-    """rollouts/step_N once published (heartbeating every 10 s meanwhile); None when SIGTERM came first."""
+    """rollouts/step_N once published (heartbeating every HEARTBEAT_S meanwhile); None when SIGTERM came first."""
     timeout_s = cfg.training.rollout_timeout_s
     deadline = time.monotonic() + timeout_s
     next_beat = 0.0
@@ -36,7 +36,7 @@ def wait_rollouts(run: RunDir, step: int, cfg: TrainerConfig, stop: StopFlag, he
         now = time.monotonic()
         if now >= next_beat:
             heartbeat()
-            next_beat = now + 10.0
+            next_beat = now + HEARTBEAT_S
         try:
             return run.wait_for_step("rollouts", step, min(1.0, max(0.0, deadline - now)))
         except StepTimeout:
