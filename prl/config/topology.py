@@ -624,7 +624,7 @@ class Training(Strict, kw_only=True):
     """A trainer or orchestrator whose main loop has not reported progress (heartbeat) for this long is
     hung: the launcher stops the job (and requeues it when the profile allows). None: max(900 s,
     4 x the slowest step seen so far in this attempt), see docs/jobs.md. At least 30 s: a waiting role
-    heartbeats every `HEARTBEAT_S` (prl/run/rundir.py). Servers: their task probes
+    heartbeats every 10 s (`HEARTBEAT_S`, prl/run/handoffs.py). Servers: their task probes
     /prl/engine (the engine itself answers); one that does not answer for this long (None: 300 s) is failed and
     handled by `on_failure`."""
 

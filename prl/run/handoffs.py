@@ -1,0 +1,276 @@
+"""What one process hands another through the run directory, as typed records (`Handoffs`).
+
+The JSON files of prl/run/records.py (job.json, state/launcher.json, state/<role>.json, beats, exits,
+endpoints, ready markers, preflight reports, stop requests, the feed record, the W&B cursor) are written and
+read here as those types, never as dicts; metrics.jsonl is one JSON object per line. Each role's state has one
+writer (its rank 0), so read-merge-write is safe.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from prl.errors import RunDirError, disk_full
+from prl.run import records
+from prl.run.files import FILE_MODE, atomic_write_json, atomic_write_text, current_attempt, pid_alive
+from prl.run.layout import RunLayout, _check_role
+from prl.run.records import (Endpoint, FeedRecord, JobRecord, LauncherRecord, PreflightReport, RankBeat, ReadyMarker,
+                             RoleStateRecord, StopRequest, TaskExit, WandbCursor)
+from prl.states import RoleState
+
+HEARTBEAT_S = 10.0
+"""How often a role's main loop heartbeats (state/<role>.json) while it waits for another role's step (and
+the orchestrator at most this often as rollouts finish): a role silent for several beats is hung."""
+
+API_KEY_VAR = "PRL_INFERENCE_API_KEY"
+"""Variable through which the role runner hands the run's API key to the servers, router and orchestrator."""
+
+
+class Handoffs(RunLayout):
+    """The records of a run, read and written as their types."""
+
+    def read_job(self) -> JobRecord | None:
+        """The submitted job's handle (job.json), or None if nothing was submitted from this run."""
+        return records.read(self.job_json, JobRecord)
+
+    def write_job(self, job: JobRecord) -> Path:
+        return atomic_write_json(self.job_json, job)
+
+    def create_api_key(self) -> Path:
+        """A new random key in `api_key_file`, 0600 from creation, replacing any older one atomically."""
+        return atomic_write_text(self.api_key_file, secrets.token_urlsafe(32) + "\n")
+
+    def read_api_key(self) -> str:
+        """The run's API key; RunDirError when it is missing or empty (callers fail closed)."""
+        try:
+            key = self.api_key_file.read_text().strip()
+        except FileNotFoundError:
+            key = ""
+        if not key:
+            raise RunDirError(f"no API key in {self.api_key_file}: `prl submit` writes one; the servers refuse to "
+                              f"start without it. Submit again (with --resume to continue this run).")
+        return key
+
+    def read_state(self, role: str) -> RoleStateRecord | None:
+        """The role's state, or None if it never wrote one."""
+        return records.read(self.role_state(role), RoleStateRecord)
+
+    def write_state(self, role: str, **fields: Any) -> RoleStateRecord:
+        """Merge `fields` (fields of `RoleStateRecord`) into the role's state file (atomic replace); return
+        the new state.
+
+        Each role has one writer (its rank 0), so read-merge-write is safe.
+        """
+        unknown = set(fields) - set(RoleStateRecord.__struct_fields__)
+        if unknown:
+            raise TypeError(f"write_state({role!r}): {', '.join(sorted(unknown))} not a field of RoleStateRecord")
+        old = self.read_state(role)
+        merged = {**(records.encode(old) if old else {}), **fields, "updated": time.time(),
+                  "version": records.RECORD_VERSION}
+        state = records.convert(merged, RoleStateRecord, self.role_state(role))
+        atomic_write_json(self.role_state(role), state)
+        return state
+
+    def heartbeat(self, role: str, **fields: Any) -> RoleStateRecord:
+        """Record that `role` is alive now, with optional progress fields (step=..., phase=...)."""
+        return self.write_state(role, heartbeat=time.time(), **fields)
+
+    def rank_heartbeat(self, role: str, rank: int, **fields: Any) -> RankBeat:
+        """Record that rank `rank` of `role` is alive now (fields of `RankBeat`: step=..., phase=...): the
+        launcher then sees a stopped rank that rank 0, still waiting for work of its own, would not show
+        until it blocked on that rank."""
+        beat = RankBeat(attempt=current_attempt(), heartbeat=time.time(), **fields)
+        atomic_write_json(self.rank_beat(role, rank), beat)
+        return beat
+
+    def rank_heartbeats(self, role: str) -> dict[int, RankBeat]:
+        """rank -> its last heartbeat, for every rank other than 0 that wrote one."""
+        _check_role(role)
+        out = {}
+        for path in (self.state_dir / "beats").glob(f"{role}.*.json"):
+            rank = path.stem.rpartition(".")[2]
+            beat = records.read(path, RankBeat) if rank.isdigit() else None
+            if beat is not None:
+                out[int(rank)] = beat
+        return out
+
+    def claim(self, role: str, attempt: int | None = None, *, stale_after: float = 300.0) -> RoleStateRecord:
+        """Mark `role` as running here for `attempt`, refusing a live clash.
+
+        Another holder of the role blocks the claim when it looks alive: same
+        attempt, heartbeat younger than `stale_after` seconds, and (if on this
+        host) its pid still exists. That is two runs pointed at one directory,
+        or a manual restart while the old job still runs. A later attempt may
+        take over (Slurm kills the previous attempt before it requeues); an
+        earlier attempt may not.
+        """
+        attempt = current_attempt() if attempt is None else attempt
+        host, pid = socket.gethostname(), os.getpid()
+        old = self.read_state(role) or RoleStateRecord()
+        old_attempt = -1 if old.attempt is None else old.attempt
+        if old_attempt > attempt:
+            raise RunDirError(
+                f"{role} in {self.root} was already started by attempt {old_attempt}, later than this "
+                f"attempt {attempt}; refusing to write over a newer attempt's steps."
+            )
+        if old.status == RoleState.RUNNING and (old.host, old.pid) != (host, pid) and old_attempt == attempt:
+            age = time.time() - (old.heartbeat or old.updated or 0.0)
+            if age < stale_after and not (old.host == host and not pid_alive(old.pid)):
+                raise RunDirError(
+                    f"{role} is already running in {self.root} (attempt {old.attempt}, host {old.host}, "
+                    f"pid {old.pid}, heartbeat {age:.0f} s ago); two writers would publish the same steps. "
+                    f"Use a new run directory, or stop the other job and wait {stale_after:.0f} s."
+                )
+        now = time.time()
+        return self.write_state(role, status=RoleState.RUNNING, started=now, heartbeat=now, exit_code=None,
+                                host=host, pid=pid, attempt=attempt)
+
+    def mark_exit(self, role: str, exit_code: int, error: str | None = None) -> RoleStateRecord | None:
+        """Record the role's end (status 'exited' or 'failed'); None when a full disk leaves no room for it
+        (the launcher still sees the exit code and names the disk)."""
+        status = RoleState.EXITED if exit_code == 0 else RoleState.FAILED
+        try:
+            return self.write_state(role, status=status, exit_code=exit_code, error=error, ended=time.time())
+        except OSError as exc:
+            if not disk_full(exc):
+                raise
+            return None
+
+    def write_weights_feed(self, record: FeedRecord) -> None:
+        """Record the newest step the trainer's feeds serve from memory (atomic replace; prl/weights/memory.py)."""
+        atomic_write_json(self.weights_feed_file, record)
+
+    def clear_weights_feed(self) -> None:
+        """A new trainer attempt's feeds are not the old one's: drop the record until it publishes."""
+        self.weights_feed_file.unlink(missing_ok=True)
+
+    def read_weights_feed(self) -> FeedRecord | None:
+        """The newest step served from memory and by which feeds; None without a record or for one that does not
+        read (being replaced, or written by another prl: the servers then load from disk)."""
+        try:
+            return records.read(self.weights_feed_file, FeedRecord)
+        except RunDirError:
+            return None
+
+    def append_metrics(self, record: dict) -> None:
+        """Append one JSON line to metrics.jsonl (one write call, O_APPEND). A line torn by a full disk stays
+        a line of its own: the next record starts on a new line, so readers skip only the torn one."""
+        line = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
+        fd = os.open(self.metrics_jsonl, os.O_RDWR | os.O_APPEND | os.O_CREAT, FILE_MODE)
+        try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = b"\n" + line
+            if os.write(fd, line) < len(line):
+                raise OSError(errno.ENOSPC, f"short write of a metrics record ({os.strerror(errno.ENOSPC)})",
+                              str(self.metrics_jsonl))
+        finally:
+            os.close(fd)
+
+    def read_metrics(self, role: str | None = None) -> list[dict]:
+        """All metric records (optionally of one role), skipping a torn last line."""
+        if not self.metrics_jsonl.exists():
+            return []
+        out = []
+        for line in self.metrics_jsonl.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a writer killed mid-line; the rest of the file is fine
+            if role is None or rec.get("role") == role:
+                out.append(rec)
+        return out
+
+    def read_wandb_cursor(self) -> WandbCursor | None:
+        try:
+            return records.read(self.wandb_cursor, WandbCursor)
+        except RunDirError:
+            return None
+
+    def write_wandb_cursor(self, cursor: WandbCursor) -> Path:
+        return atomic_write_json(self.wandb_cursor, cursor)
+
+    def drop_metrics_after(self, role: str, step: int) -> int:
+        """Rewrite metrics.jsonl without `role`'s records for steps > `step` (resume); return how many."""
+        if not self.metrics_jsonl.exists():
+            return 0
+        keep, dropped = [], 0
+        for line in self.metrics_jsonl.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1
+                continue
+            if rec.get("role") == role and int(rec.get("step", -1)) > step:
+                dropped += 1
+            else:
+                keep.append(line)
+        if dropped:
+            atomic_write_text(self.metrics_jsonl, "".join(line + "\n" for line in keep))
+        return dropped
+
+    def read_launcher(self, attempt: int | None = None) -> LauncherRecord | None:
+        """The launcher's record of the current attempt (state/launcher.json), or its final record of
+        `attempt` (logs/attempt_N/launcher.json); None before the job (that attempt) started."""
+        path = self.launcher_state if attempt is None else self.attempt_launcher_state(attempt)
+        return records.read(path, LauncherRecord)
+
+    def mark_ready(self, role: str, task: int, host: str) -> ReadyMarker:
+        """Say that task `task` of `role` is healthy (the launcher reads it: `read_ready`)."""
+        marker = ReadyMarker(host=host, time=time.time())
+        atomic_write_json(self.task_ready(role, task), marker)
+        return marker
+
+    def read_ready(self, role: str, task: int) -> ReadyMarker | None:
+        """Task `task` of `role`'s readiness marker, or None while it is not ready (or withdrew it)."""
+        return records.read(self.task_ready(role, task), ReadyMarker)
+
+    def write_preflight(self, role: str, task: int, report: PreflightReport) -> Path:
+        return atomic_write_json(self.preflight_report(role, task), report)
+
+    def read_preflight(self, role: str, task: int) -> PreflightReport | None:
+        """Task `task` of `role`'s preflight report; None when it wrote none (or one this prl does not read)."""
+        try:
+            return records.read(self.preflight_report(role, task), PreflightReport)
+        except RunDirError:
+            return None
+
+    def read_task_exit(self, role: str, task: int) -> TaskExit | None:
+        """Task `task` of `role`'s exit record, or None while it runs (or when it could not write one)."""
+        return records.read(self.task_exit(role, task), TaskExit)
+
+    def write_task_exit(self, role: str, task: int, record: TaskExit) -> Path:
+        return atomic_write_json(self.task_exit(role, task), record)
+
+    def request_stop(self, path: Path, attempt: int, signum: int | None = None) -> Path:
+        """Write a stop request (`stop_request`, or a `replica_stop`) of `attempt`; the tasks watch for it."""
+        return atomic_write_json(path, StopRequest(attempt=attempt, time=time.time(), signal=signum))
+
+    def write_endpoint(self, endpoint: Endpoint) -> Path:
+        return atomic_write_json(self.endpoint(endpoint.role, endpoint.index), endpoint)
+
+    def read_endpoint(self, role: str, index: int) -> Endpoint | None:
+        """Task/replica `index` of `role`'s endpoint, or None before it published one (or after it withdrew it)."""
+        return records.read(self.endpoint(role, index), Endpoint)
+
+    def endpoints(self) -> dict[str, dict[int, Endpoint]]:
+        """Every endpoint published so far: role -> index -> its Endpoint (one that does not read is left out:
+        being replaced, or another prl's)."""
+        folder = self.endpoints_dir
+        out: dict[str, dict[int, Endpoint]] = {}
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            role, _, index = path.stem.partition(".")
+            try:
+                found = records.read(path, Endpoint) if index.isdigit() else None
+            except RunDirError:
+                found = None
+            if found is not None:
+                out.setdefault(role, {})[int(index)] = found
+        return out
