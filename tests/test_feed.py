@@ -483,3 +483,88 @@ def test_the_fanout_benchmark_delivers_the_whole_step_both_ways():
     assert done.returncode == 0, done.stdout + done.stderr
     row = [fields for fields in map(str.split, done.stdout.splitlines()) if fields[:1] == ["2"] and len(fields) == 6]
     assert len(row) == 1 and row[0][3].endswith("x") and float(row[0][3][:-1]) > 0, done.stdout
+
+
+# ---------------------------------------------------------------- slices: a worker gets what it keeps
+
+CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "hidden_size": 32, "vocab_size": 100,
+          "num_experts": 4}
+
+
+def model_tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """A layer of a Qwen3-MoE-shaped checkpoint: attention, experts, norms, the vocabulary."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"model.embed_tokens.weight": (100, 32), "model.layers.0.self_attn.q_proj.weight": (32, 32),
+              "model.layers.0.self_attn.k_proj.weight": (16, 32), "model.layers.0.self_attn.o_proj.weight": (32, 32),
+              "model.layers.0.mlp.gate.weight": (4, 32), "model.norm.weight": (32,),
+              **{f"model.layers.0.mlp.experts.{e}.{p}.weight": (8, 32) if p != "down_proj" else (32, 8)
+                 for e in range(4) for p in ("gate_proj", "up_proj", "down_proj")}}
+    return [(name, torch.randn(shape, generator=gen)) for name, shape in shapes.items()]
+
+
+def sliced_read(feed: FeedServer, step: int, worker, base=None) -> FeedReader:
+    reader = FeedReader(feed.address, step, KEY, 10, base, worker=worker)
+    reader.got = dict(reader)
+    return reader
+
+
+@pytest.mark.parametrize("worker", [dict(tp=2, tp_rank=1), dict(tp=4, tp_rank=2), dict(tp=2, tp_rank=0, dp=2,
+                                    dp_rank=1, expert_parallel=True)])
+def test_a_worker_that_names_its_place_receives_its_slices_each_in_a_tensor_of_the_checkpoint_s_shape(worker):
+    from prl.weights.slices import Worker, narrow, slice_plan, worker_numel
+
+    place = Worker(**worker)
+    tensors = model_tensors()
+    layout = {n: tuple(t.shape) for n, t in tensors}
+    plan = slice_plan(CONFIG, layout, place)
+    with FeedServer("127.0.0.1", 0, KEY, config=CONFIG) as feed:
+        feed.publish(1, tensors)
+        reader = sliced_read(feed, 1, place)
+    assert reader.received == 4 * worker_numel(plan, layout) < 4 * sum(t.numel() for _, t in tensors)
+    for name, t in tensors:
+        got = reader.got[name]
+        assert got.shape == t.shape, name  # vLLM's loaders take checkpoint shapes
+        assert torch.equal(narrow(got, plan[name]), narrow(t, plan[name])), name
+    if place.expert_parallel:  # ep over dp 2 x tp 2: rank 2 of 4 holds expert 2 only, whole
+        sent = {m.name: m.shape for m in reader.tensors}
+        assert [sent[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] for e in range(4)] == [
+            (0, 32), (0, 32), (8, 32), (0, 32)]
+
+
+def test_a_sliced_delta_rebuilds_the_worker_s_slices_from_the_slices_it_kept():
+    from prl.weights.slices import Worker, narrow, slice_plan
+
+    place = Worker(tp=2, tp_rank=1)
+    first = model_tensors()
+    second = [(n, t.clone()) for n, t in first]
+    for _, t in second:
+        t.view(-1)[::7] += 1  # a sparse update, as bf16 RL steps are
+    with FeedServer("127.0.0.1", 0, KEY, delta=True, config=CONFIG) as feed:
+        feed.publish(1, first)
+        one = sliced_read(feed, 1, place)
+        feed.publish(2, second)
+        two = sliced_read(feed, 2, place, base=Base(one.id, one.pieces))
+        whole = sliced_read(feed, 2, place)  # a worker without the base: the slices whole
+    assert two.delta and two.received < whole.received
+    plan = slice_plan(CONFIG, {n: tuple(t.shape) for n, t in second}, place)
+    for name, t in second:
+        assert torch.equal(narrow(two.got[name], plan[name]), narrow(t, plan[name])), name
+        assert torch.equal(two.pieces[name], whole.pieces[name]), name
+
+
+def test_a_group_sends_its_members_their_slices_and_refuses_a_member_of_another_place():
+    from prl.weights.slices import Worker, narrow, slice_plan
+
+    place, other = Worker(tp=2, tp_rank=1), Worker(tp=2, tp_rank=0)
+    tensors = model_tensors()
+    plan = slice_plan(CONFIG, {n: tuple(t.shape) for n, t in tensors}, place)
+    with FeedServer("127.0.0.1", 0, KEY, groups=True, group_timeout=10, config=CONFIG) as feed:
+        feed.publish(1, tensors)
+        group = group_of(2, 1)
+        reader = FeedReader(feed.address, 1, KEY, 10, group=group, worker=place)
+        with pytest.raises(FeedError, match="sends other slices than this reader keeps"):
+            FeedReader(feed.address, 1, KEY, 10, group=group_of(2, 1, token=group.token), worker=other)
+        got = dict(reader)
+    for name, t in tensors:
+        assert torch.equal(narrow(got[name], plan[name]), narrow(t, plan[name])), name
+    assert feed.group_log[-1]["bytes"] == reader.received

@@ -24,6 +24,8 @@ ALLOWED = {
     ("prl/run/api.py", "filesystem"): "a request's default: a hand-written `{\"step\": N}` comes from the run directory",
     ("prl/inference/admin.py", "prl.weights.filesystem"): "a failed update rolls back to the directory the server "
                                                            "loaded last, as the filesystem transport loads one",
+    ("prl/inference/worker.py", "prl.weights.filesystem"): "the filesystem transport's worker side (`read_step`) "
+                                                            "runs in vLLM's worker extension, which loads a directory",
 }
 """Where a module outside the package may name a transport, and why."""
 

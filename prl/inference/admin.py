@@ -474,7 +474,7 @@ def _record_metrics(state: AdminState, request: Request) -> None:
             "role": Role.INFERENCE, "step": u.get("step"), "event": "weights_loaded",
             "server": f"{socket.gethostname()}:{request.url.port}",
             "weight_update_s": round(u.get("seconds", 0.0), 4), "weights_path": u.get("path"), "time": u.get("time"),
-            **{k: u[k] for k in ("received_bytes", "delta", "group") if k in u},
+            **{k: u[k] for k in ("received_bytes", "worker_bytes", "delta", "group") if k in u},
         })
     except OSError:
         pass

@@ -43,6 +43,7 @@ from prl.inference.worker import check_reloaded, repack_after_reload, tied_lm_he
 from prl.run.api import WeightsRequest
 from prl.run.rundir import API_KEY_VAR
 from prl.weights.layout import UpdateRefused, checkpoint_layout, compare_layouts
+from prl.weights.slices import place
 
 @dataclass
 class NoInitInfo(WeightTransferInitInfo):
@@ -100,8 +101,8 @@ class TransportEngine(WeightTransferEngine[NoInitInfo, RequestInfo]):
             if not key:
                 raise ConfigError(f"{API_KEY_VAR} is not set in the worker's environment: start the server with "
                                   "--api-key-env to load weights the trainer sends")
-            reception = weights.get(request.transport).receive(request, key.encode(),
-                                                               get_world_group().rank_in_group, self._kept)
+            reception = weights.get(request.transport).receive(request, key.encode(), get_world_group().rank_in_group,
+                                                               self._kept, place(self.vllm_config))
             self.report["delta"] = reception.delta
             compare_layouts(self._served_layout(), reception.layout,
                             f"step {request.step} by {request.transport}")
@@ -146,3 +147,4 @@ class TransportEngine(WeightTransferEngine[NoInitInfo, RequestInfo]):
 
     def _served_layout(self) -> dict[str, tuple[int, ...]]:
         return checkpoint_layout(self.model_config.model)
+

@@ -25,6 +25,7 @@ head reads the shared parameter directly, so nothing extra is needed.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import re
 import time
@@ -38,7 +39,9 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from prl.errors import StaleReload
 from prl.inference.server import WEIGHT_BACKEND
 from prl.log import get_logger
-from prl.weights.layout import weight_files
+from prl.weights.filesystem import read_step
+from prl.weights.layout import checkpoint_layout
+from prl.weights.slices import place, slice_plan
 
 log = get_logger(__name__)
 
@@ -49,26 +52,30 @@ if WEIGHT_BACKEND not in WeightTransferEngineFactory._registry:
 
 
 def iter_safetensors(path: str | Path) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821
-    """(name, tensor) for every tensor of a model directory, file by file, in name order."""
-    from safetensors import safe_open
+    """(name, tensor) for every tensor of a model directory, file by file, in name order, whole."""
+    return read_step(path)
 
-    for f in weight_files(path):
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for name in sorted(sf.keys()):
-                yield name, sf.get_tensor(name)
+
+def slices_of(path: str | Path, vllm_config) -> dict:
+    """What this worker keeps of each tensor of the model directory `path` (prl/weights/slices.py)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return slice_plan(config, checkpoint_layout(path), place(vllm_config))
 
 
 class WeightUpdater:
     """Methods vLLM mixes into its Worker class (`self` is the worker)."""
 
     def prl_load_weights(self, path: str) -> dict:
-        """Load the HF checkpoint at `path` into this worker's model, in place."""
-        start = time.perf_counter()
+        """Load the HF checkpoint at `path` into this worker's model, in place, reading only the bytes of each
+        tensor this worker keeps (its slices); "read": those bytes."""
+        start, read = time.perf_counter(), []
         with unloaded_layers() as failed:
-            self.reload_weights(weights_iterator=iter_safetensors(path), is_checkpoint_format=True)
+            self.reload_weights(weights_iterator=read_step(path, slices_of(path, self.vllm_config), read),
+                                is_checkpoint_format=True)
         repacked = repack_after_reload(self.model_runner.get_model())
         check_reloaded(failed, tied_lm_head(self.model_config))
-        return {"rank": getattr(self, "rank", 0), "seconds": time.perf_counter() - start, "repacked": repacked}
+        return {"rank": getattr(self, "rank", 0), "seconds": time.perf_counter() - start, "repacked": repacked,
+                "read": sum(read)}
 
     def prl_transfer_report(self) -> dict:
         """What this worker's last update through the weight-transfer engine did (prl/inference/weight_engine.py

@@ -127,6 +127,8 @@ class WeightsAnswer(msgspec.Struct, kw_only=True, omit_defaults=True):
     """From memory: every worker got only what changed."""
     group: Optional[bool] = None
     """From memory: the step came by broadcast."""
+    worker_bytes: Optional[list[int]] = None
+    """What each worker (in rank order) read off its sockets or the step's files: its slices of the step."""
 
 
 class LiveAnswer(msgspec.Struct, kw_only=True):

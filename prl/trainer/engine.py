@@ -57,12 +57,14 @@ to weights/step_N.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -495,7 +497,8 @@ def start_sender(run: RunDir, cfg: TrainerConfig, transport: weights.Transport, 
     if transport.feeds and (type(spec).publish is not Spec.publish or cfg.lora is not None):
         raise ConfigError(f"weights.transport {transport.name} sends whole models; {type(spec).__name__} publishes "
                           f"weights of its own: use weights.transport: filesystem")
-    return transport.sender(run, cfg.weights, cfg.node_address, cfg.weight_ports)
+    config = json.loads((Path(cfg.model_path) / "config.json").read_text()) if transport.feeds else None
+    return transport.sender(run, cfg.weights, cfg.node_address, cfg.weight_ports, config)
 
 
 def publish(eng: Engine, spec: Spec, step: int, durable: bool = True) -> None:

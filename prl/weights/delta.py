@@ -14,6 +14,8 @@ Torch and numpy are imported when a delta is made or read: the control plane imp
 
 from __future__ import annotations
 
+import math
+
 FORMS = ("index", "mask")
 """How a delta says where its values go."""
 
@@ -72,3 +74,32 @@ def rebuild(base, where, values):
     tensor = base.clone()
     tensor.view(-1)[where] = values
     return tensor
+
+
+def narrow_change(change, shape: tuple[int, ...], dim: int, start: int, end: int):
+    """The part of a whole tensor's `change` (encode's) that falls in `tensor.narrow(dim, start, end - start)`, as a
+    change of that piece (None: the piece goes whole, its delta no smaller); dim 0 or 1 of `shape`."""
+    import numpy as np
+    import torch
+
+    form, where, values = change
+    numel = math.prod(shape)
+    flat = (torch.nonzero(positions(form, where, numel, values.numel())).reshape(-1) if form == "mask"
+            else where.long())
+    inner = math.prod(shape[dim + 1:])
+    outer_len = shape[dim]
+    coord = (flat // inner) % outer_len
+    keep = (coord >= start) & (coord < end)
+    kept, piece_values = flat[keep], values[keep]
+    width = end - start
+    new = (kept // (outer_len * inner)) * (width * inner) + (coord[keep] - start) * inner + kept % inner
+    piece_numel = numel // outer_len * width
+    changed, size = int(new.numel()), values.element_size()
+    mask_bytes, index_bytes = (piece_numel + 7) // 8, 4 * changed
+    if min(mask_bytes, index_bytes) + changed * size >= piece_numel * size:
+        return None
+    if index_bytes <= mask_bytes:
+        return "index", new.to(torch.int32), piece_values.contiguous()
+    bits = torch.zeros(piece_numel, dtype=torch.bool)
+    bits[new] = True
+    return "mask", torch.from_numpy(np.packbits(bits.numpy())), piece_values.contiguous()

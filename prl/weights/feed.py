@@ -61,7 +61,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import msgspec
@@ -69,7 +69,8 @@ import msgspec
 from prl.errors import FeedError
 from prl.log import get_logger
 from prl.run.api import DEFAULT_GROUP_TIMEOUT_S, Group
-from prl.weights.delta import FORMS, BadDelta, encode as encode_change, positions, rebuild, where_bytes
+from prl.weights.delta import FORMS, BadDelta, encode as encode_change, narrow_change, positions, rebuild, where_bytes
+from prl.weights.slices import Dims, Worker, narrow, tensor_slice
 
 log = get_logger(__name__)
 
@@ -102,6 +103,8 @@ class FeedRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit
     """The snapshot id the reader holds (a delta from it is welcome)."""
     group: Optional[Group] = None
     """The broadcast group the reader receives by (its own rank)."""
+    worker: Optional[Worker] = None
+    """The reader's place in its server: the feed then sends it its slices only (`Snapshot.view`)."""
 
 
 def read_request(line: bytes) -> FeedRequest | None:
@@ -122,6 +125,19 @@ class TensorMeta:
     """In a delta: how many elements changed (where, then their values, follow); -1: all bytes follow."""
     form: str = ""
     """How a delta says where: "index" (int32 flat indices) or "mask" (a bit per element)."""
+    dim: int = -1
+    """A slice (the feed sends a worker its slices): the dimension it cuts (-1: the tensor whole)."""
+    start: int = 0
+    """Where the slice begins along `dim`."""
+    full: int = 0
+    """The whole tensor's size along `dim`."""
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The checkpoint tensor's shape (`shape` is its slice's)."""
+        if self.dim < 0:
+            return self.shape
+        return tuple(self.full if i == self.dim else n for i, n in enumerate(self.shape))
 
 
 @dataclass(frozen=True)
@@ -138,6 +154,23 @@ class Snapshot:
     delta_header: bytes = b""
     delta: tuple = ()
     """Per tensor, in header order: (form, where, values) where they are smaller than the tensor, else None."""
+    plan: str = ""
+    """A worker's view of a snapshot: that worker's place (`Worker`, JSON), its tensors the worker's slices
+    ("": the whole step)."""
+    views: dict = field(default_factory=dict, compare=False, repr=False)
+    """The views made of this snapshot so far, by plan (`view`)."""
+    lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+
+    def view(self, worker: Worker | None, config: Mapping | None) -> Snapshot:
+        """What `worker` keeps of this step, its slices (prl/weights/slices.py), made once per plan and kept
+        while the snapshot is served; the snapshot itself for no worker, or one that keeps every tensor whole."""
+        if worker is None or config is None:
+            return self
+        key = plan_key(worker)
+        with self.lock:
+            if key not in self.views:
+                self.views[key] = sliced(self, worker, config, key)
+            return self.views[key]
 
     def parts(self, delta: bool):
         """The non-empty tensors whose bytes follow the header (the delta's or the whole step's), in order."""
@@ -191,19 +224,52 @@ def _header(fields: dict) -> bytes:
     return json.dumps(fields, separators=(",", ":")).encode() + b"\n"
 
 
+def plan_key(worker: Worker | None) -> str:
+    """How a snapshot's views are told apart: the worker's place, as JSON ("" for none)."""
+    return "" if worker is None else msgspec.json.encode(worker).decode()
+
+
+def sliced(held: Snapshot, worker: Worker, config: Mapping, key: str) -> Snapshot:
+    """`held` as `worker` keeps it: each tensor's slice (a contiguous copy; whole where it keeps it whole), each
+    delta narrowed to the slice (`narrow_change`); `held` itself when every tensor stays whole."""
+    dims = Dims.of(config)
+    cuts = [tensor_slice(name, tuple(t.shape), dims, worker) for name, t in held.tensors]
+    if all(c is None for c in cuts):
+        return held
+    pieces, metas, entries, changes = [], [], [], []
+    for (name, t), cut, change in zip(held.tensors, cuts, held.delta or (None,) * len(cuts)):
+        piece = narrow(t, cut).contiguous()
+        where = [-1, 0, 0] if cut is None else [cut.dim, cut.start, t.shape[cut.dim]]
+        meta = [name, str(t.dtype).removeprefix("torch."), list(piece.shape), piece.numel() * piece.element_size()]
+        d = None if change is None else change if cut is None else narrow_change(change, tuple(t.shape), cut.dim,
+                                                                                   cut.start, cut.end)
+        pieces.append((name, piece))
+        metas.append(meta + where)
+        entries.append(meta + ([-1, ""] if d is None else [d[2].numel(), d[0]]) + where)
+        changes.append(d)
+    header = _header({"step": held.step, "id": held.id, "deltas": json.loads(held.header)["deltas"],
+                      "sliced": True, "tensors": metas})
+    delta_header = b"" if held.base is None else _header({"step": held.step, "id": held.id, "base": held.base,
+                                                           "deltas": True, "sliced": True, "tensors": entries})
+    return Snapshot(held.step, held.id, header, tuple(pieces), held.base, delta_header,
+                    tuple(changes) if held.base is not None else (), plan=key)
+
+
 class FeedServer:
     """A threaded TCP server handing its newest snapshot to every authenticated reader."""
 
     def __init__(self, host: str, port: int, key: bytes, delta: bool = False, groups: bool = False,
-                 group_timeout: float = DEFAULT_GROUP_TIMEOUT_S):
+                 group_timeout: float = DEFAULT_GROUP_TIMEOUT_S, config: Mapping | None = None):
         """`delta`: each publish also encodes what changed since the previous one, for readers that
         hold the previous step (the cost: comparing every element at publish, and the delta's bytes).
         `groups`: also broadcast steps to groups of readers (a rendezvous store on `host`), each group
-        bounded by `group_timeout` s per stage."""
+        bounded by `group_timeout` s per stage. `config`: the model's config.json, which says what each worker
+        keeps of each tensor: a reader that names its place gets its slices (None: every reader the whole step)."""
         if not key:
             raise ValueError("a weight feed needs a non-empty key")
         self._key = key
         self._delta = delta
+        self._config = config
         self._snapshot: Snapshot | None = None
         self._lock = threading.Lock()
         self._decided = threading.Condition(self._lock)
@@ -287,6 +353,11 @@ class FeedServer:
                 have = "no step yet" if held is None else f"step {held.step}"
                 return _send_line(sock, {"error": f"holds {have}, not step {request.step}",
                                          "step": held.step if held else None})
+            if not held.plan:  # a group's round may hold its members' view already
+                held = held.view(request.worker, self._config)
+            elif held.plan != plan_key(request.worker):
+                return _send_line(sock, {"error": f"group {asked.token[:8]} sends other slices than this reader "
+                                                  "keeps (its members are the workers of one place in their servers)"})
             if asked is not None:
                 return self._join(sock, asked, held, request.base)
             delta = held.base is not None and request.base == held.base
@@ -305,6 +376,10 @@ class FeedServer:
             return _send_line(sock, {"error": "bad group: rank 0 is the feed's own (a reader's rank is 1 and up)"})
         with self._lock:
             known = self._groups.get(group.token)
+            sending = self._sending.get(group.token)
+            if sending is not None and sending.held is not held:
+                return _send_line(sock, {"error": f"group {group.token[:8]} sends other slices than this reader "
+                                                  "keeps (its members are the workers of one place in their servers)"})
             if known is None:
                 self._groups[group.token] = (held.step, group.world, "sending")
                 self._sending[group.token] = _Round(held)
@@ -405,9 +480,12 @@ class FeedReader:
     stage."""
 
     def __init__(self, address: str, step: int, key: bytes, timeout: float, base: Base | None = None,
-                 group=None):
+                 group=None, worker: Worker | None = None):
         self.address = address
         self.received = 0
+        self.worker = worker
+        self.pieces: dict[str, "torch.Tensor"] = {}  # noqa: F821
+        """What was read of each tensor (its slice), kept where the feed sends deltas: the next step's base."""
         self._base = base
         self._group = group
         self._pg = None
@@ -449,7 +527,7 @@ class FeedReader:
         if proto != PROTOCOL or not nonce:
             raise FeedError(self.address, f"not a prl weight feed (it said {greeting[:40]!r})")
         request = FeedRequest(step=step, mac=mac(key, nonce), base=None if self._base is None else self._base.id,
-                              group=self._group)
+                              group=self._group, worker=self.worker)
         self._send(msgspec.to_builtins(request))
         header = self._json(self._line())
         if "error" in header:
@@ -459,6 +537,7 @@ class FeedReader:
         self.id = str(header.get("id", ""))
         self.keep = header.get("deltas") is True
         self.delta = header.get("base") is not None
+        self.sliced = header.get("sliced") is True
         if self.delta and (self._base is None or header["base"] != self._base.id):
             raise FeedError(self.address, f"sent a delta from snapshot {header['base']!r}, which this reader "
                                           "does not hold")
@@ -467,12 +546,16 @@ class FeedReader:
     def _meta(self, entry) -> TensorMeta:
         try:
             name, dtype, shape, nbytes, *rest = entry
-            changed, form = rest if self.delta and len(rest) == 2 else (-1, "")
+            changed, form = rest[:2] if self.delta else (-1, "")
+            dim, start, full = rest[2 * self.delta:] if self.sliced else (-1, 0, 0)
             shape = tuple(shape)
             ok = (isinstance(name, str) and dtype in DTYPES and isinstance(nbytes, int)
-                  and all(isinstance(n, int) and n >= 0 for n in shape) and len(rest) == 2 * self.delta
+                  and all(isinstance(n, int) and n >= 0 for n in shape)
+                  and len(rest) == 2 * self.delta + 3 * self.sliced
                   and isinstance(changed, int) and -1 <= changed <= math.prod(shape)
-                  and (form == "" if changed < 0 else form in FORMS))
+                  and (form == "" if changed < 0 else form in FORMS)
+                  and all(isinstance(n, int) for n in (dim, start, full))
+                  and (dim == -1 or 0 <= dim < len(shape) and 0 <= start and start + shape[dim] <= full))
         except (TypeError, ValueError):
             ok = False
         if not ok:
@@ -487,12 +570,14 @@ class FeedReader:
             if held is None or tuple(held.shape) != shape or str(held.dtype).removeprefix("torch.") != dtype:
                 raise FeedError(self.address, f"{name}: a delta for a tensor this reader does not hold as "
                                               f"{dtype} {list(shape)}")
-        return TensorMeta(name, dtype, shape, nbytes, changed, form)
+        return TensorMeta(name, dtype, shape, nbytes, changed, form, dim, start, full)
 
     def __iter__(self) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821
         """Each tensor in fresh storage (never a reused buffer: vLLM's layerwise reload keeps what it is
-        handed until the layer is complete; a delta is applied to a copy of the base's tensor); FeedError
-        if the stream ends or stalls early (in a group: a broadcast fails or times out)."""
+        handed until the layer is complete; a delta is applied to a copy of the base's tensor), in its checkpoint
+        shape: a slice comes placed in a tensor of the whole one's shape whose rest is never written (vLLM's
+        loaders read only the slice; the rest's pages are never touched); FeedError if the stream ends or stalls
+        early (in a group: a broadcast fails or times out)."""
         import torch
 
         if self._group is not None and self._pg is None:
@@ -500,22 +585,34 @@ class FeedReader:
         self._receiving = self._group is not None
         try:
             for i, meta in enumerate(self.tensors):
-                what = f"tensor {i + 1} of {len(self.tensors)} ({meta.name})"
-                dtype = getattr(torch, meta.dtype)
-                if meta.changed < 0:
-                    yield meta.name, self._read(meta.nbytes, what).view(dtype).view(meta.shape)
+                piece = self._piece(meta, f"tensor {i + 1} of {len(self.tensors)} ({meta.name})")
+                if self.keep:
+                    self.pieces[meta.name] = piece
+                if meta.dim < 0:
+                    yield meta.name, piece
                     continue
-                numel = math.prod(meta.shape)
-                raw = self._read(where_bytes(meta.form, numel, meta.changed), what)
-                try:
-                    where = positions(meta.form, raw, numel, meta.changed)
-                except BadDelta as e:
-                    raise FeedError(self.address, f"{what}: {e}") from None
-                values = self._read(meta.nbytes // max(1, numel) * meta.changed, what).view(dtype)
-                yield meta.name, rebuild(self._base.tensors[meta.name], where, values)
+                whole = torch.empty(meta.full_shape, dtype=piece.dtype)
+                whole.narrow(meta.dim, meta.start, meta.shape[meta.dim]).copy_(piece)
+                yield meta.name, whole
         finally:
             self._receiving = False
             self.close()
+
+    def _piece(self, meta: TensorMeta, what: str) -> "torch.Tensor":  # noqa: F821
+        """The next tensor (or slice) of the stream: its bytes, or its delta applied to a copy of the base's."""
+        import torch
+
+        dtype = getattr(torch, meta.dtype)
+        if meta.changed < 0:
+            return self._read(meta.nbytes, what).view(dtype).view(meta.shape)
+        numel = math.prod(meta.shape)
+        raw = self._read(where_bytes(meta.form, numel, meta.changed), what)
+        try:
+            where = positions(meta.form, raw, numel, meta.changed)
+        except BadDelta as e:
+            raise FeedError(self.address, f"{what}: {e}") from None
+        values = self._read(meta.nbytes // max(1, numel) * meta.changed, what).view(dtype)
+        return rebuild(self._base.tensors[meta.name], where, values)
 
     def _read(self, nbytes: int, what: str) -> "torch.Tensor":  # noqa: F821
         """The next `nbytes` of the payload, off the socket or (in a group) by broadcast, in fresh storage."""

@@ -50,7 +50,7 @@ class WeightsTarget(Target):
     async def load(self, engine) -> tuple[float, dict]:
         results = await engine.collective_rpc(LOAD_RPC, args=(str(self.path),))
         await engine.update_weight_version(str(self.step or 0))  # vLLM's stamp on outputs, as a feed update sets it
-        return max(r["seconds"] for r in results), {}
+        return max(r["seconds"] for r in results), {"worker_bytes": [r["read"] for r in results]}
 
     async def untouched(self, engine) -> bool:
         return self.adapter  # the engine refuses an adapter whole; a model reloads layer by layer as it reads
@@ -104,3 +104,36 @@ class Filesystem(Transport):
 
 
 FILESYSTEM = register(Filesystem())
+
+
+def read_step(path: str | Path, plan: dict | None = None, counted: list | None = None):
+    """(name, tensor) for every tensor of a model directory, file by file, in name order: with `plan` (name ->
+    prl.weights.slices.Slice or WHOLE, a worker's), only the bytes of each tensor's slice are read from the file
+    (a memory map touches only the pages the slice lies in), placed in a tensor of the checkpoint's shape whose
+    rest is never written (vLLM's loaders read only the slice). `counted` (a list) gets the bytes read."""
+    import numpy as np
+    import torch
+
+    from prl.weights.layout import SAFETENSORS_DTYPES, read_entries
+
+    for file in weight_files(path):
+        start, entries = read_entries(file)
+        data = np.memmap(file, dtype=np.uint8, mode="r")
+        for name in sorted(entries):
+            entry = entries[name]
+            dtype, shape = getattr(torch, SAFETENSORS_DTYPES[entry["dtype"]]), tuple(entry["shape"])
+            begin, end = entry["data_offsets"]
+            raw = data[start + begin:start + end].reshape(*shape, dtype.itemsize)
+            cut = None if plan is None else plan.get(name)
+            piece_shape = shape if cut is None else tuple(cut.end - cut.start if i == cut.dim else n
+                                                          for i, n in enumerate(shape))
+            window = raw if cut is None else raw[(slice(None),) * cut.dim + (slice(cut.start, cut.end),)]
+            piece = torch.from_numpy(np.array(window)).view(dtype).reshape(piece_shape)  # a copy: the map is not ours
+            if counted is not None:
+                counted.append(piece.numel() * dtype.itemsize)
+            if cut is None:
+                yield name, piece
+                continue
+            whole = torch.empty(shape, dtype=dtype)
+            whole.narrow(cut.dim, cut.start, cut.end - cut.start).copy_(piece)
+            yield name, whole

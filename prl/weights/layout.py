@@ -68,8 +68,15 @@ def read_bounded(file: Path, most: int) -> bytes:
     return data
 
 
-def read_header(file: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from one safetensors file's JSON header; ValueError saying what is wrong with it."""
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+"""safetensors' dtype names -> torch's."""
+
+
+def read_entries(file: Path) -> tuple[int, dict[str, dict]]:
+    """Where one safetensors file's data begins, and its JSON header's entries (name -> {"dtype", "shape",
+    "data_offsets"}), read with bounds; ValueError saying what is wrong with it."""
     with open(file, "rb") as f:
         prefix = f.read(8)
         if len(prefix) < 8:
@@ -80,15 +87,20 @@ def read_header(file: Path) -> dict[str, tuple[int, ...]]:
         header = json.loads(f.read(n))
     if not isinstance(header, dict):
         raise ValueError(f"header is a JSON {type(header).__name__}, not an object")
-    shapes = {}
+    entries = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         shape = entry.get("shape") if isinstance(entry, dict) else None
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise ValueError(f"tensor {name[:80]!r}: \"shape\" must be a list of non-negative integers")
-        shapes[name] = tuple(shape)
-    return shapes
+        entries[name] = entry
+    return 8 + n, entries
+
+
+def read_header(file: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from one safetensors file's JSON header; ValueError saying what is wrong with it."""
+    return {name: tuple(entry["shape"]) for name, entry in read_entries(file)[1].items()}
 
 
 def checkpoint_layout(path: str | Path) -> dict[str, tuple[int, ...]]:

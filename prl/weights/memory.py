@@ -23,14 +23,15 @@ newer one.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
 
 from prl.run.api import Group, WeightsRequest
 from prl.run.records import FeedRecord
 from prl.run.rundir import RunDir
 from prl.weights.feed import Base, FeedReader, FeedServer, read_concurrently
 from prl.weights.layout import UpdateRefused
+from prl.weights.slices import Worker
 from prl.weights.transport import Offer, Sender, Target, Transport, register
 
 FEED_TIMEOUT_S = 120.0
@@ -89,6 +90,7 @@ class FeedTarget(Target):
         await engine.finish_weight_update(weight_version=str(self.step))
         reports = await engine.collective_rpc(REPORT_RPC)
         return max(r["seconds"] for r in reports), {"received_bytes": max(r["received"] for r in reports),
+                                                     "worker_bytes": [r["received"] for r in reports],
                                                      "delta": all(r["delta"] for r in reports),
                                                      "group": all(r["group"] for r in reports)}
 
@@ -112,23 +114,18 @@ class Reception:
 
     readers: list[FeedReader]
     layout: dict[str, tuple[int, ...]]
-    """Every tensor the feeds together send, and its shape."""
+    """Every tensor the feeds together send, and its (checkpoint) shape."""
     delta: bool
     """Some feed sends only what changed since the step this worker kept."""
-    got: Optional[dict] = field(default=None)
-    """What was read, kept where a feed sends deltas (the next step's base)."""
 
     def tensors(self):
         """(name, tensor), every feed read by a thread of its own while the caller loads what arrived."""
-        for name, tensor in read_concurrently(self.readers):
-            if self.got is not None:
-                self.got[name] = tensor
-            yield name, tensor
+        return read_concurrently(self.readers)
 
     def kept(self) -> dict[str, Base]:
-        """By feed address, the step just read, where the feed sends deltas: the base of the next."""
-        return {r.address: Base(r.id, {m.name: self.got[m.name] for m in r.tensors})
-                for r in self.readers if r.keep and self.got is not None}
+        """By feed address, the step just read (this worker's slices of it), where the feed sends deltas: the base
+        of the next."""
+        return {r.address: Base(r.id, dict(r.pieces)) for r in self.readers if r.keep}
 
     @property
     def received(self) -> int:
@@ -155,12 +152,13 @@ class Memory(Transport):
     def forget(self, run: RunDir) -> None:
         run.clear_weights_feed()  # a replaced attempt's feeds are gone with it
 
-    def sender(self, run: RunDir, weights, host: str, ports: Sequence[int]) -> FeedSender:
+    def sender(self, run: RunDir, weights, host: str, ports: Sequence[int], config: Mapping | None = None
+               ) -> FeedSender:
         import torch.distributed as dist
 
         rank, timeout = dist.get_rank(), self.group_timeout(weights)
         feed = FeedServer(host, ports[rank], run.read_api_key().encode(), weights.delta, groups=timeout is not None,
-                          group_timeout=timeout or 0.0)
+                          group_timeout=timeout or 0.0, config=config)
         addresses: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(addresses, feed.address)
         return FeedSender(run, feed, addresses, rank, timeout)
@@ -189,27 +187,29 @@ class Memory(Transport):
             raise UpdateRefused(400, '"group": a memory update is read from the feeds (weights.transport: '
                                      'broadcast sends groups)')
 
-    def receive(self, request: WeightsRequest, key: bytes, rank: int, kept: dict) -> Reception:
-        """Every feed opened (authenticated, its header read) and their layouts checked to name each tensor once;
-        UpdateRefused(422) / FeedError before anything is loaded."""
+    def receive(self, request: WeightsRequest, key: bytes, rank: int, kept: dict, place: Worker | None = None
+                ) -> Reception:
+        """Every feed opened (authenticated, its header read; naming the worker's `place`, each sends only its
+        slices) and their layouts checked to name each tensor once; UpdateRefused(422) / FeedError before anything
+        is loaded."""
         group = self.member(request.group, rank)
         readers: list[FeedReader] = []
         try:
             for address in request.feeds:
-                readers.append(FeedReader(address, request.step, key, FEED_TIMEOUT_S, kept.get(address), group))
+                readers.append(FeedReader(address, request.step, key, FEED_TIMEOUT_S, kept.get(address), group,
+                                          place))
             layout: dict[str, tuple[int, ...]] = {}
             for reader in readers:
                 for meta in reader.tensors:
                     if meta.name in layout:
                         raise UpdateRefused(422, f"step {request.step}: {meta.name} is in more than one feed "
                                                  f"({reader.address} and another)")
-                    layout[meta.name] = meta.shape
+                    layout[meta.name] = meta.full_shape
         except BaseException:
             for reader in readers:
                 reader.close()
             raise
-        return Reception(readers, layout, any(r.delta for r in readers),
-                         {} if any(r.keep for r in readers) else None)
+        return Reception(readers, layout, any(r.delta for r in readers))
 
     def member(self, group: Optional[Group], rank: int) -> Optional[Group]:
         """This worker's member of a request's group (None: it reads the feeds)."""

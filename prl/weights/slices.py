@@ -21,7 +21,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Annotated, Mapping, Optional
+
+import msgspec
+from msgspec import Meta
 
 VOCAB_PADDING = 64
 """vLLM pads the vocabulary of the embedding and the LM head to a multiple of this (DEFAULT_VOCAB_PADDING_SIZE)."""
@@ -45,14 +48,14 @@ WHOLE = None
 """What a worker keeps of a replicated tensor: all of it (`slice_plan` maps such names to WHOLE)."""
 
 
-@dataclass(frozen=True)
-class Worker:
-    """One vLLM worker's place in its server: tensor-parallel rank, data-parallel rank, expert parallelism."""
+class Worker(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One vLLM worker's place in its server: tensor-parallel rank, data-parallel rank, expert parallelism (what
+    a worker tells a feed, which then sends it only its slices)."""
 
-    tp: int = 1
-    tp_rank: int = 0
-    dp: int = 1
-    dp_rank: int = 0
+    tp: Annotated[int, Meta(ge=1, le=4096)] = 1
+    tp_rank: Annotated[int, Meta(ge=0)] = 0
+    dp: Annotated[int, Meta(ge=1, le=4096)] = 1
+    dp_rank: Annotated[int, Meta(ge=0)] = 0
     expert_parallel: bool = False
 
     def __post_init__(self) -> None:
@@ -152,10 +155,26 @@ def tensor_slice(name: str, shape: Shape, dims: Dims, w: Worker) -> Optional[Sli
     return WHOLE
 
 
+def place(vllm_config) -> Worker:
+    """The place of the vLLM worker this runs in (its engine's parallel config and tensor-parallel rank): what it
+    keeps of each checkpoint tensor. Imports vLLM: call it only inside a server's worker."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    parallel = vllm_config.parallel_config
+    return Worker(tp=parallel.tensor_parallel_size, tp_rank=get_tensor_model_parallel_rank(),
+                  dp=parallel.data_parallel_size, dp_rank=parallel.data_parallel_rank,
+                  expert_parallel=bool(parallel.enable_expert_parallel))
+
+
 def slice_plan(config: Mapping, layout: Mapping[str, Shape], w: Worker) -> dict[str, Optional[Slice]]:
     """Checkpoint name -> what worker `w` keeps of it, for every tensor of `layout` (name -> shape)."""
     dims = Dims.of(config)
     return {name: tensor_slice(name, tuple(shape), dims, w) for name, shape in layout.items()}
+
+
+def narrow(tensor, piece: Optional[Slice]):
+    """The part of `tensor` a Slice names (a view; `tensor` itself for WHOLE)."""
+    return tensor if piece is None else tensor.narrow(piece.dim, piece.start, piece.end - piece.start)
 
 
 def worker_numel(plan: Mapping[str, Optional[Slice]], layout: Mapping[str, Shape]) -> int:

@@ -28,7 +28,7 @@ the inference roles name a transport only through these methods.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
@@ -117,9 +117,11 @@ class Transport(ABC):
         """Trainer, rank 0, as an attempt starts: what a replaced attempt held outside the run directory is gone;
         say so before the orchestrator may offer it (nothing by default)."""
 
-    def sender(self, run: RunDir, weights: Weights, host: str, ports: Sequence[int]) -> Optional[Sender]:
+    def sender(self, run: RunDir, weights: Weights, host: str, ports: Sequence[int], config: Optional[Mapping] = None
+               ) -> Optional[Sender]:
         """Trainer, collective: this rank's Sender on `host` (its port: `ports[rank]`; the run's key guards what
-        it serves), or None when every step goes to the run directory."""
+        it serves; `config`, the model's config.json, says what each worker keeps of each tensor), or None when
+        every step goes to the run directory."""
         return None
 
     def offer(self, run: RunDir) -> Optional[Offer]:
@@ -138,9 +140,10 @@ class Transport(ABC):
         server cannot say), whether it serves adapters (`lora`) and its `workers`; UpdateRefused before anything
         is touched."""
 
-    def receive(self, request: WeightsRequest, key: bytes, rank: int, kept: dict) -> Any:
-        """A server's worker (rank `rank` within its server): the step `request` names, as a Reception (its layout
-        first, then its tensors). Only the transports that send through vLLM's weight-transfer API have one."""
+    def receive(self, request: WeightsRequest, key: bytes, rank: int, kept: dict, place: Any = None) -> Any:
+        """A server's worker (rank `rank` within its server, `place` its prl.weights.slices.Worker): the step
+        `request` names, as a Reception (its layout first, then its tensors, only the parts the worker keeps).
+        Only the transports that send through vLLM's weight-transfer API have one."""
         raise UpdateRefused(400, f"weights.transport {self.name} sends no weights through a worker's transfer "
                                  "engine")
 
