@@ -487,7 +487,7 @@ def test_the_fanout_benchmark_delivers_the_whole_step_both_ways():
 
 # ---------------------------------------------------------------- slices: a worker gets what it keeps
 
-CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "hidden_size": 32, "vocab_size": 100,
+CONFIG = {"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "hidden_size": 32, "vocab_size": 100,
           "num_experts": 4}
 
 

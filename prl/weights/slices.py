@@ -26,6 +26,9 @@ from typing import Annotated, Mapping, Optional
 import msgspec
 from msgspec import Meta
 
+SLICED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
+"""Model families (config.json `model_type`) whose vLLM 0.32 loaders these rules were read from and checked
+against; a worker of another family receives every tensor whole (it then loads as it always did)."""
 VOCAB_PADDING = 64
 """vLLM pads the vocabulary of the embedding and the LM head to a multiple of this (DEFAULT_VOCAB_PADDING_SIZE)."""
 
@@ -81,6 +84,8 @@ class Dims:
     head_dim: int
     vocab: int
     experts: int = 0
+    sliced: bool = True
+    """The family is one the rules know (SLICED_FAMILIES): else every tensor is whole."""
 
     @classmethod
     def of(cls, config: Mapping) -> Dims:
@@ -89,7 +94,7 @@ class Dims:
         head_dim = text.get("head_dim") or int(text["hidden_size"]) // heads
         experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0
         return cls(heads, int(text.get("num_key_value_heads") or heads), int(head_dim), int(text["vocab_size"]),
-                   int(experts))
+                   int(experts), config.get("model_type", text.get("model_type")) in SLICED_FAMILIES)
 
 
 _LAYER = r"(?:^|\.)layers\.\d+\."
@@ -138,6 +143,8 @@ def _expert(index: int, kind: str, shape: Shape, dims: Dims, w: Worker) -> Optio
 def tensor_slice(name: str, shape: Shape, dims: Dims, w: Worker) -> Optional[Slice]:
     """What worker `w` keeps of checkpoint tensor `name` (of `shape`): a Slice, an empty one (an expert it does not
     hold), or WHOLE."""
+    if not dims.sliced:
+        return WHOLE
     if m := _EXPERT.search(name):
         return _expert(int(m.group(1)), m.group(2), shape, dims, w)
     if w.tp == 1:
