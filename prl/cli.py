@@ -268,7 +268,7 @@ def show_eval(stats: dict) -> None:
 def sweep(a: argparse.Namespace, env_args: dict) -> None:
     from prl.ops import sweep as sweeps
     from prl.ops.status import resolve_run
-    from prl.orchestrator.sweep import EvalTask
+    from prl.orchestrator.eval_task import EvalTask
     from prl.planner.model import Plan
     from prl.states import Backend
 
