@@ -812,7 +812,7 @@ def test_the_refused_format_characters_are_unicodes_category_cf():
     """Every format character (Cf) the running Python knows is refused in text, and nothing else is by that list."""
     import unicodedata
 
-    from prl.config.cluster import FORMAT_CHARACTERS
+    from prl.config.types import FORMAT_CHARACTERS
 
     listed = re.compile(f"[{FORMAT_CHARACTERS}]")
     format_characters = [chr(c) for c in range(0x110000) if unicodedata.category(chr(c)) == "Cf"]
