@@ -52,13 +52,13 @@ async def measure(scenario: dict, url: str, tok: str, rollouts: int, concurrency
     from prl.orchestrator.clients import renderer_config, train_client
     from prl.orchestrator.env import load_env
     from prl.orchestrator.rollouts import Generator
-    from prl.orchestrator.sync import Server, ServerPool
+    from prl.orchestrator.sync import LiveServer, ServerPool
     from prl.run.rundir import API_KEY_VAR
 
     renderer = {"name": "custom", "import_path": IMPORT_PATH} if scenario["renderer"] == "chatml" else None
     env = load_env(scenario["env"], args=scenario["args"], split="train")
     tasks = list(env.taskset)
-    server = Server(url)
+    server = LiveServer(url)
     sampling = vf.SamplingConfig(temperature=1.0, max_tokens=16)
     client = train_client(f"{url}/v1", API_KEY_VAR, tok, renderer_config(renderer))
     ctx = vf.ModelContext(model=MODEL, client=client, sampling=sampling)

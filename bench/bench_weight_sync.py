@@ -116,7 +116,7 @@ def noisy(state: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
             for k, v in state.items()}
 
 
-class Server:
+class KeyedClient:
     """The inference server's requests with the run's bearer key."""
 
     def __init__(self, url: str, key: str):
@@ -129,7 +129,7 @@ class Server:
         return self.post("/inference/v1/generate", PROBE)["choices"][0]["logprobs"]["content"][0]["logprob"]
 
 
-def by_filesystem(run: RunDir, server: Server, base: Path, tensors: dict, step: int, cold: bool = False) -> dict:
+def by_filesystem(run: RunDir, server: KeyedClient, base: Path, tensors: dict, step: int, cold: bool = False) -> dict:
     t0 = time.perf_counter()
 
     def write(tmp: Path) -> None:
@@ -162,7 +162,7 @@ def evict(published: Path) -> None:
             os.close(fd)
 
 
-def by_memory(run: RunDir, server: Server, feed: FeedServer, tensors: dict, step: int, group: bool = False) -> dict:
+def by_memory(run: RunDir, server: KeyedClient, feed: FeedServer, tensors: dict, step: int, group: bool = False) -> dict:
     t0 = time.perf_counter()
     feed.publish(step, sorted(tensors.items()))
     run.write_weights_feed(FeedRecord(step=step, feeds=[feed.address], time=time.time(),
@@ -214,7 +214,7 @@ def bench_size(mb: float, args, tmp: Path) -> dict:
     with start_inference(run.root, base, extra_args=("--max-model-len", "256", "--api-key-env", API_KEY_VAR),
                          env={API_KEY_VAR: key}, timeout=1800) as started, \
             FeedServer("127.0.0.1", 0, key.encode(), groups=True, group_timeout=GROUP_TIMEOUT_S) as feed:
-        server = Server(started.url, key)
+        server = KeyedClient(started.url, key)
         print(f"\n== {size_mb:.0f} MB: Qwen3 hidden {hidden}, {args.layers} layers, {params / 1e6:.1f}M params fp32; "
               f"server start {started.start_seconds:.0f} s", flush=True)
         last, step, buffer = server.probe(), 0, {k: torch.empty_like(v) for k, v in state.items()}

@@ -169,21 +169,21 @@ def doctor(a: argparse.Namespace) -> None:
     if a.role is not None:
         raise ConfigError("--role goes with a run directory (`prl doctor RUN --role trainer`); "
                           f"{a.target or 'no target'} is not one")
-    from prl.ops import machine
+    from prl.ops.doctor import check, failed, format_findings
     from prl.planner.prepare import prepare
 
     prepared = prepare(target, a.overrides) if target is not None else None
-    found = machine.check(prepared, str(target or ""))
+    found = check(prepared, str(target or ""))
     print(f"prl doctor: this machine{f' for {target}' if target else ''}")
-    print(machine.format_findings(found))
-    bad = machine.failed(found, prepared, str(target or ""))
+    print(format_findings(found))
+    bad = failed(found, prepared, str(target or ""))
     if bad:
         print(f"{len(bad)} problem(s): see the fix lines above")
         raise Exit(1)
 
 
 def _preflight(a: argparse.Namespace, run_path: Path) -> None:
-    from prl.job import doctor as checks
+    from prl.job import preflight as checks
     from prl.planner.model import Plan
     from prl.run.rundir import RunDir
 
@@ -268,7 +268,7 @@ def show_eval(stats: dict) -> None:
 def sweep(a: argparse.Namespace, env_args: dict) -> None:
     from prl.ops import sweep as sweeps
     from prl.ops.status import resolve_run
-    from prl.orchestrator.sweep import EvalTask
+    from prl.orchestrator.eval_task import EvalTask
     from prl.planner.model import Plan
     from prl.states import Backend
 

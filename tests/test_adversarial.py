@@ -812,7 +812,7 @@ def test_the_refused_format_characters_are_unicodes_category_cf():
     """Every format character (Cf) the running Python knows is refused in text, and nothing else is by that list."""
     import unicodedata
 
-    from prl.config.cluster import FORMAT_CHARACTERS
+    from prl.config.types import FORMAT_CHARACTERS
 
     listed = re.compile(f"[{FORMAT_CHARACTERS}]")
     format_characters = [chr(c) for c in range(0x110000) if unicodedata.category(chr(c)) == "Cf"]
@@ -857,7 +857,7 @@ def test_public_environment_reads_plan_in_the_cluster_fields(sandbox: Path, caps
 def test_non_ascii_env_defaults_reach_the_node_quoted(sandbox: Path, capsys):
     """An `env:` default of any letters is written in OmegaConf's single quotes and reaches the step script (and an
     evaluation's role env) without them; unquoted, OmegaConf's refusal says to quote it."""
-    from prl.orchestrator.sweep import role_env
+    from prl.orchestrator.eval_task import role_env
 
     (sandbox / "prof.yaml").write_text(PROFILE)
     env = "  nodes: 1\n  env: {A: \"${oc.env:PRL_ADVERSARIAL_UNSET,'café au lait'}\"}\norch"

@@ -20,7 +20,7 @@ from prl.orchestrator import main
 from prl.orchestrator.config import OrchestratorConfig
 from prl.orchestrator.continuous import DataOrder, Scheduler
 from prl.orchestrator.rollouts import Generator, TaskStream
-from prl.orchestrator.sync import Server, ServerPool
+from prl.orchestrator.sync import LiveServer, ServerPool
 from prl.run.batch import read_batch
 from prl.run.rundir import RunDir
 from tests.helpers import REPO
@@ -42,7 +42,7 @@ def test_data_order_keeps_every_task_once():
 class Tasks:
     """A fake env whose episode for task i ends when the test releases i (or at once, if never held)."""
 
-    def __init__(self, server: Server, pool: ServerPool):
+    def __init__(self, server: LiveServer, pool: ServerPool):
         self.server, self.pool = server, pool
         self.held: dict[int, asyncio.Event] = {}
         self.fail: set[int] = set()
@@ -68,7 +68,7 @@ class SignalTasks(Tasks):
     """Tasks whose rollouts all score the same (no signal), except those in `signal`, whose rollouts alternate
     rewards 0 and 1."""
 
-    def __init__(self, server: Server, pool: ServerPool, signal: set[int]):
+    def __init__(self, server: LiveServer, pool: ServerPool, signal: set[int]):
         super().__init__(server, pool)
         self.signal, self.calls = signal, 0
 
@@ -88,7 +88,7 @@ def scheduler(tmp_path, k: int, max_off_policy: int, order: DataOrder | None = N
         f"training.batch_size={k}", "training.rollouts_per_example=1", "training.max_steps=3",
         f"training.max_off_policy_steps={max_off_policy}", "trainer.gpus_per_node=1", "trainer.dp_shard=1",
         *extra]))
-    server = Server("http://a", version=0)
+    server = LiveServer("http://a", version=0)
     pool = ServerPool(generate=[server], admin=[server])
     env = Tasks(server, pool) if signal is None else SignalTasks(server, pool, signal)
     gen = Generator(env, pool, lambda s: None, max_concurrent=8, retries=0)
@@ -155,7 +155,7 @@ def test_the_scheduler_ticks_while_waiting_for_weights_and_replaces_a_failed_gro
     assert env.started == [0, 1, 2] and two.wait_s > 2
 
 
-async def two_steps(sched: Scheduler, server: Server) -> tuple:
+async def two_steps(sched: Scheduler, server: LiveServer) -> tuple:
     """Steps 1 and 2 (weights 1 served once step 1 is published); the scheduler closed after."""
     one = await asyncio.wait_for(sched.make(1), 60)
     sched.published_step(1, one.order)

@@ -33,7 +33,7 @@ THIRD_SPEC = textwrap.dedent("""
     from prl.run.batch import RolloutBatch, to_arrays
     from prl.run.rundir import RunDir
     from prl.trainer.config import TrainerConfig
-    from prl.trainer.engine import Spec, StepData, forward, prepare, train
+    from prl.trainer.engine import Spec, StepData, forward, micro_batch_inputs, train
     from prl.trainer.loss import token_logprobs_and_entropy
     from tests.trainer_helpers import make_samples
 
@@ -58,7 +58,7 @@ THIRD_SPEC = textwrap.dedent("""
             return StepData(batch.micro_batches(eng.d.dp_rank, eng.d.dp_size, 64), batch)
 
         def inputs(self, mb, d):
-            x = prepare(mb, d)
+            x = micro_batch_inputs(mb, d)
             x["token_weight"] = x["loss_mask"] * weight
             return x
 

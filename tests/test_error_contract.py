@@ -138,7 +138,7 @@ def entry_modules(paths) -> dict[str, bool]:
 def test_every_entry_point_goes_through_run_entry_and_is_in_the_docs():
     found = entry_modules(prl_modules())
     assert {"prl.cli", "prl.job.launch", "prl.job.role", "prl.inference", "prl.inference.router",
-            "prl.orchestrator", "prl.trainer", "prl.trainer.launch"} <= set(found), sorted(found)
+            "prl.orchestrator", "prl.trainer", "prl.trainer.torchrun"} <= set(found), sorted(found)
     assert all(found.values()), f"__main__ blocks that bypass run_entry: {[m for m, ok in found.items() if not ok]}"
     doc = (REPO / "docs" / "architecture.md").read_text().split("## Entry points and errors")[1].split("\n## ")[0]
     missing = [m for m in found if f"python -m {m}`" not in doc and f"python -m {m} " not in doc]

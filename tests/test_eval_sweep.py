@@ -14,8 +14,8 @@ from prl.errors import ConfigError, StartError
 from prl.ops.sweep import array_parameters, choose_steps
 from prl.orchestrator.eval import pass_at_k
 from prl.orchestrator.rollouts import Rollout
-from prl.orchestrator import sweep
-from prl.orchestrator.sweep import role_env
+from prl.orchestrator import eval_task
+from prl.orchestrator.eval_task import role_env
 from prl.planner.model import Plan
 from prl.run.rundir import RunDir
 from tests.helpers import prl_cli as prl
@@ -56,16 +56,16 @@ def test_an_evaluation_server_whose_port_was_taken_before_it_bound_starts_again_
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
-    ports = iter([taken.getsockname()[1], taken.getsockname()[1], sweep.free_port()])
-    monkeypatch.setattr(sweep, "free_port", lambda: next(ports))
+    ports = iter([taken.getsockname()[1], taken.getsockname()[1], eval_task.free_port()])
+    monkeypatch.setattr(eval_task, "free_port", lambda: next(ports))
     log = tmp_path / "eval.log"
     with taken:
-        server, url = sweep.start_server(lambda port: [sys.executable, "-c", HEALTH_SERVER, str(port)], {}, log)
+        server, url = eval_task.start_server(lambda port: [sys.executable, "-c", HEALTH_SERVER, str(port)], {}, log)
     try:
         assert url.endswith(f":{server.args[-1]}") and server.poll() is None
         assert log.read_text().count("Address already in use") == 2  # two starts refused, the third serves
     finally:
-        sweep.stop(server)
+        eval_task.stop(server)
 
 
 def test_an_evaluation_server_that_fails_for_another_reason_is_not_started_again(tmp_path):
@@ -76,7 +76,7 @@ def test_an_evaluation_server_that_fails_for_another_reason_is_not_started_again
         return [sys.executable, "-c", "raise SystemExit('no model here')"]
 
     with pytest.raises(StartError, match=r"exited with code 1 before it was healthy; its log: .*eval.log"):
-        sweep.start_server(argv, {}, tmp_path / "eval.log")
+        eval_task.start_server(argv, {}, tmp_path / "eval.log")
     assert len(starts) == 1
 
 

@@ -51,7 +51,7 @@ CHECKPOINT_KEEP = 1
 
 def trainer_rank(run: Path, rank: int) -> int:
     for pid, _, cmd in processes():
-        if "prl.trainer" in cmd and str(run) in cmd and "prl.trainer.launch" not in cmd:  # a rank, not torchrun
+        if "prl.trainer" in cmd and str(run) in cmd and "prl.trainer.torchrun" not in cmd:  # a rank, not torchrun
             try:
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:

@@ -282,8 +282,8 @@ def test_the_role_check_sees_role_strings(tmp_path):
                                     "prl.planner.show", "prl.planner.model", "prl.run.rundir", "prl.run.batch",
                                     "prl.ops.submit", "prl.ops.status", "prl.ops.logs", "prl.ops.registry",
                                     "prl.ops.slurm", "prl.ops.plot", "prl.ops.wandb_sync", "prl.ops.metrics",
-                                    "prl.ops.machine", "prl.ops.progress", "prl.job.launch", "prl.job.role",
-                                    "prl.job.doctor",
+                                    "prl.ops.doctor", "prl.ops.progress", "prl.job.launch", "prl.job.role",
+                                    "prl.job.preflight",
                                     "prl.inference", "prl.orchestrator", "prl.trainer"])
 def test_control_plane_imports_nothing_heavy(module):
     code = (f"import sys, {module}\n"

@@ -10,7 +10,7 @@ from prl.config.topology import Advantage, Shaping
 from prl.errors import ConfigError, PlanError, StepTimeout
 from prl.orchestrator.config import OrchestratorConfig
 from prl.orchestrator.rollouts import Branch, Rollout, TaskStream, build_samples
-from prl.orchestrator.sync import Server, ServerPool, discover, read_endpoints
+from prl.orchestrator.sync import LiveServer, ServerPool, discover, read_endpoints
 from prl.planner.model import Plan
 from prl.run.batch import publish_batch, read_batch
 from prl.run.records import Endpoint
@@ -188,7 +188,7 @@ def test_task_stream_is_a_function_of_the_step():
 
 
 def test_pool_picks_least_busy_server_new_enough():
-    s1, s2, s3 = Server("http://a", version=3), Server("http://b", version=2), Server("http://c", version=3)
+    s1, s2, s3 = LiveServer("http://a", version=3), LiveServer("http://b", version=2), LiveServer("http://c", version=3)
     pool = ServerPool(generate=[s1, s2, s3], admin=[s1, s2, s3])
     s1.inflight, s3.inflight = 5, 1
     assert pool.pick(3) is s3
@@ -196,7 +196,7 @@ def test_pool_picks_least_busy_server_new_enough():
     assert pool.pick(3, avoid=s3) is s1  # a retry goes elsewhere
     assert pool.pick(4) is None
     assert pool.version == 2
-    router = Server("http://router", role="router")
+    router = LiveServer("http://router", role="router")
     pd = ServerPool(generate=[router], admin=[s1, s2])
     assert pd.version_of(router) == 2  # a router serves the oldest version behind it
 
@@ -276,7 +276,7 @@ def test_a_rollout_waiting_for_weights_does_not_hold_a_concurrency_slot():
 
     from prl.orchestrator.rollouts import Generator
 
-    server = Server("http://a", version=0)
+    server = LiveServer("http://a", version=0)
     ticks: list[float] = []
     pool = ServerPool(generate=[server], admin=[server], on_idle=lambda: ticks.append(1.0))
     ran: list[int] = []

@@ -491,7 +491,7 @@ def test_the_watcher_drops_a_dead_server_and_takes_it_back_on_the_newest_weights
 
     import httpx
 
-    from prl.orchestrator.sync import Server, ServerPool, WeightWatcher
+    from prl.orchestrator.sync import LiveServer, ServerPool, WeightWatcher
     from tests.fake_engine import FakeEngine
 
     run = RunDir(tmp_path / "run").create()
@@ -504,7 +504,7 @@ def test_the_watcher_drops_a_dead_server_and_takes_it_back_on_the_newest_weights
 
     endpoint(0, a.url, 1.0)
     endpoint(1, b.url, 1.0)
-    sa, sb = Server(a.url), Server(b.url)
+    sa, sb = LiveServer(a.url), LiveServer(b.url)
     pool = ServerPool(generate=[sa, sb], admin=[sa, sb], follow_endpoints=True)
     watcher = watcher_of(run, pool, "filesystem")
 
@@ -553,13 +553,13 @@ def test_a_server_slow_to_load_a_step_holds_no_other_server_s_next_step(tmp_path
     import asyncio
     import threading
 
-    from prl.orchestrator.sync import Server, ServerPool, WeightWatcher
+    from prl.orchestrator.sync import LiveServer, ServerPool, WeightWatcher
     from tests.fake_engine import FakeEngine
 
     run = RunDir(tmp_path / "run").create()
     a, b = FakeEngine(run_dir=run.root).start(), FakeEngine(run_dir=run.root).start()
     b.weights_gate = threading.Event()
-    sa, sb = Server(a.url), Server(b.url)
+    sa, sb = LiveServer(a.url), LiveServer(b.url)
     pool = ServerPool(generate=[sa, sb], admin=[sa, sb])
     watcher = watcher_of(run, pool, "filesystem", live_every=0.1)
 
@@ -599,12 +599,12 @@ def test_a_failed_rollout_takes_a_dead_server_out_of_rotation_at_once(tmp_path):
     failing), and a server that answers stays."""
     import asyncio
 
-    from prl.orchestrator.sync import Server, ServerPool
+    from prl.orchestrator.sync import LiveServer, ServerPool
     from tests.fake_engine import FakeEngine
 
     run = RunDir(tmp_path / "run").create()
     a, b = FakeEngine(run_dir=run.root).start(), FakeEngine(run_dir=run.root).start()
-    sa, sb = Server(a.url), Server(b.url)
+    sa, sb = LiveServer(a.url), LiveServer(b.url)
     pool = ServerPool(generate=[sa, sb], admin=[sa, sb], follow_endpoints=True)
     try:
         asyncio.run(pool.suspect(sa))
@@ -626,13 +626,13 @@ def test_the_watcher_pushes_steps_from_memory_and_follows_the_feeds_forward(tmp_
 
     import httpx
 
-    from prl.orchestrator.sync import Server, ServerPool
+    from prl.orchestrator.sync import LiveServer, ServerPool
     from tests.fake_engine import FakeEngine
 
     run = RunDir(tmp_path / "run").create()
     run.publish_dir(run.weights(1), _write({"w": b"1"}), step=1)
     with FakeEngine(run_dir=run.root) as engine:
-        server = Server(engine.url)
+        server = LiveServer(engine.url)
         watcher = watcher_of(run, ServerPool(generate=[server], admin=[server]), "memory")
         assert offered(watcher) == (1, {"step": 1})
         held(run, 2, ["h:1", "h:2"])
@@ -680,13 +680,13 @@ def test_the_watcher_broadcasts_a_step_to_every_server_behind_and_a_failed_group
 
     import httpx
 
-    from prl.orchestrator.sync import Server, ServerPool
+    from prl.orchestrator.sync import LiveServer, ServerPool
     from tests.fake_engine import FakeEngine
 
     run = RunDir(tmp_path / "run").create()
     engines = [FakeEngine(run_dir=run.root).start() for _ in range(3)]
     engines[1].workers, engines[2].workers = 2, None
-    servers = [Server(e.url) for e in engines]
+    servers = [LiveServer(e.url) for e in engines]
     watcher = watcher_of(run, ServerPool(generate=servers, admin=servers), "broadcast")
 
     async def scenario():
@@ -729,12 +729,12 @@ def test_a_group_is_asked_for_the_step_it_was_formed_on_after_the_trainer_moved_
 
     import httpx
 
-    from prl.orchestrator.sync import Server, ServerPool
+    from prl.orchestrator.sync import LiveServer, ServerPool
     from tests.fake_engine import FakeEngine
 
     run = RunDir(tmp_path / "run").create()
     with FakeEngine(run_dir=run.root) as engine:
-        server = Server(engine.url, workers=1)
+        server = LiveServer(engine.url, workers=1)
         watcher = watcher_of(run, ServerPool(generate=[server], admin=[server]), "broadcast")
         held(run, 5, ["h:1"], group_timeout=7.0)
         grouped = watcher.requests([server], watcher.newest())[server.url]

@@ -147,14 +147,14 @@ def test_batch_carries_routes_and_refuses_misshapen_ones(tmp_path):
 
 def test_prepare_pads_and_splits_routes_for_cp():
     from prl.run.batch import MicroBatch
-    from prl.trainer.engine import prepare
+    from prl.trainer.engine import micro_batch_inputs
     from prl.trainer.parallel import Dist
 
     n = 7
     routes = np.arange(n * 2 * 2).reshape(n, 2, 2).astype(np.uint8)
     mb = MicroBatch([0], np.arange(n), np.arange(n), np.zeros(n, dtype=np.uint8), np.zeros(n, dtype=np.float32),
                     np.zeros(n, dtype=np.float32), routed_experts=routes, routed_mask=np.ones(n, dtype=np.uint8))
-    parts = [prepare(mb, Dist(0, 2, 0, torch.device("cpu"), None, 1, cp=2, cp_rank=r)) for r in (0, 1)]
+    parts = [micro_batch_inputs(mb, Dist(0, 2, 0, torch.device("cpu"), None, 1, cp=2, cp_rank=r)) for r in (0, 1)]
     assert [p["routed_experts"].shape for p in parts] == [(4, 2, 2), (4, 2, 2)]
     joined = torch.cat([p["routed_experts"] for p in parts])
     assert torch.equal(joined[:n], torch.from_numpy(routes).long())

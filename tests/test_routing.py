@@ -117,9 +117,9 @@ def test_request_keys():
 
 
 def test_server_pool_uses_the_same_rule():
-    from prl.orchestrator.sync import Server, ServerPool
+    from prl.orchestrator.sync import LiveServer, ServerPool
 
-    servers = [Server(u) for u in SERVERS[:4]]
+    servers = [LiveServer(u) for u in SERVERS[:4]]
     pool = ServerPool(generate=servers, admin=servers)
     for i in range(20):
         key = f"task:{i}"
@@ -136,7 +136,7 @@ def test_generator_keeps_a_group_on_its_tasks_server():
     import asyncio
 
     from prl.orchestrator.rollouts import Generator, routing_key
-    from prl.orchestrator.sync import Server, ServerPool
+    from prl.orchestrator.sync import LiveServer, ServerPool
 
     class Task:
         def __init__(self, key: str):
@@ -153,7 +153,7 @@ def test_generator_keeps_a_group_on_its_tasks_server():
             await asyncio.sleep(0.001)
             return type("Episode", (), {"ok": False, "traces": [], "errors": []})()
 
-    servers = [Server(u) for u in SERVERS[:4]]
+    servers = [LiveServer(u) for u in SERVERS[:4]]
     env = Env()
     gen = Generator(env, ServerPool(generate=servers, admin=servers), lambda s: s.url, max_concurrent=64,
                     retries=0, need_tokens=False)

@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal, Optional, Sequence, Union
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from prl.config.cluster import (MAX_CPUS, MAX_GB, MAX_GPUS_PER_NODE, MAX_ITEMS, MAX_NODES, Env, Ident, Name,
-                                PathText, SlurmTime, Strict, Text, Token, checked_time)
+from prl.config.types import (MAX_CPUS, MAX_GB, MAX_GPUS_PER_NODE, MAX_ITEMS, MAX_NODES, Env, Ident, Name,
+                              PathText, SlurmTime, Strict, Text, Token, checked_time)
 from prl.config.fields import FieldValueError, shown
 from prl.config.loader import Source, explained, load
 from prl.states import KV_ROLES, SCORER_ROLES, Role

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from prl.errors import run_entry, signal_exit
-from prl.job import doctor
+from prl.job import preflight
 from prl.job.runtimes import run_role
 from prl.log import get_logger, init_logging
 from prl.planner.model import Plan
@@ -169,11 +169,11 @@ def run_task(run: RunDir, role: str, stop: _Stop) -> int:
     attempt = current_attempt()
     log.info(f"{mode} on {node} (attempt {attempt}, pid {os.getpid()})")
 
-    checks = doctor.preflight(run, plan, role, task, strict=mode == "run")
-    run.write_preflight(role, task, doctor.report(checks))
-    for line in doctor.format_checks(checks).splitlines():
+    checks = preflight.preflight(run, plan, role, task, strict=mode == "run")
+    run.write_preflight(role, task, preflight.report(checks))
+    for line in preflight.format_checks(checks).splitlines():
         log.info(line)
-    bad = doctor.failed(checks)
+    bad = preflight.failed(checks)
     if task == 0 and (mode == "preflight" or bad):
         # In a real run the role's runtime claims the role itself (its pid holds it).
         run.claim(role, attempt)

@@ -7,7 +7,7 @@ Called by `prl.job.role` after the preflight. Each role's runtime is a child pro
     router                         python -m prl.inference.router  (P/D)  ready on /health
     orchestrator                   python -m prl.orchestrator         ready when it heartbeats
     trainer                        torchrun -m prl.trainer            ready at once (it runs last; torchrun as
-                                                                      prl.trainer.launch runs it: its store
+                                                                      prl.trainer.torchrun runs it: its store
                                                                       bound to node 0's address)
 
 Servers, router and orchestrator get the run's API key (`RUN/api_key`, written by `prl submit`)
@@ -215,13 +215,13 @@ def run_orchestrator(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
 
 
 def run_trainer(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
-    """torchrun on this node (prl.trainer.launch: its store bound to node 0's address); node 0 publishes the
+    """torchrun on this node (prl.trainer.torchrun: its store bound to node 0's address); node 0 publishes the
     rendezvous address for the others."""
     tr = plan.trainer
     if task == 0:
         run.write_endpoint(Endpoint(role=Role.TRAINER, index=0, host=node_address(plan), port=tr.master_port))
     head = wait_endpoint(run, Role.TRAINER, 0, lambda: stop.signum is not None)
-    argv = [sys.executable, "-m", "prl.trainer.launch", f"--nnodes={tr.nodes}",
+    argv = [sys.executable, "-m", "prl.trainer.torchrun", f"--nnodes={tr.nodes}",
             f"--nproc-per-node={tr.gpus_per_node}", f"--rdzv-backend={RENDEZVOUS_BACKEND}",
             f"--rdzv-endpoint={head.host}:{head.port}", f"--rdzv-conf=rank={task}",
             "-m", "prl.trainer", "--run-dir", str(run.root)]

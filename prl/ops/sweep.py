@@ -2,7 +2,7 @@
 
     prl eval prl_reverse_text --run RUN --steps all --slurm --parallel 4
 
-The tasks (one per weights step; prl.orchestrator.sweep.EvalTask, plain picklable callables)
+The tasks (one per weights step; prl.orchestrator.eval_task.EvalTask, plain picklable callables)
 run one after another in this process with `--local` (the default), or as one submitit job
 array with `--slurm`: submitit is made for jobs that are Python functions (the RL job is a
 heterogeneous job, which submitit cannot submit, hence rendered sbatch). The array's tasks get

@@ -16,7 +16,7 @@
     sync.py         server endpoints, load balancing, the weight watcher
     eval.py         eval split: periodic (`evaluate`) and against an endpoint (`evaluate_endpoint`, for
                     `prl eval`, whose command is prl/cli.py)
-    sweep.py        one task of an eval sweep over a run's weights (`prl eval --run`)
+    eval_task.py    one task of an eval sweep over a run's weights (`prl eval --run`)
     workers.py      environment rollouts in worker processes (`orchestrator.env_workers`)
     chatml.py       a ChatML renderer whose turns extend the last one token for token (`model.renderer`)
     idefics3.py     the tiny Idefics3 VLM's renderer: ChatML with one `<image>` per picture (vLLM expands it)

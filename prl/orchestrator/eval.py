@@ -20,7 +20,7 @@ from prl.orchestrator.advantages import reward_stats
 from prl.orchestrator.clients import endpoint_client
 from prl.orchestrator.env import load_env
 from prl.orchestrator.rollouts import Generator, Rollout, then
-from prl.orchestrator.sync import Server, ServerPool
+from prl.orchestrator.sync import LiveServer, ServerPool
 
 
 async def evaluate(gen: Generator, examples: int, rollouts: int = 1,
@@ -111,7 +111,7 @@ def evaluate_endpoint(
     env = load_env(env_id, harness, args, split="eval")
     client = endpoint_client(_openai_base(base_url), api_key_env or "PRL_EVAL_NO_API_KEY", render_with, renderer)
     sampling = vf.SamplingConfig(temperature=temperature, max_tokens=max_tokens)
-    server = Server(base_url)
+    server = LiveServer(base_url)
     pool = ServerPool(generate=[server], admin=[])
 
     async def run() -> dict[str, Any]:

@@ -297,9 +297,12 @@ class Orchestrator:
         self.display.eval(step, ev)
 
 
-def load_envs(cfg: OrchestratorConfig) -> tuple[Any, Any | None]:
-    """The train split's environment (served by worker processes with `orchestrator.env_workers`), and the
-    eval split's when evals are on (in this process)."""
+def load_environments(cfg: OrchestratorConfig) -> tuple[Any, Any | None]:
+    """The train split's environment (served by worker processes with `orchestrator.env_workers`), and the eval
+    split's when evals are on (in this process). It needs no server, so it runs while the servers start (the
+    launcher starts the orchestrator with them): a bad `model.renderer` stops the run before the environment
+    loads, and a shaping function that does not load stops it here, not at step 1."""
+    renderer_config(cfg.renderer)
     e = cfg.environment
     limits = {"max_turns": e.max_turns, "max_total_tokens": e.max_total_tokens}
     env = load_env(e.id, e.harness, dict(e.args), split="train", **limits)
@@ -307,17 +310,8 @@ def load_envs(cfg: OrchestratorConfig) -> tuple[Any, Any | None]:
     if cfg.env_workers:
         check_env_id(e.id)
         env = EnvWorkers(env, cfg.env_workers)
-    return env, eval_env
-
-
-def prepare(cfg: OrchestratorConfig) -> tuple[Any, Any | None]:
-    """What needs no server, done while the servers start (the launcher starts the orchestrator with them): a bad
-    `model.renderer` stops the run before the environment loads, then the environments (`load_envs`), then the
-    shaping function (one that does not load stops the run here, not at step 1)."""
-    renderer_config(cfg.renderer)
-    envs = load_envs(cfg)
     shaper(cfg.training.advantage.shaping)
-    return envs
+    return env, eval_env
 
 
 async def assemble(run: RunDir, cfg: OrchestratorConfig, fleet: Fleet, beat: Beat, start: int,
@@ -381,7 +375,8 @@ def recover_record(run: RunDir, step: int) -> bool:
 
 async def orchestrate(run: RunDir, cfg: OrchestratorConfig, find_fleet: Callable[[], Fleet], beat: Beat) -> int:
     """The orchestrator's steps after the newest published one, to `training.max_steps`. What needs no server is
-    prepared first; `find_fleet` then waits for the servers (`discover`), which start with this process."""
+    loaded first (`load_environments`); `find_fleet` then waits for the servers (`discover`), which start with
+    this process."""
     start = run.latest_stable("rollouts") or 0
     run.drop_metrics_after(ROLE, start)
     recover_record(run, start)
@@ -389,7 +384,7 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, find_fleet: Callable
     if start >= max_steps:
         log.info("rollouts up to step %d are published; nothing to do (max_steps %d)", start, max_steps)
         return 0
-    envs = prepare(cfg)
+    envs = load_environments(cfg)
     # In this thread, blocking the loop: nothing runs on it yet, and SIGTERM's KeyboardInterrupt (`main`) must
     # reach the wait (a worker thread would keep the process alive until its wait ended).
     fleet = find_fleet()
@@ -425,8 +420,8 @@ def main(run_dir: str, servers: list[str] | None = None) -> int:
     old = signal.signal(signal.SIGTERM, on_term)
     try:
         with role_lifecycle(run, ROLE) as outcome:
-            # The launcher starts the orchestrator with the servers (its imports and `prepare` overlap their
-            # start-up): wait at least as long as the launcher lets a server take to start.
+            # The launcher starts the orchestrator with the servers (its imports and `load_environments`
+            # overlap their start-up): wait at least as long as the launcher lets a server take to start.
             timeout = max(cfg.training.endpoint_timeout_s, START_TIMEOUT_S)
             find = (lambda: standalone(servers)) if servers else (lambda: discover(run, plan, timeout))
             outcome.code = asyncio.run(orchestrate(run, cfg, find, beat))

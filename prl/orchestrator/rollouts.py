@@ -32,7 +32,7 @@ from prl.config.topology import Advantage
 from prl.errors import ConfigError
 from prl.orchestrator.advantages import group_advantages, is_zero_group
 from prl.orchestrator.shaping import ShapingInputs, shape, shaper
-from prl.orchestrator.sync import Server, ServerPool
+from prl.orchestrator.sync import LiveServer, ServerPool
 
 T = TypeVar("T")
 
@@ -152,7 +152,7 @@ class Generator:
         self,
         env: Any,
         pool: ServerPool,
-        make_ctx: Callable[[Server], Any],
+        make_ctx: Callable[[LiveServer], Any],
         *,
         max_concurrent: int,
         retries: int,
@@ -168,14 +168,14 @@ class Generator:
         self.running = 0
         """Rollouts holding a concurrency slot now (the rest wait for a server new enough, or for a slot)."""
 
-    def _ctx(self, server: Server) -> Any:
+    def _ctx(self, server: LiveServer) -> Any:
         key = id(server)
         if key not in self.ctx:
             self.ctx[key] = self.make_ctx(server)
         return self.ctx[key]
 
     @contextlib.asynccontextmanager
-    async def _slot(self, min_version: int, avoid: Server | None, key: str) -> AsyncIterator[Server]:
+    async def _slot(self, min_version: int, avoid: LiveServer | None, key: str) -> AsyncIterator[LiveServer]:
         """A concurrency slot and a server new enough. A rollout waits for a server (every one behind
         during a restart) without holding a slot, so the slots go to rollouts that can run;
         `pool.pick` ticks the heartbeat while it finds none."""
@@ -198,7 +198,7 @@ class Generator:
         from verifiers.v1.env import RunSlot
 
         key = routing_key(task)
-        last: Server | None = None
+        last: LiveServer | None = None
         result: Rollout | None = None
         for attempt in range(1, self.retries + 2):
             async with self._slot(min_version, last, key) as server:

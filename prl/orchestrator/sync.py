@@ -62,7 +62,10 @@ class WeightUpdateError(PrlError):
 
 
 @dataclass(eq=False)
-class Server:
+class LiveServer:
+    """The orchestrator's live view of one server: its URL, the weights it serves, its requests in flight, whether
+    it is in rotation (the planned server, its nodes and ports, is prl.planner.model.Server)."""
+
     url: str
     role: str = Role.INFERENCE
     version: int = 0
@@ -88,9 +91,9 @@ class Server:
 class Fleet:
     """The servers a pool is made of, as found (`discover`, `standalone`)."""
 
-    generate: list[Server]
+    generate: list[LiveServer]
     """Where rollouts are sent (the router, or the inference servers)."""
-    admin: list[Server]
+    admin: list[LiveServer]
     """Who loads weights (every inference / prefill / decode server)."""
     follow_endpoints: bool = False
     """Found in the run's endpoint files (`discover`): follow them as servers die and restart."""
@@ -105,9 +108,9 @@ class ServerPool:
     """The servers as rollouts and the weight watcher share them: built whole (`ServerPool.of`), then handed
     out. What changes while it runs is state: the servers' versions and rotation, and `target`."""
 
-    generate: list[Server]
+    generate: list[LiveServer]
     """Where rollouts are sent (the router, or the inference servers)."""
-    admin: list[Server]
+    admin: list[LiveServer]
     """Who loads weights (every inference / prefill / decode server)."""
     follow_endpoints: bool = False
     """Servers come from the run's endpoint files (`discover`): follow them as servers die and restart."""
@@ -143,11 +146,11 @@ class ServerPool:
         serving = [s for s in self.admin if s.alive] or self.admin
         return min(s.version for s in serving) if serving else 0
 
-    def version_of(self, server: Server) -> int:
+    def version_of(self, server: LiveServer) -> int:
         """Version a generation server answers with: its own, or (a router) the oldest behind it."""
         return server.version if server in self.admin else self.version
 
-    def pick(self, min_version: int, avoid: Server | None = None, key: str | None = None) -> Server | None:
+    def pick(self, min_version: int, avoid: LiveServer | None = None, key: str | None = None) -> LiveServer | None:
         """A generation server new enough, by the router's rule (`prl.inference.routing.choose`).
 
         Requests with the same `key` (a rollout's session id, or its task: the
@@ -165,7 +168,7 @@ class ServerPool:
         by_url = {s.url: s for s in ok}
         return by_url[routing.choose(key, list(by_url), {s.url: s.inflight for s in ok})]
 
-    async def suspect(self, server: Server) -> None:
+    async def suspect(self, server: LiveServer) -> None:
         """A rollout on `server` failed: a server that does not answer /health leaves rotation now, not at the
         weight watcher's next look (a weight update in flight to a dying server holds the watcher until it
         ends), so the next rollouts wait for a server instead of failing on this one; the watcher brings it
@@ -234,8 +237,9 @@ def discover(run: RunDir, plan: Plan, timeout: float) -> Fleet:
                 f"after {timeout:.0f} s; are the servers up? (`prl status`, `prl logs --role inference`)"
             )
         time.sleep(0.5)
-    admin = [Server(u, role) for role in WEIGHT_ROLES for u in found.get(role, [])]
-    gen = [Server(u, Role.ROUTER) for u in found.get(Role.ROUTER, [])] or [s for s in admin if s.role == Role.INFERENCE]
+    admin = [LiveServer(u, role) for role in WEIGHT_ROLES for u in found.get(role, [])]
+    gen = ([LiveServer(u, Role.ROUTER) for u in found.get(Role.ROUTER, [])]
+           or [s for s in admin if s.role == Role.INFERENCE])
     if not gen:
         raise PrlError(f"endpoints {found} have neither a router nor an inference server to generate with")
     return Fleet(generate=gen, admin=admin, follow_endpoints=True,
@@ -248,7 +252,7 @@ def endpoint_starts(run: RunDir) -> dict[str, float | None]:
             for e in run.endpoints().get(role, {}).values() if e.url}
 
 
-async def healthy(client: httpx.AsyncClient, server: Server) -> bool:
+async def healthy(client: httpx.AsyncClient, server: LiveServer) -> bool:
     """True when the server's /health answers 200 (open without the API key: the launcher probes it too)."""
     try:
         r = await client.get(f"{server.url}/health", timeout=5)
@@ -268,7 +272,7 @@ def weights_trusted(run: RunDir) -> bool:
 
 def standalone(urls: list[str]) -> Fleet:
     """`--server URL ...`: each server both generates and loads weights."""
-    servers = [Server(u.rstrip("/").removesuffix("/v1")) for u in urls]
+    servers = [LiveServer(u.rstrip("/").removesuffix("/v1")) for u in urls]
     return Fleet(generate=servers, admin=servers)
 
 
@@ -284,7 +288,7 @@ async def served_model(fleet: Fleet) -> str:
     return data[0]["id"]
 
 
-async def live_versions(client: httpx.AsyncClient, server: Server) -> tuple[int, int] | None:
+async def live_versions(client: httpx.AsyncClient, server: LiveServer) -> tuple[int, int] | None:
     """The server's own account of its weights step and of the step it loaded last from disk, which it
     rolls back to (the same step when it does not say); None if it does not answer. Notes its worker count."""
     try:
@@ -385,12 +389,12 @@ class WeightWatcher:
         trainer has not yet dropped the steps a resume replaces."""
         return self.transport.offer(self.run) if weights_trusted(self.run) else None
 
-    def requests(self, servers: list[Server], offer: weights.Offer) -> dict[str, WeightsRequest]:
+    def requests(self, servers: list[LiveServer], offer: weights.Offer) -> dict[str, WeightsRequest]:
         """The first request each server behind on `offer` is sent (by URL): the offer's, or (a transport that
         sends to several servers at once) one that joins them."""
         return self.transport.requests(offer, [weights.Behind(s.url, s.workers) for s in servers])
 
-    async def push(self, client: httpx.AsyncClient, server: Server, step: int,
+    async def push(self, client: httpx.AsyncClient, server: LiveServer, step: int,
                    first: WeightsRequest | None = None) -> None:
         """Bring `server` to `step` (or a newer one), with retries. `first` (`requests`): the first try's request,
         on its step whatever the transport offers by then (a group's other members ask for that one); a group's
@@ -447,7 +451,7 @@ class WeightWatcher:
             f"{self.retries} attempts: {server.error}. Check its log (`prl logs --role {server.role}`)."
         )
 
-    def loaded(self, server: Server, request: WeightsRequest, seconds: float) -> None:
+    def loaded(self, server: LiveServer, request: WeightsRequest, seconds: float) -> None:
         """`server` answered `request` with 200: it serves that step."""
         step = request.step
         server.version, server.failures, server.error = step, 0, None
@@ -493,7 +497,7 @@ class WeightWatcher:
                 await asyncio.gather(*self.pushes.values(), return_exceptions=True)
                 self.pushes.clear()
 
-    async def pushed(self, client: httpx.AsyncClient, server: Server, step: int,
+    async def pushed(self, client: httpx.AsyncClient, server: LiveServer, step: int,
                      first: WeightsRequest | None = None) -> None:
         """`push`, then what a changed version means for the others: the pins, and whoever waits on the pool."""
         await self.push(client, server, step, first)

@@ -192,7 +192,7 @@ def derive_mesh(world_size: int, dp_replicate: int, dp_shard: int, cp: int, ep: 
 
 
 RENDEZVOUS_BACKEND = "prl-static"
-"""torchrun's `--rdzv-backend` for the trainer: registered by prl.trainer.launch, named by the job's trainer task
+"""torchrun's `--rdzv-backend` for the trainer: registered by prl.trainer.torchrun, named by the job's trainer task
 (prl/job/runtimes.py); its store listens at `TrainerPlan.master_port` on the trainer's first node."""
 
 

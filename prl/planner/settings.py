@@ -11,7 +11,7 @@ from typing import Optional
 
 import msgspec
 
-from prl.config.cluster import Strict
+from prl.config.types import Strict
 from prl.config.topology import SFT, Environment, KVConnector, KVOffload, Model, Topology, Training, WandB, Weights
 from prl.errors import ConfigError
 

@@ -294,7 +294,7 @@ class ReadyMarker(Record, kw_only=True):
 
 
 class PreflightCheck(msgspec.Struct):
-    """One check of a task's preflight (prl/job/doctor.py)."""
+    """One check of a task's preflight (prl/job/preflight.py)."""
 
     name: str
     level: Literal["ok", "warn", "error"]

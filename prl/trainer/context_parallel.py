@@ -20,7 +20,7 @@ one KV head. It costs r times the KV all-to-all traffic, nothing else.
 
 Everything outside attention is per-position (projections, RoPE with each rank's own position
 ids, norms, MLP/MoE, logits, loss), so each rank computes it on its own positions only. The
-trainer shifts labels on the whole sequence before splitting (`prepare` in prl/trainer/engine.py),
+trainer shifts labels on the whole sequence before splitting (`micro_batch_inputs` in prl/trainer/engine.py),
 pads the sequence to a multiple of cp with masked positions, and counts loss tokens per position once,
 so the loss normalisation N is unchanged.
 

@@ -32,9 +32,9 @@ calls them, with the variant each one is for:
 - `wait(eng, step)` / `load(eng, step, ready)`: what a step trains on, as `StepData` (this rank's
   micro-batches; `source` is the spec's own, for its record). `wait` may block (heartbeating with
   `eng.beat`) and returns None when `eng.stop` was set meanwhile.
-- `inputs(mb, d)`: the tensors of one micro-batch (default `prepare`: this rank's positions, labels
-  shifted). Distillation passes more label-side arrays (`prepare(mb, d, labels=LABELS + ("teacher_logprobs",))`,
-  shifted and cp-split like the others); a VLM adds its per-micro-batch pixel tensors to the dict.
+- `inputs(mb, d)`: the tensors of one micro-batch (default `micro_batch_inputs`: this rank's positions,
+  labels shifted). Distillation passes more label-side arrays
+  (`micro_batch_inputs(mb, d, labels=LABELS + ("teacher_logprobs",))`, shifted and cp-split like the others); a VLM adds its per-micro-batch pixel tensors to the dict.
 - `micro_loss(model, x, n_loss_tokens, aux_weight)`: the spec owns the forward (`forward_logprobs`: the
   targets' logprobs and entropy without the [T, V] logits; `forward` for the logits; or its own call with extra
   inputs, passing the packed row's `attention.boundary_kwargs`) and the loss: one micro-batch's share of the step's token-mean loss and its
@@ -91,7 +91,7 @@ from prl.trainer.weights import publish_weights, shares
 
 ROLE = Role.TRAINER
 LABELS = ("loss_mask", "advantages", "inference_logprobs")
-"""The micro-batch arrays `prepare` moves to the label side (position p carries token p+1's)."""
+"""The micro-batch arrays `micro_batch_inputs` moves to the label side (position p carries token p+1's)."""
 
 log = get_logger(__name__)
 
@@ -187,8 +187,8 @@ class Spec(ABC):
         """This rank's micro-batches of step `step` (`ready` is what `wait` returned)."""
 
     def inputs(self, mb: MicroBatch | None, d: Dist) -> dict[str, torch.Tensor]:
-        """The tensors of one micro-batch on this rank (add per-micro-batch inputs here); default `prepare`, with
-        a VLM's pixels (`picture_inputs`)."""
+        """The tensors of one micro-batch on this rank (add per-micro-batch inputs here); default
+        `micro_batch_inputs`, with a VLM's pixels (`picture_inputs`)."""
         return picture_inputs(self.pictures, mb, d)
 
     @abstractmethod
@@ -278,7 +278,7 @@ def load_model(cfg: TrainerConfig, d: Dist, transform: Callable[[torch.nn.Module
     return model, peak_rss_mb() - before
 
 
-def prepare(mb: MicroBatch | None, d: Dist, labels: tuple[str, ...] = LABELS, counted: int | None = None
+def micro_batch_inputs(mb: MicroBatch | None, d: Dist, labels: tuple[str, ...] = LABELS, counted: int | None = None
             ) -> dict[str, torch.Tensor]:
     """This rank's positions of one micro-batch, labels shifted on the whole sequence first.
 
@@ -336,16 +336,16 @@ def on_this_rank(v: torch.Tensor, d: Dist) -> torch.Tensor:
 
 def picture_inputs(pictures: Pictures | None, mb: MicroBatch | None, d: Dist, labels: tuple[str, ...] = LABELS
                    ) -> dict[str, torch.Tensor]:
-    """`prepare`, and for a vision-language model (`pictures`) the row's pixel inputs too (a blank picture's
+    """`micro_batch_inputs`, and for a vision-language model (`pictures`) the row's pixel inputs too (a blank picture's
     sample appended where the encoder trains and the row has none; prl/trainer/vision.py), its tokens not
     counted."""
     if pictures is None:
-        return prepare(mb, d, labels)
+        return micro_batch_inputs(mb, d, labels)
     where = "a padding pass" if mb is None else f"the micro-batch of samples {mb.sample_ids}"
     if mb is not None:
         pictures.check(mb, where)
     row = pictures.with_encoder_pass(mb, labels)
-    x = prepare(row, d, labels, counted=0 if mb is None else mb.num_tokens)
+    x = micro_batch_inputs(row, d, labels, counted=0 if mb is None else mb.num_tokens)
     if row is not None:
         sampled = on_this_rank(torch.from_numpy(pictures.sampled(row)), d).to(d.device)
         x["input_ids"][sampled] = SAMPLED_IMAGE_TOKEN

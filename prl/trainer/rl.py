@@ -100,7 +100,7 @@ class RLSpec(Spec):
         return picture_inputs(self.pictures, mb, d, self.labels)
 
     def micro_loss(self, model, x: dict[str, torch.Tensor], n_loss_tokens: int, aux_weight: float):
-        """Loss share and stats of this rank's positions of one micro-batch (see `engine.prepare`)."""
+        """Loss share and stats of this rank's positions of one micro-batch (see `engine.micro_batch_inputs`)."""
         coef = self.cfg.training.router_aux_loss_coef
         out, logp, entropy = forward_logprobs(model, x, coef, fused=self.cfg.compile,
                                               temperature=self.cfg.training.temperature)

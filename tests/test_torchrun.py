@@ -1,4 +1,4 @@
-"""`python -m prl.trainer.launch`: torchrun whose rendezvous store listens on the node's address only."""
+"""`python -m prl.trainer.torchrun`: torchrun whose rendezvous store listens on the node's address only."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def listeners(tmp_path, *rendezvous: str) -> list[str]:
     """The addresses listening on the store's port, as both ranks of a torchrun job saw them."""
     script = tmp_path / "rank.py"
     script.write_text(RANK)
-    result = subprocess.run([sys.executable, "-m", "prl.trainer.launch", "--nnodes=1", "--nproc-per-node=2",
+    result = subprocess.run([sys.executable, "-m", "prl.trainer.torchrun", "--nnodes=1", "--nproc-per-node=2",
                              *rendezvous, str(script), str(tmp_path)], capture_output=True, text=True, cwd=REPO,
                             timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -62,9 +62,9 @@ def test_torchruns_own_static_rendezvous_listens_on_every_interface(tmp_path):
 
 
 def test_the_backend_needs_the_nodes_rank(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "prl.trainer.launch", "--nnodes=1", "--nproc-per-node=1",
+    result = subprocess.run([sys.executable, "-m", "prl.trainer.torchrun", "--nnodes=1", "--nproc-per-node=1",
                              "--rdzv-backend=prl-static", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "x.py"],
                             capture_output=True, text=True, cwd=REPO, timeout=300)
     last = result.stderr.strip().splitlines()[-1:]
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert last[0].startswith("prl trainer.launch: error: --rdzv-backend=prl-static needs --rdzv-conf=rank=N"), last
+    assert last[0].startswith("prl trainer.torchrun: error: --rdzv-backend=prl-static needs --rdzv-conf=rank=N"), last

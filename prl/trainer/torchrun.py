@@ -1,4 +1,4 @@
-"""`python -m prl.trainer.launch TORCHRUN-ARGS`: torchrun, its rendezvous store listening on the node's address only.
+"""`python -m prl.trainer.torchrun TORCHRUN-ARGS`: torchrun, its rendezvous store listening on the node's address only.
 
 torchrun's static rendezvous (`--master-addr/--master-port`) starts the job's TCPStore on node 0 with a
 port alone, and a TCPStore given a port alone listens on every interface of the node ("::" or 0.0.0.0),
@@ -8,7 +8,7 @@ node 0 is handed a socket bound to the endpoint's host (as prl/run/collective.py
 stores), then runs torchrun (`torch.distributed.run`) with the arguments it was given. The job starts the trainer with it
 (prl/job/runtimes.py):
 
-    python -m prl.trainer.launch --nnodes=2 --nproc-per-node=4 --rdzv-backend=prl-static \\
+    python -m prl.trainer.torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=prl-static \\
         --rdzv-endpoint=10.0.0.5:29500 --rdzv-conf=rank=1 -m prl.trainer --run-dir RUN
 
 Everything else is torchrun's own: the ranks connect to the agent's store, signals reach the ranks, a
@@ -74,4 +74,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_entry("prl trainer.launch", lambda: main(sys.argv[1:])))
+    sys.exit(run_entry("prl trainer.torchrun", lambda: main(sys.argv[1:])))
