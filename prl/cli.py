@@ -199,7 +199,7 @@ def _preflight(a: argparse.Namespace, run_path: Path) -> None:
 
 
 def trainer(a: argparse.Namespace) -> None:
-    """Run one trainer rank (start it under torchrun; the job's step scripts do)."""
+    """Run one trainer rank (start it under torchrun; the job's launch scripts do)."""
     from prl.trainer import main as train
 
     code = train(a.run_dir, a.resume)

@@ -82,7 +82,7 @@ LAUNCHER_ENDED = frozenset({LauncherStatus.COMPLETED, LauncherStatus.FAILED, Lau
 
 class RoleState(_Str):
     """A role's state: in its own file (state/<role>.json), in the launcher's record of its
-    step (launcher.json `steps`), and in `prl status`, which adds the last three."""
+    launch (launcher.json `launches`), and in `prl status`, which adds the last three."""
 
     RUNNING = "running"
     EXITED = "exited"
@@ -124,7 +124,7 @@ class ServerAction(_Str):
 
 
 class Role(_Str):
-    """A role of a run: a step of the job (plan.json `steps[].name`), its files under the run (state/<role>.json,
+    """A role of a run: a launch of the job (plan.json `launches[].name`), its files under the run (state/<role>.json,
     logs/attempt_N/<role>/) and `PRL_ROLE` in its environment."""
 
     INFERENCE = "inference"

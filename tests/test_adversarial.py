@@ -855,7 +855,7 @@ def test_public_environment_reads_plan_in_the_cluster_fields(sandbox: Path, caps
 
 @pytest.mark.timeout(10)
 def test_non_ascii_env_defaults_reach_the_node_quoted(sandbox: Path, capsys):
-    """An `env:` default of any letters is written in OmegaConf's single quotes and reaches the step script (and an
+    """An `env:` default of any letters is written in OmegaConf's single quotes and reaches the launch script (and an
     evaluation's role env) without them; unquoted, OmegaConf's refusal says to quote it."""
     from prl.orchestrator.eval_task import role_env
 

@@ -30,7 +30,7 @@ def test_plan_writes_the_run_directory(name, tmp_path):
     plan = Plan.read(RunDir(run))  # as every role reads it
     assert plan.run_dir == str(run) and plan.name == name
     assert (run / "topology.yaml").exists()
-    for step in plan.steps:
+    for step in plan.launches:
         script = run / step.script
         assert script.exists() and script.stat().st_mode & 0o111
     assert (run / "scripts" / "job.sbatch").exists() == plan.slurm

@@ -52,7 +52,7 @@ def test_local_rl_run_learns_the_multi_turn_guessing_game(tmp_path, env):
     records = submit_local(env, "configs/tiny-guess.yaml", model, tmp_path / "run", "cluster.port_base=18920")
     assert_reward_rises(records, 20, 0.15)
     # The orchestrator started with the server (it waits for it itself), before the trainer, not behind its start.
-    steps = json.loads((tmp_path / "run" / "state" / "launcher.json").read_text())["steps"]
+    steps = json.loads((tmp_path / "run" / "state" / "launcher.json").read_text())["launches"]
     assert steps["inference"]["started"] <= steps["orchestrator"]["started"] <= steps["trainer"]["started"], steps
     orchestrator = [r for r in records if r["role"] == "orchestrator" and not r.get("eval")]
     assert all(r["turns_mean"] > 1.0 for r in orchestrator)  # the environment's turns happened

@@ -123,7 +123,7 @@ def test_an_sft_runs_evaluation_server_takes_the_models_own_settings(tmp_path, t
     served = plan.eval_server()
     assert served.args == ("--dtype", "float32", "--max-model-len", "256", "--tokenizer", str(tiny_model_dir),
                            "--enforce-eager")  # the sweep adds the model, its name (plan.served_model_name), the port
-    assert (served.step, served.group, served.env) == ("trainer", plan.trainer.group, (("VLLM_CPU_KVCACHE_SPACE", "2"),))
+    assert (served.launch, served.group, served.env) == ("trainer", plan.trainer.group, (("VLLM_CPU_KVCACHE_SPACE", "2"),))
     assert array_parameters(plan, 2, 30)["cpus_per_task"] == plan.groups[plan.trainer.group].cpus_per_task
 
 

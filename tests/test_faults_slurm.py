@@ -212,7 +212,7 @@ def kill_the_engine(env: dict, run: Path) -> dict:
     assert answer != 200, (answer, body)  # the server died under it: no answer, or an error
     launcher = run / "state" / "launcher.json"
     event = wait_for("the server restarted and ready", lambda: next(
-        (f for f in json.loads(launcher.read_text())["steps"]["inference"].get("failures", [])
+        (f for f in json.loads(launcher.read_text())["launches"]["inference"].get("failures", [])
          if f.get("action") == "restarted"), None), timeout=300, interval=1)
     shown = status(env, run)
     inference = next(r for r in shown["roles"] if r["role"] == "inference")
@@ -244,7 +244,7 @@ def hang_the_trainer(env: dict, run: Path) -> dict:
     stopped = time.time()
     hung = wait_for("HUNG in status", lambda: (s := status(env, run))["failure"] and s["failure"].get("hung") and s,
                     timeout=HANG_TIMEOUT_S + 60, interval=1)
-    detected = json.loads((run / "state" / "launcher.json").read_text())["steps"]["trainer"]["hung_at"]
+    detected = json.loads((run / "state" / "launcher.json").read_text())["launches"]["trainer"]["hung_at"]
     trainer = next(r for r in hung["roles"] if r["role"] == "trainer")
     assert trainer["status"] == "HUNG", trainer
     assert hung["failure"]["role"] == "trainer" and "no progress" in hung["failure"]["reason"], hung["failure"]

@@ -118,7 +118,7 @@ def test_place_inference_gives_each_server_its_ports_and_gpus():
         (0, 0, 8000, (0, 1, 2, 3)), (0, 1, 8001, (4, 5, 6, 7)), (1, 2, 8000, (0, 1, 2, 3)), (1, 3, 8001, (4, 5, 6, 7))]
     rpc = [s.args[s.args.index("--data-parallel-rpc-port") + 1] for s in servers]
     assert rpc == ["8200", "8201", "8200", "8201"]
-    assert layout.steps[0].ntasks_per_node == 2 and layout.groups[0].nodes == 2
+    assert layout.launches[0].ntasks_per_node == 2 and layout.groups[0].nodes == 2
 
 
 def test_multi_node_replica_followers_are_headless():
@@ -134,8 +134,8 @@ def test_multi_node_replica_followers_are_headless():
 def test_disaggregated_roles_get_their_kv_side_and_a_router():
     p = plan(topo_pd())
     assert {r.name: r.kv_role for r in p.inference} == {"prefill": "kv_producer", "decode": "kv_consumer"}
-    assert p.router_port == 8090 and p.step("router").start_after == ("prefill", "decode")
-    assert p.step("orchestrator").start_after == ("prefill", "decode", "router")
+    assert p.router_port == 8090 and p.launch("router").start_after == ("prefill", "decode")
+    assert p.launch("orchestrator").start_after == ("prefill", "decode", "router")
 
 
 def kv_config(server) -> dict:
@@ -225,7 +225,7 @@ def test_derive_mesh_names_every_factor(args, field, text):
 def test_place_trainer_uses_the_derived_mesh():
     p = plan(topo(trainer={"nodes": 2, "ep": 4, "cp": 2}))
     assert p.trainer.world_size == 16 and p.trainer.mesh.dp_shard == 8 and p.trainer.master_port == 8500
-    assert p.step("trainer").gpus_per_node == 8 and p.step("trainer").start_after == ()
+    assert p.launch("trainer").gpus_per_node == 8 and p.launch("trainer").start_after == ()
 
 
 # ------------------------------------------------------------------ ports, training, directives
@@ -328,7 +328,7 @@ def test_finish_groups_without_hetjobs_is_one_allocation():
     p = plan(hetjob=False, partitions={"orchestrator": "gpu"})
     first, *rest = p.groups
     assert "--nodes=5" in first.directives and all(g.directives == () for g in rest)
-    assert [s.srun_args[0] for s in p.steps] == ["--relative=0", "--relative=2", "--relative=3"]
+    assert [s.srun_args[0] for s in p.launches] == ["--relative=0", "--relative=2", "--relative=3"]
 
 
 def test_parse_minutes():
@@ -340,7 +340,7 @@ def test_plan_round_trips_through_json_as_the_same_model():
     p = plan()
     back = Plan.from_json(p.to_json())
     assert back.to_json() == p.to_json() and back.settings() == p.settings()
-    assert (back.steps, back.servers, back.trainer) == (p.steps, p.servers, p.trainer)
+    assert (back.launches, back.servers, back.trainer) == (p.launches, p.servers, p.trainer)
     assert back.settings().training.batch_size == 64
 
 
@@ -414,8 +414,8 @@ def test_steps_sharing_a_node_share_its_memory():
     """The router overlaps the first prefill node, whose server step holds that node's job memory: without
     --mem=0 its own DefMemPerCPU request fails ("Memory required by task is not available")."""
     p = plan(topo_pd())
-    assert p.step("router").srun_args[-2:] == ("--overlap", "--mem=0")
-    assert "--mem=0" not in p.step("prefill").srun_args and "--overlap" not in p.step("prefill").srun_args
+    assert p.launch("router").srun_args[-2:] == ("--overlap", "--mem=0")
+    assert "--mem=0" not in p.launch("prefill").srun_args and "--overlap" not in p.launch("prefill").srun_args
 
 
 def test_nixl_side_channels_pick_around_the_users_router_port():
@@ -448,8 +448,8 @@ def test_scoring_groups_are_placed_after_inference_and_serve_their_own_model():
     reference = next(s for s in servers if s.role == "reference")
     assert reference.model == "/m" and not reference.adapters  # the student's initial model
     assert teacher.argv("/elsewhere")[:2] == ("--model", "/elsewhere") and "--model" not in teacher.args
-    orchestrator = P.place_orchestrator(checker(), t, layout, {}, tuple(s.name for s in layout.steps))
-    assert layout.steps[-1].start_after == ("inference", "teacher", "reference") and orchestrator.group == 3
+    orchestrator = P.place_orchestrator(checker(), t, layout, {}, tuple(s.name for s in layout.launches))
+    assert layout.launches[-1].start_after == ("inference", "teacher", "reference") and orchestrator.group == 3
     P.check_scorers(checker(), t)
 
 

@@ -12,7 +12,7 @@ from prl.run import records
 from prl.run.records import (RECORD_VERSION, DiskFull, Endpoint, Failure, FeedRecord, JobRecord, LauncherRecord,
                              PreflightCheck, PreflightReport, RankBeat, ReadyMarker, StableMarker, StepPin,
                              StopRequest, TenantRecord, WandbCursor,
-                             RoleStateRecord, ServerFailure, StepRecord, TaskExit)
+                             RoleStateRecord, ServerFailure, LaunchRecord, TaskExit)
 from prl.run.rundir import RunDir, atomic_write_json
 from prl.states import Backend, LauncherStatus, RoleState, ServerAction
 
@@ -21,14 +21,14 @@ LAUNCHER = LauncherRecord(
     exit_code=3, stop_signal=15, stop_time=190.0,
     first_failure=Failure(role="orchestrator", exit_code=3, reason="task 0 exited with code 3", time=150.0),
     disk_full=DiskFull(time=180.0, free_bytes=0, released_bytes=4 << 20),
-    steps={"inference": StepRecord(status=RoleState.RUNNING, started=101.0, tasks=2, restarts=1, failures=[
+    launches={"inference": LaunchRecord(status=RoleState.RUNNING, started=101.0, tasks=2, restarts=1, failures=[
         ServerFailure(time=120.0, task=1, replica=1, node="n1", exit_code=0, reason="exited",
                       action=ServerAction.RESTARTED, restarted=121.0, ready_after_s=9.5)]),
-           "trainer": StepRecord(status=RoleState.HUNG, hung_at=160.0, last_heartbeat=120.0, hung_rank=1,
+           "trainer": LaunchRecord(status=RoleState.HUNG, hung_at=160.0, last_heartbeat=120.0, hung_rank=1,
                                  last_step=4, last_phase="trained", hang_bound_s=30.0)})
 
 JOB = JobRecord(job_id="77", name="lab", backend=Backend.SLURM, cluster="example", mode="preflight", hold=60.0,
-                hetjob=True, attempt_base=1, components={"0": "inference"}, steps={"inference": 0},
+                hetjob=True, attempt_base=1, components={"0": "inference"}, launches={"inference": 0},
                 submitted=99.0, topology="/t.yaml", overrides=["a=1"], run_dir="/run", scripts={"scripts/x": "ab"},
                 pid=None, cancelled=300.0)
 
@@ -123,9 +123,9 @@ def test_a_run_directory_from_before_record_versions_still_reads(tmp_path):
                       (run.role_state("trainer"), OLD_STATE)):
         path.write_text(json.dumps(old, indent=2, sort_keys=True))
     job, launcher, state = run.read_job(), run.read_launcher(), run.read_state("trainer")
-    assert job.version == 1 and job.backend is Backend.SLURM and job.steps == {"inference": 0, "trainer": 1}
+    assert job.version == RECORD_VERSION and job.backend is Backend.SLURM and job.launches == {"inference": 0, "trainer": 1}
     assert launcher.status is LauncherStatus.RUNNING and launcher.first_failure is None
-    failure = launcher.steps["inference"].failures[0]
+    failure = launcher.launches["inference"].failures[0]
     assert failure.action is ServerAction.RESTARTING and failure.ready_after_s is None
     assert state.status is RoleState.RUNNING and state.step == 3 and state.weights_attempt is None
     for path, old, kind in ((run.pins_dir / "orchestrator.json", OLD_PIN, StepPin),
@@ -133,12 +133,13 @@ def test_a_run_directory_from_before_record_versions_still_reads(tmp_path):
                             (run.root / "tenants" / "exp-a.json", OLD_TENANT, TenantRecord)):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(old))
-        assert records.read(path, kind).version == 1
+        assert records.read(path, kind).version == RECORD_VERSION  # unchanged since 1: read as if written now
     assert run.weight_pins() == {"orchestrator": 3} and run.stable_steps("weights") == []  # its file is missing
     assert records.read_marker(run.root / "weights" / "step_2" / "STABLE").step == 2
-    # Written again, every field is there with its name as before, and the version.
+    # Written again, every field is there with its name as before (version 2's renames applied), and the version.
     atomic_write_json(run.job_json, job)
-    assert json.loads(run.job_json.read_text()) == {**OLD_JOB, "version": RECORD_VERSION}
+    renamed = {k: v for k, v in OLD_JOB.items() if k != "steps"}
+    assert json.loads(run.job_json.read_text()) == {**renamed, "launches": OLD_JOB["steps"], "version": RECORD_VERSION}
     run.heartbeat("trainer", step=4)
     again = json.loads(run.role_state("trainer").read_text())
     assert again["version"] == RECORD_VERSION and again["step"] == 4 and again["pid"] == 9

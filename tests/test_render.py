@@ -102,6 +102,6 @@ def test_single_allocation_variant(tmp_path):
     assert "hetjob" not in job.replace("no hetjob", "")
     assert "#SBATCH --nodes=3" in job
     assert "module load cuda/12.4" in job and "source /projects/ml-lab/envs/prl/bin/activate" in job
-    trainer = prepared.plan.step("trainer")
+    trainer = prepared.plan.launch("trainer")
     assert "--relative=1" in trainer.srun_args and "--nodes=2" in trainer.srun_args
-    assert "--relative=0" in prepared.plan.step("inference").srun_args
+    assert "--relative=0" in prepared.plan.launch("inference").srun_args

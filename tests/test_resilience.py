@@ -25,7 +25,7 @@ from prl.job.launch import Launcher, RoleFailed, RoleHung, Running, restart_srun
 from prl.ops.status import collect, show
 from prl.planner.model import HANG_FLOOR_S
 from prl.run import api
-from prl.run.records import Failure, FeedRecord, LauncherRecord, RankBeat, ServerFailure, StepRecord
+from prl.run.records import Failure, FeedRecord, LauncherRecord, RankBeat, ServerFailure, LaunchRecord
 from prl.run.rundir import MARKER, RunDir, atomic_write_json, is_stable
 from prl.states import LauncherStatus, RoleState, ServerAction
 from tests.helpers import tmpfs, wait_for, publish_endpoint
@@ -96,7 +96,7 @@ def _launcher(tmp_path, overrides=()) -> tuple[Launcher, RunDir]:
 
 
 def _fake_servers(run: RunDir, tmp_path: Path) -> None:
-    """The inference step script runs a fake server (task 1 dies once, exiting 0)."""
+    """The inference launch script runs a fake server (task 1 dies once, exiting 0)."""
     script = tmp_path / "server.py"
     script.write_text(SERVER)
     run.path("scripts/inference.sh").write_text(f"exec {sys.executable} {script} {run.root}\n")
@@ -105,15 +105,15 @@ def _fake_servers(run: RunDir, tmp_path: Path) -> None:
 def test_a_server_that_exits_0_is_restarted_then_a_second_failure_past_the_bound_ends_the_job(tmp_path):
     launcher, run = _launcher(tmp_path, ["inference.nodes=2", "inference.on_failure.max_restarts=1"])
     _fake_servers(run, tmp_path)
-    launcher.start(launcher.plan.step("inference"))
+    launcher.start(launcher.plan.launch("inference"))
     running = launcher.running["inference"]
     try:
         deadline = time.monotonic() + 20
-        while not launcher.state.step("inference").restarts:
+        while not launcher.state.launch("inference").restarts:
             launcher.check()
             assert time.monotonic() < deadline, launcher.state
             time.sleep(0.1)
-        failure = launcher.state.steps["inference"].failures[0]
+        failure = launcher.state.launches["inference"].failures[0]
         assert (failure.task, failure.replica, failure.exit_code) == (1, 1, 0)
         assert "exited with code 0" in failure.reason
         deadline = time.monotonic() + 20
@@ -122,9 +122,9 @@ def test_a_server_that_exits_0_is_restarted_then_a_second_failure_past_the_bound
             assert time.monotonic() < deadline, failure
             time.sleep(0.1)
         assert failure.ready_after_s >= 0
-        saved = json.loads(run.launcher_state.read_text())["steps"]["inference"]
+        saved = json.loads(run.launcher_state.read_text())["launches"]["inference"]
         assert saved["restarts"] == 1 and saved["failures"][0]["action"] == "restarted"
-        assert run.read_launcher().steps["inference"] == launcher.state.steps["inference"]
+        assert run.read_launcher().launches["inference"] == launcher.state.launches["inference"]
         # The restarted task dies too (killed): max_restarts=1 is used up, so the job fails, naming it.
         os.killpg(running.task_proc[1].pid, signal.SIGKILL)
         with pytest.raises(RoleFailed, match="task 1 .*max_restarts") as info:
@@ -135,7 +135,7 @@ def test_a_server_that_exits_0_is_restarted_then_a_second_failure_past_the_bound
         assert info.value.role == "inference"
         launcher.finish(launch_module.LauncherStatus.FAILED, 1)
         kept = json.loads(run.attempt_launcher_state(1).read_text())
-        assert [f["action"] for f in kept["steps"]["inference"]["failures"]] == ["restarted", "failed"]
+        assert [f["action"] for f in kept["launches"]["inference"]["failures"]] == ["restarted", "failed"]
     finally:
         for p in running.procs:
             if p.poll() is None:
@@ -149,10 +149,10 @@ def test_an_orchestrator_with_nothing_left_to_do_does_not_fail_the_attempt(tmp_p
     attempt ended FAILED). A server that exits 0 before it is healthy still is one."""
     launcher, run = _launcher(tmp_path)
     run.path("scripts/orchestrator.sh").write_text("exit 0\n")
-    launcher.start(launcher.plan.step("orchestrator"))
+    launcher.start(launcher.plan.launch("orchestrator"))
     launcher.wait_ready(["orchestrator"])
     assert launcher.running["orchestrator"].exit_code == 0
-    assert launcher.state.steps["orchestrator"].status == RoleState.EXITED
+    assert launcher.state.launches["orchestrator"].status == RoleState.EXITED
 
 
 def test_a_role_that_ends_by_itself_after_the_last_step_keeps_its_own_exit(tmp_path):
@@ -164,24 +164,24 @@ def test_a_role_that_ends_by_itself_after_the_last_step_keeps_its_own_exit(tmp_p
     launcher, run = _launcher(tmp_path)
     run.path("scripts/trainer.sh").write_text("exit 0\n")
     run.path("scripts/orchestrator.sh").write_text("sleep 2; exit 0\n")
-    launcher.start(launcher.plan.step("orchestrator"))
-    launcher.start(launcher.plan.step("trainer"))
+    launcher.start(launcher.plan.launch("orchestrator"))
+    launcher.start(launcher.plan.launch("trainer"))
     launcher.wait_done()
     assert launcher.running["orchestrator"].exit_code == 0
-    assert launcher.state.steps["orchestrator"].status == RoleState.EXITED
+    assert launcher.state.launches["orchestrator"].status == RoleState.EXITED
 
     launcher, run = _launcher(tmp_path / "2")
     run.path("scripts/trainer.sh").write_text("exit 0\n")
     run.path("scripts/orchestrator.sh").write_text("exec sleep 60\n")
-    launcher.start(launcher.plan.step("orchestrator"))
-    launcher.start(launcher.plan.step("trainer"))
+    launcher.start(launcher.plan.launch("orchestrator"))
+    launcher.start(launcher.plan.launch("trainer"))
     start = time.monotonic()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(launch, "OWN_END_S", 1.0)
         launcher.wait_done()
     assert time.monotonic() - start < 30 and launcher.running["orchestrator"].exit_code is None
     launcher.stop_all()
-    assert launcher.state.steps["orchestrator"].status == RoleState.STOPPED
+    assert launcher.state.launches["orchestrator"].status == RoleState.STOPPED
 
 
 REPLICA_TASK = """
@@ -218,16 +218,16 @@ def test_a_failed_task_of_a_multi_node_replica_stops_the_rest_and_the_replica_re
     script.write_text(REPLICA_TASK)
     run.path("scripts/inference.sh").write_text(f"cd {Path(__file__).resolve().parents[1]}\n"
                                                 f"exec {sys.executable} {script} {run.root}\n")
-    launcher.start(launcher.plan.step("inference"))
+    launcher.start(launcher.plan.launch("inference"))
     running = launcher.running["inference"]
     first = dict(running.task_proc)
     try:
         deadline = time.monotonic() + 30
-        while not launcher.state.step("inference").restarts:
+        while not launcher.state.launch("inference").restarts:
             launcher.check()
             assert time.monotonic() < deadline, launcher.state
             time.sleep(0.1)
-        events = launcher.state.steps["inference"].failures
+        events = launcher.state.launches["inference"].failures
         # One failure (the head's); the follower's stop is not a second one, and nothing of replica 1 moved.
         assert [(e.task, e.action) for e in events] == [(0, ServerAction.RESTARTING)], events
         # The follower wrote its exit record (so the launcher restarted the replica); its process may take a
@@ -256,8 +256,8 @@ def test_a_trainer_whose_heartbeat_stops_is_hung_after_the_bound(tmp_path):
     launcher, run = _launcher(tmp_path, ["training.hang_timeout_s=30"])
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        launcher.running["trainer"] = Running(launcher.plan.step("trainer"), procs=[sleeper])
-        launcher.state.steps["trainer"] = StepRecord(status=RoleState.RUNNING)
+        launcher.running["trainer"] = Running(launcher.plan.launch("trainer"), procs=[sleeper])
+        launcher.state.launches["trainer"] = LaunchRecord(status=RoleState.RUNNING)
         now = time.time()
         # Still loading (no heartbeat after its start): never hung, however old.
         run.write_state("trainer", attempt=1, status=RoleState.RUNNING, started=now - 100, heartbeat=now - 100)
@@ -268,7 +268,7 @@ def test_a_trainer_whose_heartbeat_stops_is_hung_after_the_bound(tmp_path):
         run.write_state("trainer", heartbeat=now - 31)
         with pytest.raises(RoleHung, match=r"no progress for 3\d s \(bound 30 s\); last step 3, phase trained"):
             launcher.check_hangs()
-        assert launcher.state.steps["trainer"].status == RoleState.HUNG
+        assert launcher.state.launches["trainer"].status == RoleState.HUNG
         # Rank 0 beating while it waits, rank 1 silent for 31 s (stopped): hung, naming rank 1 and its last phase.
         run.write_state("trainer", heartbeat=now - 1, phase="waiting_for_rollouts")
         launcher.check_hangs()
@@ -278,7 +278,7 @@ def test_a_trainer_whose_heartbeat_stops_is_hung_after_the_bound(tmp_path):
         atomic_write_json(run.rank_beat("trainer", 1), RankBeat(attempt=1, heartbeat=now - 31, step=4, phase="trained"))
         with pytest.raises(RoleHung, match=r"no progress on rank 1 for 3\d s \(bound 30 s\); last step 4, phase trained"):
             launcher.check_hangs()
-        assert launcher.state.steps["trainer"].hung_rank == 1
+        assert launcher.state.launches["trainer"].hung_rank == 1
         # A beat of an earlier attempt, or from before this start (still loading), does not count.
         atomic_write_json(run.rank_beat("trainer", 1), RankBeat(attempt=0, heartbeat=now - 31))
         launcher.check_hangs()
@@ -301,10 +301,10 @@ def test_status_shows_hung_and_restarts(tmp_path, monkeypatch):
         attempt=1, mode="run", status=LauncherStatus.STOPPING, started=now - 60,
         first_failure=Failure(role="trainer", hung=True, time=now,
                               reason="hung: no progress for 31 s (bound 30 s); last step 4, phase trained"),
-        steps={"inference": StepRecord(status=RoleState.RUNNING, restarts=1, failures=[
+        launches={"inference": LaunchRecord(status=RoleState.RUNNING, restarts=1, failures=[
             ServerFailure(task=1, replica=1, node="n1", exit_code=0, time=now - 50, action=ServerAction.RESTARTED,
                           reason="server exited with code 0 while the job was running", ready_after_s=70.5)]),
-               "orchestrator": StepRecord(status=RoleState.STOPPED), "trainer": StepRecord(status=RoleState.HUNG)}))
+               "orchestrator": LaunchRecord(status=RoleState.STOPPED), "trainer": LaunchRecord(status=RoleState.HUNG)}))
     import prl.ops.status as status_module
 
     monkeypatch.setattr(status_module, "_slurm_rows", lambda job, notes: ({}, 0))
@@ -813,7 +813,7 @@ def test_a_task_of_a_multi_task_restart_step_logs_into_its_own_rank_log(tmp_path
 
 
 def test_a_server_whose_preflight_fails_for_good_is_not_restarted(tmp_path):
-    """The real step script and role runner: the model has no config.json on the node, so the preflight fails;
+    """The real launch script and role runner: the model has no config.json on the node, so the preflight fails;
     starting the server again on the same node would fail the same way, so the job fails at once, saying why."""
     from prl.planner.prepare import prepare, write_run_files
 
@@ -823,7 +823,7 @@ def test_a_server_whose_preflight_fails_for_good_is_not_restarted(tmp_path):
     run = RunDir(prepared.run_dir)
     run.create_api_key()
     launcher = Launcher(run, launch_module.Plan.read(run), attempt=1, slurm=False, mode="run")
-    launcher.start(launcher.plan.step("inference"))
+    launcher.start(launcher.plan.launch("inference"))
     running = launcher.running["inference"]
     try:
         with pytest.raises(RoleFailed) as info:

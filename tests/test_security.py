@@ -170,7 +170,7 @@ def test_environment_values_never_reach_the_run_directory(tmp_path):
     assert "${oc.env:PRL_TEST_SECRET}" in (run / "topology.yaml").read_text()
     assert mode(run) == 0o700 and all(mode(p) in (0o600, 0o700) for p in written)
 
-    # On the node, the step script reads the variable from the job's environment.
+    # On the node, the launch script reads the variable from the job's environment.
     def exported(script: str, name: str, node_env: dict) -> subprocess.CompletedProcess:
         text = (run / "scripts" / script).read_text()
         body = re.sub(r"^exec .*$", f'printf %s "${name}"', text, flags=re.M)
@@ -232,7 +232,7 @@ def test_env_numbers_are_text_and_ordinary_names_stay_literal(tmp_path):
                                                           "trainer.env.MONKEY_PATCH=1",
                                                           "trainer.env.HF_TOKEN_PATH=/home/me/.hf/token",
                                                           "trainer.env.SSL_KEY_FILE=/etc/ssl/key.pem"], cwd=REPO).plan
-    env = dict(plan.step("trainer").env)
+    env = dict(plan.launch("trainer").env)
     assert env["OMP_NUM_THREADS"] == "4" and env["MONKEY_PATCH"] == "1"
     # A name that says where a secret is kept is no secret itself.
     assert env["HF_TOKEN_PATH"] == "/home/me/.hf/token" and env["SSL_KEY_FILE"] == "/etc/ssl/key.pem"

@@ -47,8 +47,8 @@ def tiny(tmp_path_factory) -> Path:
 
 def test_sft_topology_plans_the_trainer_alone(tmp_path):
     plan = sft_plan(tmp_path / "run", tmp_path / "model")
-    assert [s.name for s in plan.steps] == ["trainer"]
-    assert plan.steps[0].start_after == () and not plan.steps[0].overlap
+    assert [s.name for s in plan.launches] == ["trainer"]
+    assert plan.launches[0].start_after == () and not plan.launches[0].overlap
     assert plan.orchestrator is None and plan.inference == () and plan.servers == () and plan.router_port is None
     assert plan.trainer.world_size == 2 and len(plan.groups) == 1
     settings = plan.settings()
@@ -63,7 +63,7 @@ def test_sft_plan_on_slurm_is_one_component_with_the_trainer_srun(tmp_path):
                       topology="sft-tiny")
     assert [g.name for g in plan.groups] == ["trainer"] and plan.groups[0].nodes == 2
     # One component is a plain job: srun refuses --het-group outside a heterogeneous job.
-    assert not plan.hetjob and plan.steps[0].srun_args[:2] == ("--relative=0", "--nodes=2")
+    assert not plan.hetjob and plan.launches[0].srun_args[:2] == ("--relative=0", "--nodes=2")
     assert plan.trainer.world_size == 4  # 2 nodes x 2 ranks (gpus_per_node on a CPU cluster)
 
 

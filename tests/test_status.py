@@ -17,7 +17,7 @@ from tests.helpers import REPO
 from prl.ops import slurm
 from prl.ops import status as status_module
 from prl.planner.prepare import prepare, write_run_files
-from prl.run.records import Failure, JobRecord, LauncherRecord, PreflightReport, RoleStateRecord, StepRecord
+from prl.run.records import Failure, JobRecord, LauncherRecord, PreflightReport, RoleStateRecord, LaunchRecord
 from prl.run.rundir import RunDir, atomic_write_json
 from prl.ops.status import Status, _launcher_state, _role_status, collect, show
 from prl.states import FAILED_STATES, TERMINAL_STATES, Backend, JobState, LauncherStatus, RoleState, ServerAction
@@ -66,8 +66,8 @@ def test_forgotten_job_without_accounting_uses_the_launcher_record(tmp_path, mon
     run = _run(tmp_path)
     atomic_write_json(run.launcher_state, LauncherRecord(
         status=LauncherStatus.FAILED, attempt=1,
-        steps={"inference": StepRecord(status=RoleState.EXITED, exit_code=0),
-               "orchestrator": StepRecord(status=RoleState.FAILED, exit_code=3)},
+        launches={"inference": LaunchRecord(status=RoleState.EXITED, exit_code=0),
+               "orchestrator": LaunchRecord(status=RoleState.FAILED, exit_code=3)},
         first_failure=Failure(role="orchestrator", exit_code=3, reason="task 0 exited with code 3", time=time.time())))
     log = run.role_log(1, "orchestrator", 0)
     log.parent.mkdir(parents=True)
@@ -114,7 +114,7 @@ def test_the_failure_shows_the_log_of_the_task_that_failed(tmp_path, monkeypatch
     """The task whose preflight failed, else the log written last (srun reports only the step's worst)."""
     run = _run(tmp_path)
     atomic_write_json(run.launcher_state, LauncherRecord(
-        status=LauncherStatus.FAILED, attempt=2, steps={"inference": StepRecord(status=RoleState.FAILED, exit_code=1)},
+        status=LauncherStatus.FAILED, attempt=2, launches={"inference": LaunchRecord(status=RoleState.FAILED, exit_code=1)},
         first_failure=Failure(role="inference", exit_code=1, reason="exited with code 1", time=time.time())))
     for rank in (0, 2, 1, 10):
         log = run.role_log(2, "inference", rank)
@@ -156,7 +156,7 @@ def test_every_launcher_status_has_a_job_state():
 ])
 def test_role_status(launched, own, submitted, ended, want):
     """launched: the launcher's step record's status (None: no record); own: the role's state file's."""
-    step = None if launched is None else StepRecord(status=RoleState(launched))
+    step = None if launched is None else LaunchRecord(status=RoleState(launched))
     state = None if own is None else RoleStateRecord(status=RoleState(own))
     got = _role_status(step, state, submitted, ended)
     assert got == want and (got == "" or isinstance(got, RoleState))
@@ -219,7 +219,7 @@ def test_a_requeued_job_says_how_each_earlier_attempt_ended(tmp_path, monkeypatc
             role="orchestrator", hung=True, time=now - 310,
             reason="hung: no progress for 31 s (bound 30 s); last step 3, phase generating")))
     attempt_2 = LauncherRecord(attempt=2, status=LauncherStatus.STOPPED, ended=now - 60, stop_signal=15,
-                               steps={"trainer": StepRecord(status=RoleState.STOPPED, exit_code=1)})
+                               launches={"trainer": LaunchRecord(status=RoleState.STOPPED, exit_code=1)})
     atomic_write_json(run.attempt_launcher_state(2), attempt_2)
     atomic_write_json(run.launcher_state, attempt_2)
     row = "77+{c}\x1flab\x1f{state}\x1f0:0\x1f0:0\x1f00:01:00\x1fn{c}\x1f{start}\x1f{end}\x1fNone\n"

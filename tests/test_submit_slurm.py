@@ -56,7 +56,7 @@ def test_roles_run_in_order_then_complete(lab, env):
     launcher = json.loads((run / "state" / "launcher.json").read_text())
     # Every role starts at once, in plan order: the servers and the trainer wait for none, the orchestrator waits
     # for the servers itself (docs/jobs.md).
-    starts = [launcher["steps"][r]["started"] for r in ("inference", "orchestrator", "trainer")]
+    starts = [launcher["launches"][r]["started"] for r in ("inference", "orchestrator", "trainer")]
     assert starts == sorted(starts), "roles must start in the launcher's order"
     assert (run / "logs" / "attempt_1" / "trainer" / "rank_1.log").exists()
 

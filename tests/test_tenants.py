@@ -202,12 +202,12 @@ def test_a_pool_plans_its_servers_alone_and_a_run_attaches_to_it(tmp_path, env):
     [server] = planned["servers"]
     args = " ".join(server["args"])
     assert "--tenants --enable-lora --max-lora-rank 8 --max-loras 2 --max-cpu-loras 8" in args, args
-    assert [s["name"] for s in planned["steps"]] == ["inference"]
+    assert [s["name"] for s in planned["launches"]] == ["inference"]
     out = prl_cli(env, "plan", "configs/local-pool-run.yaml", f"run_dir={run}", f"inference.attach={pool}")
     assert f"inference: the pool {pool}" in out.stdout
     attached = plan_json(run)
     assert attached["attach"] == str(pool) and attached["servers"] == [] and attached["pool"] is None
-    assert {s["name"]: s["start_after"] for s in attached["steps"]} == {"orchestrator": [], "trainer": []}
+    assert {s["name"]: s["start_after"] for s in attached["launches"]} == {"orchestrator": [], "trainer": []}
 
 
 @pytest.mark.parametrize("overrides,says", [

@@ -485,7 +485,7 @@ def looks_secret(name: Any) -> bool:
 
 def _keep_env_references(raw: dict[str, Any], source: Source) -> None:
     """Keep secrets off the disk: in `env:` maps, escape `${oc.env:NAME}` so it stays text (a reference the
-    step script resolves on the node); refuse a misspelt reference, an unset variable without a default and
+    launch script resolves on the node); refuse a misspelt reference, an unset variable without a default and
     a default for a secret. Whatever still reads the environment after this is `_check_environment_reads`'s."""
     for path, text in list(_strings(raw)):
         if "${oc.env:" not in text:

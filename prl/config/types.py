@@ -97,7 +97,7 @@ def name_characters(value: str) -> str:
 RESERVED_ENV = ("PRL_RUN_DIR", "PRL_ROLE", "PRL_ATTEMPT", "PRL_ATTEMPT_BASE", "PRL_MODE", "PRL_RESTART", "PRL_TASKS",
                 "PRL_TASK", "PRL_NODE", "PRL_INFERENCE_API_KEY", "CUDA_VISIBLE_DEVICES", "VLLM_NIXL_SIDE_CHANNEL_HOST",
                 "VLLM_NIXL_SIDE_CHANNEL_PORT")
-"""Variables prl sets for each role (the step scripts, the launcher and the role runner): an `env:` map may not
+"""Variables prl sets for each role (the launch scripts, the launcher and the role runner): an `env:` map may not
 set them, since one of the two values would silently lose. Slurm's own `SLURM_*` are refused as well."""
 _RESERVED_ENV = rf"(?!SLURM_)(?!(?:{'|'.join(RESERVED_ENV)})\Z)"
 

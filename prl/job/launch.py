@@ -37,8 +37,8 @@ from typing import Any
 
 from prl.errors import ConfigError, RunDirError, SlurmError, child_exit, disk_full, run_entry, signal_exit
 from prl.log import get_logger, init_logging
-from prl.planner.model import START_TIMEOUT_S, Plan, Step
-from prl.run.records import (DiskFull, Failure, LauncherRecord, ServerFailure, StepRecord, StopRequest, TaskExit,
+from prl.planner.model import START_TIMEOUT_S, Plan, Launch
+from prl.run.records import (DiskFull, Failure, LauncherRecord, ServerFailure, LaunchRecord, StopRequest, TaskExit,
                               server_exit_reason)
 from prl.run.rundir import RunDir, atomic_write_json, current_attempt, pid_alive
 from prl.states import (HEARTBEAT_ROLES, LAUNCHER_ENDED, SERVER_ROLES, TERMINAL_STATES, Backend, JobState,
@@ -72,7 +72,7 @@ class Stopped(Exception):
 
 @dataclass
 class Running:
-    step: Step
+    launch: Launch
     procs: list[subprocess.Popen] = field(default_factory=list)
     exit_code: int | None = None
     task_proc: dict[int, subprocess.Popen] = field(default_factory=dict)
@@ -85,11 +85,11 @@ class Running:
 
     @property
     def name(self) -> str:
-        return self.step.name
+        return self.launch.name
 
     @property
     def tasks(self) -> int:
-        return self.step.tasks
+        return self.launch.tasks
 
     def poll(self) -> int | None:
         """None while any process runs; else the first non-zero exit code (or 0)."""
@@ -184,27 +184,27 @@ class Launcher:
         self.give_back_reserve()
         return f"; the run directory's disk is full ({_mib(self.state.disk_full.free_bytes)} free)"
 
-    def note_step(self, name: str, **fields: Any) -> None:
-        """Set `fields` (of `StepRecord`) in the role's step record and save."""
-        step = self.state.steps.setdefault(name, StepRecord())
+    def note_launch(self, name: str, **fields: Any) -> None:
+        """Set `fields` (of `LaunchRecord`) in the role's launch record and save."""
+        launch = self.state.launches.setdefault(name, LaunchRecord())
         for key, value in fields.items():
-            setattr(step, key, value)
+            setattr(launch, key, value)
         self.save()
 
     # -- starting roles
-    def start(self, step: Step) -> None:
-        running = Running(step)
-        self.run.role_logs_dir(self.attempt, step.name).mkdir(parents=True, exist_ok=True)
+    def start(self, launch: Launch) -> None:
+        running = Running(launch)
+        self.run.role_logs_dir(self.attempt, launch.name).mkdir(parents=True, exist_ok=True)
         self.spawn(running, list(range(running.tasks)))
-        self.running[step.name] = running
-        log.info(f"started {step.name} ({running.tasks} task(s))")
-        self.note_step(step.name, started=time.time(), tasks=running.tasks, status=RoleState.RUNNING)
+        self.running[launch.name] = running
+        log.info(f"started {launch.name} ({running.tasks} task(s))")
+        self.note_launch(launch.name, started=time.time(), tasks=running.tasks, status=RoleState.RUNNING)
 
     def spawn(self, running: Running, tasks: list[int], restart: int = 0, nodes: list[str] | None = None) -> None:
         """Start `tasks` of a step: all of them (one srun, or one process each locally), or, on a restart,
         the tasks of one failed server (a new srun step on the nodes they ran on)."""
-        step = running.step
-        script = str(self.run.path(step.script))
+        launch = running.launch
+        script = str(self.run.path(launch.script))
         env = {**os.environ, "PRL_ATTEMPT": str(self.attempt), "PRL_MODE": self.mode, "PRL_RESTART": str(restart)}
         now = time.time()
         if self.slurm:
@@ -212,12 +212,12 @@ class Launcher:
                 env["PRL_TASKS"] = ",".join(map(str, tasks))
                 # srun numbers a restart step's tasks from 0: several tasks log to restart_N_%t.log until
                 # the role runner moves its output to its own rank log (`into_rank_log`).
-                output = str(self.run.role_log(self.attempt, step.name, tasks[0]) if len(tasks) == 1
-                             else self.run.role_logs_dir(self.attempt, step.name) / f"restart_{restart}_%t.log")
-                argv = ["srun", *restart_srun_args(step.srun_args, nodes or []), f"--output={output}",
+                output = str(self.run.role_log(self.attempt, launch.name, tasks[0]) if len(tasks) == 1
+                             else self.run.role_logs_dir(self.attempt, launch.name) / f"restart_{restart}_%t.log")
+                argv = ["srun", *restart_srun_args(launch.srun_args, nodes or []), f"--output={output}",
                         "--open-mode=append", "bash", script]
             else:
-                argv = ["srun", *step.srun_args, f"--output={self.run.task_log_pattern(self.attempt, step.name)}",
+                argv = ["srun", *launch.srun_args, f"--output={self.run.task_log_pattern(self.attempt, launch.name)}",
                         "--open-mode=append", "bash", script]
             proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
             running.procs.append(proc)
@@ -225,8 +225,8 @@ class Launcher:
                 running.task_proc[t], running.task_started[t] = proc, now
             return
         for task in tasks:
-            output = open(self.run.role_log(self.attempt, step.name, task), "ab")
-            task_env = {**env, "PRL_TASK": str(task), "PRL_NODE": str(task // step.ntasks_per_node)}
+            output = open(self.run.role_log(self.attempt, launch.name, task), "ab")
+            task_env = {**env, "PRL_TASK": str(task), "PRL_NODE": str(task // launch.ntasks_per_node)}
             proc = subprocess.Popen(["bash", script], env=task_env, stdout=output, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
             output.close()
@@ -256,7 +256,7 @@ class Launcher:
             if code != 0:
                 code, task = self.first_task_failure(name, running.tasks, code)
                 running.exit_code = code
-                self.note_step(name, exit_code=code)
+                self.note_launch(name, exit_code=code)
                 where = f"task {task} " if task is not None else ""
                 raise RoleFailed(name, code, f"{where}exited with code {code}")
             log.info(f"{name} exited 0")
@@ -338,16 +338,16 @@ class Launcher:
             log.warning(f"restarting {running.name} replica {replica} (tasks {tasks}, restart "
                         f"{running.restarts}/{self.plan.failure_policy(running.name).max_restarts})")
             self.spawn(running, tasks, restart=running.restarts, nodes=nodes)
-            self.note_step(running.name, restarts=running.restarts)
+            self.note_launch(running.name, restarts=running.restarts)
 
     def _record_event(self, running: Running, event: ServerFailure) -> None:
-        self.state.steps.setdefault(running.name, StepRecord()).failures.append(event)
+        self.state.launches.setdefault(running.name, LaunchRecord()).failures.append(event)
         self.save()
 
     def note_restarted_ready(self, running: Running) -> None:
         """Time each restarted server until it is ready again (the orchestrator may then use it)."""
         changed = False
-        for event in self.state.step(running.name).failures:
+        for event in self.state.launch(running.name).failures:
             if event.action == ServerAction.RESTARTING and event.restarted is not None and event.ready_after_s is None:
                 marker = self.run.read_ready(running.name, event.task)
                 if marker is not None and marker.time >= event.restarted:
@@ -402,7 +402,7 @@ class Launcher:
             age = now - beat
             if age > bound:
                 where = f" on rank {rank}" if rank else ""
-                self.note_step(name, status=RoleState.HUNG, hung_at=now, last_heartbeat=beat, hung_rank=rank,
+                self.note_launch(name, status=RoleState.HUNG, hung_at=now, last_heartbeat=beat, hung_rank=rank,
                                last_step=step, last_phase=phase, hang_bound_s=bound)
                 raise RoleHung(name, 1, f"hung: no progress{where} for {age:.0f} s (bound {bound:.0f} s); "
                                         f"last step {_or_dash(step)}, phase {_or_dash(phase)}")
@@ -442,7 +442,7 @@ class Launcher:
     def wait_done(self) -> None:
         """Until the trainer (the last step) is done, or, in a preflight (every role only checks and holds, the
         trainer started with the first roles), until every role is."""
-        last = self.plan.steps[-1].name
+        last = self.plan.launches[-1].name
         while True:
             self.check()
             if self.running[last].exit_code == 0 and self.mode == "run":
@@ -455,7 +455,7 @@ class Launcher:
     def note_exit(self, name: str, running: Running, code: int) -> None:
         """Record a role's own exit (EXITED for 0, else FAILED)."""
         running.exit_code = code
-        self.note_step(name, exit_code=code, ended=time.time(),
+        self.note_launch(name, exit_code=code, ended=time.time(),
                        status=RoleState.EXITED if code == 0 else RoleState.FAILED)
 
     def let_end(self) -> None:
@@ -504,7 +504,7 @@ class Launcher:
             if running.exit_code is None:
                 code = running.poll()
                 running.exit_code = code
-                record = self.state.steps[name]
+                record = self.state.launches[name]
                 record.exit_code, record.ended = code, time.time()
                 if record.status != RoleState.HUNG:
                     record.status = RoleState.STOPPED
@@ -577,12 +577,12 @@ class Launcher:
             return self.finish(LauncherStatus.STOPPED, signal_exit(signal.SIGTERM))
         self.start_wandb()
         try:
-            for step in start_order(self.plan.steps):
-                if not step.waits_itself:
-                    self.wait_ready(step.start_after)
-                self.start(step)
+            for launch in start_order(self.plan.launches):
+                if not launch.waits_itself:
+                    self.wait_ready(launch.start_after)
+                self.start(launch)
             # The roles a role waits for itself: ready within the bound all the same, or named as the failure.
-            self.wait_ready(sorted({name for step in self.plan.steps for name in step.start_after}))
+            self.wait_ready(sorted({name for launch in self.plan.launches for name in launch.start_after}))
             self.state.status = LauncherStatus.RUNNING
             self.save()
             self.wait_done()
@@ -646,11 +646,11 @@ class Launcher:
         return code
 
 
-def start_order(steps: Sequence[Step]) -> list[Step]:
-    """The plan's steps, those the launcher makes wait for no role first (plan order otherwise): the trainer, which
+def start_order(launches: Sequence[Launch]) -> list[Launch]:
+    """The plan's launches, those the launcher makes wait for no role first (plan order otherwise): the trainer, which
     waits for rollouts itself, and the orchestrator, which waits for the servers' endpoints itself, start with the
     servers rather than behind them."""
-    return sorted(steps, key=lambda step: bool(step.start_after) and not step.waits_itself)
+    return sorted(launches, key=lambda launch: bool(launch.start_after) and not launch.waits_itself)
 
 
 def _or_dash(value: Any) -> str:
@@ -705,10 +705,10 @@ def launch(run_dir: str) -> int:
     run.reset_attempt_state()
     if not run.make_reserve():
         log.warning(f"no room for the launcher's disk reserve in {run.root} ({_mib(run.free_bytes())} free)")
-    for step in plan.steps:
-        state = run.read_state(step.name)
+    for launch in plan.launches:
+        state = run.read_state(launch.name)
         if state and state.status == RoleState.RUNNING and (state.attempt or 0) < attempt:
-            run.write_state(step.name, status=RoleState.INTERRUPTED)
+            run.write_state(launch.name, status=RoleState.INTERRUPTED)
     launcher = Launcher(run, plan, attempt, slurm, os.environ.get("PRL_MODE", "run"))
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -66,7 +66,7 @@ def visible_gpus() -> int | None:
 
 
 def _gpus(plan: Plan, role: str) -> list[PreflightCheck]:
-    expected = plan.step(role).gpus_per_node
+    expected = plan.launch(role).gpus_per_node
     if expected == 0:
         return [PreflightCheck("gpus", "ok", "this role uses no GPUs")]
     if os.environ.get("PRL_DEVICE") == "cpu":

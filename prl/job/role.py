@@ -1,4 +1,4 @@
-"""One task of one role, started by a step script: preflight first, then the role's work.
+"""One task of one role, started by a launch script: preflight first, then the role's work.
 
     python -m prl.job.role ROLE --run-dir RUN
 

@@ -28,7 +28,7 @@ QUIET_AFTER_END = 2.0
 def default_role(run: RunDir, plan: Plan) -> str:
     launcher = run.read_launcher()
     failure = launcher.first_failure if launcher else None
-    return failure.role if failure else plan.steps[-1].name
+    return failure.role if failure else plan.launches[-1].name
 
 
 def log_path(run: RunDir, role: str, rank: int, attempt: int | None) -> Path:

@@ -109,11 +109,11 @@ class RoleWatch:
 
     def poll(self, elapsed: float) -> None:
         launcher = self.run.read_launcher()
-        for role, step in (launcher.steps if launcher else {}).items():
-            state = step.status.value if step.status else None
+        for role, launch in (launcher.launches if launcher else {}).items():
+            state = launch.status.value if launch.status else None
             if state and self.seen.get(role) != state:
                 self.seen[role] = state
-                code = f" (exit code {step.exit_code})" if step.exit_code else ""
+                code = f" (exit code {launch.exit_code})" if launch.exit_code else ""
                 self.say(f"[{elapsed:5.0f} s] {role}: {state}{code}")
 
 

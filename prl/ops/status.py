@@ -23,8 +23,8 @@ from typing import Any, Literal
 import msgspec
 
 from prl.errors import ConfigError, SlurmError
-from prl.planner.model import Plan, Step
-from prl.run.records import Failure, JobRecord, LauncherRecord, RoleStateRecord, ServerFailure, StepRecord
+from prl.planner.model import Plan, Launch
+from prl.run.records import Failure, JobRecord, LauncherRecord, RoleStateRecord, ServerFailure, LaunchRecord
 from prl.run.rundir import RunDir, pid_alive
 from prl.ops.registry import entries, registry_path
 from prl.states import TERMINAL_STATES, Backend, JobState, LauncherStatus, Role, RoleState, ServerAction
@@ -153,7 +153,7 @@ def _launcher_state(status: LauncherStatus | None, cancelled: bool) -> JobState:
     return _LAUNCHER_TO_JOB.get(status, JobState.CANCELLED if cancelled else JobState.STOPPED)
 
 
-def _role_status(launched: StepRecord | None, role_state: RoleStateRecord | None, submitted: bool,
+def _role_status(launched: LaunchRecord | None, role_state: RoleStateRecord | None, submitted: bool,
                  ended: bool) -> RoleState | str:
     """The launcher's view of a role, else the role's own; a role still 'running' in a job that ended was killed."""
     status = (launched and launched.status) or (role_state and role_state.status) or ""
@@ -174,7 +174,7 @@ def collect(run: RunDir) -> Status:
     backend = job.backend if job else "none"
     rows, commands = _slurm_rows(job, notes) if job and job.backend == Backend.SLURM else (None, 0)
     state = _job_state(job, launcher, rows, notes)
-    roles = [_role_row(run, plan, step, job, launcher, rows, state) for step in plan.steps]
+    roles = [_role_row(run, plan, launch, job, launcher, rows, state) for launch in plan.launches]
     _disk_note(run, launcher, notes)
     earlier = _earlier_attempts(run, job, launcher, state)
     if earlier and job and job.backend == Backend.SLURM:
@@ -291,16 +291,16 @@ def _job_state(job: JobRecord | None, launcher: LauncherRecord | None, rows: dic
     return _launcher_state(status, cancelled)
 
 
-def _role_row(run: RunDir, plan: Plan, step: Step, job: JobRecord | None, launcher: LauncherRecord | None,
+def _role_row(run: RunDir, plan: Plan, launch: Launch, job: JobRecord | None, launcher: LauncherRecord | None,
               rows: dict[str, Any] | None, state: JobState) -> RoleRow:
     slurm_job = job is not None and job.backend == Backend.SLURM
-    component = (f"{job.job_id}+{step.group}" if plan.hetjob else job.job_id) if slurm_job else ""
+    component = (f"{job.job_id}+{launch.group}" if plan.hetjob else job.job_id) if slurm_job else ""
     slurm_row = (rows or {}).get(component) if slurm_job else None
-    role_state = run.read_state(step.name)
-    launched = launcher.steps.get(step.name) if launcher else None
+    role_state = run.read_state(launch.name)
+    launched = launcher.launches.get(launch.name) if launcher else None
     heartbeat = role_state.heartbeat if role_state else None
     return RoleRow(
-        role=step.name, component=component,
+        role=launch.name, component=component,
         slurm_state=slurm_row.state if slurm_row else (JobState.UNKNOWN if rows is None and slurm_job else ""),
         nodes=slurm_row.nodes if slurm_row else "",
         elapsed=slurm_row.elapsed if slurm_row else None,
@@ -322,7 +322,7 @@ def _last_step(records: list[dict[str, Any]]) -> int | None:
 def _progress(run: RunDir, plan: Plan) -> dict[str, Any]:
     if plan.pool is not None:
         return {}  # an inference pool trains nothing: its attached runs show theirs
-    if not any(step.name == Role.ORCHESTRATOR for step in plan.steps):
+    if not any(launch.name == Role.ORCHESTRATOR for launch in plan.launches):
         # SFT: the trainer alone, weights only with checkpoints; its own records say where it is.
         last = next(iter(reversed(run.read_metrics(Role.TRAINER))), {})
         return {"trainer_step": last.get("step"), "last_loss": last.get("loss"), "epoch": last.get("epoch"),

@@ -61,7 +61,7 @@ def _job_record(prepared: Prepared, backend: Backend, job_id: str, mode: str, ho
     return JobRecord(
         job_id=job_id, name=plan.name, backend=backend, cluster=plan.cluster, mode=mode, hold=hold,
         hetjob=plan.hetjob, attempt_base=attempt_base, components={str(g.index): g.name for g in plan.groups},
-        steps={s.name: s.group for s in plan.steps}, submitted=time.time(), topology=str(topology.resolve()),
+        launches={s.name: s.group for s in plan.launches}, submitted=time.time(), topology=str(topology.resolve()),
         overrides=list(overrides), run_dir=plan.run_dir, scripts=scripts,
     )
 

@@ -57,7 +57,7 @@ class EvalTask:
 
 def role_env(pairs: tuple[tuple[str, str], ...], environ: dict[str, str]) -> dict[str, str]:
     """A step's `env:` with its `${oc.env:NAME[,default]}` references read from `environ`, as its
-    step script does on the node (prl.planner.render.env_value)."""
+    launch script does on the node (prl.planner.render.env_value)."""
     from prl.config.loader import ENV_REFERENCE, reference_default
 
     def value(ref) -> str:
@@ -95,8 +95,8 @@ def evaluate_step(task: EvalTask) -> list[dict[str, Any]]:
     key = secrets.token_urlsafe(24)
     log_path = run.eval_log(task.step)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    step = next(st for st in plan.steps if st.name == served.step)
-    env = {**dict(served.env), **os.environ, **role_env(step.env, dict(os.environ)), "PRL_ROLE": Role.INFERENCE,
+    launch = plan.launch(served.launch)
+    env = {**dict(served.env), **os.environ, **role_env(launch.env, dict(os.environ)), "PRL_ROLE": Role.INFERENCE,
            KEY_VAR: key}
 
     def argv(port: int) -> list[str]:

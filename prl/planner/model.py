@@ -26,7 +26,7 @@ from prl.states import SCORER_ROLES, Role
 if TYPE_CHECKING:
     from prl.planner.settings import RunSettings
 
-PLAN_FORMAT = "prl.plan/3"
+PLAN_FORMAT = "prl.plan/4"
 """Bumped whenever a field changes meaning: a role refuses a plan.json of another format."""
 
 def node_address(plan: Plan) -> str:
@@ -224,7 +224,7 @@ class OrchestratorPlan(Frozen, kw_only=True):
     """Environment worker processes (`orchestrator.env_workers`; 0: rollouts run in the orchestrator's process)."""
 
 
-class Step(Frozen, kw_only=True):
+class Launch(Frozen, kw_only=True):
     """One `srun` of the job: a role on some nodes of a group."""
 
     name: Role
@@ -243,7 +243,7 @@ class Step(Frozen, kw_only=True):
     health: Literal["http", "heartbeat"]
     """`http`: every head server answers /health; `heartbeat`: the role's state file says ready."""
     script: str
-    """Step script, relative to the run directory."""
+    """Launch script, relative to the run directory."""
     env: tuple[tuple[str, str], ...]
     srun_args: tuple[str, ...] = ()
     """`srun` options that place this step (empty for local runs)."""
@@ -279,7 +279,7 @@ class ContainerPlan(Frozen, kw_only=True):
     workdir: Optional[str]
 
     def srun_args(self) -> tuple[str, ...]:
-        """pyxis's srun options that run a step in this container (the RL job's steps, eval array tasks)."""
+        """pyxis's srun options that run a step in this container (the RL job's launches, eval array tasks)."""
         args = (f"--container-image={self.image}", f"--container-mounts={','.join(self.mounts)}")
         return args + ((f"--container-workdir={self.workdir}",) if self.workdir else ())
 
@@ -306,16 +306,16 @@ class EvalServer(Frozen, kw_only=True):
 
     args: tuple[str, ...]
     """Its vLLM flags but the model, the name it answers to and where it listens (the sweep adds those)."""
-    step: Role
-    """The step whose env the server runs with."""
+    launch: Role
+    """The role whose launch env the server runs with."""
     group: int
     """The hetjob group whose directives (partition, account, GPUs) the evaluation array takes."""
     env: tuple[tuple[str, str], ...] = ()
-    """Environment the server gets unless the step's env or the caller's sets it."""
+    """Environment the server gets unless the launch's env or the caller's sets it."""
 
 
 class Plan(Frozen, kw_only=True):
-    format: Literal["prl.plan/3"] = PLAN_FORMAT
+    format: Literal["prl.plan/4"] = PLAN_FORMAT
     name: str
     job_name: str
     cluster: str
@@ -335,7 +335,7 @@ class Plan(Frozen, kw_only=True):
     """None for an inference pool (`pool`)."""
     orchestrator: Optional[OrchestratorPlan]
     """None for an SFT job (the trainer alone)."""
-    steps: tuple[Step, ...]
+    launches: tuple[Launch, ...]
     batch_directives: tuple[str, ...]
     """`#SBATCH` options for the whole job (name, output, time, signal, requeue)."""
     setup: tuple[str, ...]
@@ -370,22 +370,22 @@ class Plan(Frozen, kw_only=True):
 
     def eval_server(self) -> EvalServer:
         """What an evaluation server of this run's weights takes: what one server of the first inference role's
-        model takes on its own (`InferenceRole.lone_args`), its step's env and its group; for a trainer-only (SFT)
+        model takes on its own (`InferenceRole.lone_args`), its launch's env and its group; for a trainer-only (SFT)
         run, the model's own settings (dtype, context length, tokenizer) with the trainer's env, on a node of the
         trainer's group."""
         head = next((s for s in self.servers if s.head), None)
         if head is not None:
             role = next(r for r in self.inference if r.name == head.role)
-            return EvalServer(args=role.lone_args, step=head.role, group=head.group)
+            return EvalServer(args=role.lone_args, launch=head.role, group=head.group)
         model = self.settings().model
         args = ("--dtype", model.dtype, "--max-model-len", str(model.max_model_len))
         args += ("--tokenizer", model.tokenizer) if model.tokenizer else ()
         if self.trainer.device != "cpu":
-            return EvalServer(args=args, step=Role.TRAINER, group=self.trainer.group)
+            return EvalServer(args=args, launch=Role.TRAINER, group=self.trainer.group)
         # On CPU nodes as the shipped CPU topologies serve: no compile warm-up (half of a start there), and a
         # KV cache of its own size (vLLM's CPU default reserves 92% of the node's memory and refuses to start
         # when less is free).
-        return EvalServer(args=args + ("--enforce-eager",), step=Role.TRAINER, group=self.trainer.group,
+        return EvalServer(args=args + ("--enforce-eager",), launch=Role.TRAINER, group=self.trainer.group,
                           env=(("VLLM_CPU_KVCACHE_SPACE", "2"),))
 
     def settings(self) -> RunSettings:
@@ -401,16 +401,16 @@ class Plan(Frozen, kw_only=True):
             raise RunDirError(f"no plan in {run.root}: {run.plan_json} is missing (run `prl plan` first)") from None
         return cls.from_json(text, str(run.plan_json))
 
-    def step(self, name: str) -> Step:
-        """The step of role `name`; ConfigError naming the run's roles when it has none."""
-        for s in self.steps:
+    def launch(self, name: str) -> Launch:
+        """The launch of role `name`; ConfigError naming the run's roles when it has none."""
+        for s in self.launches:
             if s.name == name:
                 return s
         raise ConfigError(f"no role {name!r} in this run; its roles are {', '.join(self.role_names)}")
 
     @property
     def role_names(self) -> tuple[str, ...]:
-        return tuple(s.name for s in self.steps)
+        return tuple(s.name for s in self.launches)
 
     def scorer_roles(self) -> tuple[str, ...]:
         """The scoring server roles this run has (`teacher`, `reference`), in order."""

@@ -51,7 +51,7 @@ from prl.planner.model import (
     Plan,
     PoolPlan,
     Server,
-    Step,
+    Launch,
     Totals,
     TrainerPlan,
     derive_mesh,
@@ -116,7 +116,7 @@ class Layout:
     """What the placement steps build up, in het-group order."""
 
     groups: list[Group] = field(default_factory=list)
-    steps: list[Step] = field(default_factory=list)
+    launches: list[Launch] = field(default_factory=list)
     node_offset: int = 0
 
     def add_group(self, cluster: ClusterProfile, name: str, partition: Optional[str], nodes: int, ntasks: int,
@@ -433,7 +433,7 @@ def place_inference(check: Checker, topo: Topology, layout: Layout, common_env: 
                                       address_from_head=nodes_per_replica > 1, model=served.model,
                                       served_name=served.name, adapters=served.adapters, args=args))
                 task += 1
-        layout.steps.append(Step(name=role, group=g.index, nodes=group.nodes, ntasks_per_node=per_node,
+        layout.launches.append(Launch(name=role, group=g.index, nodes=group.nodes, ntasks_per_node=per_node,
                                  cpus_per_task=cpus, gpus_per_node=gpn, overlap=False, start_after=(),
                                  health="http", script=f"scripts/{role}.sh",
                                  env=merged_env(common_env, group.env, {"PRL_ROLE": role})))
@@ -451,7 +451,7 @@ def place_router(check: Checker, topo: Topology, layout: Layout, common_env: dic
     if not topo.inference.disaggregated:
         return None
     port = topo.inference.router.port or check.cluster.port_base + ROUTER_PORT_OFFSET
-    layout.steps.append(Step(name=Role.ROUTER, group=0, nodes=1, ntasks_per_node=1, cpus_per_task=2, gpus_per_node=0,
+    layout.launches.append(Launch(name=Role.ROUTER, group=0, nodes=1, ntasks_per_node=1, cpus_per_task=2, gpus_per_node=0,
                              overlap=True, start_after=KV_ROLES, health="http",
                              script="scripts/router.sh", env=merged_env(common_env, {"PRL_ROLE": Role.ROUTER})))
     if check.cluster.gpu_node.gpus and topo.inference.kv_connector.name == "ExampleConnector":
@@ -498,7 +498,7 @@ def place_orchestrator(check: Checker, topo: Topology, layout: Layout, common_en
             raise check.fail((Role.ORCHESTRATOR, "cpus"), (
                 f"orchestrator asks for {cpus} CPUs on a {orch.placement} node, which has {cluster.gpu_node.cpus} "
                 f"on cluster '{cluster.name}'"))
-    layout.steps.append(Step(name=Role.ORCHESTRATOR, group=group, nodes=1, ntasks_per_node=1, cpus_per_task=cpus,
+    layout.launches.append(Launch(name=Role.ORCHESTRATOR, group=group, nodes=1, ntasks_per_node=1, cpus_per_task=cpus,
                              gpus_per_node=0, overlap=orch.placement != "own", start_after=after,
                              waits_itself=True, health="heartbeat", script="scripts/orchestrator.sh", env=env))
     if orch.env_workers + 1 > cpus:
@@ -549,7 +549,7 @@ def place_trainer(check: Checker, topo: Topology, layout: Layout, common_env: di
     nodes, procs, mesh = trainer_mesh(check, topo)
     gpus = procs if cluster.gpu_node.gpus else 0
     group = layout.add_group(cluster, Role.TRAINER, cluster.partitions.trainer, nodes, 1, cluster.gpu_node.cpus, gpus)
-    layout.steps.append(Step(name=Role.TRAINER, group=group.index, nodes=nodes, ntasks_per_node=1,
+    layout.launches.append(Launch(name=Role.TRAINER, group=group.index, nodes=nodes, ntasks_per_node=1,
                              cpus_per_task=cluster.gpu_node.cpus, gpus_per_node=gpus,
                              overlap=orchestrator is not None and orchestrator.placement == Role.TRAINER,
                              start_after=(), health="heartbeat", script="scripts/trainer.sh",
@@ -797,8 +797,8 @@ def finish_groups(check: Checker, layout: Layout, common: list[str], orchestrato
     return [msgspec.structs.replace(g, directives=single if g.index == 0 else ()) for g in groups]
 
 
-def place_steps(cluster: ClusterProfile, hetjob: bool, steps: list[Step], groups: list[Group], run_dir: str
-                ) -> list[Step]:
+def place_launches(cluster: ClusterProfile, hetjob: bool, steps: list[Launch], groups: list[Group], run_dir: str
+                ) -> list[Launch]:
     """Each step's srun placement (Slurm clusters only)."""
     if not cluster.slurm:
         return steps
@@ -864,12 +864,12 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
         served_model_name=topo.name, network_interface=cluster.network.interface,
         groups=tuple(groups), inference=tuple(roles), servers=tuple(servers), router_port=router_port,
         trainer=trainer, orchestrator=orchestrator,
-        steps=tuple(place_steps(cluster, hetjob, layout.steps, groups, run_dir)),
+        launches=tuple(place_launches(cluster, hetjob, layout.launches, groups, run_dir)),
         batch_directives=tuple(batch), setup=setup_lines(cluster), container=container_plan(cluster, run_dir),
         settings_json=msgspec.Raw(RunSettings.of(topo).to_json()),
         grace_seconds=cluster.requeue.grace_seconds, requeue=cluster.requeue.enabled,
         totals=totals(groups, servers, roles, trainer), warnings=tuple(check.warnings),
-        on_failure=failure_policies(topo, layout.steps), hang_timeout_s=topo.training.hang_timeout_s,
+        on_failure=failure_policies(topo, layout.launches), hang_timeout_s=topo.training.hang_timeout_s,
         attach=topo.inference.attach if topo.inference is not None else None,
     )
 
@@ -905,12 +905,12 @@ def make_pool_plan(check: Checker, topo: Topology, run_dir: str, model_config: O
         hetjob=False, run_dir=run_dir, python=cluster.python, served_model_name=topo.name,
         network_interface=cluster.network.interface, groups=tuple(groups), inference=tuple(roles),
         servers=tuple(servers), router_port=None, trainer=None, orchestrator=None,
-        steps=tuple(place_steps(cluster, False, layout.steps, groups, run_dir)),
+        launches=tuple(place_launches(cluster, False, layout.launches, groups, run_dir)),
         batch_directives=tuple(batch), setup=setup_lines(cluster), container=container_plan(cluster, run_dir),
         settings_json=msgspec.Raw(RunSettings.of(topo).to_json()),
         grace_seconds=cluster.requeue.grace_seconds, requeue=cluster.requeue.enabled,
         totals=totals(groups, servers, roles, None), warnings=tuple(check.warnings),
-        on_failure=failure_policies(topo, layout.steps),
+        on_failure=failure_policies(topo, layout.launches),
         pool=PoolPlan(model=topo.model.path, max_loras=pool.max_loras, max_lora_rank=pool.max_lora_rank),
     )
 
@@ -923,11 +923,11 @@ def place_rl_roles(check: Checker, topo: Topology, layout: Layout, common_env: d
     roles, servers = place_inference(check, topo, layout, common_env, run_dir)
     router_port = place_router(check, topo, layout, common_env)
     check_kv_offload(check, topo, roles)
-    orchestrator = place_orchestrator(check, topo, layout, common_env, tuple(s.name for s in layout.steps))
+    orchestrator = place_orchestrator(check, topo, layout, common_env, tuple(s.name for s in layout.launches))
     return roles, servers, router_port, orchestrator
 
 
-def failure_policies(topo: Topology, steps: list[Step]) -> tuple[FailurePolicy, ...]:
+def failure_policies(topo: Topology, steps: list[Launch]) -> tuple[FailurePolicy, ...]:
     """Each role's `on_failure`: the inference one for every server role; the router and the rest fail."""
     out = []
     for step in steps:
@@ -1028,7 +1028,7 @@ def container_args(cluster: ClusterProfile, run_dir: str) -> tuple[str, ...]:
     return c.srun_args() if c is not None else ()
 
 
-def srun_args(step: Step, group: Group, cluster: ClusterProfile, hetjob: bool, container: tuple[str, ...]
+def srun_args(step: Launch, group: Group, cluster: ClusterProfile, hetjob: bool, container: tuple[str, ...]
               ) -> tuple[str, ...]:
     """Where one step runs: its het group (or node range) and its tasks. Passed to srun as argv, never a shell."""
     args = [f"--het-group={step.group}"] if hetjob else [f"--relative={group.node_offset}"]

@@ -1,4 +1,4 @@
-"""Plan -> the files of a run: the sbatch script, one step script per role, plan.json.
+"""Plan -> the files of a run: the sbatch script, one launch script per role, plan.json.
 
 Templates in `templates/` only lay out what the plan holds (StrictUndefined, no
 logic). Every value that reaches a shell goes through the `q` filter
@@ -61,9 +61,9 @@ def render(plan: Plan, topology_yaml: str) -> dict[str, str]:
     }
     if plan.slurm:
         files[JOB_SCRIPT] = env.get_template("job.sbatch.j2").render(**context)
-    step_template = env.get_template("step.sh.j2")
-    for step in plan.steps:
-        files[step.script] = step_template.render(step=step, **context)
+    launch_template = env.get_template("launch.sh.j2")
+    for launch in plan.launches:
+        files[launch.script] = launch_template.render(launch=launch, **context)
     return files
 
 

@@ -32,30 +32,30 @@ def placement_table(plan: Plan) -> Table:
         table.add_column(col, justify="right" if col in ("nodes", "GPUs/node", "tasks/node") else "left",
                          no_wrap=col != "waits for")
     roles = {r.name: r for r in plan.inference}
-    for step in plan.steps:
-        group = plan.groups[step.group]
+    for launch in plan.launches:
+        group = plan.groups[launch.group]
         where = str(group.index) if plan.hetjob and plan.slurm else f"{group.node_offset}-{group.node_offset + group.nodes - 1}"
         parallel, ports = "", "-"
-        if step.name in roles:
-            r = roles[step.name]
+        if launch.name in roles:
+            r = roles[launch.name]
             parallel = f"{r.replicas} x (tp{r.tp} dp{r.dp}{' ep' if r.expert_parallel else ''})"
-            ports = _ports([s.port for s in plan.role_servers(step.name) if s.head and s.port is not None])
-            side = plan.role_side_channel_ports(step.name)
+            ports = _ports([s.port for s in plan.role_servers(launch.name) if s.head and s.port is not None])
+            side = plan.role_side_channel_ports(launch.name)
             if side:
                 ports += f" (nixl {_ports(side)})"
-        elif step.name == Role.TRAINER:
+        elif launch.name == Role.TRAINER:
             m = plan.trainer.mesh
             parallel = f"rep{m.dp_replicate} shard{m.dp_shard} cp{m.cp} ep{m.ep}"
             ports = f"{plan.trainer.master_port} (rdzv)"
             if plan.trainer.weight_ports:
                 ports += f" (weights {_ports(list(plan.trainer.weight_ports))})"
-        elif step.name == Role.ROUTER:
+        elif launch.name == Role.ROUTER:
             ports = str(plan.router_port)
-        elif step.name == Role.ORCHESTRATOR:
-            parallel = "shares node" if step.overlap else ""
+        elif launch.name == Role.ORCHESTRATOR:
+            parallel = "shares node" if launch.overlap else ""
         # A role that waits itself starts with the first roles; the others start once what they wait for is ready.
-        waits = ", ".join(step.start_after) + (" (starts alongside)" if step.waits_itself and step.start_after else "")
-        table.add_row(where, step.name, str(step.nodes), str(step.gpus_per_node), str(step.ntasks_per_node),
+        waits = ", ".join(launch.start_after) + (" (starts alongside)" if launch.waits_itself and launch.start_after else "")
+        table.add_row(where, launch.name, str(launch.nodes), str(launch.gpus_per_node), str(launch.ntasks_per_node),
                       parallel, ports, waits or "-")
     return table
 

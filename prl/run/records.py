@@ -37,8 +37,9 @@ from msgspec import Meta
 from prl.errors import RunDirError
 from prl.states import Backend, LauncherStatus, Role, RoleState, ServerAction
 
-RECORD_VERSION = 1
-"""The version of every record written now; bumped whenever a field changes meaning."""
+RECORD_VERSION = 2
+"""The version of every record written now; bumped whenever a field changes meaning or name.
+2: launcher.json's and job.json's `steps` (role -> its srun) are `launches`."""
 
 Time = Annotated[float, Meta(ge=0)]
 """Seconds since the epoch (time.time())."""
@@ -70,7 +71,7 @@ class Failure(msgspec.Struct, kw_only=True):
 
 
 class ServerFailure(msgspec.Struct, kw_only=True):
-    """One server task that ended while the job ran (launcher.json `steps.<role>.failures`)."""
+    """One server task that ended while the job ran (launcher.json `launches.<role>.failures`)."""
 
     time: Time
     """When it ended."""
@@ -87,8 +88,8 @@ class ServerFailure(msgspec.Struct, kw_only=True):
     """Seconds from its failure until it was ready again."""
 
 
-class StepRecord(msgspec.Struct, kw_only=True):
-    """The launcher's record of one role's step (launcher.json `steps.<role>`)."""
+class LaunchRecord(msgspec.Struct, kw_only=True):
+    """The launcher's record of one role's launch, its `srun` (launcher.json `launches.<role>`)."""
 
     status: Optional[RoleState] = None
     started: Optional[Time] = None
@@ -130,8 +131,8 @@ class LauncherRecord(Record, kw_only=True):
     """The launcher's process (a local run's liveness)."""
     started: Optional[Time] = None
     status: Optional[LauncherStatus] = None
-    steps: dict[str, StepRecord] = msgspec.field(default_factory=dict)
-    """Role -> its step, for every role started so far."""
+    launches: dict[str, LaunchRecord] = msgspec.field(default_factory=dict)
+    """Role -> its launch, for every role started so far (`steps` in version 1)."""
     first_failure: Optional[Failure] = None
     ended: Optional[Time] = None
     exit_code: Optional[int] = None
@@ -141,9 +142,9 @@ class LauncherRecord(Record, kw_only=True):
     stop_time: Optional[Time] = None
     disk_full: Optional[DiskFull] = None
 
-    def step(self, role: str) -> StepRecord:
-        """The role's step record; an empty one before the role started."""
-        return self.steps.get(role) or StepRecord()
+    def launch(self, role: str) -> LaunchRecord:
+        """The role's launch record; an empty one before the role started."""
+        return self.launches.get(role) or LaunchRecord()
 
 
 class JobRecord(Record, kw_only=True):
@@ -163,8 +164,8 @@ class JobRecord(Record, kw_only=True):
     """Attempts of the run before this submission (the job's attempt N is attempt_base + its run N)."""
     components: dict[str, str] = msgspec.field(default_factory=dict)
     """Het component index -> its group's name."""
-    steps: dict[str, int] = msgspec.field(default_factory=dict)
-    """Role -> its het component."""
+    launches: dict[str, int] = msgspec.field(default_factory=dict)
+    """Role -> its het component (`steps` in version 1)."""
     submitted: Time
     topology: Optional[str] = None
     """The topology file, resolved."""
@@ -382,6 +383,10 @@ def read_marker(path: Path) -> StableMarker | None:
 R = TypeVar("R", bound=Record)
 
 
+_RENAMED: dict[type, dict[str, str]] = {LauncherRecord: {"steps": "launches"}, JobRecord: {"steps": "launches"}}
+"""Fields a record of version 1 names otherwise: old name -> this version's (read as if written now)."""
+
+
 class _Version(msgspec.Struct):
     version: int = 1
 
@@ -401,9 +406,16 @@ def decode(data: bytes | str, kind: type[R], where: str | Path) -> R:
     if version > RECORD_VERSION:
         raise RunDirError(f"{where}: record version {version} is newer than this prl reads "
                           f"({RECORD_VERSION}); use the prl that wrote the run")
+    renamed = _RENAMED.get(kind, {}) if version < RECORD_VERSION else {}
     try:
-        return msgspec.json.decode(data, type=kind)
-    except msgspec.DecodeError as exc:
+        if not renamed:
+            return msgspec.json.decode(data, type=kind)
+        fields = msgspec.json.decode(data)
+        for old, new in renamed.items():
+            if old in fields and new not in fields:
+                fields[new] = fields.pop(old)
+        return msgspec.convert({**fields, "version": RECORD_VERSION}, kind)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise RunDirError(f"{where}: not a valid {kind.__name__} ({exc})") from None
 
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Rendered by prl: the 'inference' step of 'glm45-air'. Do not edit: run `prl plan` again.
+# Rendered by prl: the 'inference' role of 'glm45-air'. Do not edit: run `prl plan` again.
 # Started by the launcher (srun --het-group=0 --nodes=2 --ntasks-per-node=2 --cpus-per-task=56 --job-name=inference --kill-on-bad-exit=1 --gres=gpu:8 --container-image=nvcr.io#nvidia/pytorch:25.09-py3 --container-mounts=/lustre/fs1:/lustre/fs1,/lustre/fs1/prl/runs/glm45-air:/lustre/fs1/prl/runs/glm45-air --container-workdir=/lustre/fs1/prl).
 set -euo pipefail
 umask 077  # the run's files are private to its owner (docs/run-directory.md)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Rendered by prl: the 'orchestrator' step of 'glm45-air'. Do not edit: run `prl plan` again.
+# Rendered by prl: the 'orchestrator' role of 'glm45-air'. Do not edit: run `prl plan` again.
 # Started by the launcher (srun --het-group=1 --nodes=1 --ntasks-per-node=1 --cpus-per-task=64 --job-name=orchestrator --kill-on-bad-exit=1 --container-image=nvcr.io#nvidia/pytorch:25.09-py3 --container-mounts=/lustre/fs1:/lustre/fs1,/lustre/fs1/prl/runs/glm45-air:/lustre/fs1/prl/runs/glm45-air --container-workdir=/lustre/fs1/prl).
 set -euo pipefail
 umask 077  # the run's files are private to its owner (docs/run-directory.md)

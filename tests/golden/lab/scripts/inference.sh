@@ -1,5 +1,5 @@
 #!/bin/bash
-# Rendered by prl: the 'inference' step of 'lab'. Do not edit: run `prl plan` again.
+# Rendered by prl: the 'inference' role of 'lab'. Do not edit: run `prl plan` again.
 # Started by the launcher (srun --het-group=0 --nodes=1 --ntasks-per-node=2 --cpus-per-task=4 --job-name=inference --kill-on-bad-exit=1 --gpus-per-node=2).
 set -euo pipefail
 umask 077  # the run's files are private to its owner (docs/run-directory.md)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Rendered by prl: the 'orchestrator' step of 'lab'. Do not edit: run `prl plan` again.
+# Rendered by prl: the 'orchestrator' role of 'lab'. Do not edit: run `prl plan` again.
 # Started by the launcher (srun --het-group=1 --nodes=1 --ntasks-per-node=1 --cpus-per-task=8 --job-name=orchestrator --kill-on-bad-exit=1).
 set -euo pipefail
 umask 077  # the run's files are private to its owner (docs/run-directory.md)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Rendered by prl: the 'orchestrator' step of 'local-cp'. Do not edit: run `prl plan` again.
+# Rendered by prl: the 'orchestrator' role of 'local-cp'. Do not edit: run `prl plan` again.
 # Started by the launcher (a local process per task).
 set -euo pipefail
 umask 077  # the run's files are private to its owner (docs/run-directory.md)

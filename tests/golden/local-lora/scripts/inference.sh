@@ -1,5 +1,5 @@
 #!/bin/bash
-# Rendered by prl: the 'inference' step of 'local-lora'. Do not edit: run `prl plan` again.
+# Rendered by prl: the 'inference' role of 'local-lora'. Do not edit: run `prl plan` again.
 # Started by the launcher (a local process per task).
 set -euo pipefail
 umask 077  # the run's files are private to its owner (docs/run-directory.md)

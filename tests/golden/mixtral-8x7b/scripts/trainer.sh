@@ -1,5 +1,5 @@
 #!/bin/bash
-# Rendered by prl: the 'trainer' step of 'mixtral-8x7b'. Do not edit: run `prl plan` again.
+# Rendered by prl: the 'trainer' role of 'mixtral-8x7b'. Do not edit: run `prl plan` again.
 # Started by the launcher (srun --het-group=2 --nodes=2 --ntasks-per-node=1 --cpus-per-task=112 --job-name=trainer --kill-on-bad-exit=1 --gres=gpu:8 --container-image=nvcr.io#nvidia/pytorch:25.09-py3 --container-mounts=/lustre/fs1:/lustre/fs1,/lustre/fs1/prl/runs/mixtral-8x7b:/lustre/fs1/prl/runs/mixtral-8x7b --container-workdir=/lustre/fs1/prl).
 set -euo pipefail
 umask 077  # the run's files are private to its owner (docs/run-directory.md)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Rendered by prl: the 'prefill' step of 'moe-1t'. Do not edit: run `prl plan` again.
+# Rendered by prl: the 'prefill' role of 'moe-1t'. Do not edit: run `prl plan` again.
 # Started by the launcher (srun --het-group=0 --nodes=16 --ntasks-per-node=1 --cpus-per-task=112 --job-name=prefill --kill-on-bad-exit=1 --gres=gpu:8 --container-image=nvcr.io#nvidia/pytorch:25.09-py3 --container-mounts=/lustre/fs1:/lustre/fs1,/lustre/fs1/prl/runs/moe-1t:/lustre/fs1/prl/runs/moe-1t --container-workdir=/lustre/fs1/prl).
 set -euo pipefail
 umask 077  # the run's files are private to its owner (docs/run-directory.md)
