@@ -84,7 +84,7 @@ class StaleReload(PrlError):
 
 
 class FeedError(PrlError):
-    """A weight feed (prl/run/feed.py) could not hand over a step: refused, gone, or cut mid-stream."""
+    """A weight feed (prl/weights/feed.py) could not hand over a step: refused, gone, or cut mid-stream."""
 
     def __init__(self, address: str, reason: str):
         super().__init__(f"weight feed {address}: {reason}")

@@ -4,7 +4,7 @@ torchrun's static rendezvous (`--master-addr/--master-port`) starts the job's TC
 port alone, and a TCPStore given a port alone listens on every interface of the node ("::" or 0.0.0.0),
 where anyone who reaches the node can read and write the ranks' rendezvous keys. This entry registers
 the rendezvous backend RENDEZVOUS_BACKEND (prl/planner/model.py), torch's static rendezvous whose store on
-node 0 is handed a socket bound to the endpoint's host (as prl/run/collective.py does for the weight feeds'
+node 0 is handed a socket bound to the endpoint's host (as prl/weights/collective.py does for the weight feeds'
 stores), then runs torchrun (`torch.distributed.run`) with the arguments it was given. The job starts the trainer with it
 (prl/job/runtimes.py):
 

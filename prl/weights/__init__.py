@@ -7,6 +7,7 @@
     broadcast.py    `broadcast`: the feeds broadcast a step to every server behind on it at once (gloo groups)
     feed.py         the weight feed's keyed TCP protocol: FeedServer (a trainer rank), FeedReader (a worker)
     collective.py   the broadcast groups (torch.distributed gloo, bound to the nodes' addresses)
+    slices.py       which part of each tensor one inference worker keeps (its tensor-parallel shard)
     delta.py        `weights.delta`: what changed since the previous step, and back
     layout.py       what a step holds (safetensors names and shapes), read before any weight is touched
 
