@@ -55,9 +55,11 @@ def plan(a: argparse.Namespace) -> None:
         out["written"] = [str(p) for p in written]
         sys.stdout.write(json.dumps(out, indent=2, sort_keys=True) + "\n")
         return
+    from prl.planner.prepare import weight_shares
     from prl.planner.show import show_plan
 
-    show_plan(prepared.plan, written)
+    shares, why_not = weight_shares(prepared.plan)
+    show_plan(prepared.plan, written, shares=shares, why_not=why_not)
 
 
 def submit(a: argparse.Namespace) -> None:

@@ -3,6 +3,8 @@ vLLM 0.32's loaders and seen in its TP workers (tests/test_weight_slices.py chec
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from prl.weights.slices import Slice, Worker, slice_plan, tensor_slice, worker_numel, Dims
@@ -67,3 +69,38 @@ def test_a_family_the_rules_do_not_know_goes_whole_and_one_worker_keeps_everythi
     assert set(slice_plan(other, layout, Worker(tp=4, tp_rank=1)).values()) == {None}
     assert set(slice_plan(DENSE, layout, Worker()).values()) == {None}
     assert worker_numel(slice_plan(DENSE, layout, Worker(tp=4, tp_rank=3)), layout) == 64 * 64 + 232 * 64
+
+
+def test_prl_plan_shows_the_transport_and_the_bytes_each_worker_receives(tmp_path, capsys):
+    """`prl plan` on a model this machine sees: the shares the slice rules give each worker of a tp=2 server,
+    the whole step for tp=1, and why not where the model's files are not here."""
+    import json
+
+    from prl.cli import main
+    from prl.planner.prepare import weight_shares
+    from prl.trainer.tiny_model import build_tiny_model
+    from prl.weights.layout import checkpoint_layout
+    from tests.plans import REPO, local_plan
+
+    model = build_tiny_model(tmp_path / "tiny", hidden_size=64, num_heads=2, num_kv_heads=2, vocab_size=512)
+    layout = checkpoint_layout(model)
+    whole = 4 * sum(math.prod(shape) for shape in layout.values())  # float32
+    (one,), why = weight_shares(local_plan(tmp_path / "run1", model))
+    assert (one.most, one.least, one.whole, why) == (whole, whole, whole, "")
+    (two,), _ = weight_shares(local_plan(tmp_path / "run2", model, ["inference.tp=2"]))
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    # Each of the two keeps half of every projection, norms whole, and its rows of the vocabulary padded to 64:
+    # rank 0 the first half of the padded rows, rank 1 the rest of the real ones.
+    padded_half = -(-vocab // 64) * 64 // 2
+    rest = sum(math.prod(s) // (1 if "norm" in n else 2) for n, s in layout.items() if "embed_tokens" not in n)
+    rows = [padded_half, vocab - padded_half]
+    assert (two.most, two.least) == (4 * (rest + max(rows) * 64), 4 * (rest + min(rows) * 64)), two
+    assert two.whole == whole and "lm_head.weight" not in layout  # tied: the embedding is the only vocab tensor
+    main(["plan", str(REPO / "configs" / "local-tiny.yaml"), f"run_dir={tmp_path / 'run3'}", f"model.path={model}",
+          "inference.tp=2", "weights.transport=memory", "--no-write"])
+    out = " ".join(capsys.readouterr().out.split())
+    got = f"{two.least / 1e6:.3g} MB-{two.most / 1e6:.3g} MB of {whole / 1e6:.3g} MB"
+    assert "weights: memory (" in out and f"each inference worker receives {got}" in out, out
+    assert "(tp2: its slices)" in out
+    (none, why) = weight_shares(local_plan(tmp_path / "run4", tmp_path / "elsewhere"))
+    assert none == () and "not readable on this machine" in why

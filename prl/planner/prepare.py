@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -173,6 +174,61 @@ def model_config(topo: Topology, source: Source) -> ModelConfig | None:
         raise source.error(("model", "path"), f"{path} is not a model config.json prl can read: {exc}") from None
     except RecursionError:
         raise source.error(("model", "path"), f"{path} nests too deeply to be a model config.json") from None
+
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+"""Bytes per element of what the trainer publishes in each `model.dtype` (`auto`: the checkpoint's own)."""
+
+
+@dataclass(frozen=True)
+class WeightShare:
+    """What each worker of one inference role's servers receives per update: its slices (prl/weights/slices.py)."""
+
+    role: str
+    tp: int
+    dp: int
+    expert_parallel: bool
+    most: int
+    """Bytes of the largest worker's share."""
+    least: int
+    whole: int
+    """Bytes of the whole step."""
+
+
+def weight_shares(plan: Plan) -> tuple[tuple[WeightShare, ...], str]:
+    """Bytes per worker per update for each role that loads the policy's weights, from the model's config.json and
+    its safetensors headers (read here, no tensor touched); () and why not when this machine cannot say."""
+    from prl.states import WEIGHT_ROLES
+    from prl.weights.layout import UpdateRefused, checkpoint_layout
+    from prl.weights.slices import server_places, slice_plan, worker_numel
+
+    model = plan.settings().model
+    roles = [r for r in plan.inference if r.name in WEIGHT_ROLES]
+    if plan.trainer is None or not roles:
+        return (), ""
+    if model.lora is not None:
+        return (), "each update is the LoRA adapter alone"
+    path = Path(model.path)
+    try:
+        if (path / "config.json").stat().st_size > MAX_MODEL_CONFIG_BYTES:
+            return (), f"{path / 'config.json'} is too large to be a model's config.json"
+        config = json.loads((path / "config.json").read_text())
+        layout = checkpoint_layout(path)
+    except (OSError, ValueError, RecursionError, UpdateRefused):
+        return (), f"the model's files are not readable on this machine ({model.path})"
+    size = DTYPE_BYTES.get(model.dtype)
+    if size is None:
+        return (), f"model.dtype {model.dtype}: the bytes depend on the checkpoint's own dtypes"
+    shares = []
+    for role in roles:
+        try:
+            numels = [worker_numel(slice_plan(config, layout, w), layout)
+                      for w in server_places(role.tp, role.dp, role.expert_parallel)]
+        except (ValueError, KeyError, TypeError) as exc:
+            return (), f"{role.name}: its slices cannot be computed ({exc})"
+        shares.append(WeightShare(role.name, role.tp, role.dp, role.expert_parallel, max(numels) * size,
+                                  min(numels) * size, sum(math.prod(s) for s in layout.values()) * size))
+    return tuple(shares), ""
 
 
 def prepare(topology_path: Path, overrides: Sequence[str] = (), cwd: Path | None = None) -> Prepared:

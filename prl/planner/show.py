@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -60,7 +61,29 @@ def placement_table(plan: Plan) -> Table:
     return table
 
 
-def show_plan(plan: Plan, written: list[Path], console: Console | None = None) -> None:
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
+
+
+def weights_line(plan: Plan, shares: Sequence, why_not: str) -> str:
+    """`weights: memory (...); per update each inference worker receives 1.2 GB of 2.4 GB (tp2, its slices)`."""
+    from prl.weights import get
+
+    transport = plan.settings().weights.transport
+    line = f"weights: {transport} ({get(transport).summary})"
+    parts = []
+    for s in shares:
+        place = f"tp{s.tp}" + (f" dp{s.dp}" if s.dp > 1 else "") + (" ep" if s.expert_parallel else "")
+        got = _gb(s.most) if s.most == s.least else f"{_gb(s.least)}-{_gb(s.most)}"
+        kind = "the whole step" if s.least == s.whole else "its slices"
+        parts.append(f"each {s.role} worker receives {got} of {_gb(s.whole)} ({place}: {kind})")
+    if parts:
+        return f"{line}; per update {', '.join(parts)}"
+    return f"{line}; bytes per worker unknown: {why_not}" if why_not else line
+
+
+def show_plan(plan: Plan, written: list[Path], console: Console | None = None,
+              shares: Sequence = (), why_not: str = "") -> None:
     # Piped output (logs, CI) gets a wide table rather than an 80-column wrap.
     console = console or Console(width=None if sys.stdout.isatty() else 160)
     console.print(placement_table(plan))
@@ -91,6 +114,8 @@ def show_plan(plan: Plan, written: list[Path], console: Console | None = None) -
         say(f"training: batch {tr.batch_size} = {tr.batch_size // tr.rollouts_per_example} prompts x "
             f"{tr.rollouts_per_example} rollouts, max_off_policy_steps {tr.max_off_policy_steps}, "
             f"{tr.max_steps} steps, checkpoint every {tr.checkpoint_interval or 'never'}")
+    if plan.trainer is not None and plan.inference and not plan.attach:
+        say(weights_line(plan, shares, why_not))
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
     if written:

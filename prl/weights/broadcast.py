@@ -35,6 +35,8 @@ class GroupOffer(Offer):
 
 class Broadcast(Memory):
     name = "broadcast"
+    summary = ("each trainer rank broadcasts its share to every server behind (gloo), the rest pull as under "
+               "memory; disk at checkpoint steps")
 
     def group_timeout(self, weights) -> Optional[float]:
         return weights.group_timeout_s

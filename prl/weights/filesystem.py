@@ -82,6 +82,7 @@ def resolve_weights_dir(run: RunDir, request: WeightsRequest) -> WeightsTarget:
 
 class Filesystem(Transport):
     name = "filesystem"
+    summary = "every step written to RUN/weights/step_N, each server's workers read it back"
 
     def check(self, topo, fail) -> None:
         if topo.weights.delta:

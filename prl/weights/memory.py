@@ -138,6 +138,7 @@ class Reception:
 
 class Memory(Transport):
     name = "memory"
+    summary = "each trainer rank serves its share over TCP, each worker reads it; disk at checkpoint steps"
     feeds = True
 
     def check(self, topo, fail) -> None:

@@ -179,6 +179,12 @@ def slice_plan(config: Mapping, layout: Mapping[str, Shape], w: Worker) -> dict[
     return {name: tensor_slice(name, tuple(shape), dims, w) for name, shape in layout.items()}
 
 
+def server_places(tp: int, dp: int, expert_parallel: bool) -> list[Worker]:
+    """Every worker of one server of `dp` x `tp` workers, each in its place."""
+    return [Worker(tp=tp, tp_rank=t, dp=dp, dp_rank=d, expert_parallel=expert_parallel)
+            for d in range(dp) for t in range(tp)]
+
+
 def narrow(tensor, piece: Optional[Slice]):
     """The part of `tensor` a Slice names (a view; `tensor` itself for WHOLE)."""
     return tensor if piece is None else tensor.narrow(piece.dim, piece.start, piece.end - piece.start)

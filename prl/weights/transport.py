@@ -107,6 +107,8 @@ class Transport(ABC):
     """One way weights travel from the trainer to the servers; registered by `name`."""
 
     name: ClassVar[str]
+    summary: ClassVar[str]
+    """How a step travels, in a few words (`prl plan` shows it)."""
     feeds: ClassVar[bool] = False
     """The trainer's ranks serve their shares from memory: the planner gives each rank a port."""
 
