@@ -136,8 +136,8 @@ def test_one_run_survives_engine_and_trainer_deaths_mid_update_hangs_and_a_dead_
 
 def server(run: Path) -> str:
     """The URL of the run's one inference server (once this attempt's has published it)."""
-    return wait_for("the inference server's endpoint", lambda: RunDir(run).endpoints().get("inference", {}).get(
-        0, {}).get("url"), timeout=300, interval=1)
+    return wait_for("the inference server's endpoint", lambda: getattr(
+        RunDir(run).endpoints().get("inference", {}).get(0), "url", None), timeout=300, interval=1)
 
 
 def newest_update(run: Path) -> dict:

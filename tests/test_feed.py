@@ -471,8 +471,9 @@ def test_a_member_that_dies_mid_broadcast_fails_the_others_within_the_bound():
         assert "error" in feed.group_log[0]
 
 
-def test_the_fanout_benchmark_delivers_the_whole_step_both_ways():
-    """bench/bench_weight_fanout.py checks that every receiver got the step's bytes, pulled and by a group."""
+def test_the_fanout_benchmark_delivers_the_whole_step_or_each_receivers_slices():
+    """bench/bench_weight_fanout.py checks that every receiver got the step's bytes, pulled and by a group, and
+    its own slices' bytes when it names its place."""
     import subprocess
     import sys
 
@@ -481,8 +482,10 @@ def test_the_fanout_benchmark_delivers_the_whole_step_both_ways():
     done = subprocess.run([sys.executable, "bench/bench_weight_fanout.py", "--mb", "4", "--receivers", "2",
                            "--repeats", "1"], cwd=REPO, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
-    row = [fields for fields in map(str.split, done.stdout.splitlines()) if fields[:1] == ["2"] and len(fields) == 6]
-    assert len(row) == 1 and row[0][3].endswith("x") and float(row[0][3][:-1]) > 0, done.stdout
+    row = [fields for fields in map(str.split, done.stdout.splitlines()) if fields[:1] == ["2"] and len(fields) == 8]
+    assert len(row) == 1 and all(r.endswith("x") and float(r[:-1]) > 0 for r in row[0][4:6]), done.stdout
+    whole_mb, slice_mb = int(row[0][6]), int(row[0][7])
+    assert slice_mb < 0.75 * whole_mb, done.stdout  # tp 2: each receiver took about half
 
 
 # ---------------------------------------------------------------- slices: a worker gets what it keeps

