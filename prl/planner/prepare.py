@@ -222,8 +222,11 @@ def weight_shares(plan: Plan) -> tuple[tuple[WeightShare, ...], str]:
     shares = []
     for role in roles:
         try:
-            numels = [worker_numel(slice_plan(config, layout, w), layout)
-                      for w in server_places(role.tp, role.dp, role.expert_parallel)]
+            # The rules give the first worker the most (every even chunk, full vocabulary rows, the extra experts
+            # of an uneven EP split) and the last the least: two plans, not one per worker (48 at moe-1t), keep
+            # `prl plan` quick on a login node that sees a 1T checkpoint.
+            places = server_places(role.tp, role.dp, role.expert_parallel)
+            numels = [worker_numel(slice_plan(config, layout, w), layout) for w in {places[0], places[-1]}]
         except (ValueError, KeyError, TypeError) as exc:
             return (), f"{role.name}: its slices cannot be computed ({exc})"
         shares.append(WeightShare(role.name, role.tp, role.dp, role.expert_parallel, max(numels) * size,
