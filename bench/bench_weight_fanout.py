@@ -1,5 +1,5 @@
-"""One step to N inference workers: every worker pulling the feed, one broadcast group, and every worker pulling
-only its tensor-parallel slices, in one run (issues 19 and 46).
+"""One step to N inference workers: every worker pulling the feed, one broadcast group, every worker pulling only
+its tensor-parallel slices, and a broadcast group per place (its slices), in one run (issues 19 and 46).
 
     python bench/bench_weight_fanout.py [--mb 474] [--receivers 1,2,4] [--repeats 5] [--tp 2]
 
@@ -14,6 +14,8 @@ each. Per repeat, the ways take turns at going first:
             tensors as gloo broadcasts (`weights.transport: broadcast`, prl/weights/collective.py).
     slices  every receiver names its place (tp rank of `--tp`) and reads only what that worker keeps
             (`weights.transport: memory` for a sliced family): the feed sends each byte about N / tp times.
+    places  as slices, by broadcast: the receivers of one place form a group of their own (`weights.transport:
+            broadcast` for a sliced family, a group per place), each group gets that place's view.
 
 The clock runs from the command to the receivers until the last says it holds the whole step (each drops
 the tensors as they come). Prints the medians and group / pull; below 1 the broadcast is faster. On one
@@ -48,11 +50,11 @@ from prl.run.api import Group
 from prl.weights.feed import FeedReader
 from prl.weights.slices import Worker
 
-address, rank = sys.argv[1], int(sys.argv[2])
+address, index = sys.argv[1], int(sys.argv[2])
 for line in sys.stdin:
-    token, world, tp = line.split()
-    group = Group(token=token, world=int(world), rank=rank, timeout=float(sys.argv[3])) if token != "-" else None
-    worker = Worker(tp=int(tp), tp_rank=(rank - 1) % int(tp)) if int(tp) > 1 else None
+    token, world, tp, rank = line.split()
+    group = Group(token=token, world=int(world), rank=int(rank), timeout=float(sys.argv[3])) if token != "-" else None
+    worker = Worker(tp=int(tp), tp_rank=index % int(tp)) if int(tp) > 1 else None
     reader = FeedReader(address, 1, sys.argv[4].encode(), 300, group=group, worker=worker)
     for _ in reader:  # each tensor dropped as it comes (a slice arrives placed in a tensor of the full shape)
         pass
@@ -80,12 +82,25 @@ def qwen3_like(mb: float) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
     return config, tensors
 
 
+def orders(n: int, way: str, tp: int) -> list[str]:
+    """Each receiver's line for `way`: its group's token and world (`-` for none), the tp it slices for, its rank.
+    `places`: receiver i is tp rank i % tp, and the receivers of one tp rank form a group of their own."""
+    if way == "group":
+        token = os.urandom(16).hex()
+        return [f"{token} {n + 1} 1 {i + 1}" for i in range(n)]
+    if way == "places":
+        tokens = [os.urandom(16).hex() for _ in range(tp)]
+        members = [[i for i in range(n) if i % tp == p] for p in range(tp)]
+        return [f"{tokens[i % tp]} {len(members[i % tp]) + 1} {tp} {members[i % tp].index(i) + 1}" for i in range(n)]
+    return [f"- 0 {tp if way == 'slices' else 1} 0"] * n
+
+
 def round_trip(receivers: list[subprocess.Popen], way: str, expected: list[int], tp: int) -> float:
     """Seconds until every receiver holds what `way` gives it (`expected[i]` bytes: the step, or its slices)."""
-    token, world = (os.urandom(16).hex(), len(receivers) + 1) if way == "group" else ("-", 0)
+    lines = orders(len(receivers), way, tp)
     t0 = time.perf_counter()
-    for r in receivers:
-        r.stdin.write(f"{token} {world} {tp if way == 'slices' else 1}\n")
+    for r, line in zip(receivers, lines):
+        r.stdin.write(line + "\n")
         r.stdin.flush()
     for r, want in zip(receivers, expected):
         got = r.stdout.readline().strip()
@@ -94,20 +109,20 @@ def round_trip(receivers: list[subprocess.Popen], way: str, expected: list[int],
     return time.perf_counter() - t0
 
 
-WAYS = ("pull", "group", "slices")
+WAYS = ("pull", "group", "slices", "places")
 
 
 def bench(feed: FeedServer, n: int, repeats: int, expected: dict[str, list[int]], tp: int) -> dict[str, list[float]]:
-    receivers = [subprocess.Popen([sys.executable, "-c", RECEIVER, feed.address, str(rank + 1), str(TIMEOUT_S),
+    receivers = [subprocess.Popen([sys.executable, "-c", RECEIVER, feed.address, str(index), str(TIMEOUT_S),
                                    KEY.decode()], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                   env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-                 for rank in range(n)]
+                 for index in range(n)]
     times: dict[str, list[float]] = {way: [] for way in WAYS}
     try:
         for way in WAYS:  # warm-up: imports, first connections, the feed's view of each place
             round_trip(receivers, way, expected[way][:n], tp)
         for repeat in range(repeats):
-            for way in WAYS[repeat % 3:] + WAYS[:repeat % 3]:
+            for way in WAYS[repeat % len(WAYS):] + WAYS[:repeat % len(WAYS)]:
                 times[way].append(round_trip(receivers, way, expected[way][:n], tp))
     finally:
         for r in receivers:
@@ -130,7 +145,7 @@ def main() -> None:
     most = max(int(x) for x in args.receivers.split(","))
     mine = [4 * worker_numel(slice_plan(config, layout, Worker(tp=args.tp, tp_rank=r % args.tp)), layout)
             for r in range(most)]
-    expected = {"pull": [nbytes] * most, "group": [nbytes] * most, "slices": mine}
+    expected = {"pull": [nbytes] * most, "group": [nbytes] * most, "slices": mine, "places": mine}
     print(f"{nbytes / 1e6:.0f} MB step ({len(tensors)} tensors), tp {args.tp}: a worker's slices are "
           f"{max(mine) / 1e6:.0f} MB ({max(mine) / nbytes:.3f} of the step); {args.repeats} repeats per way after a "
           f"warm-up, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
@@ -143,10 +158,11 @@ def main() -> None:
             print(f"{n} receivers: " + ", ".join(f"{way} {[round(t, 3) for t in times[way]]} s" for way in WAYS),
                   flush=True)
     print(f"\nmedians (load average {os.getloadavg()[0]:.1f})\n{'receivers':>9} {'pull s':>8} {'group s':>8} "
-          f"{'slices s':>8} {'group/pull':>10} {'slices/pull':>11} {'MB/worker pull':>14} {'MB/worker slices':>16}")
-    for n, pull, group, sliced in rows:
-        print(f"{n:>9} {pull:>8.3f} {group:>8.3f} {sliced:>8.3f} {group / pull:>9.2f}x {sliced / pull:>10.2f}x "
-              f"{nbytes / 1e6:>14.0f} {max(mine[:n]) / 1e6:>16.0f}")
+          f"{'slices s':>8} {'places s':>8} {'group/pull':>10} {'slices/pull':>11} {'places/pull':>11} "
+          f"{'MB/worker pull':>14} {'MB/worker slices':>16}")
+    for n, pull, group, sliced, places in rows:
+        print(f"{n:>9} {pull:>8.3f} {group:>8.3f} {sliced:>8.3f} {places:>8.3f} {group / pull:>9.2f}x "
+              f"{sliced / pull:>10.2f}x {places / pull:>10.2f}x {nbytes / 1e6:>14.0f} {max(mine[:n]) / 1e6:>16.0f}")
     print("below 1x: faster than every worker pulling the whole step")
 
 

@@ -8,7 +8,7 @@ It speaks the parts of the `prl inference` API the orchestrator uses:
     POST /v1/chat/completions          plain chat (the eval client)
     POST /prl/weights {"step": N}      "load" RUN/weights/step_N (checks the STABLE marker); the body is decoded
                                        as a prl server does (prl.run.api.WeightsRequest)
-    POST /prl/weights {"transport": ..., "step": N, "feeds": [...][, "group": {...}]}   "load" step N from memory
+    POST /prl/weights {"transport": ..., "step": N, "feeds": [...][, "groups": [{...}]]}   "load" step N from memory
                                        (502 unless `feed_step` is N, or with a group while `group_fail`)
     GET  /prl/live                     {"weights_step": N, ...}
     POST /pause, /resume               (vLLM's RL API, which prl servers mount)
@@ -194,8 +194,8 @@ class FakeEngine:
             return web.json_response({"error": "injected weight-load failure"}, status=500)
         if body.feeds is not None:
             self.feed_requests.append(step)
-            if body.group is not None:
-                self.groups.append(msgspec.to_builtins(body.group))
+            if body.groups is not None:
+                self.groups.append(msgspec.to_builtins(body.groups))
                 if self.group_fail:
                     return web.json_response({"error": "weight feed h:1: group did not form; nothing was loaded"},
                                              status=502)

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -343,6 +344,9 @@ def test_a_group_gets_the_step_by_broadcast_and_is_sent_once():
         assert feed.group_log[0]["bytes"] == sum(t.numel() * t.element_size() for _, t in tensors)
         with pytest.raises(FeedError, match="has ended"):
             FeedReader(feed.address, 4, KEY, 30, group=group_of(3, 1, first.token))
+        other = msgspec.structs.replace(group_of(2, 1), backend="nccl")  # refused before any GPU is asked for
+        with pytest.raises(FeedError, match="this feed's groups are gloo, not nccl"):
+            FeedReader(feed.address, 4, KEY, 30, group=other)
     with FeedServer("127.0.0.1", 0, KEY) as plain:
         plain.publish(4, tensors)
         with pytest.raises(FeedError, match="sends to no groups"):
@@ -473,7 +477,7 @@ def test_a_member_that_dies_mid_broadcast_fails_the_others_within_the_bound():
 
 def test_the_fanout_benchmark_delivers_the_whole_step_or_each_receivers_slices():
     """bench/bench_weight_fanout.py checks that every receiver got the step's bytes, pulled and by a group, and
-    its own slices' bytes when it names its place."""
+    its own slices' bytes when it names its place, pulled and by its place's group."""
     import subprocess
     import sys
 
@@ -482,9 +486,9 @@ def test_the_fanout_benchmark_delivers_the_whole_step_or_each_receivers_slices()
     done = subprocess.run([sys.executable, "bench/bench_weight_fanout.py", "--mb", "4", "--receivers", "2",
                            "--repeats", "1"], cwd=REPO, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
-    row = [fields for fields in map(str.split, done.stdout.splitlines()) if fields[:1] == ["2"] and len(fields) == 8]
-    assert len(row) == 1 and all(r.endswith("x") and float(r[:-1]) > 0 for r in row[0][4:6]), done.stdout
-    whole_mb, slice_mb = int(row[0][6]), int(row[0][7])
+    row = [fields for fields in map(str.split, done.stdout.splitlines()) if fields[:1] == ["2"] and len(fields) == 10]
+    assert len(row) == 1 and all(r.endswith("x") and float(r[:-1]) > 0 for r in row[0][5:8]), done.stdout
+    whole_mb, slice_mb = int(row[0][8]), int(row[0][9])
     assert slice_mb < 0.75 * whole_mb, done.stdout  # tp 2: each receiver took about half
 
 

@@ -170,11 +170,13 @@ GROUP = {"token": "0123456789abcdef" * 2, "world": 3, "rank": 1, "timeout": 5}
 MEMORY = {"transport": "memory", "step": 2, "feeds": ["h:1"]}
 
 
-def test_a_memory_update_may_name_a_broadcast_group():
-    grouped = target(None, {**MEMORY, "transport": "broadcast", "group": GROUP}).request.group
-    assert (grouped.token, grouped.world, grouped.rank, grouped.timeout) == (GROUP["token"], 3, 1, 5)
-    assert target(None, MEMORY).request.group is None
-    assert target(None, {**MEMORY, "transport": "broadcast"}).request.group is None  # a server left out reads
+def test_a_memory_update_may_name_a_broadcast_group_per_worker():
+    grouped = target(None, {**MEMORY, "transport": "broadcast", "groups": [GROUP]}).request.groups
+    assert [(g.token, g.world, g.rank, g.timeout) for g in grouped] == [(GROUP["token"], 3, 1, 5)]
+    assert target(None, MEMORY).request.groups is None
+    assert target(None, {**MEMORY, "transport": "broadcast"}).request.groups is None  # a server left out reads
+    two = [GROUP, {**GROUP, "token": "f" * 32}]  # two places: each worker its own group
+    assert len(target(None, {**MEMORY, "transport": "broadcast", "groups": two}, workers=2).request.groups) == 2
 
 
 @pytest.mark.parametrize("group", [{**GROUP, "rank": 0}, {**GROUP, "rank": 3}, {**GROUP, "world": 1},
@@ -182,15 +184,19 @@ def test_a_memory_update_may_name_a_broadcast_group():
                                    {**GROUP, "extra": 1}, [1], "x"])
 def test_a_bad_broadcast_group_is_refused_before_anything_happens(group):
     with pytest.raises((UpdateRefused, api.BodyError)) as e:
-        target(None, {**MEMORY, "transport": "broadcast", "group": group})
+        target(None, {**MEMORY, "transport": "broadcast", "groups": [group]})
     assert e.value.status == 400 and "group" in str(e.value)
 
 
-def test_a_group_must_hold_every_worker_of_the_server_and_only_broadcast_sends_groups():
-    with pytest.raises(UpdateRefused, match="2 workers from rank 2 do not fit in a world of 3"):
-        target(None, {**MEMORY, "transport": "broadcast", "group": GROUP | {"rank": 2}}, workers=2)
+def test_groups_name_every_worker_of_the_server_once_and_only_broadcast_sends_groups():
+    with pytest.raises(UpdateRefused, match="names 1 groups for this server's 2 workers"):
+        target(None, {**MEMORY, "transport": "broadcast", "groups": [GROUP]}, workers=2)
+    with pytest.raises(api.BodyError, match="one member of a group twice"):
+        target(None, {**MEMORY, "transport": "broadcast", "groups": [GROUP, GROUP]}, workers=2)
+    with pytest.raises(api.BodyError, match='"groups"'):
+        target(None, {**MEMORY, "transport": "broadcast", "groups": []})
     with pytest.raises(UpdateRefused, match="broadcast sends groups"):
-        target(None, {**MEMORY, "group": GROUP})
+        target(None, {**MEMORY, "groups": [GROUP]})
 
 
 def test_resolve_refuses_escapes_with_403(run, tmp_path):

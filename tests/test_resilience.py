@@ -673,8 +673,8 @@ def test_the_watcher_pushes_steps_from_memory_and_follows_the_feeds_forward(tmp_
 
 
 def test_the_watcher_broadcasts_a_step_to_every_server_behind_and_a_failed_group_reads_the_feeds(tmp_path):
-    """weights.transport: broadcast: the servers behind on a step from memory get one group (one token, a world of
-    1 + their workers, each server's workers at the next ranks, the trainer's bound); a server whose group fails
+    """weights.transport: broadcast: the servers behind on a step from memory whose workers all take the whole step
+    get one group (one token, a world of 1 + their workers, each worker at the next rank, the trainer's bound); a server whose group fails
     reads the feeds at once, not counted as a failure; one whose worker count is unknown reads the feeds."""
     import asyncio
 
@@ -698,8 +698,10 @@ def test_the_watcher_broadcasts_a_step_to_every_server_behind_and_a_failed_group
             held(run, 2, ["h:1", "h:2"], group_timeout=7.0)
             await until(watcher, "every server on step 2", lambda: all(s.version == 2 for s in servers))
             a, b = engines[0].groups, engines[1].groups
-            assert len(a) == len(b) == 1 and a[0]["token"] == b[0]["token"] and len(a[0]["token"]) == 32
-            assert [(g["world"], g["rank"], g["timeout"]) for g in a + b] == [(4, 1, 7.0), (4, 2, 7.0)]
+            assert len(a) == len(b) == 1 and len(a[0]) == 1 and len(b[0]) == 2  # a group per worker
+            assert len({g["token"] for g in a[0] + b[0]}) == 1 and len(a[0][0]["token"]) == 32  # one place
+            assert [(g["world"], g["rank"], g["timeout"]) for g in a[0] + b[0]] == [(4, 1, 7.0), (4, 2, 7.0),
+                                                                                    (4, 3, 7.0)]
             assert engines[2].groups == [] and engines[2].feed_requests == [2]
 
             engines[1].group_fail = True
@@ -746,7 +748,7 @@ def test_a_group_is_asked_for_the_step_it_was_formed_on_after_the_trainer_moved_
                 await watcher.push(client, server, 5, grouped)
 
         asyncio.run(push())
-        assert engine.feed_requests == [5] and engine.groups == [msgspec.to_builtins(grouped.group)]
+        assert engine.feed_requests == [5] and engine.groups == [msgspec.to_builtins(grouped.groups)]
         assert server.version == 5 and server.failures == 0
         held(run, 7, ["h:1"])  # feeds that send to no groups
         assert not watcher.requests([server], watcher.newest())[server.url].once

@@ -262,18 +262,19 @@ def test_deltas_move_only_what_changed_and_serve_what_whole_steps_would(keyed_se
 
 def group_update(servers: list, step: int, addresses: list[str], world: int | None = None,
                  timeout: float = 30, token: str | None = None) -> list:
-    """`POST /prl/weights` with one broadcast group to every server at once, as the orchestrator sends it
-    (each server's workers at the next ranks); each server's answer, or its HTTPFailure."""
+    """`POST /prl/weights` with one broadcast group to every worker of every server at once (servers of one
+    worker each: one place), each worker at the next rank; each server's answer, or its HTTPFailure."""
     workers = [s.get("/prl/live")["workers"] for s in servers]
     token = token or os.urandom(16).hex()
     world = world or 1 + sum(workers)
     answers: list = [None] * len(servers)
 
     def post(i: int) -> None:
-        group = {"token": token, "world": world, "rank": 1 + sum(workers[:i]), "timeout": timeout}
+        groups = [{"token": token, "world": world, "rank": 1 + sum(workers[:i]) + r, "timeout": timeout}
+                  for r in range(workers[i])]
         try:
             answers[i] = servers[i].post("/prl/weights", {"transport": "broadcast", "step": step, "feeds": addresses,
-                                                          "group": group})
+                                                          "groups": groups})
         except HTTPFailure as e:
             answers[i] = e
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import torch
 
 from prl.run.rundir import API_KEY_VAR, RunDir
@@ -70,6 +71,48 @@ def test_each_worker_gets_only_its_slices_from_the_feeds_and_their_deltas(tp2_se
         changed = sparsely_changed(ref, tmp_path / "changed", 0.02, seed=5)
         second = publish(3, list(iter_safetensors(changed)))
         assert second["delta"] and max(second["worker_bytes"]) < 0.5 * min(mine), second
+        assert_serves(server, changed, prompts)
+    finally:
+        for feed in feeds:
+            feed.close()
+
+
+def test_a_broadcast_sends_each_place_its_slices_in_a_group_of_its_own(tp2_server, tmp_path):
+    """`weights.transport: broadcast` to a tensor-parallel server: `/prl/live` names each worker's place, the
+    orchestrator's requests give each place a group of its own, each feed broadcasts each group its view, so every
+    worker receives only its slices (and, the next step, their delta) by broadcast, and serves the step."""
+    from prl.run.api import LiveAnswer, WeightsRequest
+    from prl.weights import get
+    from prl.weights.broadcast import GroupOffer
+    from prl.weights.transport import Behind
+
+    server = tp2_server
+    prompts = prompts_for(server.model_dir)
+    config = json.loads((server.model_dir / "config.json").read_text())
+    live = msgspec.convert(server.get("/prl/live"), LiveAnswer)
+    assert live.workers == 2 and live.places == [Worker(tp=2, tp_rank=0), Worker(tp=2, tp_rank=1)], live
+    ref = perturbed(tmp_path, server.model_dir, 4)
+    feeds = [FeedServer("127.0.0.1", 0, KEY.encode(), delta=True, groups=True, group_timeout=30, config=config)
+             for _ in range(2)]
+    try:
+        def broadcast(step: int, held: list) -> dict:
+            for rank, feed in enumerate(feeds):
+                feed.publish(step, held[rank::2])
+            offer = GroupOffer(step, WeightsRequest(transport="broadcast", step=step,
+                                                    feeds=[f.address for f in feeds]), timeout=30)
+            request = get("broadcast").requests(offer, [Behind(server.url, live.workers, live.places)])[server.url]
+            assert len({g.token for g in request.groups}) == 2
+            return server.post("/prl/weights", msgspec.to_builtins(request))
+
+        first = broadcast(4, list(iter_safetensors(ref)))
+        mine, whole = slice_bytes(ref)
+        assert first["group"] and first["worker_bytes"] == mine and not first["delta"], first
+        for feed in feeds:
+            assert [(r["step"], r["world"], r.get("error")) for r in feed.group_log] == [(4, 2, None)] * 2
+        assert_serves(server, ref, prompts)
+        changed = sparsely_changed(ref, tmp_path / "changed", 0.02, seed=7)
+        second = broadcast(5, list(iter_safetensors(changed)))
+        assert second["group"] and second["delta"] and max(second["worker_bytes"]) < 0.5 * min(mine), second
         assert_serves(server, changed, prompts)
     finally:
         for feed in feeds:

@@ -10,7 +10,7 @@ import pytest
 
 from prl import weights
 from prl.config.topology import Weights
-from prl.errors import PlanError
+from prl.errors import ConfigError, PlanError
 from prl.run.api import WeightsRequest
 from prl.weights.layout import UpdateRefused
 from tests.plans import local_plan
@@ -111,3 +111,83 @@ def test_a_transport_from_memory_gives_every_trainer_rank_a_port_and_the_filesys
     plan = local_plan(tmp_path / "run", tiny_model_dir, [f"weights.transport={transport}"])
     assert len(plan.trainer.weight_ports) == plan.trainer.world_size
     assert local_plan(tmp_path / "run2", tiny_model_dir, []).trainer.weight_ports == ()
+
+
+def test_broadcast_forms_one_group_per_place_across_the_servers_behind():
+    """Servers whose workers keep different slices (tensor-parallel ranks) get a group per place: the workers of
+    one place in every server share a token, a world of 1 + their count and consecutive ranks; a request names
+    each worker's group in rank order. Servers whose workers all take the whole step share one group; a server
+    whose worker count is unknown, or whose places do not match it, reads the feeds."""
+    from prl.run.api import WeightsRequest, Worker
+    from prl.weights.broadcast import GroupOffer
+    from prl.weights.slices import server_places
+    from prl.weights.transport import Behind
+
+    offer = GroupOffer(3, WeightsRequest(transport="broadcast", step=3, feeds=["h:1", "h:2"]), timeout=9.0)
+    tp2 = server_places(2, 1, False)
+    out = weights.get("broadcast").requests(offer, [Behind("a", 2, tp2), Behind("b", 2, tp2), Behind("c", None),
+                                                    Behind("d", 2, [Worker()])])
+    a, b = out["a"].groups, out["b"].groups
+    assert [g.token for g in a] == [g.token for g in b] and a[0].token != a[1].token
+    assert [(g.world, g.rank, g.timeout) for g in a + b] == [(3, 1, 9.0), (3, 1, 9.0), (3, 2, 9.0), (3, 2, 9.0)]
+    assert out["c"].groups is None and out["d"].groups is None and out["c"].feeds == ["h:1", "h:2"]
+    assert out["a"].once and not out["c"].once
+
+    whole = weights.get("broadcast").requests(offer, [Behind("a", 2), Behind("b", 1)])
+    assert len({g.token for r in whole.values() for g in r.groups}) == 1
+    assert [g.rank for r in whole.values() for g in r.groups] == [1, 2, 3] and whole["b"].groups[0].world == 4
+
+    ep = server_places(2, 2, True)  # dp 2 x tp 2 with expert parallelism: four places, each a group of one
+    four = weights.get("broadcast").requests(offer, [Behind("e", 4, ep)])["e"].groups
+    assert len({g.token for g in four}) == 4 and {(g.world, g.rank) for g in four} == {(2, 1)}
+
+
+def test_the_groups_backend_is_planned_for_where_the_roles_run_and_refused_where_it_cannot_work(tmp_path,
+                                                                                                 tiny_model_dir):
+    """`weights.backend`: auto plans nccl on a GPU cluster (no deltas), gloo on CPU ones (the lab cluster's
+    count-only GPUs included); nccl is refused on CPUs and with deltas, a group setting without groups at its
+    line; `prl plan`'s weights line says which."""
+    from prl.planner.prepare import prepare
+    from prl.planner.show import weights_line
+
+    def gpu_plan(*items):
+        return prepare(REPO / "configs" / "dense-8b.yaml", ["weights.transport=broadcast", *items], cwd=REPO).plan
+
+    assert gpu_plan().trainer.weight_backend == "nccl"
+    assert weights_line(gpu_plan(), (), "").startswith("weights: broadcast over nccl (")
+    assert gpu_plan("weights.delta=true").trainer.weight_backend == "gloo"
+    assert gpu_plan("weights.backend=gloo").trainer.weight_backend == "gloo"
+    with pytest.raises(PlanError, match=r"\(weights\.backend\): weights\.backend: nccl receives each step into GPU "
+                                        r"memory.*remove weights\.delta"):
+        gpu_plan("weights.delta=true", "weights.backend=nccl")
+    lab = prepare(REPO / "configs" / "lab.yaml", [], cwd=REPO).plan
+    assert lab.trainer.weight_backend == "gloo" and "over gloo" in weights_line(lab, (), "")
+    with pytest.raises(PlanError, match=r"\(weights\.backend\): weights\.backend: nccl broadcasts between GPUs.*"
+                                        r"run on CPUs"):
+        prepare(REPO / "configs" / "lab.yaml", ["weights.backend=nccl"], cwd=REPO)
+    for item in ("weights.backend=gloo", "weights.group_timeout_s=5"):
+        field = item.split("=")[0]
+        with pytest.raises(PlanError, match=rf"\({field.replace('.', '[.]')}\): {field} is a setting of the broadcast "
+                                            r"groups, and weights\.transport memory sends none"):
+            local_plan(tmp_path / "run", tiny_model_dir, ["weights.transport=memory", item])
+
+
+def test_nccl_plans_refuse_receive_buffers_the_gpu_cannot_hold_beside_vllm_s_share(tiny_model_dir):
+    """Under nccl a worker receives the largest layer's slices into GPU memory beside vLLM's share: a GPU too small
+    for it (the profile's gpu_node.gpu_memory_gb) is refused at the role's gpu_memory_utilization, with the value
+    that fits; gloo receives into host memory and is not."""
+    from prl.planner.prepare import prepare
+
+    def plan(*items):
+        return prepare(REPO / "configs" / "dense-8b.yaml", ["weights.transport=broadcast", f"model.path={tiny_model_dir}",
+                                                           "model.tokenizer=null", *items], cwd=REPO)
+
+    fits = plan()
+    assert fits.plan.trainer.weight_backend == "nccl" and fits.shares and fits.shares[0].layer_most > 0
+    layer = fits.shares[0].layer_most
+    tight = f"cluster.gpu_node.gpu_memory_gb={3 * layer / 2**30:.9f}"  # 2 layers fit in 0.67 of it, not in 0.1
+    with pytest.raises(ConfigError, match=r"\(inference\.gpu_memory_utilization\): under weights\.backend: nccl "
+                                          r"each inference worker receives .* set gpu_memory_utilization <= 0\.33"):
+        plan(tight)
+    assert plan(tight, "inference.gpu_memory_utilization=0.3").plan.trainer.weight_backend == "nccl"
+    assert plan(tight, "weights.backend=gloo").plan.trainer.weight_backend == "gloo"

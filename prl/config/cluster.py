@@ -29,6 +29,9 @@ class NodeSpec(Strict, kw_only=True):
     """CPU cores on each node that jobs may use."""
     memory_gb: Annotated[float, Meta(gt=0, le=MAX_GB)]
     """Memory per node that jobs may use, in GiB."""
+    gpu_memory_gb: Optional[Annotated[float, Meta(gt=0, le=MAX_GB)]] = None
+    """Memory of each GPU, in GiB (None: not said; the planner then cannot check what a GPU must hold beside
+    vLLM's share, e.g. a weight update's receive buffers under `weights.backend: nccl`)."""
     fp8: bool = False
     """The GPUs multiply in FP8 (compute capability 8.9+: H100, H200, L40S, B200; not A100 or V100):
     `trainer.precision: fp8` and `inference.quantization: fp8` need it."""

@@ -171,6 +171,11 @@ class Weights(Strict, kw_only=True):
     group_timeout_s: Annotated[float, Meta(ge=1, le=3600)] = 60.0
     """With `broadcast`: the longest a group's members wait at each stage (for every member to come, for
     each tensor), so a server or trainer rank that dies mid-update holds the others at most this long."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """With `broadcast`: the groups' torch.distributed backend. `nccl`: from the trainer ranks' GPUs to the
+    workers' GPUs over the cluster's fabric (the profile's `network.env` sets NCCL's interfaces); `gloo`: TCP
+    between host memory; `auto`: nccl where the roles run on GPUs (a profile with `gpu_node.gpus`) and
+    `delta` is off, else gloo. `prl plan` shows which."""
 
 
 class KVOffload(Strict, kw_only=True):

@@ -25,7 +25,8 @@ serialized.
 The target loads itself in every worker (`Target.load`: the filesystem's through prl/inference/worker.py,
 a step from memory through vLLM's weight-transfer RPCs into the "prl" engine, prl/inference/weight_engine.py);
 `/prl/live` then reports where the weights came from (a directory, or `memory:step_N`) and how many workers
-the server has ("workers": the members a broadcast group needs). A load that fails before any worker touched a
+the server has ("workers": the members a broadcast group needs) and, where they keep different slices, each
+one's place ("places": the workers of one place in every server behind share a group). A load that fails before any worker touched a
 weight (`Target.untouched`: a feed that refuses, a step whose tensors are not the served ones, a group that
 does not form) is answered 502 and the old weights keep serving. If loading fails part-way, the last weights
 the server loaded from disk are loaded again (and reported); if that fails too, `/prl/live` answers 503 with
@@ -49,7 +50,7 @@ from fastapi.responses import JSONResponse
 from prl import weights
 from prl.log import get_logger
 from prl.run import api
-from prl.run.api import ErrorAnswer, LiveAnswer, WeightsAnswer, WeightsRequest
+from prl.run.api import ErrorAnswer, LiveAnswer, WeightsAnswer, WeightsRequest, Worker
 from prl.run.rundir import RunDir, step_of
 from prl.run.tenants import Registry, Tenant
 from prl.states import Role
@@ -99,6 +100,8 @@ class AdminState:
     """Started with `--enable-lora`: updates are adapters (`model.lora`), served under the model's name."""
     workers: int = 1
     """Its vLLM workers (tensor x pipeline x data-parallel ranks of this server): a broadcast group's members."""
+    places: list[Worker] | None = None
+    """Each worker's place, in rank order, where they keep different slices (prl.weights.slices.served_places)."""
     tenants: Registry | None = None
     """A pool (`--tenants`): the attached runs, each loading its adapter under its own name (prl/run/tenants.py);
     the base model itself never changes."""
@@ -185,7 +188,7 @@ async def live(request: Request):
         ok=state.broken is None, weights_step=state.weights_step, weights_path=state.weights_path,
         disk_step=state.disk[1] if state.disk else None, paused=await _engine(request).is_paused(),
         model=state.model_name, updates=state.updates, last_update=state.last_update, updating=state.lock.locked(),
-        workers=state.workers, error=state.broken)
+        workers=state.workers, places=state.places, error=state.broken)
     if state.tenants is not None:
         state.tenants.refresh()
         live.tenants = {name: state.adapters.get(name, {}).get("step") for name in state.tenants.names()}
@@ -481,7 +484,8 @@ def _record_metrics(state: AdminState, request: Request) -> None:
 
 
 def initial_state(run: RunDir, model: str, model_name: str, lora: bool = False,
-                  tenants: Registry | None = None, workers: int = 1) -> AdminState:
+                  tenants: Registry | None = None, workers: int = 1, places: list[Worker] | None = None
+                  ) -> AdminState:
     """AdminState for a server that just loaded `model` (a local dir or a hub id)."""
     path = Path(model)
     layout = None
@@ -495,4 +499,4 @@ def initial_state(run: RunDir, model: str, model_name: str, lora: bool = False,
     weights_path = str(path.resolve()) if path.is_dir() else model
     return AdminState(run=run, model_name=model_name, weights_path=weights_path, layout=layout, weights_step=step,
                       disk=(weights_path, step) if path.is_dir() else None, lora=lora, tenants=tenants,
-                      workers=workers)
+                      workers=workers, places=places)

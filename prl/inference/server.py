@@ -43,6 +43,7 @@ from prl.run import api
 from prl.run.rundir import API_KEY_VAR, RunDir
 from prl.run.records import ENGINE_DIED_EXIT
 from prl.states import Role
+from prl.weights.slices import served_places
 
 WORKER_EXTENSION = "prl.inference.worker.WeightUpdater"
 WEIGHT_BACKEND = "prl"
@@ -415,8 +416,13 @@ async def init_prl_state(app, engine, run: RunDir, args: argparse.Namespace, ser
     worker recording its MoE layers' routes (prl/inference/worker.py `RouteCapture`) for the generate route."""
     from prl.inference import admin
 
-    app.state.prl_admin = admin.initial_state(run, args.model, served, lora=bool(args.enable_lora), tenants=tenants,
-                                              workers=engine.vllm_config.parallel_config.world_size)
+    parallel = engine.vllm_config.parallel_config
+    model_type = getattr(engine.vllm_config.model_config.hf_config, "model_type", None)
+    app.state.prl_admin = admin.initial_state(
+        run, args.model, served, lora=bool(args.enable_lora), tenants=tenants,
+        workers=parallel.world_size_across_dp,
+        places=served_places(model_type, parallel.tensor_parallel_size, parallel.data_parallel_size,
+                             parallel.pipeline_parallel_size, bool(parallel.enable_expert_parallel)))
     if routed_experts:
         shape = (await engine.collective_rpc("prl_capture_routes"))[0]
         app.state.prl_routes = True

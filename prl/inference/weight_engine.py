@@ -94,7 +94,7 @@ class TransportEngine(WeightTransferEngine[NoInitInfo, RequestInfo]):
         from vllm.distributed.parallel_state import get_world_group
 
         start = time.perf_counter()
-        self.report.update(step=request.step, group=request.group is not None)
+        self.report.update(step=request.step, group=request.groups is not None)
         reception = None
         try:
             key = os.environ.get(API_KEY_VAR, "").strip()

@@ -85,6 +85,8 @@ class LiveServer:
     """The `started` of the endpoint file it was found by: a new value is a new server process."""
     workers: int | None = None
     """Its vLLM workers, each a member of a broadcast group (`/prl/live`; None: not known yet)."""
+    places: list | None = None
+    """Each worker's place (prl.run.api.Worker), where they keep different slices (`/prl/live`)."""
 
 
 @dataclass(frozen=True)
@@ -299,7 +301,7 @@ async def live_versions(client: httpx.AsyncClient, server: LiveServer) -> tuple[
     except (httpx.HTTPError, api.BodyError):
         return None
     step = live.weights_step or 0  # null: still the base model
-    server.workers = live.workers
+    server.workers, server.places = live.workers, live.places
     return step, step if live.disk_step is msgspec.UNSET else live.disk_step or 0
 
 
@@ -392,7 +394,7 @@ class WeightWatcher:
     def requests(self, servers: list[LiveServer], offer: weights.Offer) -> dict[str, WeightsRequest]:
         """The first request each server behind on `offer` is sent (by URL): the offer's, or (a transport that
         sends to several servers at once) one that joins them."""
-        return self.transport.requests(offer, [weights.Behind(s.url, s.workers) for s in servers])
+        return self.transport.requests(offer, [weights.Behind(s.url, s.workers, s.places) for s in servers])
 
     async def push(self, client: httpx.AsyncClient, server: LiveServer, step: int,
                    first: WeightsRequest | None = None) -> None:

@@ -209,6 +209,8 @@ class TrainerPlan(Frozen, kw_only=True):
     weight_ports: tuple[int, ...] = ()
     """Each rank's port for a weight transport that sends from memory (prl/weights), by global rank (empty when
     every step goes through the run directory)."""
+    weight_backend: Literal["gloo", "nccl"] = "gloo"
+    """The broadcast groups' torch.distributed backend (`weights.backend` resolved for where the roles run)."""
     activation_checkpointing: bool
     precision: Literal["bf16", "fp32", "fp8"]
     compile: bool = False

@@ -32,7 +32,7 @@ from typing import Any, Optional
 from prl.config.cluster import ClusterProfile
 from prl.config.loader import Source
 from prl import weights
-from prl.config.topology import InferenceGroup, Lora, Pool, Scorer, Topology, Training
+from prl.config.topology import InferenceGroup, Lora, Pool, Scorer, Topology, Training, Weights
 from prl.errors import PlanError
 from prl.planner.capabilities import (VLLM_NO_LORA_ARCHITECTURES, ModelConfig, compile_refusals, cpu_lora_refusal,
                                      lora_refusals, precision_refusals, quantization_refusals, replay_refusals,
@@ -536,8 +536,20 @@ def check_weights(check: Checker, topo: Topology) -> weights.Transport:
         raise check.fail(("weights", "transport"), f"no weight transport {topo.weights.transport!r}: use one of "
                                                    f"{', '.join(weights.names())} (docs/weights.md)")
     transport = weights.get(topo.weights.transport)
-    transport.check(topo, check.fail)
+    for field in ("backend", "group_timeout_s"):
+        if getattr(topo.weights, field) != getattr(Weights(), field) and not transport.groups:
+            raise check.fail(("weights", field), f"weights.{field} is a setting of the broadcast groups, and "
+                                                 f"weights.transport {transport.name} sends none: remove weights."
+                                                 f"{field}, or use a transport that broadcasts "
+                                                 f"({', '.join(n for n in weights.names() if weights.get(n).groups)})")
+    transport.check(topo, check.fail, gpus=roles_on_gpus(check.cluster))
     return transport
+
+
+def roles_on_gpus(cluster: ClusterProfile) -> bool:
+    """The roles run on GPUs: the nodes have some, and the profile does not run them on the CPU (`PRL_DEVICE: cpu`,
+    the lab cluster's count-only GPUs)."""
+    return bool(cluster.gpu_node.gpus) and cluster.env.get("PRL_DEVICE") != "cpu"
 
 
 def place_trainer(check: Checker, topo: Topology, layout: Layout, common_env: dict[str, str],
@@ -558,6 +570,7 @@ def place_trainer(check: Checker, topo: Topology, layout: Layout, common_env: di
                        device="cuda" if cluster.gpu_node.gpus else "cpu", mesh=mesh,
                        master_port=cluster.port_base + RDZV_PORT_OFFSET,
                        weight_ports=weight_ports(cluster, nodes, procs) if transport.feeds else (),
+                       weight_backend=transport.group_backend(topo.weights, roles_on_gpus(cluster)),
                        activation_checkpointing=tr.activation_checkpointing, precision=tr.precision,
                        compile=tr.compile)
 

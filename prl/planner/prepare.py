@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -31,6 +32,10 @@ class Prepared:
     topology_yaml: str
     """The topology as prl read it, for RUN/topology.yaml: overrides and interpolation applied, but
     `${oc.env:...}` left as written (a value read from the environment is never written to disk)."""
+    shares: tuple = ()
+    """What each worker of each weight-loading role receives per update (`weight_shares`; () when unknown)."""
+    why_not: str = ""
+    """Why `shares` is empty (the model's files are not on this machine, ...)."""
 
     @cached_property
     def files(self) -> dict[str, str]:
@@ -193,6 +198,9 @@ class WeightShare:
     least: int
     whole: int
     """Bytes of the whole step."""
+    layer_most: int = 0
+    """Bytes of the largest worker's share of the largest decoder layer: what it holds received at once at most
+    (vLLM's layerwise reload keeps a layer's tensors until the layer is whole)."""
 
 
 def weight_shares(plan: Plan) -> tuple[tuple[WeightShare, ...], str]:
@@ -226,12 +234,50 @@ def weight_shares(plan: Plan) -> tuple[tuple[WeightShare, ...], str]:
             # of an uneven EP split) and the last the least: two plans, not one per worker (48 at moe-1t), keep
             # `prl plan` quick on a login node that sees a 1T checkpoint.
             places = server_places(role.tp, role.dp, role.expert_parallel)
-            numels = [worker_numel(slice_plan(config, layout, w), layout) for w in {places[0], places[-1]}]
+            plans = [slice_plan(config, layout, w) for w in {places[0], places[-1]}]
         except (ValueError, KeyError, TypeError) as exc:
             return (), f"{role.name}: its slices cannot be computed ({exc})"
+        numels = [worker_numel(p, layout) for p in plans]
+        layers: dict[str, int] = {}
+        for name, cut in plans[0].items():  # the first worker's: the most
+            layer = _LAYER.search(name)
+            if layer:
+                layers[layer.group()] = layers.get(layer.group(), 0) + worker_numel({name: cut}, layout)
         shares.append(WeightShare(role.name, role.tp, role.dp, role.expert_parallel, max(numels) * size,
-                                  min(numels) * size, sum(math.prod(s) for s in layout.values()) * size))
+                                  min(numels) * size, sum(math.prod(s) for s in layout.values()) * size,
+                                  max(layers.values(), default=0) * size))
     return tuple(shares), ""
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
+VLLM_GPU_MEMORY_UTILIZATION = 0.9
+"""vLLM's default share of each GPU's memory (`--gpu-memory-utilization`) for weights, activations and KV."""
+
+
+def check_receive_buffers(prepared: Prepared, source: Source, shares: Sequence[WeightShare]) -> None:
+    """Under `weights.backend: nccl` each worker receives a step into GPU memory beside vLLM's share of it: the
+    largest layer's slices at once, once for the received tensors and once for the layer vLLM rebuilds from
+    them. Refused at the role's gpu_memory_utilization where that does not fit (profiles that say
+    `gpu_node.gpu_memory_gb`)."""
+    plan, gpu_gb = prepared.plan, prepared.cluster.gpu_node.gpu_memory_gb
+    if plan.trainer is None or plan.trainer.weight_backend != "nccl" or gpu_gb is None:
+        return
+    groups = prepared.topology.inference.groups()
+    for share in shares:
+        group = groups.get(share.role)
+        if group is None:
+            continue
+        share_of_gpu = group.gpu_memory_utilization or VLLM_GPU_MEMORY_UTILIZATION
+        free = (1 - share_of_gpu) * gpu_gb * 2**30
+        if 2 * share.layer_most > free:
+            most = max(0.0, 1 - 2 * share.layer_most / (gpu_gb * 2**30))
+            field = (Role.INFERENCE, "gpu_memory_utilization") if share.role == Role.INFERENCE else \
+                (Role.INFERENCE, share.role, "gpu_memory_utilization")
+            raise source.error(field, (
+                f"under weights.backend: nccl each {share.role} worker receives up to {share.layer_most / 2**30:.2f} "
+                f"GiB of one layer into GPU memory, twice over while vLLM rebuilds it ({2 * share.layer_most / 2**30:.2f} "
+                f"GiB), beside vLLM's {share_of_gpu:g} of the {gpu_gb:g} GiB GPU ({free / 2**30:.2f} GiB left): set "
+                f"gpu_memory_utilization <= {math.floor(most * 100) / 100:.2f}, or weights.backend: gloo"))
 
 
 def prepare(topology_path: Path, overrides: Sequence[str] = (), cwd: Path | None = None) -> Prepared:
@@ -258,7 +304,10 @@ def prepare(topology_path: Path, overrides: Sequence[str] = (), cwd: Path | None
     run_dir = str(Path(run_dir))  # normalise '//' and a trailing '/'
     plan = make_plan(topo, source, cluster, cluster_source, run_dir, model_config(topo, source))
     header = f"# {topology_path.name} as resolved by prl (overrides applied; ${{oc.env:...}} kept as written)\n"
-    return Prepared(topo, cluster, plan, header + yaml.safe_dump(source.written, sort_keys=False))
+    shares, why_not = weight_shares(plan)
+    prepared = Prepared(topo, cluster, plan, header + yaml.safe_dump(source.written, sort_keys=False), shares, why_not)
+    check_receive_buffers(prepared, source, shares)
+    return prepared
 
 
 class _NamedPlan(msgspec.Struct):

@@ -69,8 +69,10 @@ def weights_line(plan: Plan, shares: Sequence, why_not: str) -> str:
     """`weights: memory (...); per update each inference worker receives 1.2 GB of 2.4 GB (tp2, its slices)`."""
     from prl.weights import get
 
-    transport = plan.settings().weights.transport
-    line = f"weights: {transport} ({get(transport).summary})"
+    settings = plan.settings().weights
+    transport = get(settings.transport)
+    over = f" over {plan.trainer.weight_backend}" if transport.groups and plan.trainer is not None else ""
+    line = f"weights: {transport.name}{over} ({transport.summary})"
     parts = []
     for s in shares:
         place = f"tp{s.tp}" + (f" dp{s.dp}" if s.dp > 1 else "") + (" ep" if s.expert_parallel else "")

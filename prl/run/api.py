@@ -41,6 +41,8 @@ PAUSE_MODES = ("keep", "wait", "abort")
 """How a server pauses generation for an update: in-flight requests freeze, finish first, or end (vLLM's)."""
 
 Step = Annotated[int, Meta(ge=1, le=MAX_STEP)]
+GroupBackend = Literal["gloo", "nccl"]
+"""A broadcast group's torch.distributed backend (`weights.backend`)."""
 Token = Annotated[str, Meta(pattern=r"^[0-9a-f]{32}$")]
 _FEED = re.compile(r"([A-Za-z0-9._-]{1,253}):(\d{1,5})")
 
@@ -57,6 +59,30 @@ class Body(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base of a request body: unknown fields are refused (a misspelt field must not be silently ignored)."""
 
 
+class Worker(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One vLLM worker's place in its server: tensor-parallel rank, data-parallel rank, expert parallelism (what
+    a worker tells a feed, which then sends it only its slices)."""
+
+    tp: Annotated[int, Meta(ge=1, le=4096)] = 1
+    tp_rank: Annotated[int, Meta(ge=0)] = 0
+    dp: Annotated[int, Meta(ge=1, le=4096)] = 1
+    dp_rank: Annotated[int, Meta(ge=0)] = 0
+    expert_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.tp_rank < self.tp and 0 <= self.dp_rank < self.dp):
+            raise ValueError(f"worker tp rank {self.tp_rank} of {self.tp}, dp rank {self.dp_rank} of {self.dp}")
+
+    @property
+    def moe_rank(self) -> int:
+        """Its rank among the dp x tp ranks the experts are spread over (vLLM flattens DP into the MoE's TP)."""
+        return self.dp_rank * self.tp + self.tp_rank
+
+    @property
+    def moe_size(self) -> int:
+        return self.dp * self.tp
+
+
 class Group(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One broadcast group as a member sees it (`weights.transport: broadcast`, prl/weights/collective.py)."""
 
@@ -65,10 +91,12 @@ class Group(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     world: Annotated[int, Meta(ge=2, le=MAX_WORLD)]
     """Members: the sender (rank 0) and every worker."""
     rank: Annotated[int, Meta(ge=0, lt=MAX_WORLD)]
-    """This member's rank (0: the sender); in a request, the server's first worker's."""
+    """This member's rank (0: the sender)."""
     timeout: Annotated[float, Meta(ge=1, le=MAX_GROUP_TIMEOUT_S)] = DEFAULT_GROUP_TIMEOUT_S
     """Longest a member waits at each stage: for every member to come, for each broadcast
     (`weights.group_timeout_s`)."""
+    backend: GroupBackend = "gloo"
+    """torch.distributed's backend for it: gloo (TCP, host memory) or nccl (the members' GPUs)."""
 
     def __post_init__(self) -> None:
         if self.rank >= self.world:
@@ -78,15 +106,16 @@ class Group(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 class WeightsRequest(Body, kw_only=True, omit_defaults=True):
     """`POST /prl/weights`: load a weights step. `transport` says where it comes from (prl/weights: the
     registered transports) and which other fields it needs: `filesystem` exactly one of `step` (RUN/weights/step_N)
-    and `path` (a directory under RUN/weights/); `memory` `step` and `feeds`; `broadcast` those and `group`."""
+    and `path` (a directory under RUN/weights/); `memory` `step` and `feeds`; `broadcast` those and `groups`."""
 
     transport: Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_]{0,31}$")] = "filesystem"
     step: Optional[Step] = None
     path: Optional[Annotated[str, Meta(min_length=1, max_length=MAX_PATH)]] = None
     feeds: Optional[Annotated[list[str], Meta(min_length=1, max_length=MAX_FEEDS)]] = None
     """host:port of each trainer rank's weight feed that holds a share of the step."""
-    group: Optional[Group] = None
-    """The broadcast group the step comes by, at this server's first worker's rank."""
+    groups: Optional[Annotated[list[Group], Meta(min_length=1, max_length=MAX_WORLD)]] = None
+    """The broadcast group each of this server's workers receives the step by, in worker rank order, each at
+    its own rank: the workers of one place (the same slices) in every server behind share a group."""
     mode: Literal["keep", "wait", "abort"] = "keep"
     """How generation pauses while the step loads (PAUSE_MODES)."""
 
@@ -99,6 +128,8 @@ class WeightsRequest(Body, kw_only=True, omit_defaults=True):
                 raise ValueError(f'"feeds" entries must be "host:port", got {feed[:80]!r}')
         if self.feeds is not None and len(set(self.feeds)) != len(self.feeds):
             raise ValueError('"feeds" names a feed twice')
+        if self.groups is not None and len({(g.token, g.rank) for g in self.groups}) != len(self.groups):
+            raise ValueError('"groups" names one member of a group twice')
 
     @property
     def durable(self) -> bool:
@@ -108,7 +139,7 @@ class WeightsRequest(Body, kw_only=True, omit_defaults=True):
     @property
     def once(self) -> bool:
         """A group's request: its members were formed together, so it is tried once (a retry reads the feeds)."""
-        return self.group is not None
+        return self.groups is not None
 
 
 class WeightsAnswer(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -149,6 +180,9 @@ class LiveAnswer(msgspec.Struct, kw_only=True):
     updating: bool = False
     workers: Optional[Annotated[int, Meta(ge=1)]] = None
     """Its vLLM workers (each a member of a broadcast group)."""
+    places: Optional[Annotated[list[Worker], Meta(max_length=MAX_WORLD)]] = None
+    """Each worker's place, in rank order, where the model's slices differ by place (a broadcast group's members
+    are the workers of one place); None: every worker receives the whole step."""
     error: Optional[str] = None
     tenants: Optional[dict[str, Optional[int]]] = None
     """An inference pool's: attached run -> the adapter step it serves."""

@@ -35,6 +35,7 @@ import msgspec
 from msgspec import Meta
 
 from prl.errors import RunDirError
+from prl.run.api import GroupBackend
 from prl.states import Backend, LauncherStatus, Role, RoleState, ServerAction
 
 RECORD_VERSION = 2
@@ -265,6 +266,8 @@ class FeedRecord(Record, kw_only=True):
     group_timeout: Optional[Annotated[float, Meta(gt=0)]] = None
     """The feeds also broadcast to groups, each stage bounded by this many seconds (None: they send to no
     groups)."""
+    backend: GroupBackend = "gloo"
+    """The groups' torch.distributed backend (`weights.backend`, resolved on the trainer's device)."""
 
 
 class Endpoint(Record, kw_only=True):

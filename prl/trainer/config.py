@@ -43,6 +43,8 @@ class TrainerConfig:
     """Each rank's port for a transport that sends from memory, by global rank (empty: every step goes to disk)."""
     node_address: str = ""
     """This node's address as the servers reach it (where such a transport listens)."""
+    weight_backend: str = "gloo"
+    """The broadcast groups' backend, as planned (`TrainerPlan.weight_backend`)."""
     scorers: tuple[str, ...] = ()
     """The scoring roles of the run (`teacher`, `reference`): their logprobs come in every batch."""
     lora: Optional[Lora] = None
@@ -64,6 +66,6 @@ class TrainerConfig:
                    tokenizer_path=settings.model.tokenizer or settings.model.path,
                    max_model_len=settings.model.max_model_len, sft=settings.sft,
                    weights=settings.weights, weight_ports=tr.weight_ports,
-                   node_address=node_address(plan) if tr.weight_ports else "",
+                   node_address=node_address(plan) if tr.weight_ports else "", weight_backend=tr.weight_backend,
                    scorers=plan.scorer_roles(), lora=settings.model.lora,
                    train_vision=settings.model.train_vision, compile=tr.compile)

@@ -498,7 +498,7 @@ def start_sender(run: RunDir, cfg: TrainerConfig, transport: weights.Transport, 
         raise ConfigError(f"weights.transport {transport.name} sends whole models; {type(spec).__name__} publishes "
                           f"weights of its own: use weights.transport: filesystem")
     config = json.loads((Path(cfg.model_path) / "config.json").read_text()) if transport.feeds else None
-    return transport.sender(run, cfg.weights, cfg.node_address, cfg.weight_ports, config)
+    return transport.sender(run, cfg.weights, cfg.node_address, cfg.weight_ports, config, cfg.weight_backend)
 
 
 def publish(eng: Engine, spec: Spec, step: int, durable: bool = True) -> None:

@@ -2,10 +2,11 @@
 
     group = Group(token="9f2c...", world=5, rank=3)   # the orchestrator names it (prl.run.api.Group); worker 3 of 4
     pg = join(group, bind_host, "host:port")          # every member (the feed's sender: rank 0, its own store)
-    send(pg, buffers) / receive(pg, raw)               # one broadcast per buffer, in header order
+    send(pg, buffers, device(group))                   # one broadcast per buffer, in header order
+    receive(pg, torch.empty(n, dtype=torch.uint8, device=device(group)))
 
-`weights.transport: broadcast`: the orchestrator gives every server behind on a step the same group
-(a random token, the world size: 1 sender + every worker of every server, and each server's first rank).
+`weights.transport: broadcast`: the orchestrator gives the workers of one place (the same slices) in every
+server behind on a step one group (a random token, the world size: 1 sender + those workers, each its rank).
 Each worker asks the feed for the step over the feed's keyed protocol (prl/weights/feed.py), naming the
 group; the feed answers with the step's header and the address of its rendezvous store, and the first
 member to ask starts the feed's sender. Each side then forms a gloo process group of its own, on its
@@ -21,8 +22,13 @@ Every stage of it is bounded by the group's `timeout`: forming the group (a memb
 broadcast (a member that died, a sender that died). A group that fails is dropped on every side; what
 the members do then is theirs (a worker's update fails, the orchestrator pulls the step instead).
 
-The backend is gloo over TCP, on CPU tensors, on every cluster: the same code path a CPU cluster tests.
-It binds to the address each side reaches the other with (never a wildcard). Like torch.distributed's
+The backend is the group's (`Group.backend`, `weights.backend`): gloo over TCP on host memory, or NCCL on
+the members' GPUs (the processes have GPUs: the trainer's ranks and vLLM's workers of a GPU cluster), where
+each buffer the sender holds in host memory is staged to its GPU before its broadcast and each member receives
+into its GPU's memory, which the worker's loader then copies from on the device. Every line but the process
+group's constructor and the buffers' device is the one the CPU suite runs on gloo. Gloo binds to the address
+each side reaches the other with (never a wildcard); NCCL picks its interfaces itself (the cluster profile's
+`network.env`: NCCL_SOCKET_IFNAME, NCCL_IB_HCA), its rendezvous through the same store. Like torch.distributed's
 own groups, the store and the gloo connections carry no key: the token is handed out only over keyed
 channels, so a stray process does not join by accident, but the store answers anyone who can reach it.
 A group's shape (token, world, rank, timeout) is the typed `prl.run.api.Group` that requests carry.
@@ -59,11 +65,24 @@ def join(group: Group, bind_host: str, rendezvous):
     if isinstance(rendezvous, str):
         host, _, port = rendezvous.rpartition(":")
         served = dist.TCPStore(host, int(port), is_master=False, timeout=limit)
+    prefixed = dist.PrefixStore(f"prl-weights/{group.token}", served)
+    if group.backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = limit
+        return dist.ProcessGroupNCCL(prefixed, group.rank, group.world, options)
     options = dist.ProcessGroupGloo._Options()
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
     options._timeout = limit
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"prl-weights/{group.token}", served), group.rank, group.world,
-                                 options)
+    return dist.ProcessGroupGloo(prefixed, group.rank, group.world, options)
+
+
+def device(group: Group):
+    """Where a member's buffers live: host memory under gloo, this process's current GPU under NCCL."""
+    import torch
+
+    if group.backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _broadcast(pg, buffer) -> None:
@@ -74,21 +93,24 @@ def _broadcast(pg, buffer) -> None:
     pg.broadcast([buffer], options).wait()
 
 
-def send(pg, buffers: Iterable) -> int:
-    """Broadcast each contiguous CPU tensor from rank 0 in order (never written: a root's buffer is only read);
-    the bytes sent. The members receive the same sequence, each buffer's size known from the step's header."""
+def send(pg, buffers: Iterable, on=None) -> int:
+    """Broadcast each contiguous tensor from rank 0 in order (never written: a root's buffer is only read), each
+    staged to device `on` first where it is elsewhere (`device(group)`; None: where it is); the bytes sent. The
+    members receive the same sequence, each buffer's size known from the step's header."""
     import torch
 
     sent = 0
     for tensor in buffers:
         if tensor.numel():
-            _broadcast(pg, tensor.reshape(-1).view(torch.uint8))
+            flat = tensor.reshape(-1).view(torch.uint8)
+            _broadcast(pg, flat if on is None or flat.device == on else flat.to(on))
             sent += tensor.numel() * tensor.element_size()
     return sent
 
 
 def receive(pg, raw) -> None:
-    """The next broadcast from rank 0 into `raw` (a uint8 CPU tensor of the size the header gave)."""
+    """The next broadcast from rank 0 into `raw` (a uint8 tensor of the size the header gave, on the group's
+    device)."""
     _broadcast(pg, raw)
 
 

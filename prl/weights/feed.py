@@ -68,7 +68,7 @@ import msgspec
 
 from prl.errors import FeedError
 from prl.log import get_logger
-from prl.run.api import DEFAULT_GROUP_TIMEOUT_S, Group
+from prl.run.api import DEFAULT_GROUP_TIMEOUT_S, Group, GroupBackend
 from prl.weights.delta import FORMS, BadDelta, encode as encode_change, narrow_change, positions, rebuild, where_bytes
 from prl.weights.slices import Dims, Worker, narrow, tensor_slice
 
@@ -259,12 +259,15 @@ class FeedServer:
     """A threaded TCP server handing its newest snapshot to every authenticated reader."""
 
     def __init__(self, host: str, port: int, key: bytes, delta: bool = False, groups: bool = False,
-                 group_timeout: float = DEFAULT_GROUP_TIMEOUT_S, config: Mapping | None = None):
+                 group_timeout: float = DEFAULT_GROUP_TIMEOUT_S, config: Mapping | None = None,
+                 backend: GroupBackend = "gloo"):
         """`delta`: each publish also encodes what changed since the previous one, for readers that
         hold the previous step (the cost: comparing every element at publish, and the delta's bytes).
         `groups`: also broadcast steps to groups of readers (a rendezvous store on `host`), each group
-        bounded by `group_timeout` s per stage. `config`: the model's config.json, which says what each worker
-        keeps of each tensor: a reader that names its place gets its slices (None: every reader the whole step)."""
+        bounded by `group_timeout` s per stage, over `backend` (nccl: from this thread's current GPU, each
+        buffer staged there from the snapshot in host memory). `config`: the model's config.json, which says what
+        each worker keeps of each tensor: a reader that names its place gets its slices (None: every reader the
+        whole step)."""
         if not key:
             raise ValueError("a weight feed needs a non-empty key")
         self._key = key
@@ -274,6 +277,9 @@ class FeedServer:
         self._lock = threading.Lock()
         self._decided = threading.Condition(self._lock)
         self._group_timeout = group_timeout
+        self._backend = backend
+        self._device = None
+        """Where the groups' buffers go out from (None: host memory, gloo)."""
         self._groups: dict[str, tuple[int, int, str]] = {}
         """token -> (step, world, "sending" | "sent" | "failed"), the newest MAX_GROUPS_KEPT."""
         self._sending: dict[str, _Round] = {}
@@ -285,6 +291,8 @@ class FeedServer:
             from prl.weights import collective
 
             self._store = collective.store(host, group_timeout)
+            if backend == "nccl":  # the constructing thread's GPU (a trainer rank's); the sender threads' is 0
+                self._device = collective.device(Group(token="0" * 32, world=2, rank=0, backend=backend))
         feed = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -374,6 +382,8 @@ class FeedServer:
             return _send_line(sock, {"error": "this feed sends to no groups (weights.transport: broadcast)"})
         if group.rank == 0:
             return _send_line(sock, {"error": "bad group: rank 0 is the feed's own (a reader's rank is 1 and up)"})
+        if group.backend != self._backend:
+            return _send_line(sock, {"error": f"this feed's groups are {self._backend}, not {group.backend}"})
         with self._lock:
             known = self._groups.get(group.token)
             sending = self._sending.get(group.token)
@@ -427,12 +437,16 @@ class FeedServer:
         start = time.perf_counter()
         record: dict = {"token": token, "step": held.step, "world": world, "delta": False, "bytes": 0}
         try:
-            pg = collective.join(Group(token=token, world=world, rank=0, timeout=self._group_timeout),
-                                 self._server.server_address[0], self._store)
+            if self._device is not None:
+                import torch
+
+                torch.cuda.set_device(self._device)
+            pg = collective.join(Group(token=token, world=world, rank=0, timeout=self._group_timeout,
+                                       backend=self._backend), self._server.server_address[0], self._store)
             try:
                 # Every member was answered before it joined: the group formed, so the choice is made.
                 record["delta"] = self._sending[token].delta is True
-                record["bytes"] = collective.send(pg, held.parts(record["delta"]))
+                record["bytes"] = collective.send(pg, held.parts(record["delta"]), self._device)
             finally:
                 collective.close(pg)
         except Exception as e:  # noqa: BLE001 - the members see it too: their update fails, they pull instead
@@ -489,6 +503,8 @@ class FeedReader:
         self._base = base
         self._group = group
         self._pg = None
+        self._device = None
+        """Where a group's broadcasts arrive (the constructing thread's GPU under nccl; None: host memory)."""
         self._receiving = False
         host, sep, port = address.rpartition(":")
         if not (sep and host and port.isdigit()):
@@ -502,6 +518,9 @@ class FeedReader:
         try:
             self.tensors = self._handshake(step, key)
             if group is not None:
+                from prl.weights import collective
+
+                self._device = collective.device(group) if group.backend != "gloo" else None
                 self._pg = self._join_group()
         except BaseException:
             self.close()
@@ -586,12 +605,12 @@ class FeedReader:
         try:
             for i, meta in enumerate(self.tensors):
                 piece = self._piece(meta, f"tensor {i + 1} of {len(self.tensors)} ({meta.name})")
-                if self.keep:
+                if self.keep and self._device is None:  # a base in GPU memory would cost a model's worth there
                     self.pieces[meta.name] = piece
                 if meta.dim < 0:
                     yield meta.name, piece
                     continue
-                whole = torch.empty(meta.full_shape, dtype=piece.dtype)
+                whole = torch.empty(meta.full_shape, dtype=piece.dtype, device=piece.device)
                 whole.narrow(meta.dim, meta.start, meta.shape[meta.dim]).copy_(piece)
                 yield meta.name, whole
         finally:
@@ -618,7 +637,7 @@ class FeedReader:
         """The next `nbytes` of the payload, off the socket or (in a group) by broadcast, in fresh storage."""
         import torch
 
-        raw = torch.empty(nbytes, dtype=torch.uint8)
+        raw = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
         if not nbytes:
             return raw
         if self._group is None:

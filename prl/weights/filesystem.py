@@ -62,9 +62,9 @@ def _inside(path: Path, root: Path) -> bool:
 
 def resolve_weights_dir(run: RunDir, request: WeightsRequest) -> WeightsTarget:
     """The directory a `{"step": N}` or `{"path": DIR}` request names, or `UpdateRefused` (400/403/409)."""
-    if (request.step is None) == (request.path is None) or request.feeds is not None or request.group is not None:
+    if (request.step is None) == (request.path is None) or request.feeds is not None or request.groups is not None:
         raise UpdateRefused(400, 'a request from the run directory names exactly one of "step" (int) or "path" '
-                                 '(str), and no "feeds" or "group"')
+                                 '(str), and no "feeds" or "groups"')
     root = run.weights_root()
     requested = run.weights(request.step) if request.step is not None else Path(request.path)
     real = Path(os.path.realpath(requested))
@@ -84,7 +84,7 @@ class Filesystem(Transport):
     name = "filesystem"
     summary = "every step written to RUN/weights/step_N, each server's workers read it back"
 
-    def check(self, topo, fail) -> None:
+    def check(self, topo, fail, gpus: bool = False) -> None:
         if topo.weights.delta:
             raise fail(("weights", "delta"), "deltas are sent by the weight feeds: set weights.transport: memory "
                                              "(or broadcast), or remove weights.delta")

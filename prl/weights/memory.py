@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
-from prl.run.api import Group, WeightsRequest
+from prl.run.api import GroupBackend, Group, WeightsRequest
 from prl.run.records import FeedRecord
 from prl.run.rundir import RunDir
 from prl.weights.feed import Base, FeedReader, FeedServer, read_concurrently
@@ -45,9 +45,9 @@ class FeedSender(Sender):
     """This trainer rank's weight feed, and every rank's address (by global rank)."""
 
     def __init__(self, run: RunDir, feed: FeedServer, addresses: Sequence[str], rank: int,
-                 group_timeout: Optional[float]):
-        self.run, self.feed, self.addresses, self.rank, self.group_timeout = run, feed, tuple(addresses), rank, \
-            group_timeout
+                 group_timeout: Optional[float], backend: GroupBackend = "gloo"):
+        self.run, self.feed, self.addresses, self.rank = run, feed, tuple(addresses), rank
+        self.group_timeout, self.backend = group_timeout, backend
 
     def send(self, step: int, tensors, writers: Sequence[int]) -> None:
         import torch.distributed as dist
@@ -56,7 +56,8 @@ class FeedSender(Sender):
         dist.barrier()
         if self.rank == 0:
             self.run.write_weights_feed(FeedRecord(step=step, feeds=[self.addresses[r] for r in writers],
-                                                   time=time.time(), group_timeout=self.group_timeout))
+                                                   time=time.time(), group_timeout=self.group_timeout,
+                                                   backend=self.backend))
 
     def close(self) -> None:
         self.feed.close()
@@ -79,7 +80,7 @@ class FeedTarget(Target):
         return f"memory:step_{self.step}"
 
     def describe(self) -> str:
-        return f"{len(self.feeds)} trainer feeds{' by broadcast' if self.request.group else ''}"
+        return f"{len(self.feeds)} trainer feeds{' by broadcast' if self.request.groups else ''}"
 
     async def load(self, engine) -> tuple[float, dict]:
         import msgspec
@@ -141,7 +142,7 @@ class Memory(Transport):
     summary = "each trainer rank serves its share over TCP, each worker reads it; disk at checkpoint steps"
     feeds = True
 
-    def check(self, topo, fail) -> None:
+    def check(self, topo, fail, gpus: bool = False) -> None:
         """A step from memory is the whole model, into servers of the run's own."""
         why = ("an inference pool's model never changes" if topo.pool is not None
                else "an SFT topology (sft:) has no inference servers to send weights to" if topo.sft is not None
@@ -153,16 +154,16 @@ class Memory(Transport):
     def forget(self, run: RunDir) -> None:
         run.clear_weights_feed()  # a replaced attempt's feeds are gone with it
 
-    def sender(self, run: RunDir, weights, host: str, ports: Sequence[int], config: Mapping | None = None
-               ) -> FeedSender:
+    def sender(self, run: RunDir, weights, host: str, ports: Sequence[int], config: Mapping | None = None,
+               backend: GroupBackend = "gloo") -> FeedSender:
         import torch.distributed as dist
 
         rank, timeout = dist.get_rank(), self.group_timeout(weights)
         feed = FeedServer(host, ports[rank], run.read_api_key().encode(), weights.delta, groups=timeout is not None,
-                          group_timeout=timeout or 0.0, config=config)
+                          group_timeout=timeout or 0.0, config=config, backend=backend)
         addresses: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(addresses, feed.address)
-        return FeedSender(run, feed, addresses, rank, timeout)
+        return FeedSender(run, feed, addresses, rank, timeout, backend)
 
     def group_timeout(self, weights) -> Optional[float]:
         """The feeds also send to broadcast groups, each stage bounded so (None: they only serve readers)."""
@@ -180,12 +181,12 @@ class Memory(Transport):
                                      '{"transport": "memory", "step": N, "feeds": ["host:port", ...]}')
         if lora:
             raise UpdateRefused(409, "this server serves adapters (--enable-lora): they come from the run directory")
-        self.check_group(request.group, workers)
+        self.check_groups(request.groups, workers)
         return FeedTarget(request.step, request)
 
-    def check_group(self, group: Optional[Group], workers: int) -> None:
-        if group is not None:
-            raise UpdateRefused(400, '"group": a memory update is read from the feeds (weights.transport: '
+    def check_groups(self, groups: Optional[list[Group]], workers: int) -> None:
+        if groups is not None:
+            raise UpdateRefused(400, '"groups": a memory update is read from the feeds (weights.transport: '
                                      'broadcast sends groups)')
 
     def receive(self, request: WeightsRequest, key: bytes, rank: int, kept: dict, place: Worker | None = None
@@ -193,7 +194,7 @@ class Memory(Transport):
         """Every feed opened (authenticated, its header read; naming the worker's `place`, each sends only its
         slices) and their layouts checked to name each tensor once; UpdateRefused(422) / FeedError before anything
         is loaded."""
-        group = self.member(request.group, rank)
+        group = self.member(request.groups, rank)
         readers: list[FeedReader] = []
         try:
             for address in request.feeds:
@@ -212,7 +213,7 @@ class Memory(Transport):
             raise
         return Reception(readers, layout, any(r.delta for r in readers))
 
-    def member(self, group: Optional[Group], rank: int) -> Optional[Group]:
+    def member(self, groups: Optional[list[Group]], rank: int) -> Optional[Group]:
         """This worker's member of a request's group (None: it reads the feeds)."""
         return None
 

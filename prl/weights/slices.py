@@ -21,10 +21,9 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Annotated, Mapping, Optional
+from typing import Mapping, Optional
 
-import msgspec
-from msgspec import Meta
+from prl.run.api import Worker
 
 SLICED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "kimi_k2"})
 """Model families (config.json `model_type`) whose vLLM 0.32 loaders these rules were read from and checked
@@ -50,30 +49,6 @@ class Slice:
 
 WHOLE = None
 """What a worker keeps of a replicated tensor: all of it (`slice_plan` maps such names to WHOLE)."""
-
-
-class Worker(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One vLLM worker's place in its server: tensor-parallel rank, data-parallel rank, expert parallelism (what
-    a worker tells a feed, which then sends it only its slices)."""
-
-    tp: Annotated[int, Meta(ge=1, le=4096)] = 1
-    tp_rank: Annotated[int, Meta(ge=0)] = 0
-    dp: Annotated[int, Meta(ge=1, le=4096)] = 1
-    dp_rank: Annotated[int, Meta(ge=0)] = 0
-    expert_parallel: bool = False
-
-    def __post_init__(self) -> None:
-        if not (0 <= self.tp_rank < self.tp and 0 <= self.dp_rank < self.dp):
-            raise ValueError(f"worker tp rank {self.tp_rank} of {self.tp}, dp rank {self.dp_rank} of {self.dp}")
-
-    @property
-    def moe_rank(self) -> int:
-        """Its rank among the dp x tp ranks the experts are spread over (vLLM flattens DP into the MoE's TP)."""
-        return self.dp_rank * self.tp + self.tp_rank
-
-    @property
-    def moe_size(self) -> int:
-        return self.dp * self.tp
 
 
 @dataclass(frozen=True)
@@ -183,9 +158,20 @@ def slice_plan(config: Mapping, layout: Mapping[str, Shape], w: Worker) -> dict[
 
 
 def server_places(tp: int, dp: int, expert_parallel: bool) -> list[Worker]:
-    """Every worker of one server of `dp` x `tp` workers, each in its place."""
+    """Every worker of one server of `dp` x `tp` workers, each in its place, in vLLM's world rank order (a data
+    parallel rank's workers after the previous one's, tensor-parallel ranks consecutive)."""
     return [Worker(tp=tp, tp_rank=t, dp=dp, dp_rank=d, expert_parallel=expert_parallel)
             for d in range(dp) for t in range(tp)]
+
+
+def served_places(model_type: Optional[str], tp: int, dp: int, pp: int, expert_parallel: bool
+                  ) -> Optional[list[Worker]]:
+    """What a server reports of its workers' places (`/prl/live`): `server_places`, where its model's family has
+    slice rules and every worker is one place of dp x tp; None where every worker keeps every tensor whole (or
+    pipeline stages, whose places these rules do not describe)."""
+    if model_type not in SLICED_FAMILIES or pp != 1:
+        return None
+    return server_places(tp, dp, expert_parallel)
 
 
 def narrow(tensor, piece: Optional[Slice]):

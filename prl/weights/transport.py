@@ -8,7 +8,8 @@ transport moves the other steps its own way.
 
     transport = get(settings.weights.transport)
 
-    plan time     transport.check(topo, fail)            refuse, at its YAML line, what it cannot carry
+    plan time     transport.check(topo, fail, gpus)      refuse, at its YAML line, what it cannot carry
+                  transport.group_backend(weights, gpus) its broadcast groups' backend (gloo or nccl)
                   transport.feeds                        the trainer's ranks serve from memory: a port each
     trainer       transport.forget(run)                  a new attempt: what the last held in memory is gone
                   transport.sender(run, weights, ...)    this rank's Sender (collective), or None: every step to disk
@@ -32,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
-from prl.run.api import WeightsRequest
+from prl.run.api import GroupBackend, WeightsRequest
 from prl.run.rundir import RunDir
 from prl.weights.layout import UpdateRefused
 
@@ -58,6 +59,9 @@ class Behind:
     url: str
     workers: Optional[int]
     """Its vLLM workers (`/prl/live`); None while not known."""
+    places: Optional[Sequence[Any]] = None
+    """Each worker's place (prl.run.api.Worker) in rank order, where they keep different slices; None: every
+    worker takes the whole step."""
 
 
 class Target(ABC):
@@ -111,20 +115,27 @@ class Transport(ABC):
     """How a step travels, in a few words (`prl plan` shows it)."""
     feeds: ClassVar[bool] = False
     """The trainer's ranks serve their shares from memory: the planner gives each rank a port."""
+    groups: ClassVar[bool] = False
+    """It broadcasts to groups of workers: `weights.backend` and `weights.group_timeout_s` are its settings."""
 
-    def check(self, topo: Topology, fail: Fail) -> None:
-        """Plan time: raise `fail(field, message)` for what this transport cannot carry (nothing by default)."""
+    def check(self, topo: Topology, fail: Fail, gpus: bool = False) -> None:
+        """Plan time: raise `fail(field, message)` for what this transport cannot carry on a cluster whose roles
+        run on GPUs (`gpus`) or not (nothing by default)."""
 
     def forget(self, run: RunDir) -> None:
         """Trainer, rank 0, as an attempt starts: what a replaced attempt held outside the run directory is gone;
         say so before the orchestrator may offer it (nothing by default)."""
 
-    def sender(self, run: RunDir, weights: Weights, host: str, ports: Sequence[int], config: Optional[Mapping] = None
-               ) -> Optional[Sender]:
+    def sender(self, run: RunDir, weights: Weights, host: str, ports: Sequence[int], config: Optional[Mapping] = None,
+               backend: GroupBackend = "gloo") -> Optional[Sender]:
         """Trainer, collective: this rank's Sender on `host` (its port: `ports[rank]`; the run's key guards what
-        it serves; `config`, the model's config.json, says what each worker keeps of each tensor), or None when
-        every step goes to the run directory."""
+        it serves; `config`, the model's config.json, says what each worker keeps of each tensor; `backend`, the
+        planned `group_backend`, its groups'), or None when every step goes to the run directory."""
         return None
+
+    def group_backend(self, weights: Weights, gpus: bool) -> GroupBackend:
+        """Plan time: the broadcast groups' backend for roles on GPUs (`gpus`) or not (gloo: no groups)."""
+        return "gloo"
 
     def offer(self, run: RunDir) -> Optional[Offer]:
         """Orchestrator: the newest step the servers may load; default the newest published to the run directory."""
