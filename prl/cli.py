@@ -55,11 +55,9 @@ def plan(a: argparse.Namespace) -> None:
         out["written"] = [str(p) for p in written]
         sys.stdout.write(json.dumps(out, indent=2, sort_keys=True) + "\n")
         return
-    from prl.planner.prepare import weight_shares
     from prl.planner.show import show_plan
 
-    shares, why_not = weight_shares(prepared.plan)
-    show_plan(prepared.plan, written, shares=shares, why_not=why_not)
+    show_plan(prepared.plan, written, shares=prepared.shares, why_not=prepared.why_not)
 
 
 def submit(a: argparse.Namespace) -> None:
@@ -246,7 +244,8 @@ def evaluate(a: argparse.Namespace) -> None:
     failed = False
     for env_id in a.env_ids:
         stats = evaluate_endpoint(env_id, a.base_url, a.model, api_key_env=a.api_key_env, examples=a.examples,
-                                  rollouts=a.rollouts, args=args, max_tokens=a.max_tokens, temperature=a.temperature)
+                                  rollouts=a.rollouts, args=args, harness=a.harness or "prl",
+                                  max_tokens=a.max_tokens, temperature=a.temperature)
         show_eval(stats)
         if stats.get("rollouts") and stats.get("failed_rollouts") == stats.get("rollouts"):
             print(f"error: every rollout of {env_id} failed against {a.base_url}", file=sys.stderr)
@@ -277,7 +276,7 @@ def sweep(a: argparse.Namespace, env_args: dict) -> None:
     run = resolve_run(a.run)
     plan = Plan.read(run)
     tasks = [EvalTask(str(run.root), step, tuple(a.env_ids), a.examples, a.rollouts, a.max_tokens, a.temperature,
-                      env_args) for step in sweeps.choose_steps(run, a.steps)]
+                      env_args, a.harness) for step in sweeps.choose_steps(run, a.steps)]
     print(f"evaluating {len(tasks)} weights step(s) x {len(a.env_ids)} environment(s) "
           f"{'as a Slurm job array' if a.slurm else 'here, one step after another'}")
     if a.slurm:
@@ -399,7 +398,10 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollouts", type=int, default=1, help="Rollouts per example (pass@k with more than 1).")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--arg", dest="env_arg", action="append", help="Taskset argument KEY=VALUE (repeatable).")
+    p.add_argument("--arg", dest="env_arg", action="append", help="Taskset argument KEY=VALUE (repeatable; with "
+                   "--run, given for the run's own environment, they replace the run's environment.args).")
+    p.add_argument("--harness", help="verifiers harness id the rollouts run in, as environment.harness in training "
+                   "(default: prl's; with --run, the run's own for its environment).")
 
 
 Command = tuple[Callable[[argparse.Namespace], None], Callable[[argparse.ArgumentParser], None]]

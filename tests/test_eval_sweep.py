@@ -220,3 +220,30 @@ def test_a_sweep_runs_as_a_submitit_job_array_and_reports_a_failed_step_with_its
     # Each array task ran as its own Slurm job through submitit's files in the run directory.
     assert len(list((run.evals_dir / "submitit").glob("*_submission.sh"))) + len(
         list((run.evals_dir / "submitit").glob("*/*_submission.sh"))) >= 1
+
+
+def test_a_sweep_rolls_out_the_runs_own_environment_as_the_run_did_unless_told_otherwise():
+    """`prl eval ENV --run RUN`: for the run's own environment its harness and taskset arguments; what the command
+    gives replaces them; another environment gets prl's harness and no arguments."""
+    from prl.config.topology import Environment
+    from prl.orchestrator.eval_task import EvalTask
+
+    run_env = Environment(id="prl_letters", harness="my_agent", args={"n": 3})
+    plain = EvalTask("/r", 1, ("prl_letters",))
+    assert plain.environment("prl_letters", run_env) == ("my_agent", {"n": 3})
+    assert plain.environment("prl_calc", run_env) == ("prl", {})
+    assert plain.environment("prl_letters", None) == ("prl", {})  # an SFT run trained no environment
+    told = EvalTask("/r", 1, ("prl_letters",), env_args={"n": 5}, harness="other")
+    assert told.environment("prl_letters", run_env) == ("other", {"n": 5})
+
+
+def test_prl_eval_runs_the_rollouts_in_the_harness_it_is_given():
+    """`prl eval ENV --harness H` reaches the environment's loading: a harness that is not importable is refused
+    in one line naming it, before any request."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "prl.cli", "eval", "prl_letters", "--harness", "no_such_harness",
+                           "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "-n", "1"],
+                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert "harness 'no_such_harness'" in done.stderr, done.stderr

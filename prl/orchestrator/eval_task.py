@@ -50,6 +50,17 @@ class EvalTask:
     max_tokens: int | None = 512
     temperature: float | None = 0.0
     env_args: dict[str, Any] = field(default_factory=dict)
+    """Taskset arguments (empty: for the run's own environment, the run's `environment.args`)."""
+    harness: str | None = None
+    """verifiers harness id (None: for the run's own environment the run's `environment.harness`, else prl's)."""
+
+    def environment(self, env_id: str, run_env) -> tuple[str, dict[str, Any]]:
+        """The harness and taskset arguments `env_id` is evaluated with: what was asked, else for the run's own
+        environment (`run_env`, None for an SFT run) what the run trained with, so an eval sweep rolls out as the
+        run did."""
+        own = run_env is not None and env_id == run_env.id
+        harness = self.harness or (run_env.harness if own else "prl")
+        return harness, dict(self.env_args) if self.env_args else dict(run_env.args) if own else {}
 
     def __call__(self) -> list[dict[str, Any]]:
         return evaluate_step(self)
@@ -109,9 +120,10 @@ def evaluate_step(task: EvalTask) -> list[dict[str, Any]]:
         os.environ[KEY_VAR] = key  # prl eval's client reads the key from the variable it is named by
         rows = []
         for env_id in task.envs:
+            harness, env_args = task.environment(env_id, settings.environment)
             stats = evaluate_endpoint(env_id, url, plan.served_model_name, api_key_env=KEY_VAR,
-                                      examples=task.examples, rollouts=task.rollouts, args=task.env_args,
-                                      max_tokens=task.max_tokens, temperature=task.temperature,
+                                      examples=task.examples, rollouts=task.rollouts, args=env_args,
+                                      harness=harness, max_tokens=task.max_tokens, temperature=task.temperature,
                                       render_with=tokenizer, renderer=settings.model.renderer)
             stats.pop("base_url", None)  # this task's own server, gone when it ends
             rows.append({"step": task.step, **stats})
