@@ -145,6 +145,27 @@ def plot(a: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
+def rollouts(a: argparse.Namespace) -> None:
+    """Read a run's sampled rollouts: each conversation, its rewards and fate (terminal, or --html PAGE)."""
+    from prl.ops import rollouts as sampled
+    from prl.ops.status import resolve_run
+    from prl.run.files import atomic_write_text
+
+    run = resolve_run(a.run)
+    steps = sampled.choose_steps(run, a.steps)
+    shown = sampled.select(run, steps, sort=a.sort, fate=a.fate, failed=a.failed, truncated=a.truncated, env=a.env,
+                           limit=None if a.html else a.limit)
+    if a.html:
+        out = Path(a.html).expanduser().resolve()
+        try:
+            atomic_write_text(out, sampled.page(run, steps, shown))
+        except OSError as e:
+            raise ConfigError(f"--html {out}: {e.strerror or e}") from None
+        print(f"wrote {out}: {len(shown)} rollout(s) of {len(steps)} step(s)")
+        return
+    sampled.show(shown)
+
+
 def wandb(a: argparse.Namespace) -> None:
     """Log a run's metrics (trainer, orchestrator, eval, weight sync; joined by step) to one W&B run."""
     from prl.ops.status import resolve_run
@@ -348,6 +369,19 @@ def _plot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", "-o", type=Path, help="PNG to write (default: RUN/plots/progress.png).")
 
 
+def _rollouts_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", nargs="?", help=RUN_HELP)
+    p.add_argument("--steps", default="latest", help="latest (default), all, N, A-B or A,B,...")
+    p.add_argument("--sort", default="step", help="step (the step's order), best or worst (by reward).")
+    p.add_argument("--fate", help="Only rollouts that were trained, or dropped as zero_advantage, failed, resampled "
+                   "or stale.")
+    p.add_argument("--failed", action="store_true", help="Only rollouts that failed.")
+    p.add_argument("--truncated", action="store_true", help="Only rollouts cut by a limit.")
+    p.add_argument("--env", help="Only rollouts of this environment.")
+    p.add_argument("--limit", type=int, default=20, help="Most rollouts shown in the terminal (0: all).")
+    p.add_argument("--html", help="Write one self-contained HTML page of the chosen steps here instead.")
+
+
 def _wandb_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", nargs="?", help=RUN_HELP)
     p.add_argument("--project", default="prl", help="W&B project.")
@@ -409,7 +443,8 @@ COMMANDS: dict[str, Command] = {
     "plan": (plan, _plan_args), "submit": (submit, _submit_args), "status": (status, _status_args),
     "logs": (logs, _logs_args), "cancel": (cancel, _cancel_args), "doctor": (doctor, _doctor_args),
     "trainer": (trainer, _trainer_args), "orchestrator": (orchestrator, _orchestrator_args),
-    "eval": (evaluate, _eval_args), "plot": (plot, _plot_args), "wandb": (wandb, _wandb_args),
+    "eval": (evaluate, _eval_args), "rollouts": (rollouts, _rollouts_args), "plot": (plot, _plot_args),
+    "wandb": (wandb, _wandb_args),
     "export": (export, _export_args),
 }
 

@@ -249,6 +249,7 @@ def fake_trace(reward: float, ids: list[int], *, trainable: bool = True, name: s
                              logprobs=[0.0] + [-1.0] * (len(ids) - 1),
                              messages=[SimpleNamespace(role="user", content="text only")])
     return SimpleNamespace(agent=SimpleNamespace(trainable=trainable, name=name), branches=[branch], errors=[],
+                           messages=branch.messages,  # the final branch's, as a Trace's
                            metrics={f"{name}_turns": 2.0}, rewards={}, reward=reward, is_truncated=False,
                            num_turns=2)
 
@@ -264,6 +265,7 @@ def test_an_untrainable_agent_is_neither_trained_on_nor_rewarded():
     assert r.ok and r.reward == 1.0 and r.completion_tokens == 2 and r.turns == 2
     assert [b.token_ids for b in r.branches] == [[1, 2, 3]]
     assert r.metrics == {"agent_turns": 2.0}
+    assert [(t.role, t.text) for t in r.conversation] == [("user", "text only")]  # the policy's trace only
     alone = rollout_from_episode(SimpleNamespace(ok=True, errors=[], traces=[user]), version=3, need_tokens=False)
     assert alone.error == "episode has no trace of a trainable agent"
 

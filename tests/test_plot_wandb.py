@@ -162,7 +162,13 @@ def test_prl_wandb_logs_one_row_per_step_and_continues_the_same_run(tmp_path, ti
     monkeypatch.setenv("WANDB_SILENT", "true")
     from prl.ops.wandb_sync import sync
 
+    from prl.run.records import RolloutRecord, RolloutSample, Turn
+
     run = make_run(tmp_path, tiny_model_dir, "run", records(3))
+    run.write_rollout_sample(RolloutSample(step=2, rollouts=8, records=[
+        RolloutRecord(group=0, index=i, env="e", reward=0.5 * i, fate="trained", advantage=0.1,
+                      conversation=[Turn(role="user", text="hi"), Turn(role="assistant", text=f"reply {i}")])
+        for i in range(2)]))
     assert sync(run, "prl-test", ended=lambda r: False) == 2  # step 3 may still get records
     first_id = run.read_wandb_cursor().id
     for rec in records(5)[len(records(3)):]:
@@ -178,6 +184,11 @@ def test_prl_wandb_logs_one_row_per_step_and_continues_the_same_run(tmp_path, ti
     assert rows[4]["trainer/loss"] == pytest.approx(0.2)
     assert rows[0]["orchestrator/reward_mean"] == pytest.approx(0.1)
     assert rows[0]["inference/weight_update_s"] == pytest.approx(0.2)
+    # step 2's sampled rollouts, as a table (a file of the run, its shape in the row)
+    assert rows[1]["rollouts/_type"] == "table-file" and rows[1]["rollouts/nrows"] == 2
+    assert "rollouts/_type" not in rows[0]
+    table = json.loads(next(run.wandb_dir.glob("offline-run-*/files/" + rows[1]["rollouts/path"])).read_text())
+    assert table["columns"][-1] == "conversation" and "[assistant] reply 1" in table["data"][1][-1]
 
 
 def test_the_launcher_s_follower_ends_with_its_attempt(tmp_path, tiny_model_dir):

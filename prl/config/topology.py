@@ -430,6 +430,9 @@ class Environment(Strict, kw_only=True):
     (None: no limit). Checked between turns: the turn that crosses it still completes. Counted in
     `truncated_fraction`."""
     eval: EvalSettings = EvalSettings()
+    sample_rollouts: Annotated[int, Meta(ge=0, le=MAX_COUNT)] = 16
+    """Rollouts of each step kept readable in RUN/samples/step_N.json (whole groups, trained and dropped alike:
+    conversation, rewards, advantage, what became of each; `prl rollouts RUN` shows them): 0 keeps none."""
 
 
 LOSS_BOUNDS = {"token": (0.0, 5.0), "gspo": (1 - 3e-4, 1 + 4e-4), "cispo": (0.0, 5.0)}

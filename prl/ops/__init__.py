@@ -10,6 +10,7 @@
     slurm.py        the one module that runs Slurm commands; everything else gets parsed rows
     metrics.py      a run's metrics.jsonl as per-step rows (`prl plot`, `prl wandb`)
     plot.py         `prl plot`: one PNG of a run's progress
+    rollouts.py     `prl rollouts`: a run's sampled rollouts, readable in the terminal or as one HTML page
     wandb_sync.py   `prl wandb`: a run's metrics as one W&B run
 
 The control plane: no torch, vLLM, transformers or verifiers import (tests/test_imports.py).

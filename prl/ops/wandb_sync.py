@@ -35,6 +35,21 @@ def pending_rows(run: RunDir, after: int, ended: bool) -> dict[int, dict[str, fl
     return rows
 
 
+ROLLOUT_COLUMNS = ["group", "index", "env", "fate", "reward", "advantage", "completion_tokens", "turns", "lag",
+                   "truncated", "error", "conversation"]
+
+
+def rollout_table(wandb, sample) -> Any:
+    """A step's sampled rollouts (samples/step_N.json) as a W&B table: one row each, the conversation as text."""
+    def text(r) -> str:
+        return "\n\n".join(f"[{t.role}] {t.text}" + "".join(f"\n-> {c.name}({c.arguments})" for c in t.tool_calls)
+                           for t in r.conversation)
+
+    return wandb.Table(columns=ROLLOUT_COLUMNS, data=[
+        [r.group, r.index, r.env, r.fate, r.reward, r.advantage, r.completion_tokens, r.turns, r.lag, r.truncated,
+         r.error or "", text(r)] for r in sample.records])
+
+
 def cursor(run: RunDir) -> WandbCursor:
     """The W&B run id and the last step logged; a new id on the first sync."""
     return run.read_wandb_cursor() or WandbCursor(id=f"prl-{secrets.token_hex(6)}")
@@ -75,7 +90,9 @@ def sync(run: RunDir, project: str, entity: str | None = None, follow: bool = Fa
         while True:
             done = ended(run)
             for step, row in pending_rows(run, state.step, done).items():
-                wb.log(row, step=step)
+                sample = run.read_rollout_sample(step)
+                wb.log({**row, "rollouts": rollout_table(wandb, sample)} if sample and sample.records else row,
+                       step=step)
                 state.step = step
                 logged += 1
             run.write_wandb_cursor(state)

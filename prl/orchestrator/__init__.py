@@ -10,6 +10,7 @@
     engine_client.py  verifiers' train client with its engine calls over aiohttp, not the OpenAI SDK
     pooled.py       one pooled aiohttp session per event loop
     rollouts.py     groups of rollouts on the server pool -> samples
+    transcripts.py  rollouts as a person reads them: conversations as text, each step's bounded sample
     scoring.py      the scoring servers (`teacher:`, `reference:`): each one's logprob of a step's model tokens
     shaping.py      per-token advantage shaping (`training.advantage.shaping`)
     continuous.py   continuous rollouts: groups in flight across steps; the data order a batch records

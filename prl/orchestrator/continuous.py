@@ -251,6 +251,7 @@ class Scheduler:
                               max_tokens=training.max_tokens, min_version=self.cfg.min_version(step),
                               resampled=[g.rollouts for g in dropped.resampled])
         batch.stale_groups = len(dropped.stale)
+        batch.fates += [(g.rollouts, None, "stale") for g in dropped.stale]
         order = self.order.after([g.index for g in taken], [g.index for g in dropped.all])
         ran = sum(len(g.rollouts) for g in taken + dropped.all)
         return StepRollouts(batch, ran, time.monotonic() - t0, idle, order)

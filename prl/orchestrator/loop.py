@@ -51,6 +51,7 @@ from prl.orchestrator.scoring import Scorers, ScoreStats
 from prl.orchestrator.shaping import shaper
 from prl.orchestrator.sync import (Fleet, ServerPool, WeightWatcher, discover, read_endpoints, served_model,
                                    server_client, standalone)
+from prl.orchestrator.transcripts import step_sample
 from prl.orchestrator.workers import EnvWorkers, check_env_id
 from prl.planner.model import START_TIMEOUT_S, Plan
 from prl.run.batch import publish_batch, read_meta
@@ -276,6 +277,13 @@ class Orchestrator:
                                 micro_batch_tokens=self.cfg.training.micro_batch_tokens,
                                 meta={"data_order": made.order.to_json(), RECORD_KEY: json.dumps(record)})
         self.source.published_step(step, made.order)
+        if self.cfg.environment.sample_rollouts:
+            sample = step_sample(step, made.batch.fates, self.cfg.environment.id,
+                                 limit=self.cfg.environment.sample_rollouts, rollouts=made.ran)
+            try:
+                await asyncio.to_thread(self.run.write_rollout_sample, sample)
+            except OSError as e:  # what a person reads later, not a hand-off: the step stands without it
+                log.warning("step %d: its rollout sample was not written (%s)", step, e)
 
     def record(self, step: int, made: StepRollouts, m: dict) -> None:
         """The step's metrics record (`step_metrics`), heartbeat and progress line."""

@@ -33,6 +33,7 @@ from prl.errors import ConfigError
 from prl.orchestrator.advantages import group_advantages, is_zero_group
 from prl.orchestrator.shaping import ShapingInputs, shape, shaper
 from prl.orchestrator.sync import LiveServer, ServerPool
+from prl.orchestrator.transcripts import conversation
 
 T = TypeVar("T")
 
@@ -77,6 +78,10 @@ class Rollout:
     version_end: int | None = None
     """The server's weights version when the episode finished (None: `version`); newer than `version` when a
     weight update landed mid-rollout (servers load weights without pausing generation)."""
+    conversation: list = field(default_factory=list)
+    """The episode's conversation as text (prl.run.records.Turn, prl/orchestrator/transcripts.py)."""
+    clipped: bool = False
+    """Some of `conversation`'s text was cut to its bound."""
 
     def __post_init__(self) -> None:
         if self.version_end is None:
@@ -96,8 +101,15 @@ def branch_of(b: Any) -> Branch:
 
 
 def rollout_from_episode(episode: Any, version: int, *, need_tokens: bool = True) -> Rollout:
-    """What training needs of a verifiers Episode (reward, token branches, metrics)."""
+    """What training needs of a verifiers Episode (reward, token branches, metrics), and its conversation."""
     traces = list(episode.traces)
+    turns, clipped = conversation(traces)
+    rollout = _rollout_of(episode, traces, version, need_tokens)
+    rollout.conversation, rollout.clipped = turns, clipped
+    return rollout
+
+
+def _rollout_of(episode: Any, traces: list, version: int, need_tokens: bool) -> Rollout:
     if not episode.ok or not traces:
         errs = [e for t in traces for e in t.errors] + list(episode.errors)
         msg = f"{errs[-1].type}: {errs[-1].message}" if errs else "episode failed without an error"
@@ -283,6 +295,9 @@ class StepBatch:
     """Finished groups left out because they became older than the staleness bound (continuous mode)."""
     resampled_groups: int = 0
     """Groups without signal replaced by fresh ones (`advantage.dynamic_sampling`): in the stats, not trained."""
+    fates: list = field(default_factory=list)
+    """(rollouts, advantages or None, fate) of every group the step made, in order: what became of each
+    (prl.run.records.ROLLOUT_FATES), for the step's rollout sample (prl/orchestrator/transcripts.py)."""
 
 
 def has_signal(group: Sequence[Rollout], cfg: Advantage, max_tokens: int) -> bool:
@@ -291,6 +306,17 @@ def has_signal(group: Sequence[Rollout], cfg: Advantage, max_tokens: int) -> boo
         return True  # failed groups are not its business (they are replaced or counted as failed)
     adv = group_advantages([r.reward for r in group], [r.completion_tokens for r in group], cfg, max_tokens)
     return not is_zero_group(adv)
+
+
+def fates(groups: Sequence[Sequence[Rollout]], kept: Sequence[tuple[Sequence[Rollout], list[float]]],
+          dropped: Sequence[tuple[Sequence[Rollout], list[float]]], resampled: Sequence[Sequence[Rollout]]) -> list:
+    """(rollouts, advantages or None, fate) of every group of `groups` in their order: trained (`kept`), dropped
+    for zero advantages (`dropped`), or failed (the rest); then the `resampled` ones."""
+    trained = {id(g): adv for g, adv in kept}
+    zero = {id(g) for g, _ in dropped}
+    out = [(g, trained[id(g)], "trained") if id(g) in trained else (g, None, "zero_advantage") if id(g) in zero
+           else (g, None, "failed") for g in groups]
+    return out + [(g, None, "resampled") for g in resampled]
 
 
 def build_samples(
@@ -334,6 +360,7 @@ def build_samples(
             out.truncated += int(r.truncated)
             for name, value in r.metrics.items():
                 out.metrics.setdefault(name, []).append(value)
+    out.fates = fates(groups, kept, zero if out.dropped_zero_groups else [], resampled)
     fn = shaper(cfg.shaping)
     for group, adv in kept:
         out.groups_used += 1

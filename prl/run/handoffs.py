@@ -22,12 +22,17 @@ from prl.run import records
 from prl.run.files import FILE_MODE, atomic_write_json, atomic_write_text, current_attempt, pid_alive
 from prl.run.layout import RunLayout, _check_role
 from prl.run.records import (Endpoint, FeedRecord, JobRecord, LauncherRecord, PreflightReport, RankBeat, ReadyMarker,
-                             RoleStateRecord, StopRequest, TaskExit, WandbCursor)
+                             RoleStateRecord, RolloutSample, StopRequest, TaskExit, WandbCursor)
 from prl.states import RoleState
 
 HEARTBEAT_S = 10.0
 """How often a role's main loop heartbeats (state/<role>.json) while it waits for another role's step (and
 the orchestrator at most this often as rollouts finish): a role silent for several beats is hung."""
+
+SAMPLES_KEPT = 200
+"""Steps whose rollout sample stays (samples/; each under MAX_SAMPLE_BYTES)."""
+MAX_SAMPLE_BYTES = 16 << 20
+"""Largest rollout sample read back (the orchestrator writes each under ROLLOUT_SAMPLE_BYTES)."""
 
 API_KEY_VAR = "PRL_INFERENCE_API_KEY"
 """Variable through which the role runner hands the run's API key to the servers, router and orchestrator."""
@@ -187,6 +192,25 @@ class Handoffs(RunLayout):
             if role is None or rec.get("role") == role:
                 out.append(rec)
         return out
+
+    def write_rollout_sample(self, sample: RolloutSample, keep: int = SAMPLES_KEPT) -> Path:
+        """samples/step_N.json (atomic replace), then only the newest `keep` steps' samples stay."""
+        self.samples_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = atomic_write_json(self.rollout_sample(sample.step), sample)
+        for old in self.rollout_sample_steps()[:-keep]:
+            self.rollout_sample(old).unlink(missing_ok=True)
+        return path
+
+    def read_rollout_sample(self, step: int) -> RolloutSample | None:
+        """Step `step`'s sample of rollouts (None: none written); RunDirError for one too large or not one."""
+        path = self.rollout_sample(step)
+        try:
+            if path.stat().st_size > MAX_SAMPLE_BYTES:
+                raise RunDirError(f"{path}: {path.stat().st_size} bytes, more than a rollout sample holds "
+                                  f"({MAX_SAMPLE_BYTES})")
+        except FileNotFoundError:
+            return None
+        return records.read(path, RolloutSample)
 
     def read_wandb_cursor(self) -> WandbCursor | None:
         try:

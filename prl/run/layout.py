@@ -24,6 +24,7 @@
       metrics.jsonl                           one JSON object per line
       plots/progress.png  wandb/  state/wandb.json   `prl plot` and `prl wandb` output
       evals/                                  `prl eval --run` sweeps: results, server logs, submitit files
+      samples/step_N.json                     a sample of step N's rollouts, readable (`prl rollouts`)
       kv/                                     KV of a storage-based P/D connector (ExampleConnector)
 
 Steps are numbered from 1: the trainer's step N consumes `rollouts/step_N` and publishes `weights/step_N`
@@ -49,6 +50,14 @@ KINDS = ("rollouts", "weights", "checkpoints")
 
 _ATTEMPT_RE = re.compile(r"^attempt_(\d+)$")
 _RANK_LOG_RE = re.compile(r"^rank_(\d+)\.log$")
+_SAMPLE_RE = re.compile(r"^step_(\d+)\.json$")
+
+
+def _numbered(folder: Path, pattern: re.Pattern) -> list[int]:
+    """The numbers in the names of `folder`'s entries that `pattern` matches (its group 1), ascending."""
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := pattern.match(p.name)))
 
 
 class RunLayout:
@@ -94,9 +103,7 @@ class RunLayout:
 
     def attempts(self) -> list[int]:
         """Every attempt that has a log dir (logs/attempt_N), ascending."""
-        if not self.logs_dir.is_dir():
-            return []
-        return sorted(int(m.group(1)) for p in self.logs_dir.iterdir() if (m := _ATTEMPT_RE.match(p.name)))
+        return _numbered(self.logs_dir, _ATTEMPT_RE)
 
     def latest_attempt(self) -> int | None:
         """The attempt logs/latest points at; else the highest with a log dir; None before the job started."""
@@ -215,6 +222,18 @@ class RunLayout:
     def eval_log(self, step: int) -> Path:
         """The log of the server an evaluation sweep started for weights step `step`."""
         return self.evals_dir / "logs" / f"server_step_{step}.log"
+
+    @property
+    def samples_dir(self) -> Path:
+        """samples/: each step's sample of rollouts as a person reads them (`prl rollouts`)."""
+        return self.root / "samples"
+
+    def rollout_sample(self, step: int) -> Path:
+        return self.samples_dir / f"step_{step}.json"
+
+    def rollout_sample_steps(self) -> list[int]:
+        """The steps with a rollout sample, oldest first."""
+        return _numbered(self.samples_dir, _SAMPLE_RE)
 
     @property
     def progress_png(self) -> Path:

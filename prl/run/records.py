@@ -349,6 +349,73 @@ class TenantRecord(Record, kw_only=True):
     attached: Optional[Time] = None
 
 
+class ToolCallText(msgspec.Struct, kw_only=True):
+    """A tool call the model made, as it wrote it."""
+
+    name: str
+    arguments: str
+
+
+class Turn(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One message of a rollout's conversation, as text (pictures counted, not kept)."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    text: str = ""
+    reasoning: str = ""
+    """The model's reasoning, where the server returned it apart."""
+    tool_calls: list[ToolCallText] = []
+    tool_call_id: str = ""
+    """A tool message: the call it answers."""
+    pictures: int = 0
+    """Pictures in the message (`image_url` parts)."""
+
+
+ROLLOUT_FATES = ("trained", "zero_advantage", "failed", "resampled", "stale")
+"""What became of a rollout: trained, or dropped (its group's advantages were all zero and
+`drop_zero_groups` left it out; an episode of its group failed; dynamic sampling replaced its group; its group
+became older than the staleness bound while queued)."""
+
+
+class RolloutRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One rollout as a person reads it: the conversation, what it scored and why, and what became of it."""
+
+    group: Annotated[int, Meta(ge=0)]
+    """Its group's index in the step (a group's rollouts share a task)."""
+    index: Annotated[int, Meta(ge=0)]
+    """Its index in its group."""
+    env: str
+    reward: float
+    rewards: dict[str, float] = {}
+    """Each reward function's score."""
+    metrics: dict[str, float] = {}
+    """The environment's metrics."""
+    advantage: Optional[float] = None
+    """Its group-relative advantage (None: not trained)."""
+    fate: Literal["trained", "zero_advantage", "failed", "resampled", "stale"] = "trained"
+    completion_tokens: int = 0
+    turns: int = 0
+    truncated: bool = False
+    policy_version: int = 0
+    """The weights version it started on; `lag` behind the step that trains it."""
+    policy_version_end: int = 0
+    lag: int = 0
+    error: Optional[str] = None
+    conversation: list[Turn] = []
+    clipped: bool = False
+    """Some text was cut to the record's bound (ROLLOUT_TEXT_CHARS a message)."""
+
+
+class RolloutSample(Record, kw_only=True):
+    """samples/step_N.json: a bounded sample of step N's rollouts (whole groups), written by the orchestrator
+    once the step is published (`orchestrator.rollout_records`), or by `prl eval` per rollout."""
+
+    step: Annotated[int, Meta(ge=0)]
+    """The rollouts step (0: an evaluation)."""
+    rollouts: int = 0
+    """Every rollout the step ran (the sample is a part of them)."""
+    records: list[RolloutRecord] = []
+
+
 class StableMarker(Record, kw_only=True):
     """A published step's STABLE marker: what it holds, so a reader can check every file is there whole, and
     who wrote it."""
