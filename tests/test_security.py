@@ -550,3 +550,97 @@ def test_admin_routes_refuse_out_of_range_requests(keyed_server):
     assert call(keyed_server, "POST", "/prl/weights", raw=b"{nope")[0] == 400
     live = http_json("GET", keyed_server.url + "/prl/live", headers=AUTH)
     assert live["ok"] is True and live["paused"] is False and live["updates"] == 0
+
+
+# -- idle connections: bounded header time and open connections (prl/inference/http_limits.py)
+
+_HEALTH_BACKEND = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _health(port: int, timeout: float = 5.0) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+def test_a_flood_of_idle_connections_does_not_stop_the_router_answering_health(tmp_path):
+    import resource
+
+    backend_port, router_port = _free_port(), _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PRL_TEST_KEY": "k"}
+    backend = subprocess.Popen([sys.executable, "-c", _HEALTH_BACKEND, str(backend_port)], env=env)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    router = subprocess.Popen(  # few descriptors, as on a node whose limit an idle flood can reach
+        [sys.executable, "-m", "prl.inference.router", "--port", str(router_port), "--api-key-env", "PRL_TEST_KEY",
+         "--prefill", f"http://127.0.0.1:{backend_port}", "--decode", f"http://127.0.0.1:{backend_port}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (300, hard)))
+    idle = []
+    try:
+        wait_for("the router's /health", lambda: _health(router_port, 1) == 200, timeout=60)
+        for _ in range(400):  # connected, and never a header: more than the router has descriptors
+            idle.append(socket.create_connection(("127.0.0.1", router_port), timeout=5))
+        assert _health(router_port) == 200, "an idle flood starved /health"
+        assert _health(router_port) == 200
+    finally:
+        for s in idle:
+            s.close()
+        router.terminate()
+        backend.terminate()
+        router.wait(timeout=30)
+        backend.wait(timeout=30)
+
+
+def test_a_connection_that_never_completes_its_headers_is_closed_at_the_deadline(monkeypatch):
+    import threading
+    import time
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from prl.inference import http_limits
+
+    monkeypatch.setattr(http_limits, "HEADER_TIMEOUT_S", 0.5)
+    app = FastAPI()
+    app.add_api_route("/health", lambda: {}, methods=["GET"])
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, http=http_limits.BoundedHTTP,
+                                           log_level="warning", timeout_keep_alive=60))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for("the server to start", lambda: server.started, timeout=30, interval=0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        silent = socket.create_connection(("127.0.0.1", port), timeout=5)
+        partial = socket.create_connection(("127.0.0.1", port), timeout=5)
+        partial.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        answered = socket.create_connection(("127.0.0.1", port), timeout=5)
+        answered.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert answered.recv(4096).startswith(b"HTTP/1.1 200")
+        answered.sendall(b"G")  # after a response: the next request's headers have the same deadline
+        start = time.monotonic()
+        for s in (silent, partial, answered):
+            assert s.recv(4096) == b"", "closed by the server"
+        assert time.monotonic() - start < 3
+        assert _health(port) == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -333,6 +333,8 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
     from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
 
+    from prl.inference.http_limits import BoundedHTTP
+
     run = RunDir(ours.run_dir)
     key = api_key(ours.api_key_env)
 
@@ -370,6 +372,7 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
             h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
             h11_max_header_count=args.h11_max_header_count,
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            http=BoundedHTTP,  # headers within 10 s, connections capped below the descriptor limit
             **uvicorn_kwargs,
         )
         engine_died = engine.errored and not _signalled(shutdown, state.server)
