@@ -966,3 +966,52 @@ def test_a_published_step_that_cannot_be_verified_is_never_removed_by_a_new_publ
         run.begin_publish(run.weights(3))
     monkeypatch.undo()
     assert run.stable_steps("weights") == [1, 2, 3]
+
+
+# -- a child that ignores SIGTERM is killed after KILL_AFTER_S, wherever prl stops one
+
+_IGNORES_SIGTERM = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                    "open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)")
+
+
+def _bounded(call, pidfile: Path, within: float) -> list:
+    """Run `call` in a thread; fail if it has not returned within `within` s (then SIGKILL the child it left)."""
+    import threading
+
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    thread.start()
+    thread.join(within)
+    if thread.is_alive():
+        os.kill(int(pidfile.read_text()), signal.SIGKILL)
+        thread.join(10)
+        pytest.fail(f"still waiting after {within:g} s for a child that ignores SIGTERM")
+    return out
+
+
+def test_a_child_never_ready_that_ignores_sigterm_is_killed(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from prl.job import runtimes
+
+    monkeypatch.setattr(runtimes, "START_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(runtimes, "KILL_AFTER_S", 1.0)
+    pidfile = tmp_path / "pid"
+    stop = SimpleNamespace(signum=None, stopping=False, failure=None)
+    [code] = _bounded(lambda: runtimes.supervise([sys.executable, "-c", _IGNORES_SIGTERM, str(pidfile)],
+                                                 dict(os.environ), stop, lambda: False, lambda: None), pidfile, 20)
+    assert code == 128 + signal.SIGKILL
+
+
+def test_the_wandb_follower_is_killed_when_it_ignores_sigterm(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(launch_module, "WANDB_FINAL_S", 0.3)
+    monkeypatch.setattr(launch_module, "KILL_AFTER_S", 0.5)
+    pidfile = tmp_path / "pid"
+    follower = subprocess.Popen([sys.executable, "-c", _IGNORES_SIGTERM, str(pidfile)])
+    while not pidfile.exists() or not pidfile.read_text():
+        time.sleep(0.05)
+    launcher = SimpleNamespace(wandb=follower)
+    _bounded(lambda: Launcher.stop_wandb(launcher), pidfile, 15)
+    assert follower.returncode == -signal.SIGKILL and launcher.wandb is None

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from prl.errors import StartTimeout, child_exit
 from prl.log import get_logger
-from prl.planner.model import RENDEZVOUS_BACKEND, START_TIMEOUT_S, Plan, Server, node_address
+from prl.planner.model import KILL_AFTER_S, RENDEZVOUS_BACKEND, START_TIMEOUT_S, Plan, Server, node_address
 from prl.run.records import Endpoint
 from prl.run.rundir import API_KEY_VAR, RunDir, is_stable
 from prl.states import KV_ROLES, SCORER_ROLES, SERVER_ROLES, Role, RoleState
@@ -68,39 +68,46 @@ def supervise(argv: list[str], env: dict[str, str], stop: Any, ready: Callable[[
               hang_s: float | None = None) -> int:
     """Run the child; call on_ready once `ready()` holds; pass signals on; return its exit code.
 
-    With `health`, a ready child is probed every HEALTH_EVERY_S; one that does not answer for `hang_s`
-    seconds is hung: it is terminated (killed 10 s later) and `stop.failure` says why.
+    A child not ready within START_TIMEOUT_S is stopped. With `health`, a ready child is probed every
+    HEALTH_EVERY_S; one that does not answer for `hang_s` seconds is hung: it is stopped and `stop.failure`
+    says why. Stopped: SIGTERM once, SIGKILL KILL_AFTER_S later if it is still there (it may ignore SIGTERM).
     """
     log.info(" ".join(argv))
     proc = subprocess.Popen(argv, env=env)
     announced = False
     deadline = time.monotonic() + START_TIMEOUT_S
-    last_ok = next_probe = killed_at = 0.0
+    last_ok = next_probe = stopped_at = 0.0
+
+    def stop_child(why: str) -> float:
+        log.error(f"{why}; stopping it")
+        proc.terminate()
+        return time.monotonic()
+
     while proc.poll() is None:
         now = time.monotonic()
         if stop.signum is not None:
             proc.send_signal(stop.signum)
             stop.signum = None
-        if not announced:
+        if stopped_at:
+            if now - stopped_at > KILL_AFTER_S:
+                log.error(f"still running {KILL_AFTER_S:.0f} s after SIGTERM; killing it")
+                proc.kill()
+                proc.wait()
+        elif not announced:
             if ready():
                 on_ready()
                 announced = True
                 last_ok = next_probe = time.monotonic()
                 log.info("ready")
             elif now > deadline:
-                log.error(f"not healthy after {START_TIMEOUT_S:.0f} s; stopping it")
-                proc.terminate()
+                stopped_at = stop_child(f"not healthy after {START_TIMEOUT_S:.0f} s")
         elif health is not None and hang_s is not None and now >= next_probe and not getattr(stop, "stopping", False):
             next_probe = now + HEALTH_EVERY_S
             if health():
                 last_ok = now
-            elif now - last_ok > hang_s and not killed_at:
+            elif now - last_ok > hang_s:
                 stop.failure = f"hung: its health probe unanswered for {now - last_ok:.0f} s (bound {hang_s:.0f} s)"
-                log.error(f"{stop.failure}; stopping it")
-                proc.terminate()
-                killed_at = now
-        if killed_at and now - killed_at > 10:
-            proc.kill()
+                stopped_at = stop_child(stop.failure)
         time.sleep(0.5)
     return child_exit(proc.returncode)
 
