@@ -104,6 +104,7 @@ class BearerAuth:
 
     def __init__(self, app, key: str):
         self.app = app
+        self.key = key
         self.digest = hashlib.sha256(key.encode()).digest()
 
     @staticmethod
@@ -121,9 +122,23 @@ class BearerAuth:
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "").removeprefix(scope.get("root_path", "")) or "/"
         # OPTIONS too: a CORS preflight needs no answer from a server that browsers never call.
+        if scope["type"] == "http" and path == api.PROOF_PATH:
+            return await self.prove(scope, receive, send)
         if scope["type"] not in ("http", "websocket") or path in OPEN_PATHS or self._ok(scope):
             return await self.app(scope, receive, send)
         return await self.refuse(scope, receive, send, 401, "missing or wrong API key (Authorization: Bearer <key>)")
+
+    async def prove(self, scope, receive, send) -> None:
+        """PROOF_PATH, open: the key's HMAC of the asker's nonce and the port it connected to (`api.key_proof`), so
+        the launcher knows this listener is the run's before the key is sent to it. Tells nothing of the key."""
+        from starlette.responses import JSONResponse
+
+        query = dict(part.partition("=")[::2] for part in scope.get("query_string", b"").decode("latin-1").split("&"))
+        nonce, server = query.get("nonce", ""), scope.get("server") or (None, None)
+        if not api.NONCE.fullmatch(nonce) or server[1] is None:
+            return await self.refuse(scope, receive, send, 400, "nonce: must be 32 to 128 lowercase hex digits")
+        proof = api.KeyProof(proof=api.key_proof(self.key, nonce, int(server[1])))
+        await JSONResponse(api.encode(proof))(scope, receive, send)
 
     @staticmethod
     async def refuse(scope, receive, send, status: int, message: str) -> None:
@@ -152,6 +167,8 @@ class PoolAuth(BearerAuth):
         from prl.run.tenants import GENERATE_PATHS, access
 
         path = scope.get("path", "").removeprefix(scope.get("root_path", "")) or "/"
+        if scope["type"] == "http" and path == api.PROOF_PATH:
+            return await self.prove(scope, receive, send)  # the pool's own key: its launcher's readiness
         if scope["type"] not in ("http", "websocket") or path in OPEN_PATHS or self._ok(scope):
             return await self.app(scope, receive, send)
         token = self._token(scope)

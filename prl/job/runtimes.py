@@ -2,9 +2,9 @@
 
 Called by `prl.job.role` after the preflight. Each role's runtime is a child process:
 
-    inference / prefill / decode   python -m prl.inference   ready when /health answers 200
+    inference / prefill / decode   python -m prl.inference   ready when /health answers 200 and it proves the key
     teacher / reference            python -m prl.inference   (scoring servers) the same; never load new weights
-    router                         python -m prl.inference.router  (P/D)  ready on /health
+    router                         python -m prl.inference.router  (P/D)  ready on /health and the key proof
     orchestrator                   python -m prl.orchestrator         ready when it heartbeats
     trainer                        torchrun -m prl.trainer            ready at once (it runs last; torchrun as
                                                                       prl.trainer.torchrun runs it: its store
@@ -19,19 +19,23 @@ Signals to the task are passed on to the child; the task exits with the child's 
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any, Callable
 
 from prl.errors import StartTimeout, child_exit
 from prl.log import get_logger
 from prl.planner.model import KILL_AFTER_S, RENDEZVOUS_BACKEND, START_TIMEOUT_S, Plan, Server, node_address
+from prl.run import api
 from prl.run.records import Endpoint
 from prl.run.rundir import API_KEY_VAR, RunDir, is_stable
 from prl.states import KV_ROLES, SCORER_ROLES, SERVER_ROLES, Role, RoleState
@@ -45,6 +49,25 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
             return response.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def proves_key(url: str, key: str, timeout: float = 2.0) -> bool:
+    """Whether the server at `url` holds `key`: its answer on PROOF_PATH to a fresh nonce is `key_proof` of that
+    nonce and `url`'s port. Asked before anything sends the key there: a process that took the planned port
+    first (another user's, a stale one) answers /health as well as the run's server does."""
+    nonce = secrets.token_hex(16)
+    try:
+        with urllib.request.urlopen(f"{url}{api.PROOF_PATH}?nonce={nonce}", timeout=timeout) as response:
+            answer = api.decode(response.read(api.MAX_ANSWER_BYTES + 1), api.KeyProof, limit=api.MAX_ANSWER_BYTES)
+    except (urllib.error.URLError, OSError, ValueError, api.BodyError):
+        return False
+    port = urllib.parse.urlsplit(url).port
+    return port is not None and hmac.compare_digest(answer.proof, api.key_proof(key, nonce, port))
+
+
+def serves_for_run(url: str, key: str) -> bool:
+    """Readiness of a server or the router: /health answers 200 and the listener proves it holds the run's key."""
+    return http_ok(f"{url}/health") and proves_key(url, key)
 
 
 def wait_endpoint(run: RunDir, role: str, index: int, stopped: Callable[[], bool], *, url: bool = False) -> Endpoint:
@@ -179,7 +202,7 @@ def _supervise_server(run: RunDir, plan: Plan, role: str, task: int, stop: Any, 
         mark()
 
     try:
-        return supervise(argv, env, stop, lambda: http_ok(f"{url}/health"), on_ready,
+        return supervise(argv, env, stop, lambda: serves_for_run(url, env[API_KEY_VAR]), on_ready,
                          health=lambda: http_ok(f"{url}/prl/engine", timeout=15.0), hang_s=plan.server_hang_s)
     finally:
         # A server that is gone must not be advertised: the orchestrator drops it from rotation at once.
@@ -206,7 +229,7 @@ def run_router(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
         run.write_endpoint(Endpoint(role=Role.ROUTER, index=0, host=host, port=port, url=url))
         _ready_marker(run, Role.ROUTER, task)()
 
-    return supervise(argv, env, stop, lambda: http_ok(f"{url}/health"), on_ready)
+    return supervise(argv, env, stop, lambda: serves_for_run(url, env[API_KEY_VAR]), on_ready)
 
 
 def run_orchestrator(run: RunDir, plan: Plan, task: int, stop: Any) -> int:

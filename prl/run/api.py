@@ -2,6 +2,7 @@
 
     POST /prl/weights   WeightsRequest -> WeightsAnswer        the orchestrator (or a user) -> an inference server
     GET  /prl/live      LiveAnswer                             an inference server -> the orchestrator, `prl eval`
+    GET  /prl/proof?nonce=HEX  KeyProof (open)                 a server or the router -> the launcher's readiness
     any route, refused  ErrorAnswer                            {"error": why, "status": HTTP code}
 
 The run directory's files are typed the same way in prl/run/records.py. A body is decoded by `decode`, which
@@ -14,6 +15,8 @@ Imports nothing of prl but the errors: the control plane, the roles and the serv
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 from typing import Annotated, Literal, Optional, TypeVar, Union
 
@@ -38,6 +41,10 @@ MAX_WORLD = 4096
 DEFAULT_GROUP_TIMEOUT_S = 60.0
 MAX_GROUP_TIMEOUT_S = 3600.0
 PAUSE_MODES = ("keep", "wait", "abort")
+PROOF_PATH = "/prl/proof"
+"""The open route where a server proves it holds the run's key (`key_proof`) before anyone sends it the key."""
+NONCE = re.compile(r"[0-9a-f]{32,128}")
+"""A proof's nonce: lowercase hex, 16 to 64 random bytes."""
 """How a server pauses generation for an update: in-flight requests freeze, finish first, or end (vLLM's)."""
 
 Step = Annotated[int, Meta(ge=1, le=MAX_STEP)]
@@ -152,6 +159,18 @@ class LiveAnswer(msgspec.Struct, kw_only=True):
     error: Optional[str] = None
     tenants: Optional[dict[str, Optional[int]]] = None
     """An inference pool's: attached run -> the adapter step it serves."""
+
+
+class KeyProof(msgspec.Struct, kw_only=True):
+    """A server's answer on PROOF_PATH: `key_proof(its key, the nonce asked, the port the request came in on)`."""
+
+    proof: str
+
+
+def key_proof(key: str, nonce: str, port: int) -> str:
+    """hex HMAC-SHA256 under `key` of `nonce:port`. The port binds the proof to the listener that gives it: a
+    process squatting on a port cannot pass on the proof of the run's real server on another."""
+    return hmac.new(key.encode(), f"{nonce}:{port}".encode(), hashlib.sha256).hexdigest()
 
 
 class ErrorAnswer(msgspec.Struct, kw_only=True):
