@@ -443,7 +443,8 @@ def test_every_server_route_but_health_needs_the_key(keyed_server):
     for path in OPEN_PATHS:
         assert call(keyed_server, "GET", path, headers={})[0] == 200
     # The open proof route: the server proves it holds the key without the key sent to it (the readiness probe).
-    from prl.job.runtimes import proves_key, serves_for_run
+    from prl.job.runtimes import serves_for_run
+    from prl.run.api import proves_key
 
     assert serves_for_run(keyed_server.url, KEY) and not proves_key(keyed_server.url, "wrong")
 
@@ -642,7 +643,8 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Squatter).serve_forever(
 
 
 def test_readiness_takes_only_a_listener_that_proves_the_run_s_key():
-    from prl.job.runtimes import http_ok, proves_key, serves_for_run
+    from prl.job.runtimes import http_ok, serves_for_run
+    from prl.run.api import proves_key
 
     with _router() as port:
         url = f"http://127.0.0.1:{port}"

@@ -19,16 +19,13 @@ Signals to the task are passed on to the child; the task exits with the child's 
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
-import secrets
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from typing import Any, Callable
 
@@ -51,23 +48,9 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def proves_key(url: str, key: str, timeout: float = 2.0) -> bool:
-    """Whether the server at `url` holds `key`: its answer on PROOF_PATH to a fresh nonce is `key_proof` of that
-    nonce and `url`'s port. Asked before anything sends the key there: a process that took the planned port
-    first (another user's, a stale one) answers /health as well as the run's server does."""
-    nonce = secrets.token_hex(16)
-    try:
-        with urllib.request.urlopen(f"{url}{api.PROOF_PATH}?nonce={nonce}", timeout=timeout) as response:
-            answer = api.decode(response.read(api.MAX_ANSWER_BYTES + 1), api.KeyProof, limit=api.MAX_ANSWER_BYTES)
-    except (urllib.error.URLError, OSError, ValueError, api.BodyError):
-        return False
-    port = urllib.parse.urlsplit(url).port
-    return port is not None and hmac.compare_digest(answer.proof, api.key_proof(key, nonce, port))
-
-
 def serves_for_run(url: str, key: str) -> bool:
     """Readiness of a server or the router: /health answers 200 and the listener proves it holds the run's key."""
-    return http_ok(f"{url}/health") and proves_key(url, key)
+    return http_ok(f"{url}/health") and api.proves_key(url, key)
 
 
 def wait_endpoint(run: RunDir, role: str, index: int, stopped: Callable[[], bool], *, url: bool = False) -> Endpoint:

@@ -18,6 +18,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+import secrets
+import urllib.parse
+import urllib.request
 from typing import Annotated, Literal, Optional, TypeVar, Union
 
 import msgspec
@@ -197,6 +200,20 @@ def decode(raw: bytes, kind: type[B], *, limit: int = MAX_BODY_BYTES, empty_ok: 
         raise BodyError(refusal(kind, str(e))) from None
     except (msgspec.DecodeError, RecursionError) as e:
         raise BodyError(f"body is not a JSON object: {str(e)[:200]}") from None
+
+
+def proves_key(url: str, key: str, timeout: float = 2.0) -> bool:
+    """Whether the server at `url` holds `key`: its answer on PROOF_PATH to a fresh nonce is `key_proof` of that
+    nonce and `url`'s port. Asked before anything sends the key there: a process that took the planned port
+    first (another user's, a stale one) answers /health as well as the run's server does."""
+    nonce = secrets.token_hex(16)
+    try:
+        with urllib.request.urlopen(f"{url}{PROOF_PATH}?nonce={nonce}", timeout=timeout) as response:
+            answer = decode(response.read(MAX_ANSWER_BYTES + 1), KeyProof, limit=MAX_ANSWER_BYTES)
+    except (OSError, ValueError, BodyError):  # URLError and HTTPError are OSErrors
+        return False
+    port = urllib.parse.urlsplit(url).port
+    return port is not None and hmac.compare_digest(answer.proof, key_proof(key, nonce, port))
 
 
 _AT = re.compile(r"\A(?P<detail>.*?)(?: - at `\$(?P<path>[^`]*)`)?\Z", re.S)
