@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from prl.errors import FeedError
-from prl.weights.feed import Base, FeedReader, FeedServer, fetch, read_concurrently
+from prl.weights.feed import Base, FeedReader, FeedServer, feed_proof, fetch, read_concurrently
 
 KEY = b"run-key"
 
@@ -79,15 +79,19 @@ def test_nothing_listening_is_a_feed_error():
         fetch("nohost", 1, KEY, timeout=5)
 
 
-def fake_feed(behave) -> tuple[str, threading.Thread]:
-    """A one-connection server that runs `behave(conn)` after reading the client's answer."""
+def fake_feed(behave, key: bytes | None = KEY) -> tuple[str, threading.Thread]:
+    """A one-connection server that runs `behave(conn)` after reading the client's answer and, holding `key`,
+    proving it (`feed_proof`); without a key it proves nothing."""
     listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
 
     def serve():
         conn, _ = listener.accept()
         with conn, listener:
             conn.sendall(b"prl-feed 1 abcd\n")
-            conn.makefile("rb").readline()
+            request = json.loads(conn.makefile("rb").readline())
+            if key is not None:
+                conn.sendall(json.dumps({"proof": feed_proof(key, request["nonce"], port)}).encode() + b"\n")
             behave(conn)
 
     thread = threading.Thread(target=serve, daemon=True)
@@ -123,6 +127,37 @@ def test_a_stalled_server_times_out_instead_of_hanging():
         list(fetch(address, 1, KEY, timeout=0.5))
     stop.set()
     thread.join(5)
+
+
+def test_a_feed_that_cannot_prove_the_run_s_key_serves_nothing(feed):
+    """A process on a dead rank's feed port: one that holds no key, or one that relays a live feed of the run
+    (whose proof names that feed's port, not the one the reader asked)."""
+    header = {"step": 1, "tensors": [["a", "float32", [4], 16]]}
+    for key in (None, b"another run's key"):
+        address, thread = fake_feed(lambda conn: conn.sendall(json.dumps(header).encode() + b"\n" + bytes(16)), key)
+        with pytest.raises(FeedError, match="did not prove it holds the run's key"):
+            fetch(address, 1, KEY, timeout=5)
+        thread.join(5)
+    feed.publish(1, sample_tensors())
+    relay = socket.create_server(("127.0.0.1", 0))
+
+    def pipe(a, b):
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+            b.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the reader gave up on the relay: what it should do
+
+    def serve():
+        conn, _ = relay.accept()
+        upstream = socket.create_connection(feed.address.split(":"), timeout=5)
+        threading.Thread(target=pipe, args=(upstream, conn), daemon=True).start()
+        pipe(conn, upstream)
+
+    threading.Thread(target=serve, daemon=True).start()
+    with relay, pytest.raises(FeedError, match="did not prove it holds the run's key"):
+        fetch("127.0.0.1:%d" % relay.getsockname()[1], 1, KEY, timeout=5)
 
 
 def test_a_header_whose_sizes_disagree_is_refused():

@@ -12,9 +12,12 @@ record; a feed holds only the newest step, in memory.
 Protocol (one connection, one step):
 
     server -> client   prl-feed 1 <nonce hex>\\n
-    client -> server   {"step": N, "mac": hex HMAC-SHA256(key, nonce hex)[, "base": id]
+    client -> server   {"step": N, "mac": hex HMAC-SHA256(key, nonce hex), "nonce": the reader's hex[, "base": id]
                         [, "group": {"token": hex, "world": W, "rank": R, "timeout": s}]}\\n
-    server -> client   {"error": "..."[, "step": held]}\\n            (wrong mac, or not step N; then closes)
+    server -> client   {"error": "authentication failed: wrong key"}\\n     (then closes)
+                   or  {"proof": hex HMAC-SHA256(key, "prl-feed proof <reader's nonce> <port>")}\\n (`feed_proof`:
+                       the reader checks it before it reads on, so only the run's feed serves it tensors), then
+    server -> client   {"error": "..."[, "step": held]}\\n            (not step N, ...; then closes)
                    or  {"step": N, "id": id, "deltas": bool, "tensors": [[name, dtype, shape, nbytes], ...]}\\n
                        the tensors' raw bytes, in header order
                    or  {"step": N, "id": id, "base": base id, "deltas": true,
@@ -63,7 +66,7 @@ import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Annotated, Optional
 
 import msgspec
 
@@ -107,6 +110,12 @@ def mac(key: bytes, nonce: bytes) -> str:
     return hmac.new(key, nonce, hashlib.sha256).hexdigest()
 
 
+def feed_proof(key: bytes, nonce: str, port: int) -> str:
+    """The feed's proof to a reader that sent `nonce`: bound to the port the reader connected to, so a process on
+    a dead rank's port cannot pass on another live feed's proof (and never equal to a reader's `mac`)."""
+    return mac(key, f"prl-feed proof {nonce} {port}".encode())
+
+
 class FeedRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """A reader's request line: the step it wants and the proof that it holds the run's key."""
 
@@ -119,6 +128,8 @@ class FeedRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit
     """The broadcast group the reader receives by (its own rank)."""
     worker: Optional[Worker] = None
     """The reader's place in its server: the feed then sends it its slices only (`Snapshot.view`)."""
+    nonce: Optional[Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32,128}$")]] = None
+    """The reader's own nonce: the feed answers `{"proof": feed_proof(...)}` first, proving it holds the key."""
 
 
 def read_request(line: bytes) -> FeedRequest | None:
@@ -354,6 +365,8 @@ class FeedServer:
                 return _send_line(sock, {"error": "authentication failed: wrong key"})
             self._admission.authenticated(sock)
             sock.settimeout(SEND_TIMEOUT_S)
+            if request.nonce is not None:
+                _send_line(sock, {"proof": feed_proof(self._key, request.nonce, sock.getsockname()[1])})
             asked = request.group
             with self._lock:
                 held = self._snapshot
@@ -637,9 +650,17 @@ class FeedReader:
         proto, _, nonce = greeting.rstrip(b"\n").rpartition(b" ")
         if proto != PROTOCOL or not nonce:
             raise FeedError(self.address, f"not a prl weight feed (it said {greeting[:40]!r})")
+        mine = os.urandom(16).hex()
         request = FeedRequest(step=step, mac=mac(key, nonce), base=None if self._base is None else self._base.id,
-                              group=self._group, worker=self.worker)
+                              group=self._group, worker=self.worker, nonce=mine)
         self._send(msgspec.to_builtins(request))
+        proof = self._json(self._line())
+        if "error" in proof:
+            raise FeedError(self.address, str(proof["error"])[:300])
+        if not isinstance(proof.get("proof"), str) or not hmac.compare_digest(
+                proof["proof"], feed_proof(key, mine, self._sock.getpeername()[1])):
+            raise FeedError(self.address, "did not prove it holds the run's key: not this run's feed (a process "
+                                          "on a planned port?); nothing was read from it")
         header = self._json(self._line())
         if "error" in header:
             raise FeedError(self.address, str(header["error"])[:300])
