@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
 
 ROOT = "prl"
 """The logger every prl module's logger descends from; `init_logging` configures it."""
@@ -67,3 +69,28 @@ def init_logging(role: str, task: int | None = None, level: str | int | None = N
 def get_logger(name: str) -> logging.Logger:
     """The logger of module `name` (a `prl.` name, so `init_logging` applies to it)."""
     return logging.getLogger(name if name == ROOT or name.startswith(ROOT + ".") else f"{ROOT}.{name}")
+
+
+class Throttled:
+    """Warnings through `logger`, at most one per `every_s` seconds; the next one says how many were left out.
+    For what a peer can cause on every connection (a refused key, a malformed request): one line, not a log
+    filled at the peer's pace."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 10.0) -> None:
+        self._logger, self._every_s = logger, every_s
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self._skipped = 0
+
+    def warning(self, msg: str, *args: object) -> bool:
+        """Log `msg % args` unless a line went out less than `every_s` ago; returns whether it did."""
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next:
+                self._skipped += 1
+                return False
+            self._next, skipped, self._skipped = now + self._every_s, self._skipped, 0
+        if skipped:
+            msg, args = msg + " (and %d more like it in the last %g s)", (*args, skipped, self._every_s)
+        self._logger.warning(msg, *args)
+        return True

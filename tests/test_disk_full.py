@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from prl.run.rundir import is_stable
+from prl.run.rundir import RunDir, is_stable
 from tests.helpers import prl_cli as prl, tmpfs, wait_for
 from tests.tiny_model import build_tiny_model
 
@@ -68,12 +68,8 @@ def status(env: dict, run) -> dict:
 
 def steps(run, role: str) -> list[int]:
     out = []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the line a full disk tore
-        if record.get("role") == role and not record.get("eval") and record.get("event") is None:
+    for record in RunDir(run).read_metrics(role):  # skips the line a full disk tore, applies a resume's truncation
+        if not record.get("eval") and record.get("event") is None:
             out.append(record["step"])
     return out
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +20,8 @@ from prl.orchestrator import eval_task
 from prl.orchestrator.eval_task import role_env
 from prl.planner.model import Plan
 from prl.run.rundir import RunDir
-from tests.helpers import prl_cli as prl
+from prl.job.runtimes import http_ok
+from tests.helpers import REPO, prl_cli as prl, wait_for
 from tests.tiny_model import build_tiny_model
 
 
@@ -43,13 +46,21 @@ def test_role_env_reads_references_like_the_step_script():
 
 
 HEALTH_SERVER = """
-import http.server, sys
-class Health(http.server.BaseHTTPRequestHandler):
+import http.server, json, os, sys, urllib.parse
+from prl.run import api
+class Health(http.server.BaseHTTPRequestHandler):  # /health, and the key proof where it holds the key
     def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
+        path, _, query = self.path.partition("?")
+        nonce = urllib.parse.parse_qs(query).get("nonce", [""])[0]
+        key = os.environ.get("PRL_EVAL_API_KEY")
+        ok = path == "/health" or path == api.PROOF_PATH and key is not None
+        self.send_response(200 if ok else 404)
         self.end_headers()
+        if path == api.PROOF_PATH and key is not None:
+            self.wfile.write(json.dumps({"proof": api.key_proof(key, nonce, int(sys.argv[1]))}).encode())
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
 """
+KEYED = {"PRL_EVAL_API_KEY": "eval-key", "PYTHONPATH": str(REPO)}
 
 
 def test_an_evaluation_server_whose_port_was_taken_before_it_bound_starts_again_on_another(tmp_path, monkeypatch):
@@ -60,12 +71,36 @@ def test_an_evaluation_server_whose_port_was_taken_before_it_bound_starts_again_
     monkeypatch.setattr(eval_task, "free_port", lambda: next(ports))
     log = tmp_path / "eval.log"
     with taken:
-        server, url = eval_task.start_server(lambda port: [sys.executable, "-c", HEALTH_SERVER, str(port)], {}, log)
+        server, url = eval_task.start_server(lambda port: [sys.executable, "-c", HEALTH_SERVER, str(port)], KEYED, log)
     try:
         assert url.endswith(f":{server.args[-1]}") and server.poll() is None
         assert log.read_text().count("Address already in use") == 2  # two starts refused, the third serves
     finally:
         eval_task.stop(server)
+
+
+def test_a_process_on_the_evaluation_server_s_port_is_never_taken_for_it(tmp_path, monkeypatch):
+    """A squatter answering /health on the port picked for the server: the server's bind fails, it starts again
+    on another port, and the squatter (which cannot prove the key) never got the evaluation."""
+    squat_port, free = eval_task.free_port(), eval_task.free_port()
+    squatter = subprocess.Popen([sys.executable, "-c", HEALTH_SERVER, str(squat_port)],
+                                env={k: v for k, v in {**os.environ, **KEYED}.items() if k != "PRL_EVAL_API_KEY"})
+    ports = iter([squat_port, free])
+    monkeypatch.setattr(eval_task, "free_port", lambda: next(ports))
+    try:
+        wait_for("the squatter", lambda: http_ok(f"http://127.0.0.1:{squat_port}/health"), timeout=30)
+
+        def argv(port: int) -> list[str]:  # the real server binds a moment after the squatter answers /health
+            return [sys.executable, "-c", f"import time; time.sleep(1.5); exec({HEALTH_SERVER!r})", str(port)]
+
+        server, url = eval_task.start_server(argv, {**os.environ, **KEYED}, tmp_path / "eval.log")
+        try:
+            assert url == f"http://127.0.0.1:{free}"
+        finally:
+            eval_task.stop(server)
+    finally:
+        squatter.terminate()
+        squatter.wait(timeout=30)
 
 
 def test_an_evaluation_server_that_fails_for_another_reason_is_not_started_again(tmp_path):
@@ -76,7 +111,7 @@ def test_an_evaluation_server_that_fails_for_another_reason_is_not_started_again
         return [sys.executable, "-c", "raise SystemExit('no model here')"]
 
     with pytest.raises(StartError, match=r"exited with code 1 before it was healthy; its log: .*eval.log"):
-        eval_task.start_server(argv, {}, tmp_path / "eval.log")
+        eval_task.start_server(argv, KEYED, tmp_path / "eval.log")
     assert len(starts) == 1
 
 

@@ -79,14 +79,10 @@ def trained(run: Path) -> int:
 
 
 def records(run: Path, role: str) -> list[dict]:
-    lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
+    """`role`'s step records, as RunDir reads them (a resume's truncation records applied)."""
     out = []
-    for line in lines:
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if r.get("role") == role and not r.get("eval") and r.get("event") is None:
+    for r in RunDir(run).read_metrics(role):
+        if not r.get("eval") and r.get("event") is None:
             out.append(r)
     return out
 

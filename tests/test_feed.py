@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from prl.errors import FeedError
-from prl.weights.feed import Base, FeedReader, FeedServer, fetch, read_concurrently
+from prl.weights.feed import Base, FeedReader, FeedServer, feed_proof, fetch, read_concurrently
 
 KEY = b"run-key"
 
@@ -80,15 +80,19 @@ def test_nothing_listening_is_a_feed_error():
         fetch("nohost", 1, KEY, timeout=5)
 
 
-def fake_feed(behave) -> tuple[str, threading.Thread]:
-    """A one-connection server that runs `behave(conn)` after reading the client's answer."""
+def fake_feed(behave, key: bytes | None = KEY) -> tuple[str, threading.Thread]:
+    """A one-connection server that runs `behave(conn)` after reading the client's answer and, holding `key`,
+    proving it (`feed_proof`); without a key it proves nothing."""
     listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
 
     def serve():
         conn, _ = listener.accept()
         with conn, listener:
             conn.sendall(b"prl-feed 1 abcd\n")
-            conn.makefile("rb").readline()
+            request = json.loads(conn.makefile("rb").readline())
+            if key is not None:
+                conn.sendall(json.dumps({"proof": feed_proof(key, request["nonce"], port)}).encode() + b"\n")
             behave(conn)
 
     thread = threading.Thread(target=serve, daemon=True)
@@ -124,6 +128,37 @@ def test_a_stalled_server_times_out_instead_of_hanging():
         list(fetch(address, 1, KEY, timeout=0.5))
     stop.set()
     thread.join(5)
+
+
+def test_a_feed_that_cannot_prove_the_run_s_key_serves_nothing(feed):
+    """A process on a dead rank's feed port: one that holds no key, or one that relays a live feed of the run
+    (whose proof names that feed's port, not the one the reader asked)."""
+    header = {"step": 1, "tensors": [["a", "float32", [4], 16]]}
+    for key in (None, b"another run's key"):
+        address, thread = fake_feed(lambda conn: conn.sendall(json.dumps(header).encode() + b"\n" + bytes(16)), key)
+        with pytest.raises(FeedError, match="did not prove it holds the run's key"):
+            fetch(address, 1, KEY, timeout=5)
+        thread.join(5)
+    feed.publish(1, sample_tensors())
+    relay = socket.create_server(("127.0.0.1", 0))
+
+    def pipe(a, b):
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+            b.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the reader gave up on the relay: what it should do
+
+    def serve():
+        conn, _ = relay.accept()
+        upstream = socket.create_connection(feed.address.split(":"), timeout=5)
+        threading.Thread(target=pipe, args=(upstream, conn), daemon=True).start()
+        pipe(conn, upstream)
+
+    threading.Thread(target=serve, daemon=True).start()
+    with relay, pytest.raises(FeedError, match="did not prove it holds the run's key"):
+        fetch("127.0.0.1:%d" % relay.getsockname()[1], 1, KEY, timeout=5)
 
 
 def test_a_header_whose_sizes_disagree_is_refused():
@@ -575,3 +610,101 @@ def test_a_group_sends_its_members_their_slices_and_refuses_a_member_of_another_
     for name, t in tensors:
         assert torch.equal(narrow(got[name], plan[name]), narrow(t, plan[name])), name
     assert feed.group_log[-1]["bytes"] == reader.received
+
+
+# -- connections before authentication: bounded in number, time and log lines
+
+def _greeting(sock: socket.socket) -> bytes:
+    return sock.makefile("rb").readline()
+
+
+def test_workers_connecting_at_once_while_the_feed_cannot_accept_all_get_their_greeting(feed):
+    feed.publish(1, sample_tensors())
+    feed._server.shutdown()  # the accept loop stops, the socket still listens: what a busy feed looks like
+    host, port = feed.address.split(":")
+    socks = [socket.create_connection((host, int(port)), timeout=2) for _ in range(64)]  # the accept queue holds them
+    try:
+        again = threading.Thread(target=feed._server.serve_forever, daemon=True)
+        again.start()
+        for s in socks:
+            s.settimeout(10)
+            assert _greeting(s).startswith(b"prl-feed 1 ")
+    finally:
+        for s in socks:
+            s.close()
+    assert [n for n, _ in fetch(feed.address, 1, KEY)] == [n for n, _ in sample_tensors()]
+    feed._server.shutdown()
+    feed._thread = again  # what close() joins
+
+
+def test_peers_that_never_authenticate_hold_few_threads_for_a_short_time(feed, monkeypatch, caplog):
+    from prl.weights import feed as feed_module
+
+    monkeypatch.setattr(feed_module, "AUTH_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(feed_module, "MAX_PENDING", 8)
+    feed.publish(1, sample_tensors())
+    host, port = feed.address.split(":")
+    before = threading.active_count()
+    idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(40)]
+    slow = socket.create_connection((host, int(port)), timeout=5)
+    try:
+        time.sleep(0.3)
+        assert threading.active_count() - before <= 8, "a thread per idle connection, past MAX_PENDING"
+        greeted = [s for s in idle if s.recv(1)]  # the ones past the cap were closed at accept: no greeting
+        assert len(greeted) <= 8
+        start = time.monotonic()
+        for _ in range(10):  # a byte at a time never ends its line: the deadline is the whole line's
+            try:
+                slow.sendall(b" ")
+            except OSError:
+                break
+            time.sleep(0.2)
+        for s in [*greeted, slow]:
+            s.settimeout(5)
+            while True:
+                try:
+                    if not s.recv(4096):
+                        break
+                except ConnectionResetError:
+                    break
+        assert time.monotonic() - start < 4, "closed at the authentication deadline, not SEND_TIMEOUT_S"
+    finally:
+        for s in [*idle, slow]:
+            s.close()
+    assert [n for n, _ in fetch(feed.address, 1, KEY)] == [n for n, _ in sample_tensors()]
+    warnings = [r for r in caplog.records if r.name == "prl.weights.feed"]
+    assert 1 <= len(warnings) <= 2, [r.getMessage() for r in warnings]
+
+
+@pytest.mark.parametrize("line", [json.dumps({"step": 1, "mac": "é" * 64}, ensure_ascii=False).encode(),
+                                  b"[" * 100_000, b'{"step": 1, "mac": "' + b"0" * 64 + b'", "group": ' + b"[" * 4000,
+                                  b"\xff\xfe"], ids=["non-ascii mac", "deep", "deep in a field", "not utf-8"])
+def test_a_malformed_request_is_answered_and_logged_once_for_many(feed, caplog, capfd, line):
+    feed.publish(1, sample_tensors())
+    host, port = feed.address.split(":")
+    for _ in range(20):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            _greeting(s)
+            s.sendall(line[:4000] + b"\n")
+            assert json.loads(s.makefile("rb").readline()) == {"error": "authentication failed: wrong key"}
+    assert "Traceback" not in capfd.readouterr().err
+    assert len([r for r in caplog.records if r.name == "prl.weights.feed"]) == 1
+
+
+def test_an_error_a_connection_raises_is_one_log_line_not_a_traceback_each(feed, monkeypatch, caplog, capfd):
+    from prl.weights import feed as feed_module
+
+    def broken(line):
+        raise KeyError("a bug in the request parser")
+
+    monkeypatch.setattr(feed_module, "read_request", broken)
+    host, port = feed.address.split(":")
+    for _ in range(20):
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            _greeting(s)
+            s.sendall(b"{}\n")
+            assert s.recv(100) == b""
+    time.sleep(0.2)
+    assert "Traceback" not in capfd.readouterr().err
+    [line] = [r.getMessage() for r in caplog.records if r.name == "prl.weights.feed"]
+    assert "failed: KeyError" in line

@@ -880,3 +880,140 @@ def test_the_router_waits_for_a_server_that_serves_not_for_its_head_s_address(tm
     later.start()
     assert wait_endpoint(run, "prefill", 0, lambda: False, url=True).url == "http://n1:8000"
     later.join()
+
+
+# -- resume under a failing filesystem: nothing is removed on the word of a stat() that failed
+
+def _fail_stat(monkeypatch, path: Path, times: int = 1_000_000) -> list[int]:
+    """Make os.stat of `path` raise ESTALE (a network filesystem's stale handle) for its next `times` calls."""
+    real, calls = os.stat, [0]
+
+    def stat(p, *args, **kwargs):
+        if Path(p) == path and calls[0] < times:
+            calls[0] += 1
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE), str(p))
+        return real(p, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    return calls
+
+
+def _trainer_output(run: RunDir, checkpoints: tuple[int, ...], weights: int) -> None:
+    for s in range(1, weights + 1):
+        run.publish_dir(run.weights(s), _write({"model.safetensors": b"w" * s}), step=s)
+    for s in checkpoints:
+        run.publish_dir(run.checkpoints(s, "trainer"), _write({"trainer_state.json": b'{"step": %d}' % s}), step=s)
+
+
+def test_an_unreadable_checkpoint_stops_the_resume_and_nothing_is_removed(tmp_path, monkeypatch):
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    from prl.trainer import engine
+
+    run = RunDir(tmp_path / "run").create()
+    _trainer_output(run, checkpoints=(4,), weights=4)
+    state = run.checkpoints(4, "trainer") / "trainer_state.json"
+    calls = _fail_stat(monkeypatch, state)
+    monkeypatch.setattr("prl.run.publish.VERIFY_RETRY_S", 0.01)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(RunDirError, match=f"cannot read {state}.*Stale file handle.*read 3 time.*Nothing was removed"):
+            engine.resume(run, None, SimpleNamespace(is_main=True), None, None, "latest")
+    finally:
+        dist.destroy_process_group()
+    assert calls[0] == 3, "read again twice (VERIFY_TRIES) before giving up"
+    monkeypatch.undo()
+    assert run.stable_steps("weights") == [1, 2, 3, 4] and run.stable_steps("checkpoints") == [4]
+
+
+def test_a_checkpoint_read_once_more_after_a_transient_fault_is_the_one_resumed(tmp_path, monkeypatch):
+    from prl.trainer.checkpoint import resolve_resume
+
+    run = RunDir(tmp_path).create()
+    _trainer_output(run, checkpoints=(2, 4), weights=4)
+    _fail_stat(monkeypatch, run.checkpoints(4, "trainer") / "trainer_state.json", times=1)
+    assert resolve_resume(run, "latest", retry_s=0.01) == 4, "not the older step 2, whose resume removes step 4"
+    _fail_stat(monkeypatch, run.checkpoints(4, "trainer") / MARKER, times=1)
+    assert resolve_resume(run, "4", retry_s=0.01) == 4
+
+
+def test_a_damaged_checkpoint_is_named_not_passed_over_for_an_older_one(tmp_path):
+    from prl.trainer.checkpoint import resolve_resume
+
+    run = RunDir(tmp_path).create()
+    _trainer_output(run, checkpoints=(2, 4), weights=4)
+    state = run.checkpoints(4, "trainer") / "trainer_state.json"
+    state.write_bytes(b"{")  # short: a file lost part of itself
+    with pytest.raises(RunDirError, match=f"{state} has 1 bytes; its STABLE marker lists 11"):
+        resolve_resume(run, "latest", retry_s=0)
+    with pytest.raises(RunDirError, match="has 1 bytes"):
+        resolve_resume(run, "none", retry_s=0)  # nor taken for a run without output, which would remove it all
+    state.unlink()
+    with pytest.raises(RunDirError, match=f"cannot read {state}.*No such file"):
+        resolve_resume(run, "latest", tries=1)
+    assert resolve_resume(run, "2") == 2, "an older step named by the user is still taken"
+    # A step dir with no marker was never published (a save cut short): passed over, as before.
+    (run.checkpoints(4, "trainer") / MARKER).unlink()
+    assert resolve_resume(run, "latest") == 2
+
+
+def test_a_published_step_that_cannot_be_verified_is_never_removed_by_a_new_publish(tmp_path, monkeypatch):
+    run = RunDir(tmp_path).create()
+    _trainer_output(run, checkpoints=(), weights=3)
+    _fail_stat(monkeypatch, run.weights(3) / "model.safetensors")
+    with pytest.raises(RunDirError, match="Stale file handle"):
+        run.latest_published("weights", retry_s=0)
+    with pytest.raises(RunDirError, match="Stale file handle"):
+        run.begin_publish(run.weights(3))
+    monkeypatch.undo()
+    assert run.stable_steps("weights") == [1, 2, 3]
+
+
+# -- a child that ignores SIGTERM is killed after KILL_AFTER_S, wherever prl stops one
+
+_IGNORES_SIGTERM = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                    "open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(120)")
+
+
+def _bounded(call, pidfile: Path, within: float) -> list:
+    """Run `call` in a thread; fail if it has not returned within `within` s (then SIGKILL the child it left)."""
+    import threading
+
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    thread.start()
+    thread.join(within)
+    if thread.is_alive():
+        os.kill(int(pidfile.read_text()), signal.SIGKILL)
+        thread.join(10)
+        pytest.fail(f"still waiting after {within:g} s for a child that ignores SIGTERM")
+    return out
+
+
+def test_a_child_never_ready_that_ignores_sigterm_is_killed(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from prl.job import runtimes
+
+    monkeypatch.setattr(runtimes, "START_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(runtimes, "KILL_AFTER_S", 1.0)
+    pidfile = tmp_path / "pid"
+    stop = SimpleNamespace(signum=None, stopping=False, failure=None)
+    [code] = _bounded(lambda: runtimes.supervise([sys.executable, "-c", _IGNORES_SIGTERM, str(pidfile)],
+                                                 dict(os.environ), stop, lambda: False, lambda: None), pidfile, 20)
+    assert code == 128 + signal.SIGKILL
+
+
+def test_the_wandb_follower_is_killed_when_it_ignores_sigterm(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(launch_module, "WANDB_FINAL_S", 0.3)
+    monkeypatch.setattr(launch_module, "KILL_AFTER_S", 0.5)
+    pidfile = tmp_path / "pid"
+    follower = subprocess.Popen([sys.executable, "-c", _IGNORES_SIGTERM, str(pidfile)])
+    while not pidfile.exists() or not pidfile.read_text():
+        time.sleep(0.05)
+    launcher = SimpleNamespace(wandb=follower)
+    _bounded(lambda: Launcher.stop_wandb(launcher), pidfile, 15)
+    assert follower.returncode == -signal.SIGKILL and launcher.wandb is None

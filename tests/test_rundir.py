@@ -286,8 +286,10 @@ def test_resume_leftovers_and_metrics(tmp_path):
     assert [m["step"] for m in run.read_metrics("orchestrator")] == [9, 10]
     assert run.metrics_jsonl.read_text().endswith('"st\n{"role": "orchestrator", "step": 10}\n')
     assert run.remove_steps_after("weights", 3) == [4, 5]
-    assert run.drop_metrics_after("trainer", 3) == 3
+    assert run.drop_metrics_after("trainer", 3) == 2  # records; the torn line was none
     assert [m["step"] for m in run.read_metrics()] == [1, 2, 3, 9, 10]
+    run.append_metrics({"role": "trainer", "step": 4})  # the resumed trainer's records stay
+    assert [m["step"] for m in run.read_metrics("trainer")] == [1, 2, 3, 4]
 
 
 # -- crash safety: SIGKILL a writer at random points, readers never accept a partial step
@@ -335,3 +337,37 @@ def test_sigkill_mid_publish_never_leaves_an_accepted_partial_step(tmp_path):
     assert run.stable_steps("weights"), "the writer got some steps through"
     assert caught_mid_publish >= 3, "the kills should land inside publish_dir"
     assert len(steps) - len(run.stable_steps("weights")) <= 1, "at most the last (killed) step is unmarked"
+
+
+# -- metrics.jsonl: two roles that resume while the other appends
+
+_METRICS_WRITER = """
+import sys, time
+from pathlib import Path
+from prl.run.rundir import RunDir
+run, role, rounds, steps = RunDir(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+(run.root / f"ready-{role}").touch()
+while not (run.root / "go").exists():  # both start at once: their drops and appends interleave
+    time.sleep(0.001)
+for _ in range(rounds):
+    run.drop_metrics_after(role, 0)  # what a resumed role does at its start
+    for step in range(1, steps + 1):
+        run.append_metrics({"role": role, "step": step})
+"""
+
+
+def test_two_roles_resuming_while_the_other_appends_lose_no_line_and_bring_none_back(tmp_path):
+    run = RunDir(tmp_path).create()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", _METRICS_WRITER, str(tmp_path), role, "200", "20"], env=env)
+             for role in ("trainer", "orchestrator")]
+    while not all((tmp_path / f"ready-{role}").exists() for role in ("trainer", "orchestrator")):
+        time.sleep(0.01)
+    (tmp_path / "go").touch()
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    for role in ("trainer", "orchestrator"):
+        assert [r["step"] for r in run.read_metrics(role)] == list(range(1, 21)), role
+    # The file only grew: a reader that follows it (`prl submit --local`'s progress) never loses its place.
+    # (An append that finds the other's line not yet ended starts its own on a new line: an empty line at most.)
+    lines = [line for line in run.metrics_jsonl.read_text().splitlines() if line]
+    assert len(lines) == 2 * 200 * 20 + 2 * 200 - 2, "every append and every resume after the first is a line"

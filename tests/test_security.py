@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import socket
 import stat
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -440,6 +442,11 @@ def test_every_server_route_but_health_needs_the_key(keyed_server):
     assert OPEN_PATHS == ("/health", "/prl/engine")  # the role runner's probes: answers that say nothing else
     for path in OPEN_PATHS:
         assert call(keyed_server, "GET", path, headers={})[0] == 200
+    # The open proof route: the server proves it holds the key without the key sent to it (the readiness probe).
+    from prl.job.runtimes import serves_for_run
+    from prl.run.api import proves_key
+
+    assert serves_for_run(keyed_server.url, KEY) and not proves_key(keyed_server.url, "wrong")
 
 
 def running_requests(server) -> float:
@@ -550,3 +557,147 @@ def test_admin_routes_refuse_out_of_range_requests(keyed_server):
     assert call(keyed_server, "POST", "/prl/weights", raw=b"{nope")[0] == 400
     live = http_json("GET", keyed_server.url + "/prl/live", headers=AUTH)
     assert live["ok"] is True and live["paused"] is False and live["updates"] == 0
+
+
+# -- idle connections: bounded header time and open connections (prl/inference/http_limits.py)
+
+_HEALTH_BACKEND = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _health(port: int, timeout: float = 5.0) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+@contextlib.contextmanager
+def _router(nofile: int | None = None):
+    """A real router (`python -m prl.inference.router`, key "k") in front of a /health-only backend; its port.
+    `nofile`: its descriptor limit."""
+    import resource
+
+    backend_port, router_port = _free_port(), _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PRL_TEST_KEY": "k"}
+    backend = subprocess.Popen([sys.executable, "-c", _HEALTH_BACKEND, str(backend_port)], env=env)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    router = subprocess.Popen(
+        [sys.executable, "-m", "prl.inference.router", "--port", str(router_port), "--api-key-env", "PRL_TEST_KEY",
+         "--prefill", f"http://127.0.0.1:{backend_port}", "--decode", f"http://127.0.0.1:{backend_port}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        preexec_fn=None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, hard)))
+    try:
+        wait_for("the router's /health", lambda: _health(router_port, 1) == 200, timeout=60)
+        yield router_port
+    finally:
+        router.terminate()
+        backend.terminate()
+        router.wait(timeout=30)
+        backend.wait(timeout=30)
+
+
+def test_a_flood_of_idle_connections_does_not_stop_the_router_answering_health():
+    idle = []
+    with _router(nofile=300) as port:  # few descriptors, as on a node whose limit an idle flood can reach
+        try:
+            for _ in range(400):  # connected, and never a header: more than the router has descriptors
+                idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            assert _health(port) == 200, "an idle flood starved /health"
+            assert _health(port) == 200
+        finally:
+            for s in idle:
+                s.close()
+
+
+_SQUATTER = """
+import http.server, sys, urllib.request
+relay = sys.argv[2] if len(sys.argv) > 2 else None
+class Squatter(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # 200 to everything; with a relay, the run's real server's answers passed on
+        body = urllib.request.urlopen(relay + self.path).read() if relay else b'{"proof": "0"}'
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Squatter).serve_forever()
+"""
+
+
+def test_readiness_takes_only_a_listener_that_proves_the_run_s_key():
+    from prl.job.runtimes import http_ok, serves_for_run
+    from prl.run.api import proves_key
+
+    with _router() as port:
+        url = f"http://127.0.0.1:{port}"
+        assert serves_for_run(url, "k") and not proves_key(url, "another run's key")
+        for relay in ([], [url]):  # a process on a planned port, answering alone or relaying the real server
+            squat_port = _free_port()
+            squatter = subprocess.Popen([sys.executable, "-c", _SQUATTER, str(squat_port), *relay])
+            try:
+                squat = f"http://127.0.0.1:{squat_port}"
+                wait_for("the squatter", lambda: http_ok(f"{squat}/health"), timeout=30)
+                assert not serves_for_run(squat, "k"), "a /health of 200 alone is no proof"
+            finally:
+                squatter.terminate()
+                squatter.wait(timeout=30)
+        try:
+            urllib.request.urlopen(f"{url}/prl/proof?nonce=not-hex", timeout=5)
+        except urllib.error.HTTPError as e:
+            assert e.code == 400 and b"nonce" in e.read()
+        else:
+            pytest.fail("a malformed nonce was answered")
+
+
+def test_a_connection_that_never_completes_its_headers_is_closed_at_the_deadline(monkeypatch):
+    import threading
+    import time
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from prl.inference import http_limits
+
+    monkeypatch.setattr(http_limits, "HEADER_TIMEOUT_S", 0.5)
+    app = FastAPI()
+    app.add_api_route("/health", lambda: {}, methods=["GET"])
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, http=http_limits.BoundedHTTP,
+                                           log_level="warning", timeout_keep_alive=60))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for("the server to start", lambda: server.started, timeout=30, interval=0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        silent = socket.create_connection(("127.0.0.1", port), timeout=5)
+        partial = socket.create_connection(("127.0.0.1", port), timeout=5)
+        partial.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        answered = socket.create_connection(("127.0.0.1", port), timeout=5)
+        answered.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert answered.recv(4096).startswith(b"HTTP/1.1 200")
+        answered.sendall(b"G")  # after a response: the next request's headers have the same deadline
+        start = time.monotonic()
+        for s in (silent, partial, answered):
+            assert s.recv(4096) == b"", "closed by the server"
+        assert time.monotonic() - start < 3
+        assert _health(port) == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -11,6 +11,7 @@
     weight_engine.py  vLLM's weight-transfer engine "prl": a worker loads what the run's transport sends (prl/weights)
     router.py         the prefill/decode proxy in front of disaggregated servers
     routing.py        which server gets a request: rendezvous hashing with bounded load
+    http_limits.py    uvicorn's protocol with a deadline for request headers and a cap on open connections
 
 See docs/inference.md. Importing this package imports nothing heavy.
 """

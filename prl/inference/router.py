@@ -408,7 +408,9 @@ def main(argv: list[str] | None = None) -> None:
     # installed: a stop is how the router ends, so it exits 0 (as the inference servers do), not 143.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stopped)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
+    from prl.inference.http_limits import BoundedHTTP
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False, http=BoundedHTTP)
 
 
 def stopped(signum: int, _frame) -> None:

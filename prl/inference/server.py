@@ -105,6 +105,7 @@ class BearerAuth:
 
     def __init__(self, app, key: str):
         self.app = app
+        self.key = key
         self.digest = hashlib.sha256(key.encode()).digest()
 
     @staticmethod
@@ -122,9 +123,23 @@ class BearerAuth:
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "").removeprefix(scope.get("root_path", "")) or "/"
         # OPTIONS too: a CORS preflight needs no answer from a server that browsers never call.
+        if scope["type"] == "http" and path == api.PROOF_PATH:
+            return await self.prove(scope, receive, send)
         if scope["type"] not in ("http", "websocket") or path in OPEN_PATHS or self._ok(scope):
             return await self.app(scope, receive, send)
         return await self.refuse(scope, receive, send, 401, "missing or wrong API key (Authorization: Bearer <key>)")
+
+    async def prove(self, scope, receive, send) -> None:
+        """PROOF_PATH, open: the key's HMAC of the asker's nonce and the port it connected to (`api.key_proof`), so
+        the launcher knows this listener is the run's before the key is sent to it. Tells nothing of the key."""
+        from starlette.responses import JSONResponse
+
+        query = dict(part.partition("=")[::2] for part in scope.get("query_string", b"").decode("latin-1").split("&"))
+        nonce, server = query.get("nonce", ""), scope.get("server") or (None, None)
+        if not api.NONCE.fullmatch(nonce) or server[1] is None:
+            return await self.refuse(scope, receive, send, 400, "nonce: must be 32 to 128 lowercase hex digits")
+        proof = api.KeyProof(proof=api.key_proof(self.key, nonce, int(server[1])))
+        await JSONResponse(api.encode(proof))(scope, receive, send)
 
     @staticmethod
     async def refuse(scope, receive, send, status: int, message: str) -> None:
@@ -153,6 +168,8 @@ class PoolAuth(BearerAuth):
         from prl.run.tenants import GENERATE_PATHS, access
 
         path = scope.get("path", "").removeprefix(scope.get("root_path", "")) or "/"
+        if scope["type"] == "http" and path == api.PROOF_PATH:
+            return await self.prove(scope, receive, send)  # the pool's own key: its launcher's readiness
         if scope["type"] not in ("http", "websocket") or path in OPEN_PATHS or self._ok(scope):
             return await self.app(scope, receive, send)
         token = self._token(scope)
@@ -334,6 +351,8 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
     from vllm.entrypoints.launchers.launcher import serve_http, setup_server
     from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
 
+    from prl.inference.http_limits import BoundedHTTP
+
     run = RunDir(ours.run_dir)
     key = api_key(ours.api_key_env)
 
@@ -371,6 +390,7 @@ async def serve(ours: argparse.Namespace, args: argparse.Namespace) -> None:
             h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
             h11_max_header_count=args.h11_max_header_count,
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            http=BoundedHTTP,  # headers within 10 s, connections capped below the descriptor limit
             **uvicorn_kwargs,
         )
         engine_died = engine.errored and not _signalled(shutdown, state.server)

@@ -37,7 +37,7 @@ from typing import Any
 
 from prl.errors import ConfigError, RunDirError, SlurmError, child_exit, disk_full, run_entry, signal_exit
 from prl.log import get_logger, init_logging
-from prl.planner.model import START_TIMEOUT_S, Plan, Launch
+from prl.planner.model import KILL_AFTER_S, START_TIMEOUT_S, Plan, Launch
 from prl.run.records import (DiskFull, Failure, LauncherRecord, ServerFailure, LaunchRecord, StopRequest, TaskExit,
                               server_exit_reason)
 from prl.run.rundir import RunDir, atomic_write_json, current_attempt, pid_alive
@@ -489,7 +489,7 @@ class Launcher:
         for p in alive:
             if p.poll() is None:
                 self._signal(p, signal.SIGTERM)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + KILL_AFTER_S
         while any(p.poll() is None for p in alive) and time.monotonic() < deadline:
             time.sleep(0.2)
         for p in alive:
@@ -563,7 +563,12 @@ class Launcher:
         except subprocess.TimeoutExpired:
             log.warning(f"W&B follower still running {WANDB_FINAL_S:.0f} s after the end; stopping it")
             self.wandb.terminate()
-            self.wandb.wait()
+            try:
+                self.wandb.wait(timeout=KILL_AFTER_S)
+            except subprocess.TimeoutExpired:
+                log.warning(f"W&B follower still running {KILL_AFTER_S:.0f} s after SIGTERM; killing it")
+                self.wandb.kill()
+                self.wandb.wait()
         if self.wandb.returncode:
             log.warning(f"W&B follower exited {self.wandb.returncode}: see its log (training was not affected)")
         self.wandb = None

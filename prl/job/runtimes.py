@@ -2,9 +2,9 @@
 
 Called by `prl.job.role` after the preflight. Each role's runtime is a child process:
 
-    inference / prefill / decode   python -m prl.inference   ready when /health answers 200
+    inference / prefill / decode   python -m prl.inference   ready when /health answers 200 and it proves the key
     teacher / reference            python -m prl.inference   (scoring servers) the same; never load new weights
-    router                         python -m prl.inference.router  (P/D)  ready on /health
+    router                         python -m prl.inference.router  (P/D)  ready on /health and the key proof
     orchestrator                   python -m prl.orchestrator         ready when it heartbeats
     trainer                        torchrun -m prl.trainer            ready at once (it runs last; torchrun as
                                                                       prl.trainer.torchrun runs it: its store
@@ -31,7 +31,8 @@ from typing import Any, Callable
 
 from prl.errors import StartTimeout, child_exit
 from prl.log import get_logger
-from prl.planner.model import RENDEZVOUS_BACKEND, START_TIMEOUT_S, Plan, Server, node_address
+from prl.planner.model import KILL_AFTER_S, RENDEZVOUS_BACKEND, START_TIMEOUT_S, Plan, Server, node_address
+from prl.run import api
 from prl.run.records import Endpoint
 from prl.run.rundir import API_KEY_VAR, RunDir, is_stable
 from prl.states import KV_ROLES, SCORER_ROLES, SERVER_ROLES, Role, RoleState
@@ -45,6 +46,11 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
             return response.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def serves_for_run(url: str, key: str) -> bool:
+    """Readiness of a server or the router: /health answers 200 and the listener proves it holds the run's key."""
+    return http_ok(f"{url}/health") and api.proves_key(url, key)
 
 
 def wait_endpoint(run: RunDir, role: str, index: int, stopped: Callable[[], bool], *, url: bool = False) -> Endpoint:
@@ -68,39 +74,46 @@ def supervise(argv: list[str], env: dict[str, str], stop: Any, ready: Callable[[
               hang_s: float | None = None) -> int:
     """Run the child; call on_ready once `ready()` holds; pass signals on; return its exit code.
 
-    With `health`, a ready child is probed every HEALTH_EVERY_S; one that does not answer for `hang_s`
-    seconds is hung: it is terminated (killed 10 s later) and `stop.failure` says why.
+    A child not ready within START_TIMEOUT_S is stopped. With `health`, a ready child is probed every
+    HEALTH_EVERY_S; one that does not answer for `hang_s` seconds is hung: it is stopped and `stop.failure`
+    says why. Stopped: SIGTERM once, SIGKILL KILL_AFTER_S later if it is still there (it may ignore SIGTERM).
     """
     log.info(" ".join(argv))
     proc = subprocess.Popen(argv, env=env)
     announced = False
     deadline = time.monotonic() + START_TIMEOUT_S
-    last_ok = next_probe = killed_at = 0.0
+    last_ok = next_probe = stopped_at = 0.0
+
+    def stop_child(why: str) -> float:
+        log.error(f"{why}; stopping it")
+        proc.terminate()
+        return time.monotonic()
+
     while proc.poll() is None:
         now = time.monotonic()
         if stop.signum is not None:
             proc.send_signal(stop.signum)
             stop.signum = None
-        if not announced:
+        if stopped_at:
+            if now - stopped_at > KILL_AFTER_S:
+                log.error(f"still running {KILL_AFTER_S:.0f} s after SIGTERM; killing it")
+                proc.kill()
+                proc.wait()
+        elif not announced:
             if ready():
                 on_ready()
                 announced = True
                 last_ok = next_probe = time.monotonic()
                 log.info("ready")
             elif now > deadline:
-                log.error(f"not healthy after {START_TIMEOUT_S:.0f} s; stopping it")
-                proc.terminate()
+                stopped_at = stop_child(f"not healthy after {START_TIMEOUT_S:.0f} s")
         elif health is not None and hang_s is not None and now >= next_probe and not getattr(stop, "stopping", False):
             next_probe = now + HEALTH_EVERY_S
             if health():
                 last_ok = now
-            elif now - last_ok > hang_s and not killed_at:
+            elif now - last_ok > hang_s:
                 stop.failure = f"hung: its health probe unanswered for {now - last_ok:.0f} s (bound {hang_s:.0f} s)"
-                log.error(f"{stop.failure}; stopping it")
-                proc.terminate()
-                killed_at = now
-        if killed_at and now - killed_at > 10:
-            proc.kill()
+                stopped_at = stop_child(stop.failure)
         time.sleep(0.5)
     return child_exit(proc.returncode)
 
@@ -172,7 +185,7 @@ def _supervise_server(run: RunDir, plan: Plan, role: str, task: int, stop: Any, 
         mark()
 
     try:
-        return supervise(argv, env, stop, lambda: http_ok(f"{url}/health"), on_ready,
+        return supervise(argv, env, stop, lambda: serves_for_run(url, env[API_KEY_VAR]), on_ready,
                          health=lambda: http_ok(f"{url}/prl/engine", timeout=15.0), hang_s=plan.server_hang_s)
     finally:
         # A server that is gone must not be advertised: the orchestrator drops it from rotation at once.
@@ -199,7 +212,7 @@ def run_router(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
         run.write_endpoint(Endpoint(role=Role.ROUTER, index=0, host=host, port=port, url=url))
         _ready_marker(run, Role.ROUTER, task)()
 
-    return supervise(argv, env, stop, lambda: http_ok(f"{url}/health"), on_ready)
+    return supervise(argv, env, stop, lambda: serves_for_run(url, env[API_KEY_VAR]), on_ready)
 
 
 def run_orchestrator(run: RunDir, plan: Plan, task: int, stop: Any) -> int:

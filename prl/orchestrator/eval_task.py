@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 from prl.errors import ConfigError, RunDirError, StartError, StartTimeout
 from prl.planner.model import START_TIMEOUT_S
+from prl.run import api
 from prl.states import Role
 
 KEY_VAR = "PRL_EVAL_API_KEY"
@@ -134,8 +135,8 @@ def evaluate_step(task: EvalTask) -> list[dict[str, Any]]:
 
 
 def start_server(argv: Callable[[int], list[str]], env: dict[str, str], log_path: Path) -> tuple[subprocess.Popen, str]:
-    """`argv(port)` started on a free port of 127.0.0.1 (its output appended to `log_path`), once healthy: the
-    process and its URL. Between `free_port()` and the server's bind another process can take the port (a
+    """`argv(port)` started on a free port of 127.0.0.1 (its output appended to `log_path`), once healthy and
+    proving the key `env[KEY_VAR]`: the process and its URL. Between `free_port()` and the server's bind another process can take the port (a
     busy node, or array tasks of the same sweep side by side): a server that exits saying the address is in
     use is started again on another port, BIND_TRIES times in all."""
     attempt = 1
@@ -147,7 +148,7 @@ def start_server(argv: Callable[[int], list[str]], env: dict[str, str], log_path
                                       stdin=subprocess.DEVNULL, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_healthy(server, url, log_path)
+            wait_healthy(server, url, log_path, env[KEY_VAR])
             return server, url
         except BaseException:
             stop(server)
@@ -163,7 +164,9 @@ def port_taken(log_path: Path, since: int) -> bool:
         return b"Address already in use" in log.read()
 
 
-def wait_healthy(server: subprocess.Popen, url: str, log_path: Path) -> None:
+def wait_healthy(server: subprocess.Popen, url: str, log_path: Path, key: str) -> None:
+    """Until the server at `url` answers /health and proves it holds `key` (`api.proves_key`): another process
+    that took the port first answers /health too, and must never be sent the key or the evaluation."""
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -171,7 +174,7 @@ def wait_healthy(server: subprocess.Popen, url: str, log_path: Path) -> None:
                              f"healthy; its log: {log_path}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
+                if response.status == 200 and api.proves_key(url, key):
                     return
         except (urllib.error.URLError, OSError):
             pass

@@ -385,7 +385,7 @@ async def orchestrate(run: RunDir, cfg: OrchestratorConfig, find_fleet: Callable
     """The orchestrator's steps after the newest published one, to `training.max_steps`. What needs no server is
     loaded first (`load_environments`); `find_fleet` then waits for the servers (`discover`), which start with
     this process."""
-    start = run.latest_stable("rollouts") or 0
+    start = run.latest_published("rollouts") or 0  # an unreadable newest step raises: nothing is redone over it
     run.drop_metrics_after(ROLE, start)
     recover_record(run, start)
     max_steps = cfg.training.max_steps

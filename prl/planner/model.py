@@ -273,6 +273,8 @@ SERVER_HANG_S = 300.0
 """Default time a server's /health may go unanswered before its task fails it."""
 START_TIMEOUT_S = float(os.environ.get("PRL_START_TIMEOUT", "1800"))
 """Longest a role may take to start (a server to become healthy), PRL_START_TIMEOUT: the launcher's bound."""
+KILL_AFTER_S = 10.0
+"""How long a process the launcher or a role's task stops has after SIGTERM before SIGKILL (it may ignore SIGTERM)."""
 
 
 class ContainerPlan(Frozen, kw_only=True):

@@ -2,6 +2,7 @@
 
     POST /prl/weights   WeightsRequest -> WeightsAnswer        the orchestrator (or a user) -> an inference server
     GET  /prl/live      LiveAnswer                             an inference server -> the orchestrator, `prl eval`
+    GET  /prl/proof?nonce=HEX  KeyProof (open)                 a server or the router -> the launcher's readiness
     any route, refused  ErrorAnswer                            {"error": why, "status": HTTP code}
 
 The run directory's files are typed the same way in prl/run/records.py. A body is decoded by `decode`, which
@@ -14,7 +15,12 @@ Imports nothing of prl but the errors: the control plane, the roles and the serv
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
+import secrets
+import urllib.parse
+import urllib.request
 from typing import Annotated, Literal, Optional, TypeVar, Union
 
 import msgspec
@@ -38,6 +44,10 @@ MAX_WORLD = 4096
 DEFAULT_GROUP_TIMEOUT_S = 60.0
 MAX_GROUP_TIMEOUT_S = 3600.0
 PAUSE_MODES = ("keep", "wait", "abort")
+PROOF_PATH = "/prl/proof"
+"""The open route where a server proves it holds the run's key (`key_proof`) before anyone sends it the key."""
+NONCE = re.compile(r"[0-9a-f]{32,128}")
+"""A proof's nonce: lowercase hex, 16 to 64 random bytes."""
 """How a server pauses generation for an update: in-flight requests freeze, finish first, or end (vLLM's)."""
 
 Step = Annotated[int, Meta(ge=1, le=MAX_STEP)]
@@ -188,6 +198,18 @@ class LiveAnswer(msgspec.Struct, kw_only=True):
     """An inference pool's: attached run -> the adapter step it serves."""
 
 
+class KeyProof(msgspec.Struct, kw_only=True):
+    """A server's answer on PROOF_PATH: `key_proof(its key, the nonce asked, the port the request came in on)`."""
+
+    proof: str
+
+
+def key_proof(key: str, nonce: str, port: int) -> str:
+    """hex HMAC-SHA256 under `key` of `nonce:port`. The port binds the proof to the listener that gives it: a
+    process squatting on a port cannot pass on the proof of the run's real server on another."""
+    return hmac.new(key.encode(), f"{nonce}:{port}".encode(), hashlib.sha256).hexdigest()
+
+
 class ErrorAnswer(msgspec.Struct, kw_only=True):
     """What a refused request is answered with."""
 
@@ -212,6 +234,20 @@ def decode(raw: bytes, kind: type[B], *, limit: int = MAX_BODY_BYTES, empty_ok: 
         raise BodyError(refusal(kind, str(e))) from None
     except (msgspec.DecodeError, RecursionError) as e:
         raise BodyError(f"body is not a JSON object: {str(e)[:200]}") from None
+
+
+def proves_key(url: str, key: str, timeout: float = 2.0) -> bool:
+    """Whether the server at `url` holds `key`: its answer on PROOF_PATH to a fresh nonce is `key_proof` of that
+    nonce and `url`'s port. Asked before anything sends the key there: a process that took the planned port
+    first (another user's, a stale one) answers /health as well as the run's server does."""
+    nonce = secrets.token_hex(16)
+    try:
+        with urllib.request.urlopen(f"{url}{PROOF_PATH}?nonce={nonce}", timeout=timeout) as response:
+            answer = decode(response.read(MAX_ANSWER_BYTES + 1), KeyProof, limit=MAX_ANSWER_BYTES)
+    except (OSError, ValueError, BodyError):  # URLError and HTTPError are OSErrors
+        return False
+    port = urllib.parse.urlsplit(url).port
+    return port is not None and hmac.compare_digest(answer.proof, key_proof(key, nonce, port))
 
 
 _AT = re.compile(r"\A(?P<detail>.*?)(?: - at `\$(?P<path>[^`]*)`)?\Z", re.S)

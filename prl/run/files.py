@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from prl.errors import RunDirError
 from prl.run import records
 
 FILE_MODE = 0o600
@@ -115,6 +116,32 @@ def is_stable(path: str | Path) -> bool:
         return marker is not None and all((path / name).stat().st_size == size for name, size in marker.files.items())
     except OSError:
         return False
+
+
+def verify_stable(path: str | Path) -> bool:
+    """`is_stable` for a decision that deletes (a resume): True when `path` was published completely; False when
+    it holds no marker (never published, or a publish cut short: never anyone's work); RunDirError naming the
+    file when it has a marker but that marker or a file it lists cannot be read (an I/O error, ESTALE on a
+    network filesystem) or does not match (missing, short). Such a step is neither taken nor passed over:
+    `is_stable` reads it as not published, which only a reader that waits may do."""
+    path = Path(path)
+    try:
+        (path / MARKER).stat()
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise RunDirError(f"cannot read {path / MARKER}: {e.strerror or e}") from e
+    marker = records.read_marker(path / MARKER)
+    if marker is None:
+        raise RunDirError(f"cannot read {path / MARKER} as a {MARKER} marker (unreadable or damaged)")
+    for name, size in marker.files.items():
+        try:
+            have = (path / name).stat().st_size
+        except OSError as e:
+            raise RunDirError(f"cannot read {path / name} (listed in {MARKER}): {e.strerror or e}") from e
+        if have != size:
+            raise RunDirError(f"{path / name} has {have} bytes; its {MARKER} marker lists {size} (damaged)")
+    return True
 
 
 def _fence(tmp_name: str) -> int | None:

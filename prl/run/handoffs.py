@@ -36,6 +36,13 @@ MAX_SAMPLE_BYTES = 16 << 20
 
 API_KEY_VAR = "PRL_INFERENCE_API_KEY"
 """Variable through which the role runner hands the run's API key to the servers, router and orchestrator."""
+TRUNCATE_EVENT = "truncate"
+"""The `event` of a metrics.jsonl line that drops its role's earlier records after its `after` step."""
+
+
+def _step(record: dict, key: str = "step") -> int:
+    value = record.get(key)
+    return value if isinstance(value, int) else -1
 
 
 class Handoffs(RunLayout):
@@ -180,7 +187,9 @@ class Handoffs(RunLayout):
             os.close(fd)
 
     def read_metrics(self, role: str | None = None) -> list[dict]:
-        """All metric records (optionally of one role), skipping a torn last line."""
+        """All metric records (optionally of one role), skipping a torn line, with each truncation record
+        (`drop_metrics_after`) applied to the lines before it; the truncation records themselves are not
+        returned."""
         if not self.metrics_jsonl.exists():
             return []
         out = []
@@ -189,7 +198,11 @@ class Handoffs(RunLayout):
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a writer killed mid-line; the rest of the file is fine
-            if role is None or rec.get("role") == role:
+            if not isinstance(rec, dict):
+                continue
+            if rec.get("event") == TRUNCATE_EVENT:
+                out = [r for r in out if not (r.get("role") == rec.get("role") and _step(r) > _step(rec, "after"))]
+            elif role is None or rec.get("role") == role:
                 out.append(rec)
         return out
 
@@ -222,22 +235,14 @@ class Handoffs(RunLayout):
         return atomic_write_json(self.wandb_cursor, cursor)
 
     def drop_metrics_after(self, role: str, step: int) -> int:
-        """Rewrite metrics.jsonl without `role`'s records for steps > `step` (resume); return how many."""
-        if not self.metrics_jsonl.exists():
-            return 0
-        keep, dropped = [], 0
-        for line in self.metrics_jsonl.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                dropped += 1
-                continue
-            if rec.get("role") == role and int(rec.get("step", -1)) > step:
-                dropped += 1
-            else:
-                keep.append(line)
+        """Drop `role`'s records of steps > `step` (a resume); return how many. Appends a truncation record
+        (`{"role", "event": "truncate", "after": step}`) that readers apply to the lines before it: the file
+        is never rewritten, since other roles append to it meanwhile (a rewrite loses their lines, and two
+        rewrites at once bring back what the other dropped). Only `role` appends `role`'s records, so what
+        it appends after this is never dropped by it."""
+        dropped = sum(_step(r) > step for r in self.read_metrics(role))
         if dropped:
-            atomic_write_text(self.metrics_jsonl, "".join(line + "\n" for line in keep))
+            self.append_metrics({"role": role, "event": TRUNCATE_EVENT, "after": step, "time": time.time()})
         return dropped
 
     def read_launcher(self, attempt: int | None = None) -> LauncherRecord | None:

@@ -24,11 +24,19 @@ from typing import Any
 
 from prl.errors import RunDirError, StepTimeout
 from prl.run import records
+from prl.log import get_logger
 from prl.run.files import (FILE_MODE, MARKER, PENDING_MARKER, _fence, _fsync_dir, current_attempt, fsync_tree,
-                           is_stable, step_of)
+                           is_stable, step_of, verify_stable)
 from prl.run.handoffs import HEARTBEAT_S
 from prl.run.layout import KINDS, RunLayout
 from prl.run.records import StableMarker
+
+log = get_logger(__name__)
+
+VERIFY_TRIES = 3
+"""Reads of a published step's marker and files before `verify_step` reports it unreadable."""
+VERIFY_RETRY_S = 5.0
+"""Seconds between those reads: an ESTALE or EIO of a network filesystem usually passes within them."""
 
 
 class Publishing(RunLayout):
@@ -51,6 +59,35 @@ class Publishing(RunLayout):
         steps = self.stable_steps(kind, role)
         return steps[-1] if steps else None
 
+    def verify_step(self, kind: str, step: int, role: str | None = None, *, tries: int | None = None,
+                    retry_s: float | None = None) -> bool:
+        """`verify_stable` of step `step` of `kind` (checkpoints: of `role`), read again up to `tries` times
+        (VERIFY_TRIES), `retry_s` apart (VERIFY_RETRY_S), while it cannot be verified; then its RunDirError
+        (naming the file) propagates."""
+        tries = VERIFY_TRIES if tries is None else tries
+        retry_s = VERIFY_RETRY_S if retry_s is None else retry_s
+        path, attempt = self._published(kind, step, role), 1
+        while True:
+            try:
+                return verify_stable(path)
+            except RunDirError as e:
+                if attempt >= tries:
+                    raise RunDirError(f"{e}; read {attempt} time(s), {retry_s:g} s apart. Nothing was removed: "
+                                      f"restore the file, or name an older step to resume from") from e
+                attempt += 1
+                log.warning("%s; reading it again in %g s (%d of %d)", e, retry_s, attempt, tries)
+                time.sleep(retry_s)
+
+    def latest_published(self, kind: str, role: str | None = None, *, tries: int | None = None,
+                         retry_s: float | None = None) -> int | None:
+        """The newest published step of `kind`, for a decision that removes what is newer (a resume). Judged
+        newest first by `verify_step`: an unmarked step is passed over (never published); one with a marker
+        that cannot be verified raises, never passed over for an older one (whose resume would remove it)."""
+        for step in reversed(self.steps(kind)):
+            if self.verify_step(kind, step, role, tries=tries, retry_s=retry_s):
+                return step
+        return None
+
     def begin_publish(self, dest: Path, tag: str | None = None) -> Path:
         """Return a fresh, empty temporary dir to fill before `finish_publish(dest, tmp)`.
 
@@ -64,7 +101,7 @@ class Publishing(RunLayout):
         (this writer is stale: fenced off).
         """
         dest = Path(dest)
-        if is_stable(dest):
+        if verify_stable(dest):  # and a marked step that cannot be verified is never removed here: it raises
             raise RunDirError(
                 f"{dest} is already published (has {MARKER}); another run or attempt wrote this step. "
                 f"Resume from a checkpoint (which removes later steps) or use a new run directory."

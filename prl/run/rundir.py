@@ -21,14 +21,16 @@ import os
 import shutil
 
 from prl.run.files import (DIR_MODE, FILE_MODE, MARKER, PENDING_MARKER, atomic_write_bytes, atomic_write_json,
-                           atomic_write_text, current_attempt, fsync_tree, is_stable, pid_alive, step_of)
+                           atomic_write_text, current_attempt, fsync_tree, is_stable, pid_alive, step_of,
+                           verify_stable)
 from prl.run.handoffs import API_KEY_VAR, HEARTBEAT_S, Handoffs
 from prl.run.layout import KINDS, ROLES
 from prl.run.retention import Retention
 
 __all__ = ["API_KEY_VAR", "DIR_MODE", "FILE_MODE", "HEARTBEAT_S", "KINDS", "LOW_DISK_BYTES", "MARKER",
            "PENDING_MARKER", "RESERVE_BYTES", "ROLES", "RunDir", "atomic_write_bytes", "atomic_write_json",
-           "atomic_write_text", "current_attempt", "fsync_tree", "is_stable", "pid_alive", "step_of"]
+           "atomic_write_text", "current_attempt", "fsync_tree", "is_stable", "pid_alive", "step_of",
+           "verify_stable"]
 
 RESERVE_BYTES = 4 << 20
 """The launcher's disk reserve (state/reserve): room to record a failure and stop the roles on a full disk."""

@@ -127,27 +127,35 @@ def save_checkpoint(
     return dest
 
 
-def resolve_resume(run: RunDir, resume: str) -> int:
+def resolve_resume(run: RunDir, resume: str, *, tries: int | None = None, retry_s: float | None = None) -> int:
     """Step to resume from: 0 (fresh start) or a published trainer checkpoint's step.
 
     'latest': the newest checkpoint, or a fresh start if there is none.
     'none': a fresh start; refused if the run already has trainer output.
     'N': exactly that checkpoint.
+    The resume then removes every later step, so a checkpoint is judged by `RunDir.verify_step`: one whose
+    marker or files cannot be read (read `tries` times, `retry_s` apart) is a RunDirError naming the file,
+    never passed over for an older one or for a fresh start.
     """
-    available = run.stable_steps("checkpoints", Role.TRAINER)
+    def latest(kind: str, role: str | None = None) -> int | None:
+        return run.latest_published(kind, role, tries=tries, retry_s=retry_s)
+
     if resume == "latest":
-        return available[-1] if available else 0
+        return latest("checkpoints", Role.TRAINER) or 0
     if resume == "none":
-        if available or run.stable_steps("weights"):
+        ckpt, weights = latest("checkpoints", Role.TRAINER), latest("weights")
+        if ckpt is not None or weights is not None:
             raise RunDirError(
-                f"{run.root} already has trainer output (checkpoints {available}, weights up to step "
-                f"{run.latest_stable('weights')}); use --resume latest, or a new run directory"
+                f"{run.root} already has trainer output (checkpoints up to step {ckpt}, weights up to step "
+                f"{weights}); use --resume latest, or a new run directory"
             )
         return 0
     if not resume.isdigit():
         raise RunDirError(f"--resume must be 'latest', 'none' or a step number, got {resume!r}")
     step = int(resume)
-    if step != 0 and step not in available:
+    if step != 0 and not (step in run.steps("checkpoints")
+                          and run.verify_step("checkpoints", step, Role.TRAINER, tries=tries, retry_s=retry_s)):
+        available = run.stable_steps("checkpoints", Role.TRAINER)
         raise RunDirError(f"no trainer checkpoint for step {step} in {run.root}; available: {available or 'none'}")
     return step
 

@@ -12,9 +12,12 @@ record; a feed holds only the newest step, in memory.
 Protocol (one connection, one step):
 
     server -> client   prl-feed 1 <nonce hex>\\n
-    client -> server   {"step": N, "mac": hex HMAC-SHA256(key, nonce hex)[, "base": id]
+    client -> server   {"step": N, "mac": hex HMAC-SHA256(key, nonce hex), "nonce": the reader's hex[, "base": id]
                         [, "group": {"token": hex, "world": W, "rank": R, "timeout": s}]}\\n
-    server -> client   {"error": "..."[, "step": held]}\\n            (wrong mac, or not step N; then closes)
+    server -> client   {"error": "authentication failed: wrong key"}\\n     (then closes)
+                   or  {"proof": hex HMAC-SHA256(key, "prl-feed proof <reader's nonce> <port>")}\\n (`feed_proof`:
+                       the reader checks it before it reads on, so only the run's feed serves it tensors), then
+    server -> client   {"error": "..."[, "step": held]}\\n            (not step N, ...; then closes)
                    or  {"step": N, "id": id, "deltas": bool, "tensors": [[name, dtype, shape, nbytes], ...]}\\n
                        the tensors' raw bytes, in header order
                    or  {"step": N, "id": id, "base": base id, "deltas": true,
@@ -57,17 +60,18 @@ import math
 import os
 import socket
 import socketserver
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Annotated, Optional
 
 import msgspec
 
 from prl.errors import FeedError
-from prl.log import get_logger
+from prl.log import Throttled, get_logger
 from prl.run.api import DEFAULT_GROUP_TIMEOUT_S, Group, GroupBackend
 from prl.weights.delta import FORMS, BadDelta, encode as encode_change, narrow_change, positions, rebuild, where_bytes
 from prl.weights.slices import Dims, Worker, narrow, tensor_slice
@@ -82,8 +86,21 @@ MAX_REQUEST_BYTES = 4096
 MAX_GROUPS_KEPT = 64
 """Groups a feed remembers (to refuse a token used again)."""
 SEND_TIMEOUT_S = 600.0
-"""How long a server waits on one client's socket: a worker reads at most READ_AHEAD_BYTES ahead of
-its reload, so a connection may idle while the reload catches up."""
+"""How long a server waits on an authenticated client's socket: a worker reads at most READ_AHEAD_BYTES ahead
+of its reload, so a connection may idle while the reload catches up."""
+AUTH_TIMEOUT_S = 10.0
+"""How long a connection has, from its accept, to send its whole request line (whatever pace its bytes
+come at); then it is closed. Before it proves the key a connection costs the feed a thread: this bounds how
+long a peer that does not speak holds one."""
+MAX_PENDING = 64
+"""Connections a feed holds at once that have not proven the key; more are closed at accept (no thread)."""
+MAX_CONNECTIONS = 4096
+"""Connections a feed holds at once (a thread each): every worker of every server reading at the same time
+fits; more are closed at accept."""
+LISTEN_BACKLOG = 4096
+"""The listening socket's accept queue (the kernel caps it at net.core.somaxconn). socketserver's default of
+5 overflows when many workers connect at once; Linux then drops the handshake's last ACK, and a client
+whose SYN-ACK retries run out believes it is connected and waits for a greeting that never comes."""
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
           "float8_e4m3fn", "float8_e5m2")
 """Tensor dtypes a feed carries (torch names)."""
@@ -91,6 +108,12 @@ DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16"
 
 def mac(key: bytes, nonce: bytes) -> str:
     return hmac.new(key, nonce, hashlib.sha256).hexdigest()
+
+
+def feed_proof(key: bytes, nonce: str, port: int) -> str:
+    """The feed's proof to a reader that sent `nonce`: bound to the port the reader connected to, so a process on
+    a dead rank's port cannot pass on another live feed's proof (and never equal to a reader's `mac`)."""
+    return mac(key, f"prl-feed proof {nonce} {port}".encode())
 
 
 class FeedRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -105,6 +128,8 @@ class FeedRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit
     """The broadcast group the reader receives by (its own rank)."""
     worker: Optional[Worker] = None
     """The reader's place in its server: the feed then sends it its slices only (`Snapshot.view`)."""
+    nonce: Optional[Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32,128}$")]] = None
+    """The reader's own nonce: the feed answers `{"proof": feed_proof(...)}` first, proving it holds the key."""
 
 
 def read_request(line: bytes) -> FeedRequest | None:
@@ -293,17 +318,9 @@ class FeedServer:
             self._store = collective.store(host, group_timeout)
             if backend == "nccl":  # the constructing thread's GPU (a trainer rank's); the sender threads' is 0
                 self._device = collective.device(Group(token="0" * 32, world=2, rank=0, backend=backend))
-        feed = self
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self):
-                feed._serve(self.request)
-
-        class Listener(socketserver.ThreadingTCPServer):
-            daemon_threads = True
-            allow_reuse_address = True
-
-        self._server = Listener((host, port), Handler)
+        self._admission = _Admission()
+        self._refusals = Throttled(log)
+        self._server = _Listener((host, port), self)
         self._thread = threading.Thread(target=self._server.serve_forever, name=f"prl-feed-{port}", daemon=True)
         self._thread.start()
 
@@ -342,16 +359,22 @@ class FeedServer:
         self.close()
 
     def _serve(self, sock: socket.socket) -> None:
-        sock.settimeout(SEND_TIMEOUT_S)
+        deadline = time.monotonic() + AUTH_TIMEOUT_S
+        sock.settimeout(AUTH_TIMEOUT_S)
         nonce = os.urandom(16).hex().encode()
         try:
             sock.sendall(PROTOCOL + b" " + nonce + b"\n")
-            with sock.makefile("rb") as reader:
-                line = reader.readline(MAX_REQUEST_BYTES)
+            line = _request_line(sock, deadline)
             request = read_request(line)
             if request is None or not request.mac.isascii() or not hmac.compare_digest(request.mac,
                                                                                         mac(self._key, nonce)):
+                self._refused(sock, "no request line" if not line else "a malformed request" if request is None
+                              else "a wrong key")
                 return _send_line(sock, {"error": "authentication failed: wrong key"})
+            self._admission.authenticated(sock)
+            sock.settimeout(SEND_TIMEOUT_S)
+            if request.nonce is not None:
+                _send_line(sock, {"proof": feed_proof(self._key, request.nonce, sock.getsockname()[1])})
             asked = request.group
             with self._lock:
                 held = self._snapshot
@@ -372,8 +395,18 @@ class FeedServer:
             sock.sendall(held.delta_header if delta else held.header)
             for view in held.payload(delta):
                 sock.sendall(view)
+        except TimeoutError:
+            if sock in self._admission:
+                self._refused(sock, f"no request line within {AUTH_TIMEOUT_S:g} s")
         except (OSError, ValueError):
             return  # the reader went away or spoke nonsense: its fetch reports it
+
+    def _refused(self, sock: socket.socket, why: str) -> None:
+        try:
+            peer = sock.getpeername()[0]
+        except OSError:
+            peer = "a peer that left"
+        self._refusals.warning("weight feed %s: refused a connection from %s: %s", self.address, peer, why)
 
     def _join(self, sock: socket.socket, group: Group, held: Snapshot, base: str | None) -> None:
         """A reader of a group: the step's header (the delta's where every member holds its base) and the store;
@@ -462,6 +495,97 @@ class FeedServer:
             self.group_log.append(record)
 
 
+class _Handler(socketserver.BaseRequestHandler):
+    def handle(self):
+        self.server.feed._serve(self.request)
+
+
+class _Listener(socketserver.ThreadingTCPServer):
+    """A feed's accept loop: a thread per connection it admits (`_Admission`), the rest closed at accept."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = LISTEN_BACKLOG
+
+    def __init__(self, address: tuple[str, int], feed: FeedServer):
+        self.feed = feed
+        super().__init__(address, _Handler)
+
+    def process_request(self, request, client_address):
+        feed = self.feed
+        if not feed._admission.admit(request):
+            feed._refusals.warning("weight feed %s: closed a connection from %s at once: %s", feed.address,
+                                   client_address[0], feed._admission.full())
+            return self.shutdown_request(request)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            feed._admission.done(request)  # no thread started (the server shuts the socket)
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.feed._admission.done(request)
+
+    def handle_error(self, request, client_address):  # not socketserver's traceback per connection
+        e = sys.exception()
+        self.feed._refusals.warning("weight feed %s: a connection from %s failed: %s: %s", self.feed.address,
+                                    client_address[0], type(e).__name__, str(e)[:200])
+
+
+class _Admission:
+    """The connections a feed holds: how many (MAX_CONNECTIONS) and which have not proven the key (MAX_PENDING)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = 0
+        self._pending: set[socket.socket] = set()
+
+    def admit(self, sock: socket.socket) -> bool:
+        with self._lock:
+            if self._open >= MAX_CONNECTIONS or len(self._pending) >= MAX_PENDING:
+                return False
+            self._open += 1
+            self._pending.add(sock)
+            return True
+
+    def full(self) -> str:
+        return (f"{len(self._pending)} connections not yet authenticated (MAX_PENDING {MAX_PENDING}), "
+                f"{self._open} in all (MAX_CONNECTIONS {MAX_CONNECTIONS})")
+
+    def authenticated(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._pending.discard(sock)
+
+    def done(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._open -= 1
+            self._pending.discard(sock)
+
+    def __contains__(self, sock: socket.socket) -> bool:
+        with self._lock:
+            return sock in self._pending
+
+
+def _request_line(sock: socket.socket, deadline: float) -> bytes:
+    """The client's request line (at most MAX_REQUEST_BYTES, up to its newline), read by `deadline`
+    (time.monotonic) however slowly its bytes come: TimeoutError past it; short for a client that closed."""
+    data = b""
+    while b"\n" not in data and len(data) < MAX_REQUEST_BYTES:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no request line within {AUTH_TIMEOUT_S:g} s")
+        sock.settimeout(left)
+        chunk = sock.recv(MAX_REQUEST_BYTES - len(data))
+        if not chunk:
+            break
+        data += chunk
+    end = data.find(b"\n")
+    return data if end < 0 else data[:end + 1]
+
+
 def _send_line(sock: socket.socket, message: dict) -> None:
     sock.sendall(json.dumps(message).encode() + b"\n")
 
@@ -545,9 +669,17 @@ class FeedReader:
         proto, _, nonce = greeting.rstrip(b"\n").rpartition(b" ")
         if proto != PROTOCOL or not nonce:
             raise FeedError(self.address, f"not a prl weight feed (it said {greeting[:40]!r})")
+        mine = os.urandom(16).hex()
         request = FeedRequest(step=step, mac=mac(key, nonce), base=None if self._base is None else self._base.id,
-                              group=self._group, worker=self.worker)
+                              group=self._group, worker=self.worker, nonce=mine)
         self._send(msgspec.to_builtins(request))
+        proof = self._json(self._line())
+        if "error" in proof:
+            raise FeedError(self.address, str(proof["error"])[:300])
+        if not isinstance(proof.get("proof"), str) or not hmac.compare_digest(
+                proof["proof"], feed_proof(key, mine, self._sock.getpeername()[1])):
+            raise FeedError(self.address, "did not prove it holds the run's key: not this run's feed (a process "
+                                          "on a planned port?); nothing was read from it")
         header = self._json(self._line())
         if "error" in header:
             raise FeedError(self.address, str(header["error"])[:300])
