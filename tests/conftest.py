@@ -118,3 +118,13 @@ def tok(tokenizer_dir):
     from renderers.base import load_tokenizer
 
     return load_tokenizer(str(tokenizer_dir))
+
+
+@pytest.fixture
+def prl_caplog(caplog, monkeypatch):
+    """`caplog` that sees the `prl` loggers' records even after a role ran in this process: `init_logging`
+    stops them propagating to the root logger, where caplog listens (tests of what a component logs)."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("prl"), "propagate", True)
+    return caplog

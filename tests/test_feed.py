@@ -637,7 +637,7 @@ def test_workers_connecting_at_once_while_the_feed_cannot_accept_all_get_their_g
     feed._thread = again  # what close() joins
 
 
-def test_peers_that_never_authenticate_hold_few_threads_for_a_short_time(feed, monkeypatch, caplog):
+def test_peers_that_never_authenticate_hold_few_threads_for_a_short_time(feed, monkeypatch, prl_caplog):
     from prl.weights import feed as feed_module
 
     monkeypatch.setattr(feed_module, "AUTH_TIMEOUT_S", 1.0)
@@ -672,14 +672,14 @@ def test_peers_that_never_authenticate_hold_few_threads_for_a_short_time(feed, m
         for s in [*idle, slow]:
             s.close()
     assert [n for n, _ in fetch(feed.address, 1, KEY)] == [n for n, _ in sample_tensors()]
-    warnings = [r for r in caplog.records if r.name == "prl.weights.feed"]
+    warnings = [r for r in prl_caplog.records if r.name == "prl.weights.feed"]
     assert 1 <= len(warnings) <= 2, [r.getMessage() for r in warnings]
 
 
 @pytest.mark.parametrize("line", [json.dumps({"step": 1, "mac": "é" * 64}, ensure_ascii=False).encode(),
                                   b"[" * 100_000, b'{"step": 1, "mac": "' + b"0" * 64 + b'", "group": ' + b"[" * 4000,
                                   b"\xff\xfe"], ids=["non-ascii mac", "deep", "deep in a field", "not utf-8"])
-def test_a_malformed_request_is_answered_and_logged_once_for_many(feed, caplog, capfd, line):
+def test_a_malformed_request_is_answered_and_logged_once_for_many(feed, prl_caplog, capfd, line):
     feed.publish(1, sample_tensors())
     host, port = feed.address.split(":")
     for _ in range(20):
@@ -688,10 +688,10 @@ def test_a_malformed_request_is_answered_and_logged_once_for_many(feed, caplog, 
             s.sendall(line[:4000] + b"\n")
             assert json.loads(s.makefile("rb").readline()) == {"error": "authentication failed: wrong key"}
     assert "Traceback" not in capfd.readouterr().err
-    assert len([r for r in caplog.records if r.name == "prl.weights.feed"]) == 1
+    assert len([r for r in prl_caplog.records if r.name == "prl.weights.feed"]) == 1
 
 
-def test_an_error_a_connection_raises_is_one_log_line_not_a_traceback_each(feed, monkeypatch, caplog, capfd):
+def test_an_error_a_connection_raises_is_one_log_line_not_a_traceback_each(feed, monkeypatch, prl_caplog, capfd):
     from prl.weights import feed as feed_module
 
     def broken(line):
@@ -706,5 +706,5 @@ def test_an_error_a_connection_raises_is_one_log_line_not_a_traceback_each(feed,
             assert s.recv(100) == b""
     time.sleep(0.2)
     assert "Traceback" not in capfd.readouterr().err
-    [line] = [r.getMessage() for r in caplog.records if r.name == "prl.weights.feed"]
+    [line] = [r.getMessage() for r in prl_caplog.records if r.name == "prl.weights.feed"]
     assert "failed: KeyError" in line

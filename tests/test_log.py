@@ -79,7 +79,7 @@ def test_a_line_is_out_before_the_process_ends():
     assert out.returncode == 9 and LINE.match(out.stdout.strip())["message"] == "exited 0", out
 
 
-def test_throttled_warnings_are_one_line_per_interval_and_count_what_they_left_out(caplog):
+def test_throttled_warnings_are_one_line_per_interval_and_count_what_they_left_out(prl_caplog):
     import time
 
     from prl.log import Throttled
@@ -88,4 +88,4 @@ def test_throttled_warnings_are_one_line_per_interval_and_count_what_they_left_o
     assert [throttled.warning("refused %s", n) for n in range(5)] == [True, False, False, False, False]
     time.sleep(0.25)
     assert throttled.warning("refused %s", 5)
-    assert [r.getMessage() for r in caplog.records] == ["refused 0", "refused 5 (and 4 more like it in the last 0.2 s)"]
+    assert [r.getMessage() for r in prl_caplog.records] == ["refused 0", "refused 5 (and 4 more like it in the last 0.2 s)"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from prl.weights.feed import FeedServer, mac
+from prl.weights.feed import FeedServer, feed_proof, mac
 from prl.run.rundir import API_KEY_VAR, RunDir
 from tests.helpers import engine_of
 from tests.test_inference import assert_serves, prompts_for, publish_perturbed, served
@@ -187,7 +187,8 @@ def cut_feed(ref: Path, step: int, after_bytes: int) -> tuple[str, threading.Thr
             conn.sendall(b"prl-feed 1 0123abcd\n")
             answer = json.loads(conn.makefile("rb").readline())
             assert answer["mac"] == mac(KEY.encode(), b"0123abcd")
-            conn.sendall(json.dumps(header).encode() + b"\n" + bytes(after_bytes))
+            proof = {"proof": feed_proof(KEY.encode(), answer["nonce"], conn.getsockname()[1])}
+            conn.sendall(json.dumps(proof).encode() + b"\n" + json.dumps(header).encode() + b"\n" + bytes(after_bytes))
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
