@@ -387,7 +387,8 @@ class Orchestrator(Strict, kw_only=True):
     placement: Literal["own", "trainer", "inference"] = "own"
     """`own`: a CPU node group of its own; `trainer`/`inference`: share the first node of that group."""
     cpus: Optional[Annotated[int, Meta(ge=1, le=MAX_CPUS)]] = None
-    """CPU cores for the orchestrator (None: a whole node when `own`, 4 when shared)."""
+    """CPU cores for the orchestrator (None: a whole node when `own`; when shared, 4, or all of the node's cores
+    where it has fewer)."""
     env_workers: Annotated[int, Meta(ge=0, le=MAX_CPUS)] = 0
     """Processes that run the environment's rollouts (verifiers' env server pool; the orchestrator routes,
     scores and batches): 0 runs them in the orchestrator's own process, on one core. Give the orchestrator
