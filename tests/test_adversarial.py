@@ -722,7 +722,35 @@ CONTRADICTION_CASES = [
 ]
 
 
-ALL = {"downstream": DOWNSTREAM_CASES, "contradiction": CONTRADICTION_CASES, "external": EXTERNAL_CASES, "yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
+POOL = BASE[:BASE.index("trainer:")] + "pool:\n  max_loras: 2\n"
+"""BASE as an inference pool: its model and servers, no trainer."""
+ATTACHED = BASE.replace("  nodes: 1\n  tp: 2\n", "  attach: /pools/p\n").replace(
+    "  max_model_len: 4096\n", "  max_model_len: 4096\n  lora: {rank: 8, alpha: 16}\n")
+"""BASE as a run on an inference pool's servers (the schema refuses these before the pool is looked at)."""
+
+LOCATED_CASES = [
+    # A check across sections (Topology.__post_init__) blames the field by its full path, at the field's own line.
+    edit("attach-without-lora", "  nodes: 1\n  tp: 2", "  attach: /pools/p", "inference.attach",
+         says="set model.lora"),
+    Case("attach-beside-teacher", "{topo}:" + str(_line_of(ATTACHED, "  attach:", 0)), "inference.attach",
+         topo=ATTACHED.replace("slurm:\n", "teacher:\n  path: /t\n  nodes: 1\nslurm:\n"),
+         says="teacher: or reference:"),
+    edit("attached-orchestrator-on-inference", "placement: own", "placement: inference", "orchestrator.placement",
+         base=ATTACHED, says="use own or trainer"),
+    edit("attached-router-replay", "  max_tokens: 512", "  max_tokens: 512\n  router_replay: true",
+         "training.router_replay", base=ATTACHED, at=1, says="the run's own servers"),
+    edit("pool-that-attaches", "  nodes: 1\n  tp: 2", "  attach: /pools/q", "inference.attach", base=POOL,
+         says="unified servers of its own"),
+    edit("pool-disaggregated", "  nodes: 1\n  tp: 2", "  prefill: {nodes: 1}\n  decode: {nodes: 1}",
+         "inference.prefill", base=POOL, says="unified servers of its own"),
+    edit("pool-with-lora", "  max_model_len: 4096", "  max_model_len: 4096\n  lora: {rank: 8, alpha: 16}",
+         "model.lora", base=POOL, at=1, says="attached runs set model.lora"),
+    edit("teacher-without-path", 'slurm:\n', 'teacher:\n  nodes: 1\nslurm:\n', "teacher.path",
+         says="set teacher.path"),
+]
+
+
+ALL = {"located": LOCATED_CASES, "downstream": DOWNSTREAM_CASES, "contradiction": CONTRADICTION_CASES, "external": EXTERNAL_CASES, "yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
        "markup": MARKUP_CASES, "size": SIZE_CASES, "sft": SFT_CASES}
 PARAMS = [pytest.param(case, id=f"{kind}:{case.id}", marks=case.marks) for kind, cases in ALL.items()
           for case in cases]

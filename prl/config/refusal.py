@@ -43,7 +43,7 @@ def _explain(model: type, data: Any, exc: msgspec.ValidationError) -> tuple[Fiel
     annotation, node, path = _follow(model, data, where.partition("$")[2])
     cause = exc.__cause__
     if isinstance(cause, FieldValueError):
-        return path + (cause.field,), str(cause)
+        return path + cause.path, str(cause)
     if isinstance(cause, (ValueError, TypeError)) and not isinstance(cause, msgspec.ValidationError):
         return path, str(cause)  # raised by a schema's __post_init__
     if text.startswith("Object missing required field `"):
