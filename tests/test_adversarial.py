@@ -750,7 +750,23 @@ LOCATED_CASES = [
 ]
 
 
-ALL = {"located": LOCATED_CASES, "downstream": DOWNSTREAM_CASES, "contradiction": CONTRADICTION_CASES, "external": EXTERNAL_CASES, "yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
+SECRET_CASES = [
+    # One secret rule for every value the plan stores as written, as `env:` has: plan.json would keep it.
+    edit("loss-args-api-key", "  max_tokens: 512", "  max_tokens: 512\n  loss:\n    import_path: my.loss:fn\n"
+         "    args: {scale: 2, api_key: sk-live-1}", "training.loss.args.api_key", at=3, says="api_key looks like a secret"),
+    edit("shaping-args-nested-token", "  max_tokens: 512", "  max_tokens: 512\n  advantage:\n    shaping:\n"
+         "      import_path: my.shape:fn\n      args:\n        judge: {url: http://j, token: t0k}",
+         "training.advantage.shaping.args.judge.token", at=5, says="token looks like a secret"),
+    edit("environment-args-password", "  id: prl_reverse_text", "  id: prl_reverse_text\n  args: {db_password: pw}",
+         "environment.args.db_password", at=1),
+    edit("extra-args-token-option", "  tp: 2", '  tp: 2\n  extra_args: ["--enforce-eager", "--hf-token", "hf_x"]',
+         "inference.extra_args[1]", at=1, says="--hf-token looks like a secret"),
+    edit("scorer-extra-args-key-with-value", 'slurm:\n', 'teacher:\n  path: /t\n  nodes: 1\n'
+         '  extra_args: ["--api-key=abc"]\nslurm:\n', "teacher.extra_args[0]", at=3, says="--api-key looks like"),
+]
+
+
+ALL = {"located": LOCATED_CASES, "secret": SECRET_CASES, "downstream": DOWNSTREAM_CASES, "contradiction": CONTRADICTION_CASES, "external": EXTERNAL_CASES, "yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
        "markup": MARKUP_CASES, "size": SIZE_CASES, "sft": SFT_CASES}
 PARAMS = [pytest.param(case, id=f"{kind}:{case.id}", marks=case.marks) for kind, cases in ALL.items()
           for case in cases]

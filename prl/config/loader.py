@@ -24,7 +24,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import msgspec
 import yaml
@@ -109,11 +109,17 @@ class Source:
         return ConfigError(f"{self.locate(field)}: {message}")
 
 
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+"""A name in an override's value (a key of a mapping, an option): `-` read as `_`, as `looks_secret` splits."""
+
+
 def _told(path: FieldPath, override: str) -> str:
-    """An override as an error quotes it: the value of a secret-named variable, or one that reads a secret-named
-    variable (whose default may be the secret itself), is never echoed to a terminal or log."""
+    """An override as an error quotes it: the value of a secret-named variable, one that reads a secret-named
+    variable (whose default may be the secret itself), or one that names a secret inside (a mapping's
+    `api_key:`, an option `--hf-token`) is never echoed to a terminal or log."""
     value = override.partition("=")[2]
-    secret = (path and looks_secret(path[-1])) or any(looks_secret(name) for name in _READ_NAME.findall(value))
+    secret = (path and looks_secret(path[-1])) or any(looks_secret(name) for name in _READ_NAME.findall(value)) \
+        or any(looks_secret(name.replace("-", "_")) for name in _NAME.findall(value))
     return override.partition("=")[0] + "=..." if secret else override
 
 
@@ -599,13 +605,13 @@ def load_document(path: Path, overrides: Sequence[str] = ()) -> tuple[dict[str, 
     _check_finite(data, source)
     _leaked_references(data, source)
     _check_env_values(data, source)
+    _refuse_literal_secrets(data, source)
     return data, source
 
 
 def _check_env_values(data: Any, source: Source, path: FieldPath = ()) -> None:
     """`env:` values are text: a number becomes its digits (`OMP_NUM_THREADS: 4`), a true/false is refused
-    (which spelling?), and a secret-named variable given a literal value is refused: that value would be
-    saved in plan.json, topology.yaml and the scripts."""
+    (which spelling?)."""
     if isinstance(data, dict):
         for key, value in data.items():
             at = path + (key,)
@@ -613,15 +619,51 @@ def _check_env_values(data: Any, source: Source, path: FieldPath = ()) -> None:
                 raise source.error(at, f"write the value in quotes ('1', 'true', ...): an environment variable is text")
             if _is_env_map(at) and isinstance(value, (int, float)):
                 data[key] = value = str(value)
-            if _is_env_map(at) and isinstance(value, str) and value and looks_secret(key) \
-                    and not ENV_REFERENCE.search(value):
-                raise source.error(at, f"{key} looks like a secret: a value written here would be saved in plan.json, "
-                                       f"topology.yaml and the scripts; export it and write `${{oc.env:{key}}}` "
-                                       f"(read where the role runs)")
             _check_env_values(value, source, at)
     elif isinstance(data, list):
         for index, value in enumerate(data):
             _check_env_values(value, source, path + (index,))
+
+
+FREE_FORM_MAPS = frozenset({"args"})
+"""Keys whose mapping holds names of the user's own, passed on as written and saved in plan.json and topology.yaml:
+`training.loss.args`, `training.advantage.shaping.args`, `environment.args`."""
+ARGUMENT_LISTS = frozenset({"extra_args"})
+"""Keys whose list holds a program's command-line arguments, rendered into the scripts (`inference.extra_args`,
+a teacher's or reference's)."""
+
+
+def _secret_literals(data: Any, path: FieldPath = (), free: bool = False) -> Iterator[tuple[FieldPath, str]]:
+    """(where, name) of every value the plan would store that a secret-like name gives literally: a variable of an
+    `env:` map (a `${oc.env:NAME}` reference is no literal), a key at any depth of a free-form map, an option
+    of an argument list (`--hf-token X`, `--api-key=X`)."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            at = path + (key,)
+            literal = value not in (None, "", {}, []) and not (isinstance(value, str) and ENV_REFERENCE.search(value))
+            if (free or _is_env_map(at)) and looks_secret(key) and literal:
+                yield at, str(key)
+            yield from _secret_literals(value, at, free or key in FREE_FORM_MAPS)
+    elif isinstance(data, list):
+        for index, value in enumerate(data):
+            at = path + (index,)
+            option = value.lstrip("-").partition("=")[0] if isinstance(value, str) and value.startswith("--") else ""
+            if path and path[-1] in ARGUMENT_LISTS and looks_secret(option.replace("-", "_")):
+                yield at, value.partition("=")[0]
+            yield from _secret_literals(value, at, free)
+
+
+def _refuse_literal_secrets(data: Any, source: Source) -> None:
+    """One rule for every value the plan stores as written: a secret-named one given literally is refused, since
+    plan.json, topology.yaml and the scripts would keep it; it belongs in a role's `env:` as a reference."""
+    for at, name in _secret_literals(data):
+        if _is_env_map(at):
+            fix = f"export it and write `${{oc.env:{name}}}` (read where the role runs)"
+        else:
+            fix = ("export it, pass it to the role as an `env:` variable (`${oc.env:NAME}`, read where the role "
+                   "runs) and read it there from the environment")
+        raise source.error(at, f"{name} looks like a secret: a value written here would be saved in plan.json, "
+                               f"topology.yaml and the scripts; {fix}")
 
 
 def explained(pattern: str, explain: Callable[[str], str]) -> msgspec.Meta:
