@@ -22,7 +22,6 @@ import copy
 import math
 import os
 import re
-import stat
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
@@ -31,6 +30,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from prl.config.external import Unreadable, is_dir, read_bytes
 from prl.config.fields import FieldPath, FieldValueError, shown, shown_path
 from prl.errors import ConfigError
 
@@ -148,24 +148,13 @@ def read_text(path: Path) -> str:
     """The file's text; anything but a regular UTF-8 file of at most 1 MiB is refused before it is read."""
     name = shown_path(path)
     try:
-        info = path.stat()
-    except (FileNotFoundError, NotADirectoryError):
-        raise ConfigError(f"{name}: no such file") from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{name}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
-    if stat.S_ISDIR(info.st_mode):
-        raise ConfigError(f"{name}: is a directory; give a YAML file")
-    if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(f"{name}: not a regular file (a FIFO, socket or device); give a YAML file")
-    if info.st_size > MAX_BYTES:
-        raise ConfigError(f"{name}: {info.st_size} bytes is too large; a topology or profile is at most 1 MiB")
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"{name}: cannot read ({exc.strerror})") from None
-    if len(raw) > MAX_BYTES:
-        raise ConfigError(f"{name}: too large; a topology or profile is at most 1 MiB")
+        if is_dir(path):
+            raise ConfigError(f"{name}: is a directory; give a YAML file")
+        raw = read_bytes(path, MAX_BYTES, "a topology or profile (at most 1 MiB)")
+    except Unreadable as exc:
+        raise ConfigError(str(exc)) from None
+    if raw is None:
+        raise ConfigError(f"{name}: no such file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
