@@ -830,7 +830,17 @@ SECRET_CASES = [
 ]
 
 
-ALL = {"located": LOCATED_CASES, "secret": SECRET_CASES, "downstream": DOWNSTREAM_CASES, "contradiction": CONTRADICTION_CASES, "external": EXTERNAL_CASES, "yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
+MESSAGE_CASES = [
+    # The line says what is wrong in words a user can act on, and nothing is printed above it.
+    edit("key-with-trailing-space", "trainer:\n  nodes: 1", 'trainer:\n  "nodes ": 1', at=1,
+         says="'nodes ' has white space before or after 'nodes'; remove it"),
+    edit("key-with-leading-tab", "  max_steps: 10", '  "\\tmax_steps": 10', says="white space before or after"),
+    edit("omegaconf-empty-default", "name: adv", "name: x${oc.env:USER,}", "name",
+         says="some elements are missing: please replace them with empty quoted strings"),
+]
+
+
+ALL = {"located": LOCATED_CASES, "message": MESSAGE_CASES, "secret": SECRET_CASES, "downstream": DOWNSTREAM_CASES, "contradiction": CONTRADICTION_CASES, "external": EXTERNAL_CASES, "yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
        "markup": MARKUP_CASES, "size": SIZE_CASES, "sft": SFT_CASES}
 PARAMS = [pytest.param(case, id=f"{kind}:{case.id}", marks=case.marks) for kind, cases in ALL.items()
           for case in cases]
@@ -1087,7 +1097,7 @@ def prl_plan(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 SUBPROCESS = ["python-tag", "alias-bomb", "non-utf8-byte", "fifo", "dev-zero", "override-bad-yaml",
-              "nesting-1000", "file-name-ansi"]
+              "nesting-1000", "file-name-ansi", "omegaconf-empty-default"]
 
 
 @pytest.mark.timeout(60)

@@ -22,6 +22,7 @@ import copy
 import math
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
@@ -357,9 +358,19 @@ def _omegaconf_error(exc: Exception, source: Source, blame: FieldPath = ()) -> C
     key = getattr(exc, "full_key", None) or ""
     field = blame or tuple(int(p) if p.isdigit() else p for p in re.split(r"[.\[\]]+", str(key)) if p)
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    # A warning OmegaConf raises as an error (load_document) reads as its own words.
+    reason = reason.replace("UserWarning raised while resolving interpolation: ", "").split(" See https://")[0]
     if reason.startswith("token recognition error"):  # OmegaConf reads only ASCII letters outside quotes
         reason += "; inside `${...}` put text other than ASCII letters, digits and ./:@+- in single quotes: " \
                   "`${oc.env:NAME,'café'}`"
+    return source.error(field, reason)
+
+
+def _omegaconf_warning(warning: UserWarning, raw: Any, source: Source) -> ConfigError:
+    """OmegaConf's warning as a refusal, at the first value that holds the text it quotes (`In the sequence ...`)."""
+    reason = str(warning).split(" See https://", 1)[0]
+    quoted = re.findall(r"`([^`]+)`", reason)
+    field = next((at for at, text in _strings(raw) if quoted and quoted[0] in text), ()) if raw is not None else ()
     return source.error(field, reason)
 
 
@@ -567,26 +578,33 @@ def load_document(path: Path, overrides: Sequence[str] = ()) -> tuple[dict[str, 
     """
     text, lines = read_yaml(path)
     source = Source(path, lines, _parse_overrides(overrides))
+    raw: Any = None
     try:
-        conf = _merge_overrides(OmegaConf.create(text or "{}"), source)
-        raw = OmegaConf.to_container(conf, resolve=False)
-        oversized = _oversized(raw)
-        if oversized is not None:
-            raise source.error(oversized, f"interpolation ('${{...}}') chains more than {MAX_REFERENCE_HOPS} "
-                                          f"references or expands to more than {MAX_EXPANDED} characters")
-        if isinstance(raw, dict) and any("${oc.env:" in text for _, text in _strings(raw)):
-            as_written = copy.deepcopy(raw)
-            _keep_env_references(raw, source)
-            _check_environment_reads(raw, source)
-            source.written = _written(as_written)
-            data = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
-        else:
-            if isinstance(raw, dict):
+        with warnings.catch_warnings():
+            # OmegaConf warns where it means a refusal (`${oc.env:A,}`): an error at the field, not a warning
+            # printed above the line.
+            warnings.simplefilter("error", UserWarning)
+            conf = _merge_overrides(OmegaConf.create(text or "{}"), source)
+            raw = OmegaConf.to_container(conf, resolve=False)
+            oversized = _oversized(raw)
+            if oversized is not None:
+                raise source.error(oversized, f"interpolation ('${{...}}') chains more than {MAX_REFERENCE_HOPS} "
+                                              f"references or expands to more than {MAX_EXPANDED} characters")
+            if isinstance(raw, dict) and any("${oc.env:" in text for _, text in _strings(raw)):
+                as_written = copy.deepcopy(raw)
+                _keep_env_references(raw, source)
                 _check_environment_reads(raw, source)
-            # No environment reference: what is saved is the resolved document (and two OmegaConf passes,
-            # a tenth of `prl plan`, are saved).
-            data = OmegaConf.to_container(conf, resolve=True)
-            source.written = data
+                source.written = _written(as_written)
+                data = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
+            else:
+                if isinstance(raw, dict):
+                    _check_environment_reads(raw, source)
+                # No environment reference: what is saved is the resolved document (and two OmegaConf passes,
+                # a tenth of `prl plan`, are saved).
+                data = OmegaConf.to_container(conf, resolve=True)
+                source.written = data
+    except UserWarning as exc:
+        raise _omegaconf_warning(exc, raw, source) from None
     except (OmegaConfBaseException, yaml.YAMLError) as exc:
         raise _omegaconf_error(exc, source) from None
     if not isinstance(data, dict):
