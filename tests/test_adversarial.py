@@ -840,7 +840,25 @@ MESSAGE_CASES = [
 ]
 
 
-ALL = {"located": LOCATED_CASES, "message": MESSAGE_CASES, "secret": SECRET_CASES, "downstream": DOWNSTREAM_CASES, "contradiction": CONTRADICTION_CASES, "external": EXTERNAL_CASES, "yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
+def _teacher_path_a_file(tmp_path: Path) -> Path:
+    (tmp_path / "teacher.bin").write_bytes(b"weights")
+    return _write_as(tmp_path, "topo.yaml", BASE.replace("slurm:\n", f"teacher:\n  path: {tmp_path / 'teacher.bin'}\n"
+                                                                    f"  nodes: 1\nslurm:\n"))
+
+
+CAUGHT_CASES = [
+    # What would fail only at run time (vLLM at server start, a run that never does what it was asked), refused
+    # at the field's line by the planner.
+    edit("pool-max-cpu-loras-below-max-loras", "  max_loras: 2", "  max_loras: 2\n  max_cpu_loras: 1",
+         "pool.max_cpu_loras", base=POOL, at=1, says="must be at least max_loras(2)"),
+    edit("eval-every-past-max-steps", "  id: prl_reverse_text", "  id: prl_reverse_text\n  eval: {every: 11}",
+         "environment.eval.every", at=1, says="past training.max_steps(10)"),
+    Case("teacher-path-a-file", f"{{topo}}:{TEACHER_LINE}", "teacher.path", make=_teacher_path_a_file,
+         says="is a file; the teacher's path is a model directory"),
+]
+
+
+ALL = {"located": LOCATED_CASES, "caught": CAUGHT_CASES, "message": MESSAGE_CASES, "secret": SECRET_CASES, "downstream": DOWNSTREAM_CASES, "contradiction": CONTRADICTION_CASES, "external": EXTERNAL_CASES, "yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
        "markup": MARKUP_CASES, "size": SIZE_CASES, "sft": SFT_CASES}
 PARAMS = [pytest.param(case, id=f"{kind}:{case.id}", marks=case.marks) for kind, cases in ALL.items()
           for case in cases]

@@ -242,7 +242,14 @@ class Pool(Strict, kw_only=True):
     max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
     """Largest adapter rank an attached run may train (vLLM `--max-lora-rank`, one of the ranks it accepts)."""
     max_cpu_loras: Optional[Annotated[int, Meta(ge=1, le=MAX_ITEMS)]] = None
-    """Adapters kept loaded in CPU memory (vLLM `--max-cpu-loras`; None: 4 x max_loras)."""
+    """Adapters kept loaded in CPU memory (vLLM `--max-cpu-loras`; None: 4 x max_loras); at least max_loras."""
+
+    def __post_init__(self) -> None:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            # vLLM's LoRAConfig refuses it at server start, after the job has its nodes.
+            raise FieldValueError("max_cpu_loras", f"max_cpu_loras({self.max_cpu_loras}) must be at least max_loras"
+                                                   f"({self.max_loras}): the adapters of one batch are kept in CPU "
+                                                   f"memory too; use max_cpu_loras >= {self.max_loras} or leave it unset")
 
 
 class Inference(Strict, kw_only=True):

@@ -643,6 +643,11 @@ def check_training(check: Checker, topo: Topology, mesh: Mesh) -> None:
         raise check.fail(("training", "max_tokens"), (
             f"max_tokens({t.max_tokens}) leaves no room for the prompt within model.max_model_len"
             f"({topo.model.max_model_len})"))
+    every = topo.environment.eval.every
+    if every > t.max_steps:
+        raise check.fail(("environment", "eval", "every"), (
+            f"eval.every({every}) is past training.max_steps({t.max_steps}): the run would never evaluate; use "
+            f"every <= {t.max_steps}, or 0 for no evaluation"))
     if t.loss.kind == "gspo" and mesh.cp > 1:
         raise check.fail(("training", "loss", "kind"), (
             f"kind gspo takes one ratio per sample, but trainer.cp({mesh.cp}) splits samples over ranks; "

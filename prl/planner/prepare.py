@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import stat
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -156,6 +157,10 @@ def check_scorer_tokenizers(topo: Topology, source: Source) -> None:
         own = scorer.tokenizer or scorer.path
         field = "tokenizer" if scorer.tokenizer else "path"
         try:
+            found = stat_of(Path(own).expanduser())
+            if found is not None and not stat.S_ISDIR(found.st_mode):
+                raise source.error((role, field), f"{own} is a file; the {role}'s {field} is a model directory "
+                                                  f"(its config.json, weights and tokenizer files)")
             why = tokenizer_difference(student, own)
         except Unreadable as exc:
             raise source.error((role, field), f"comparing the {role}'s tokenizer with the student's: {exc}") from None
