@@ -11,7 +11,7 @@ wall(k=0) / wall(k). All runs are in this one process, so the ratios compare lik
 Needs the `train`, `env` and `inference-cpu` extras and environments/prl_letters.
 
 `--fake`: continuous vs step-synchronous rollouts (`training.rollout_mode`) with heavy-tailed
-rollout lengths. The orchestrator runs for real against tests/fake_engine.py, whose requests take
+rollout lengths. The orchestrator runs for real against testkit/fake_engine.py, whose requests take
 `--delay` s, 10% of them 10x longer; a stub trainer sleeps `--train-s` per step, then publishes
 STABLE weights. Prints, per mode, the wall time from the publication of rollouts step 1 (so
 start-up and warm-up are left out) to the end of the last trained step, for the same number of
@@ -81,8 +81,8 @@ def fake_once(tmp: Path, tokenizer: Path, mode: str, args: argparse.Namespace) -
 
     from prl.orchestrator import main as orchestrate
     from prl.run.rundir import RunDir, atomic_write_json
-    from tests.fake_engine import FakeEngine
-    from tests.plans import local_plan, write_plan
+    from testkit.fake_engine import FakeEngine
+    from testkit.plans import local_plan, write_plan
 
     run = RunDir(tmp / f"run-{mode}")
     plan = local_plan(run.root, tokenizer, [
@@ -118,7 +118,7 @@ def fake_once(tmp: Path, tokenizer: Path, mode: str, args: argparse.Namespace) -
 
 
 def fake_main(args: argparse.Namespace) -> None:
-    from tests.tiny_model import build_tokenizer
+    from prl.trainer.tiny_model import build_tokenizer
 
     tmp = Path(tempfile.mkdtemp(prefix="prl-bench-async-fake-"))
     build_tokenizer().save_pretrained(tmp / "tok")
@@ -148,7 +148,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.fake:
         return fake_main(args)
-    from tests.tiny_model import build_tiny_model
+    from prl.trainer.tiny_model import build_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="prl-bench-async-"))
     model = build_tiny_model(tmp / "model")

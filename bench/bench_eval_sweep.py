@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from prl.run.rundir import RunDir  # noqa: E402
-from tests.tiny_model import build_tiny_model  # noqa: E402
+from prl.trainer.tiny_model import build_tiny_model  # noqa: E402
 
 
 def publish_copy(run: RunDir, step: int, model: Path) -> None:

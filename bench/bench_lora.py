@@ -34,9 +34,9 @@ from bench_sft import write_dataset  # noqa: E402
 from bench_trainer import samples  # noqa: E402
 from prl.run.batch import publish_batch  # noqa: E402
 from prl.run.rundir import RunDir  # noqa: E402
-from tests.plans import local_plan, write_plan  # noqa: E402
-from tests.tiny_model import build_tiny_model, build_tiny_moe  # noqa: E402
-from tests.trainer_helpers import launch, make_plan  # noqa: E402
+from testkit.plans import local_plan, write_plan  # noqa: E402
+from prl.trainer.tiny_model import build_tiny_model, build_tiny_moe  # noqa: E402
+from testkit.trainer_helpers import launch, make_plan  # noqa: E402
 
 
 def rl_run(root: Path, model_dir: Path, args, overrides: list[str]) -> RunDir:

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from prl.config.topology import Loss  # noqa: E402
 from prl.trainer.loss import policy_loss, sample_ids_of, token_logprobs_and_entropy  # noqa: E402
-from tests.tiny_model import build_tiny_model  # noqa: E402
+from prl.trainer.tiny_model import build_tiny_model  # noqa: E402
 
 VARIANTS = {
     "token": Loss(),

@@ -3,7 +3,7 @@
     python bench/bench_moe.py [--family qwen3_moe] [--steps 4] [--hidden 256] [--layers 4] [--experts 8]
                               [--top-k 2] [--samples 16] [--len 256] [--micro-batch-tokens 1024]
 
-Builds an MoE of `--family` (tests/tiny_model.py MOE_FAMILIES) in-process, publishes `--steps` rollout batches, runs `python -m prl.trainer`
+Builds an MoE of `--family` (prl/trainer/tiny_model.py MOE_FAMILIES) in-process, publishes `--steps` rollout batches, runs `python -m prl.trainer`
 twice under torchrun with 2 gloo ranks: ep=1 (every rank holds every expert, FSDP-sharded) and
 ep=2 (each rank holds half of the experts; tokens move with all-to-all). Reads tokens/s
 (training compute: forward, loss, backward, optimizer) from metrics.jsonl, median over steps
@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_trainer import samples  # noqa: E402
 from prl.run.batch import publish_batch  # noqa: E402
 from prl.run.rundir import RunDir  # noqa: E402
-from tests.plans import write_plan  # noqa: E402
-from tests.tiny_model import MOE_FAMILIES, build_tiny_moe  # noqa: E402
-from tests.trainer_helpers import launch, make_plan  # noqa: E402
+from testkit.plans import write_plan  # noqa: E402
+from prl.trainer.tiny_model import MOE_FAMILIES, build_tiny_moe  # noqa: E402
+from testkit.trainer_helpers import launch, make_plan  # noqa: E402
 
 
 def run_once(tmp: Path, model: Path, ep: int, args, vocab: int) -> list[dict]:

@@ -2,7 +2,7 @@
 
     python bench/bench_orchestrator.py [--steps 4] [--batch 256] [--group 8] [--max-tokens 16]
 
-The engine (tests/fake_engine.py) runs in its own process and answers at once, so
+The engine (testkit/fake_engine.py) runs in its own process and answers at once, so
 what is measured is the orchestrator itself: verifiers' interception + train client
 (client-side chat-template rendering), the in-process harness, scoring, advantages, packing
 and publishing. Baseline in the same run: the same number of bare token-level generate calls
@@ -47,7 +47,7 @@ MODEL = "local-tiny"
 
 ENGINE = f"""
 import sys, time
-from tests.fake_engine import FakeEngine
+from testkit.fake_engine import FakeEngine
 eng = FakeEngine(model={MODEL!r}, token_ids=range(3, 400), stop_id=2, p_stop=0.0).start()
 print(eng.url, flush=True)
 while True:
@@ -152,8 +152,8 @@ def main() -> None:
 
     from prl.orchestrator import main as orchestrate
     from prl.run.rundir import RunDir
-    from tests.plans import local_plan, write_plan
-    from tests.tiny_model import build_tokenizer
+    from testkit.plans import local_plan, write_plan
+    from prl.trainer.tiny_model import build_tokenizer
 
     eng = subprocess.Popen([sys.executable, "-c", ENGINE], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:

@@ -87,15 +87,15 @@ def split_protocol(prefill: str, decode: str, model: str, prompt: list[int]) -> 
 
 
 def computed(url: str) -> float:
-    from tests.vllm_fixtures import metric_sum, prometheus
+    from testkit.servers import metric_sum, prometheus
 
     return metric_sum(prometheus(url), "vllm:prompt_tokens_by_source_total", source="local_compute")
 
 
 def bench_servers(sizes: list[int], reps: int) -> None:
-    from tests.tiny_model import build_tiny_model
-    from tests.helpers import free_port
-    from tests.vllm_fixtures import start_router, start_servers
+    from prl.trainer.tiny_model import build_tiny_model
+    from testkit.ports import free_port
+    from testkit.servers import start_router, start_servers
 
     from prl.run.rundir import RunDir
 

@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     args = ap.parse_args()
     from prl.trainer.tiny_model import LORA_EMBED_SCALE
-    from tests.tiny_model import build_tiny_model
+    from prl.trainer.tiny_model import build_tiny_model
 
     env = {**os.environ, "PRL_HOME": tempfile.mkdtemp(prefix="prl-bench-home-")}
     with tempfile.TemporaryDirectory() as tmp:

@@ -4,7 +4,7 @@
 
 Rollouts run as the orchestrator runs them (`Generator.rollout` in `env.serving()`, groups of 8 rollouts of
 a task, the `prl` harness, verifiers' train client) against an instant stand-in engine in its own process
-(tests/fake_engine.py), so the CPU measured is the orchestrator's alone: `time.process_time()` of this
+(testkit/fake_engine.py), so the CPU measured is the orchestrator's alone: `time.process_time()` of this
 process (all its threads, the renderers' pool included) over `--rollouts` rollouts after a warm-up batch,
 divided by the rollouts. Two scenarios:
 
@@ -101,7 +101,7 @@ def main() -> None:
     assert a.rollouts % GROUP == 0 and a.concurrency % GROUP == 0, f"--rollouts and --concurrency: multiples of {GROUP}"
 
     from prl.orchestrator.fastpath import PARTS
-    from tests.tiny_model import build_tokenizer
+    from prl.trainer.tiny_model import build_tokenizer
 
     modes = {"verifiers": (), "prl": PARTS}
     if a.parts:

@@ -27,8 +27,8 @@ from bench.bench_moe import build_model, moe_arguments  # noqa: E402
 from bench.bench_trainer import samples  # noqa: E402
 from prl.run.batch import publish_batch  # noqa: E402
 from prl.run.rundir import RunDir  # noqa: E402
-from tests.plans import write_plan  # noqa: E402
-from tests.trainer_helpers import launch, make_plan  # noqa: E402
+from testkit.plans import write_plan  # noqa: E402
+from testkit.trainer_helpers import launch, make_plan  # noqa: E402
 
 
 def routed(step: int, args, vocab: int, layers: int) -> list:

@@ -2,7 +2,7 @@
 
     python bench/bench_server_start.py [--runs 3]
 
-Starts `python -m prl.inference` on the test suite's tiny Qwen3 (`tests/tiny_model.py`; vLLM, float32,
+Starts `python -m prl.inference` on the test suite's tiny Qwen3 (`prl/trainer/tiny_model.py`; vLLM, float32,
 `--enforce-eager`, as the suite and the shipped CPU topologies start it) `--runs` times with each start method,
 alternating which goes first, and prints for each the seconds from the command to a healthy `/health`, and the CPU
 seconds the API server and its engine core had used by then. `spawn` is vLLM's own choice
@@ -26,8 +26,8 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
-from tests.tiny_model import build_tiny_model  # noqa: E402
-from tests.vllm_fixtures import http_json, start_inference  # noqa: E402
+from prl.trainer.tiny_model import build_tiny_model  # noqa: E402
+from testkit.servers import http_json, start_inference  # noqa: E402
 
 METHODS = ("spawn", "fork")
 

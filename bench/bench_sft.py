@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from prl.run.rundir import RunDir  # noqa: E402
-from tests.plans import local_plan, write_plan  # noqa: E402
-from tests.tiny_model import build_tiny_model  # noqa: E402
-from tests.trainer_helpers import launch  # noqa: E402
+from testkit.plans import local_plan, write_plan  # noqa: E402
+from prl.trainer.tiny_model import build_tiny_model  # noqa: E402
+from testkit.trainer_helpers import launch  # noqa: E402
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
 

@@ -33,9 +33,9 @@ import torch  # noqa: E402
 
 from prl.run.batch import BATCH_FILE, Sample, publish_batch, read_batch  # noqa: E402
 from prl.run.rundir import RunDir  # noqa: E402
-from tests.plans import write_plan  # noqa: E402
-from tests.tiny_model import build_tiny_vlm  # noqa: E402
-from tests.trainer_helpers import launch, make_plan  # noqa: E402
+from testkit.plans import write_plan  # noqa: E402
+from prl.trainer.tiny_model import build_tiny_vlm  # noqa: E402
+from testkit.trainer_helpers import launch, make_plan  # noqa: E402
 
 COLOURS = ("red", "green", "blue", "orange", "purple")
 

@@ -40,9 +40,9 @@ from prl.run.batch import publish_batch  # noqa: E402
 from prl.run.api import Group  # noqa: E402
 from prl.weights.feed import Base, FeedReader, FeedServer  # noqa: E402
 from prl.run.rundir import RunDir  # noqa: E402
-from tests.plans import write_plan  # noqa: E402
-from tests.tiny_model import build_tiny_model  # noqa: E402
-from tests.trainer_helpers import launch, make_plan  # noqa: E402
+from testkit.plans import write_plan  # noqa: E402
+from prl.trainer.tiny_model import build_tiny_model  # noqa: E402
+from testkit.trainer_helpers import launch, make_plan  # noqa: E402
 
 KEY = b"bench-key"
 

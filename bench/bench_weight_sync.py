@@ -73,8 +73,8 @@ from prl.run.records import FeedRecord  # noqa: E402
 from prl.weights.feed import FeedServer, fetch  # noqa: E402
 from prl.weights.layout import weight_files  # noqa: E402
 from prl.run.rundir import API_KEY_VAR, RunDir  # noqa: E402
-from tests.tiny_model import build_tiny_model  # noqa: E402
-from tests.vllm_fixtures import http_json, start_inference  # noqa: E402
+from prl.trainer.tiny_model import build_tiny_model  # noqa: E402
+from testkit.servers import http_json, start_inference  # noqa: E402
 
 BYTES = 4  # float32
 PROBE = {"token_ids": list(range(10, 42)), "sampling_params": {"max_tokens": 1, "temperature": 0.0, "logprobs": 1}}

@@ -154,7 +154,7 @@ def experts_pair(device, experts: int, k: int, hidden: int, width: int, tokens: 
     import importlib
 
     from prl.trainer.moe import ExpertParallelExperts
-    from tests.tiny_model import tiny_moe_config
+    from prl.trainer.tiny_model import tiny_moe_config
 
     config = tiny_moe_config("qwen3_moe", hidden_size=hidden, moe_intermediate_size=width, num_experts=experts,
                              top_k=k)

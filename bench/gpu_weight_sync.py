@@ -89,7 +89,7 @@ def build_trainer_model(shape: dict, device: torch.device, seed: int = 0):
     """A random Qwen3 (bf16) on `device` and its tokenizer: meta first, then filled in place (no CPU copy)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from tests.tiny_model import build_tokenizer
+    from prl.trainer.tiny_model import build_tokenizer
 
     tokenizer = build_tokenizer(TOKENIZER_VOCAB)
     head_dim = 128 if shape["hidden"] >= 1024 else 32
@@ -195,7 +195,7 @@ class Budget:
 
 
 def probe(server, headers: dict, timeout: float) -> float:
-    from tests.vllm_fixtures import http_json
+    from testkit.servers import http_json
 
     out = http_json("POST", server.url + "/inference/v1/generate", PROBE, headers=headers, timeout=timeout)
     return out["choices"][0]["logprobs"]["content"][0]["logprob"]
@@ -204,7 +204,7 @@ def probe(server, headers: dict, timeout: float) -> float:
 def measure_size(name: str, shape: dict, tmp: Path, repeats: int, budget: Budget, results: list) -> None:
     """Measure one size; its SizeResult joins `results` before the first update, so a run stopped by the
     budget still reports the samples it took."""
-    from tests.vllm_fixtures import http_json, start_inference
+    from testkit.servers import http_json, start_inference
 
     device = torch.device("cuda")
     t = time.monotonic()

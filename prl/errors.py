@@ -108,12 +108,15 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-def run_entry(prog: str | None, body: Callable[[], int | None]) -> int:
+def run_entry(prog: str | None, body: Callable[[], int | None],
+              record: Callable[[str], object] | None = None) -> int:
     """The one place an entry point's errors become messages; returns the process's exit code.
 
     `body()`'s own code (None is 0). A PrlError is one line on stderr (`PROG: error: message`, or
     `error: message` for the `prl` command itself) and its exit code (2 bad input, 1 failure); a full
     disk is one line and 1; Ctrl-C is `interrupted` and 130. Anything else is a bug: its traceback goes on.
+    A role's process passes `record` (`RunDir.write_role_error`): a PrlError's line goes there too, where the
+    launcher, `prl status` and `prl submit --local` find it (a parent such as torchrun passes on only a code).
     """
     def say(message: str) -> None:
         print(f"{prog}: error: {one_line(message)}" if prog else f"error: {one_line(message)}",
@@ -123,6 +126,11 @@ def run_entry(prog: str | None, body: Callable[[], int | None]) -> int:
         return body() or 0
     except PrlError as e:
         say(str(e))
+        if record is not None:
+            try:
+                record(one_line(str(e)))
+            except OSError as exc:  # deliberate: the line is on stderr already, the exit code still tells
+                say(f"cannot record this error in the run directory: {exc.strerror or exc}")
         return e.exit_code
     except OSError as e:
         if not disk_full(e):

@@ -63,10 +63,10 @@ def starts_local_runs(path: str) -> bool:
 
 
 def pytest_runtest_setup(item):
-    """`start_inference` refuses to start a server for a test without the `vllm` marker (see vllm_fixtures)."""
-    from tests import vllm_fixtures
+    """`start_inference` refuses to start a server for a test without the `vllm` marker (testkit/servers.py)."""
+    from testkit import servers
 
-    vllm_fixtures.SERVERS_ALLOWED = item.get_closest_marker("vllm") is not None
+    servers.SERVERS_ALLOWED = item.get_closest_marker("vllm") is not None
 
 
 @pytest.fixture(autouse=True)

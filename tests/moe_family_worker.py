@@ -5,7 +5,7 @@
 Each RUN_DIR holds a plan (RUN/plan.json) of one family's tiny model. Per run, every rank: the plan's
 TrainerConfig, the meta-device model with EP installed, FSDP2, this rank's shards loaded (engine.load_model);
 the sharded publish of the untouched model as weights/step_0 (the load/publish round trip); STEPS RL steps
-(RLSpec, engine.train_step) on tests.trainer_helpers.make_samples, one sample per micro-batch; the sharded
+(RLSpec, engine.train_step) on testkit.trainer_helpers.make_samples, one sample per micro-batch; the sharded
 publish of the trained model as weights/step_STEPS. Rank 0 writes {run_dir: {"losses", "grad_norms"}} to OUT.
 One process group serves every family: spawning torchrun per family would cost more than the steps.
 """
@@ -28,7 +28,7 @@ from prl.trainer.engine import load_model, train_step
 from prl.trainer.parallel import init_distributed
 from prl.trainer.rl import RLSpec
 from prl.trainer.weights import publish_weights
-from tests.trainer_helpers import make_samples
+from testkit.trainer_helpers import make_samples
 
 
 def trainer_config(run: RunDir) -> TrainerConfig:

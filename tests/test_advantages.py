@@ -9,7 +9,7 @@ import pytest
 from prl.config.topology import Advantage
 from prl.errors import ConfigError
 from prl.orchestrator.advantages import group_advantages, is_zero_group, reward_stats
-from tests.plans import local_plan
+from testkit.plans import local_plan
 
 
 def approx(values, expected):

@@ -606,11 +606,81 @@ def _from_run_with_marker(marker: bytes) -> Callable[[Path], Path]:
     return make
 
 
+POOL = BASE[:BASE.index("trainer:")] + "pool:\n  max_loras: 2\n"
+"""BASE as an inference pool: its model and servers, no trainer."""
+ATTACHED = BASE.replace("  nodes: 1\n  tp: 2\n", "  attach: /pools/p\n").replace(
+    "  max_model_len: 4096\n", "  max_model_len: 4096\n  lora: {rank: 8, alpha: 16}\n")
+"""BASE as a run on an inference pool's servers (the schema refuses these before the pool is looked at)."""
+
+GOOD_TOKENIZER = b'{"model": {"type": "BPE", "vocab": {"a": 0, "b": 1}}, "added_tokens": [{"id": 2, "content": "<s>"}]}'
+
+
+def _with_teacher_tokenizer(tokenizer: bytes) -> Callable[[Path], Path]:
+    """A topology whose student has a good tokenizer.json and whose teacher (both in tmp_path) has `tokenizer`."""
+    def make(tmp_path: Path) -> Path:
+        for name, text in (("model", GOOD_TOKENIZER), ("teacher", tokenizer)):
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "tokenizer.json").write_bytes(text)
+        teacher = f"teacher:\n  path: {tmp_path / 'teacher'}\n  nodes: 1\nslurm:\n"
+        return _write_as(tmp_path, "topo.yaml", BASE.replace("/models/m", str(tmp_path / "model"))
+                         .replace("slurm:\n", teacher))
+    return make
+
+
+TEACHER_LINE = BASE.count("\n", 0, BASE.index("slurm:")) + 2
+"""The line of `teacher.path` in `_with_teacher_tokenizer`'s topology."""
+
+
+def _attached_to(make_pool: Callable[[Path], Path]) -> Callable[[Path], Path]:
+    """A topology attached to the pool directory `make_pool` leaves in tmp_path."""
+    def make(tmp_path: Path) -> Path:
+        pool = make_pool(tmp_path)
+        return _write_as(tmp_path, "topo.yaml", ATTACHED.replace("/pools/p", str(pool)))
+    return make
+
+
+def _pool_loop(tmp_path: Path) -> Path:
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    return tmp_path / "a"
+
+
+def _pool_plan_sparse(tmp_path: Path) -> Path:
+    (tmp_path / "pool").mkdir()
+    with open(tmp_path / "pool" / "plan.json", "wb") as handle:
+        handle.truncate(3 << 30)  # 3 GiB of holes: read whole, a MemoryError
+    return tmp_path / "pool"
+
+
+ATTACH_LINE = ATTACHED.count("\n", 0, ATTACHED.index("  attach:")) + 1
+
 DEEP = b"[" * 200_000 + b"]" * 200_000
 EXTERNAL_CASES = [
+    # A tokenizer.json of unexpected types: one line naming the first value, at the teacher's field.
+    Case("tokenizer-model-is-text", f"{{topo}}:{TEACHER_LINE}", "teacher.path",
+         make=_with_teacher_tokenizer(b'{"model": "BPE"}'), says="got `str` - at `$.model`"),
+    Case("tokenizer-added-tokens-a-number", f"{{topo}}:{TEACHER_LINE}", "teacher.path",
+         make=_with_teacher_tokenizer(b'{"model": {}, "added_tokens": 5}'), says="at `$.added_tokens`"),
+    Case("tokenizer-id-a-list", f"{{topo}}:{TEACHER_LINE}", "teacher.path",
+         make=_with_teacher_tokenizer(b'{"model": {}, "added_tokens": [{"id": [1], "content": "a"}]}'),
+         says="at `$.added_tokens[0].id`"),
+    Case("tokenizer-id-missing", f"{{topo}}:{TEACHER_LINE}", "teacher.path",
+         make=_with_teacher_tokenizer(b'{"model": {}, "added_tokens": [{"content": "a"}]}'), says="`id`"),
+    Case("tokenizer-id-text", f"{{topo}}:{TEACHER_LINE}", "teacher.path",
+         make=_with_teacher_tokenizer(b'{"model": {}, "added_tokens": [{"id": "2", "content": "a"}]}'),
+         says="got `str`"),
+    Case("tokenizer-vocab-a-number", f"{{topo}}:{TEACHER_LINE}", "teacher.path",
+         make=_with_teacher_tokenizer(b'{"model": {"vocab": 3}}'), says="`$.model.vocab`"),
+    Case("tokenizer-without-model", f"{{topo}}:{TEACHER_LINE}", "teacher.path",
+         make=_with_teacher_tokenizer(b"{}"), says="`model`"),
+    # An attach path that cannot be resolved, or a pool's plan.json too large to read.
+    Case("attach-symlink-loop", f"{{topo}}:{ATTACH_LINE}", "inference.attach", make=_attached_to(_pool_loop),
+         says="Too many levels of symbolic links"),
+    Case("attach-plan-json-3gib", f"{{topo}}:{ATTACH_LINE}", "inference.attach", make=_attached_to(_pool_plan_sparse),
+         says="over the 67108864 bytes that a prl plan.json may have"),
     # Files the planner reads besides the topology: read with a size bound and checked as typed data.
     Case("config-json-huge", "{topo}:5", "model.path", make=_with_model_config(b'{"a": "' + b"x" * (5 << 20) + b'"}'),
-         says="a model's config.json is a few KiB"),
+         says="over the 4194304 bytes that a model config.json may have"),
     Case("config-json-deep", "{topo}:5", "model.path", make=_with_model_config(b'{"a": ' + DEEP + b"}"),
          says="nests too deeply"),
     Case("config-json-wrong-type", "{topo}:5", "model.path",
@@ -722,7 +792,73 @@ CONTRADICTION_CASES = [
 ]
 
 
-ALL = {"downstream": DOWNSTREAM_CASES, "contradiction": CONTRADICTION_CASES, "external": EXTERNAL_CASES, "yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
+LOCATED_CASES = [
+    # A check across sections (Topology.__post_init__) blames the field by its full path, at the field's own line.
+    edit("attach-without-lora", "  nodes: 1\n  tp: 2", "  attach: /pools/p", "inference.attach",
+         says="set model.lora"),
+    Case("attach-beside-teacher", "{topo}:" + str(_line_of(ATTACHED, "  attach:", 0)), "inference.attach",
+         topo=ATTACHED.replace("slurm:\n", "teacher:\n  path: /t\n  nodes: 1\nslurm:\n"),
+         says="teacher: or reference:"),
+    edit("attached-orchestrator-on-inference", "placement: own", "placement: inference", "orchestrator.placement",
+         base=ATTACHED, says="use own or trainer"),
+    edit("attached-router-replay", "  max_tokens: 512", "  max_tokens: 512\n  router_replay: true",
+         "training.router_replay", base=ATTACHED, at=1, says="the run's own servers"),
+    edit("pool-that-attaches", "  nodes: 1\n  tp: 2", "  attach: /pools/q", "inference.attach", base=POOL,
+         says="unified servers of its own"),
+    edit("pool-disaggregated", "  nodes: 1\n  tp: 2", "  prefill: {nodes: 1}\n  decode: {nodes: 1}",
+         "inference.prefill", base=POOL, says="unified servers of its own"),
+    edit("pool-with-lora", "  max_model_len: 4096", "  max_model_len: 4096\n  lora: {rank: 8, alpha: 16}",
+         "model.lora", base=POOL, at=1, says="attached runs set model.lora"),
+    edit("teacher-without-path", 'slurm:\n', 'teacher:\n  nodes: 1\nslurm:\n', "teacher.path",
+         says="set teacher.path"),
+]
+
+
+SECRET_CASES = [
+    # One secret rule for every value the plan stores as written, as `env:` has: plan.json would keep it.
+    edit("loss-args-api-key", "  max_tokens: 512", "  max_tokens: 512\n  loss:\n    import_path: my.loss:fn\n"
+         "    args: {scale: 2, api_key: sk-live-1}", "training.loss.args.api_key", at=3, says="api_key looks like a secret"),
+    edit("shaping-args-nested-token", "  max_tokens: 512", "  max_tokens: 512\n  advantage:\n    shaping:\n"
+         "      import_path: my.shape:fn\n      args:\n        judge: {url: http://j, token: t0k}",
+         "training.advantage.shaping.args.judge.token", at=5, says="token looks like a secret"),
+    edit("environment-args-password", "  id: prl_reverse_text", "  id: prl_reverse_text\n  args: {db_password: pw}",
+         "environment.args.db_password", at=1),
+    edit("extra-args-token-option", "  tp: 2", '  tp: 2\n  extra_args: ["--enforce-eager", "--hf-token", "hf_x"]',
+         "inference.extra_args[1]", at=1, says="--hf-token looks like a secret"),
+    edit("scorer-extra-args-key-with-value", 'slurm:\n', 'teacher:\n  path: /t\n  nodes: 1\n'
+         '  extra_args: ["--api-key=abc"]\nslurm:\n', "teacher.extra_args[0]", at=3, says="--api-key looks like"),
+]
+
+
+MESSAGE_CASES = [
+    # The line says what is wrong in words a user can act on, and nothing is printed above it.
+    edit("key-with-trailing-space", "trainer:\n  nodes: 1", 'trainer:\n  "nodes ": 1', at=1,
+         says="'nodes ' has white space before or after 'nodes'; remove it"),
+    edit("key-with-leading-tab", "  max_steps: 10", '  "\\tmax_steps": 10', says="white space before or after"),
+    edit("omegaconf-empty-default", "name: adv", "name: x${oc.env:USER,}", "name",
+         says="some elements are missing: please replace them with empty quoted strings"),
+]
+
+
+def _teacher_path_a_file(tmp_path: Path) -> Path:
+    (tmp_path / "teacher.bin").write_bytes(b"weights")
+    return _write_as(tmp_path, "topo.yaml", BASE.replace("slurm:\n", f"teacher:\n  path: {tmp_path / 'teacher.bin'}\n"
+                                                                    f"  nodes: 1\nslurm:\n"))
+
+
+CAUGHT_CASES = [
+    # What would fail only at run time (vLLM at server start, a run that never does what it was asked), refused
+    # at the field's line by the planner.
+    edit("pool-max-cpu-loras-below-max-loras", "  max_loras: 2", "  max_loras: 2\n  max_cpu_loras: 1",
+         "pool.max_cpu_loras", base=POOL, at=1, says="must be at least max_loras(2)"),
+    edit("eval-every-past-max-steps", "  id: prl_reverse_text", "  id: prl_reverse_text\n  eval: {every: 11}",
+         "environment.eval.every", at=1, says="past training.max_steps(10)"),
+    Case("teacher-path-a-file", f"{{topo}}:{TEACHER_LINE}", "teacher.path", make=_teacher_path_a_file,
+         says="is a file; the teacher's path is a model directory"),
+]
+
+
+ALL = {"located": LOCATED_CASES, "caught": CAUGHT_CASES, "message": MESSAGE_CASES, "secret": SECRET_CASES, "downstream": DOWNSTREAM_CASES, "contradiction": CONTRADICTION_CASES, "external": EXTERNAL_CASES, "yaml": YAML_CASES, "schema": SCHEMA_CASES, "resource": RESOURCE_CASES, "shell": SHELL_CASES,
        "markup": MARKUP_CASES, "size": SIZE_CASES, "sft": SFT_CASES}
 PARAMS = [pytest.param(case, id=f"{kind}:{case.id}", marks=case.marks) for kind, cases in ALL.items()
           for case in cases]
@@ -979,7 +1115,7 @@ def prl_plan(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 SUBPROCESS = ["python-tag", "alias-bomb", "non-utf8-byte", "fifo", "dev-zero", "override-bad-yaml",
-              "nesting-1000", "file-name-ansi"]
+              "nesting-1000", "file-name-ansi", "omegaconf-empty-default"]
 
 
 @pytest.mark.timeout(60)
@@ -990,6 +1126,62 @@ def test_real_process_exits_2_without_traceback(case: Case, tmp_path: Path):
     result = prl_plan(str(path), *case.overrides, cwd=tmp_path)
     assert_refused(result.returncode, result.stdout, result.stderr, _expected_location(case, tmp_path),
                    case.field, case.says, tmp_path)
+
+
+def _private(tmp_path: Path, kind: str) -> tuple[Path, int, str]:
+    """A topology reaching into tmp_path/private (another user's, below) for `kind`: its path, the line and field
+    that lead there."""
+    private = tmp_path / "private"
+    if kind == "teacher":
+        (tmp_path / "model").mkdir()
+        (tmp_path / "model" / "tokenizer.json").write_bytes(GOOD_TOKENIZER)
+        (private / "teacher").mkdir(parents=True)
+        teacher = f"teacher:\n  path: {private / 'teacher'}\n  nodes: 1\nslurm:\n"
+        text = BASE.replace("/models/m", str(tmp_path / "model")).replace("slurm:\n", teacher)
+        return _write_as(tmp_path, "topo.yaml", text), TEACHER_LINE, "teacher.path"
+    if kind == "pool":
+        (private / "pool").mkdir(parents=True)
+        return _write_as(tmp_path, "topo.yaml", ATTACHED.replace("/pools/p", str(private / "pool"))), ATTACH_LINE, \
+            "inference.attach"
+    (private / "prev").mkdir(parents=True)
+    return _write_as(tmp_path, "topo.yaml", BASE.replace("  path: /models/m", f"  from_run: {private / 'prev'}")), 5, \
+        "model.from_run"
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("kind", ["teacher", "pool", "from_run"])
+def test_another_users_private_directory_is_one_located_line(sandbox: Path, capsys, monkeypatch, kind: str):
+    """PermissionError as an ordinary user on a shared cluster meets it. Root reads every directory, so the
+    filesystem's refusal is injected at os.stat for paths under tmp_path/private (what EACCES looks like)."""
+    path, line, field = _private(sandbox, kind)
+    private, real_stat = str(sandbox / "private") + "/", os.stat
+
+    def stat(target, *args, **kw):
+        if os.fspath(target).startswith(private):
+            raise PermissionError(13, "Permission denied", os.fspath(target))
+        return real_stat(target, *args, **kw)
+
+    monkeypatch.setattr(os, "stat", stat)
+    code, out, err = plan_in_process([str(path)], capsys)
+    where = re.compile(re.escape(f"{path}:{line}"))
+    assert_refused(code, out, err, where, field, "Permission denied", sandbox)
+
+
+@pytest.mark.timeout(10)
+def test_a_nul_in_a_pools_model_path_is_one_located_line(sandbox: Path, capsys):
+    import msgspec
+
+    from prl.planner.prepare import prepare
+
+    pool = sandbox / "pool"
+    pool.mkdir()
+    planned = prepare(REPO / "configs" / "local-pool.yaml", [f"run_dir={pool}"], cwd=sandbox).plan
+    broken = msgspec.structs.replace(planned, pool=msgspec.structs.replace(planned.pool, model="/models/m\x00x"))
+    (pool / "plan.json").write_text(broken.to_json())
+    path = _write_as(sandbox, "topo.yaml", ATTACHED.replace("/pools/p", str(pool)))
+    code, out, err = plan_in_process([str(path)], capsys)
+    assert_refused(code, out, err, re.compile(re.escape(f"{path}:{ATTACH_LINE}")), "inference.attach",
+                   "holds a NUL character", sandbox)
 
 
 def test_pyyamls_own_nesting_bound_is_refused_in_our_words(monkeypatch):

@@ -22,7 +22,7 @@ from prl.ops import slurm, submit
 from prl.run.records import JobRecord
 from prl.run.rundir import RunDir
 from prl.states import Backend, LauncherStatus
-from tests.plans import local_plan, write_plan
+from testkit.plans import local_plan, write_plan
 
 
 class Commands:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from prl.planner.model import Plan
+from prl.planner.plan import SHARED_ORCHESTRATOR_CPUS
+from prl.planner.prepare import prepare
 from prl.run.rundir import RunDir
 from tests.helpers import REPO, SHIPPED, stand_in_source_run
 
@@ -35,6 +38,22 @@ def test_plan_writes_the_run_directory(name, tmp_path):
         assert script.exists() and script.stat().st_mode & 0o111
     assert (run / "scripts" / "job.sbatch").exists() == plan.slurm
     assert not (run / "job.json").exists(), "plan must not submit"
+
+
+SHARED_ORCHESTRATOR = [name for name in SHIPPED
+                       if re.search(r"^orchestrator:\n  placement: (trainer|inference)", (REPO / "configs" / f"{name}.yaml")
+                                    .read_text(), re.M)]
+
+
+@pytest.mark.parametrize("name", SHARED_ORCHESTRATOR)
+def test_defaults_that_refuse_none_on_the_profile_the_topology_names(name, tmp_path):
+    """Left unset, `orchestrator.cpus` on a shared node fits that node: a 2-core local profile plans every shipped
+    topology that shares one (each sets cpus: 1 today; the default must not refuse what the user never asked)."""
+    source = stand_in_source_run(name, tmp_path / "cwd")
+    key = "inference.attach" if "attach:" in (REPO / "configs" / f"{name}.yaml").read_text() else "model.from_run"
+    prepared = prepare(REPO / "configs" / f"{name}.yaml", ["orchestrator.cpus=null", f"run_dir={tmp_path / 'run'}",
+                                                           *([f"{key}={source}"] if source else [])], cwd=REPO)
+    assert prepared.plan.orchestrator.cpus == min(SHARED_ORCHESTRATOR_CPUS, prepared.cluster.gpu_node.cpus)
 
 
 def test_plan_json_output(tmp_path):

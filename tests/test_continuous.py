@@ -24,7 +24,7 @@ from prl.orchestrator.sync import LiveServer, ServerPool
 from prl.run.batch import read_batch
 from prl.run.rundir import RunDir
 from tests.helpers import REPO
-from tests.plans import local_plan
+from testkit.plans import local_plan
 from tests.test_orchestrator import FakeTrainer, engine, make_run
 
 # -- the scheduler without a server

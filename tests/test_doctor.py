@@ -70,7 +70,7 @@ def test_a_teacher_task_s_preflight_checks_the_teacher_s_own_model(tmp_path):
     model, so its preflight checks that directory, not the student's; a reference without a path loads the
     student's."""
     from prl.job.preflight import failed, preflight
-    from tests.plans import local_plan, write_plan
+    from testkit.plans import local_plan, write_plan
 
     student, teacher = tmp_path / "student", tmp_path / "teacher"
     for d in (student, teacher):

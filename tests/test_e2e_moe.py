@@ -97,7 +97,7 @@ def test_vllm_serves_a_two_rank_sharded_moe_publish_as_transformers_reads_it(tmp
     running vLLM server unchanged: served logprobs equal transformers' on the published dir, before and after
     the update."""
     from tests.test_inference import LOGPROB_TOL, assert_serves, prompts_for
-    from tests.trainer_helpers import launch, setup_run
+    from testkit.trainer_helpers import launch, setup_run
     from tests.vllm_fixtures import start_inference
 
     model = build_tiny_moe(tmp_path / "model", family=family)

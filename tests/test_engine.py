@@ -20,9 +20,9 @@ import torch
 
 from prl.run.rundir import RunDir
 from tests.helpers import free_port
-from tests.plans import write_plan
+from testkit.plans import write_plan
 from tests.tiny_model import build_tiny_model
-from tests.trainer_helpers import REPO, make_plan, make_samples
+from testkit.trainer_helpers import REPO, make_plan, make_samples
 
 WEIGHT = 0.5
 
@@ -35,7 +35,7 @@ THIRD_SPEC = textwrap.dedent("""
     from prl.trainer.config import TrainerConfig
     from prl.trainer.engine import Spec, StepData, forward, micro_batch_inputs, train
     from prl.trainer.loss import token_logprobs_and_entropy
-    from tests.trainer_helpers import make_samples
+    from testkit.trainer_helpers import make_samples
 
     run_dir, vocab, weight, stop_at, resume = sys.argv[1:]
     vocab, weight, stop_at = int(vocab), float(weight), int(stop_at)

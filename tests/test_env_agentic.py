@@ -23,8 +23,8 @@ from prl.orchestrator.env import load_env
 from prl.orchestrator.eval import evaluate_endpoint
 from prl.run.batch import read_batch
 from prl.run.rundir import RunDir, atomic_write_json
-from tests.fake_engine import FakeEngine
-from tests.plans import local_plan, write_plan
+from testkit.fake_engine import FakeEngine
+from testkit.plans import local_plan, write_plan
 
 CHATML = {"name": "custom", "import_path": IMPORT_PATH}
 

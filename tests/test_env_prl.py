@@ -13,7 +13,7 @@ import pytest
 import verifiers.v1 as vf  # the env extra; CI installs it
 
 from prl.orchestrator.env import env_config, load_env
-from tests.fake_engine import FakeEngine
+from testkit.fake_engine import FakeEngine
 from tests.helpers import run_one_episode
 
 ENVS = ("prl_letters", "prl_reverse_text", "prl_guess", "prl_calc")

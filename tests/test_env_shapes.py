@@ -17,7 +17,7 @@ import verifiers.v1 as vf  # the env extra; CI installs it
 from prl.errors import ConfigError
 from prl.orchestrator.env import load_env
 from prl.orchestrator.eval import evaluate_endpoint
-from tests.fake_engine import FakeEngine
+from testkit.fake_engine import FakeEngine
 
 
 def picture(url: str):

@@ -28,7 +28,7 @@ from tests.tiny_model import build_tiny_model
 def test_an_evaluation_server_takes_what_one_server_of_the_model_takes_and_nothing_of_the_fleet(tmp_path):
     """The plan says what a lone server of the run's model takes (its flags, tp, memory, the user's extra
     arguments) without its place in the fleet: dp, ports, expert parallelism, KV transfer and offload."""
-    from tests.plans import local_plan
+    from testkit.plans import local_plan
 
     plan = local_plan(tmp_path / "run", tmp_path, ["inference.dp=2", "inference.extra_args=[--enforce-eager]"])
     lone = plan.eval_server().args
@@ -132,7 +132,7 @@ def test_the_eval_array_asks_slurm_for_what_the_inference_nodes_got(tmp_path):
     group; the array's own shape (one node, one task, its time) replaces theirs; the container too. The profile's
     segment(8) is not given to a one-node group (Slurm refuses a segment that does not divide the nodes)."""
     from prl.planner.prepare import prepare
-    from tests.plans import REPO
+    from testkit.plans import REPO
 
     plan = prepare(REPO / "configs" / "dense-8b.yaml", [f"run_dir={tmp_path}/run", "slurm.qos=high",
                                                        "slurm.extra_directives=[--mail-type=END]"], cwd=REPO).plan
@@ -149,7 +149,7 @@ def test_the_eval_array_asks_slurm_for_what_the_inference_nodes_got(tmp_path):
 def test_an_sft_runs_evaluation_server_takes_the_models_own_settings(tmp_path, tiny_model_dir):
     """An SFT run has no inference servers to copy: its evaluation server serves the model with its own dtype,
     context length and tokenizer, with the trainer's env, on a node of the trainer's group (eager on CPU)."""
-    from tests.plans import local_plan, write_plan
+    from testkit.plans import local_plan, write_plan
 
     run = write_plan(RunDir(tmp_path / "run"), local_plan(
         tmp_path / "run", tiny_model_dir, [f"sft.data={tmp_path}/chat.jsonl", f"model.tokenizer={tiny_model_dir}"],

@@ -16,7 +16,7 @@ from prl.orchestrator import engine_client, fastpath
 from prl.orchestrator.clients import renderer_config
 from prl.orchestrator.env import load_env
 from prl.orchestrator.rollouts import rollout_from_episode
-from tests.fake_engine import FakeEngine
+from testkit.fake_engine import FakeEngine
 from tests.helpers import run_one_episode
 from tests.test_multiturn import CHATML, Script
 

@@ -21,7 +21,7 @@ import torch
 from prl.errors import ConfigError
 from tests.test_trainer_parallel import _files_state, _vocab
 from tests.tiny_model import build_tiny_model, build_tiny_moe
-from tests.trainer_helpers import launch, make_plan, make_samples, setup_run
+from testkit.trainer_helpers import launch, make_plan, make_samples, setup_run
 
 pytest.importorskip("torchao.float8", reason="the fp8 extra (scripts/test.sh installs it)")
 
@@ -108,7 +108,7 @@ def test_without_torchao_the_trainer_names_the_extra(monkeypatch):
 @pytest.mark.slow  # five 2-rank torchrun runs of 2-3 steps: ~60 s on 2 shared cores
 def test_float8_all_gather_equals_unsharded_float8_and_resumes(tmp_path):
     from prl.run.batch import publish_batch
-    from tests.plans import write_plan
+    from testkit.plans import write_plan
 
     model = build_tiny_model(tmp_path / "model")
     vocab = _vocab(model)

@@ -315,3 +315,37 @@ def test_plan_command_imports_no_pydantic():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.rstrip().splitlines()[-1] == "PYDANTIC:", out.stdout[-500:]
+
+
+AFTER_INSTALL = ("bench", "testkit")
+"""Run after the README's install, which has no pytest: they must not import the tests (which import pytest)."""
+
+
+def imports_of_tests_or_pytest(path: Path) -> list[str]:
+    """`module (line N)` for each import of `tests` or `pytest` in `path`, at any depth (a function's own too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        found += [f"{name} (line {node.lineno})" for name in names if name.split(".")[0] in ("tests", "pytest")]
+    return found
+
+
+def test_benches_import_neither_the_tests_nor_pytest():
+    bad = {str(p.relative_to(REPO)): found for folder in AFTER_INSTALL for p in sorted((REPO / folder).glob("*.py"))
+           if (found := imports_of_tests_or_pytest(p))}
+    assert bad == {}, f"import what benches share with the tests from testkit/, not tests/: {bad}"
+
+
+def test_the_bench_import_check_sees_a_test_import(tmp_path):
+    path = tmp_path / "bench_x.py"
+    path.write_text("import os\n\ndef main():\n    from tests.helpers import free_port\n    import pytest\n")
+    assert imports_of_tests_or_pytest(path) == ["tests.helpers (line 4)", "pytest (line 5)"]
+
+
+def test_a_bench_runs_without_pytest():
+    """As after `./scripts/install.sh` (no pytest): bench_sft.py's imports, then its --help."""
+    blocked = ("import runpy, sys; sys.modules['pytest'] = None; sys.argv = ['bench/bench_sft.py', '--help']; "
+               "runpy.run_path('bench/bench_sft.py', run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0 and "--micro-batch-tokens" in result.stdout, result.stderr[-2000:]

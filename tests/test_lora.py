@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from prl.planner.capabilities import ModelConfig, lora_refusals, served_lora_rank
-from tests.plans import REPO, local_plan
-from tests.trainer_helpers import launch, setup_run
+from testkit.plans import REPO, local_plan
+from testkit.trainer_helpers import launch, setup_run
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.target_modules=[q_proj,v_proj,down_proj]"]
 
@@ -107,7 +107,7 @@ def test_the_plan_renders_lora_serving_and_refuses_what_cannot_work(tiny, tmp_pa
 
     # A LoRA run's step is an adapter: starting another run from it asks for the merged export.
     from prl.run.rundir import RunDir
-    from tests.plans import write_plan
+    from testkit.plans import write_plan
 
     lora_run = write_plan(RunDir(tmp_path / "lora-run"), plan)
     lora_run.publish_dir(lora_run.weights(3), lambda d: (d / "adapter_config.json").write_text("{}"), step=3)

@@ -23,10 +23,10 @@ import torch
 
 from prl.run.rundir import RunDir, is_stable
 from tests.helpers import free_port
-from tests.plans import write_plan
+from testkit.plans import write_plan
 from tests.test_trainer import _published_state, _reference
 from tests.tiny_model import MOE_FAMILIES, build_tiny_moe
-from tests.trainer_helpers import REPO, make_plan
+from testkit.trainer_helpers import REPO, make_plan
 
 STEPS = 3
 FAMILIES = [f for f in MOE_FAMILIES if f not in ("qwen3_moe", "qwen3_5_moe")]

@@ -14,7 +14,7 @@ from prl.orchestrator.chatml import IMPORT_PATH, ChatMLRenderer
 from prl.orchestrator.clients import renderer_config
 from prl.orchestrator.env import load_env
 from prl.orchestrator.rollouts import rollout_from_episode
-from tests.fake_engine import FakeEngine
+from testkit.fake_engine import FakeEngine
 from tests.helpers import run_one_episode
 
 CHATML = {"name": "custom", "import_path": IMPORT_PATH}

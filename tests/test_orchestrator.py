@@ -15,9 +15,9 @@ from prl.orchestrator import main
 from prl.planner.model import Plan
 from prl.run.batch import read_batch
 from prl.run.rundir import RunDir, atomic_write_json
-from tests.fake_engine import FakeEngine
+from testkit.fake_engine import FakeEngine
 from tests.helpers import REPO, publish_endpoint
-from tests.plans import local_plan, write_plan
+from testkit.plans import local_plan, write_plan
 
 
 def make_plan(run: RunDir, tokenizer_dir, *overrides: str, **training) -> Plan:

@@ -16,7 +16,7 @@ from prl.run.batch import publish_batch, read_batch
 from prl.run.records import Endpoint
 from prl.run.rundir import RunDir, atomic_write_json
 from tests.helpers import publish_endpoint
-from tests.plans import local_plan
+from testkit.plans import local_plan
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -21,7 +21,7 @@ from tests.helpers import publish_endpoint
 from prl.orchestrator import main
 from prl.run.batch import read_batch
 from prl.run.rundir import RunDir, atomic_write_json
-from tests.plans import local_plan, write_plan
+from testkit.plans import local_plan, write_plan
 from tests.vllm_fixtures import server_fixture, start_inference
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -15,7 +15,7 @@ import pytest
 
 from prl.ops.metrics import series, step_rows
 from prl.run.rundir import RunDir
-from tests.plans import local_plan, write_plan
+from testkit.plans import local_plan, write_plan
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The trainer tests' rank zygote (tests/rank_zygote.py) starts ranks that train as torchrun's do, stops the rest
+"""The trainer tests' rank zygote (testkit/rank_zygote.py) starts ranks that train as torchrun's do, stops the rest
 when one fails, and leaves no rank behind a launch that runs past its timeout."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import time
 import pytest
 import torch
 
-from tests import rank_zygote
+from testkit import rank_zygote
 from prl.run.rundir import is_stable
 from tests.helpers import processes
 from tests.test_trainer_parallel import _files_state, _vocab
 from tests.tiny_model import build_tiny_model
-from tests.trainer_helpers import launch, setup_run
+from testkit.trainer_helpers import launch, setup_run
 
 
 def test_the_first_rank_to_fail_stops_the_others(monkeypatch):

@@ -29,7 +29,7 @@ from prl.run.records import Failure, FeedRecord, LauncherRecord, RankBeat, Serve
 from prl.run.rundir import MARKER, RunDir, atomic_write_json, is_stable
 from prl.states import LauncherStatus, RoleState, ServerAction
 from tests.helpers import tmpfs, wait_for, publish_endpoint
-from tests.plans import local_plan, write_plan
+from testkit.plans import local_plan, write_plan
 
 
 # ---------------------------------------------------------------- the plan
@@ -432,7 +432,7 @@ def test_the_launcher_records_on_a_full_disk_by_giving_back_its_reserve(tmp_path
 @pytest.mark.slow  # two torchrun runs on CPU, ~60 s
 def test_sigterm_checkpoints_the_last_finished_step_and_the_resume_continues_there(tmp_path):
     from tests.tiny_model import build_tiny_model
-    from tests.trainer_helpers import launch, make_samples, setup_run, wait_trainer_at
+    from testkit.trainer_helpers import launch, make_samples, setup_run, wait_trainer_at
     from prl.run.batch import publish_batch
 
     model_dir = build_tiny_model(tmp_path / "model")
@@ -492,7 +492,7 @@ def test_the_watcher_drops_a_dead_server_and_takes_it_back_on_the_newest_weights
     import httpx
 
     from prl.orchestrator.sync import LiveServer, ServerPool, WeightWatcher
-    from tests.fake_engine import FakeEngine
+    from testkit.fake_engine import FakeEngine
 
     run = RunDir(tmp_path / "run").create()
     for s in (1, 2):
@@ -554,7 +554,7 @@ def test_a_server_slow_to_load_a_step_holds_no_other_server_s_next_step(tmp_path
     import threading
 
     from prl.orchestrator.sync import LiveServer, ServerPool, WeightWatcher
-    from tests.fake_engine import FakeEngine
+    from testkit.fake_engine import FakeEngine
 
     run = RunDir(tmp_path / "run").create()
     a, b = FakeEngine(run_dir=run.root).start(), FakeEngine(run_dir=run.root).start()
@@ -600,7 +600,7 @@ def test_a_failed_rollout_takes_a_dead_server_out_of_rotation_at_once(tmp_path):
     import asyncio
 
     from prl.orchestrator.sync import LiveServer, ServerPool
-    from tests.fake_engine import FakeEngine
+    from testkit.fake_engine import FakeEngine
 
     run = RunDir(tmp_path / "run").create()
     a, b = FakeEngine(run_dir=run.root).start(), FakeEngine(run_dir=run.root).start()
@@ -627,7 +627,7 @@ def test_the_watcher_pushes_steps_from_memory_and_follows_the_feeds_forward(tmp_
     import httpx
 
     from prl.orchestrator.sync import LiveServer, ServerPool
-    from tests.fake_engine import FakeEngine
+    from testkit.fake_engine import FakeEngine
 
     run = RunDir(tmp_path / "run").create()
     run.publish_dir(run.weights(1), _write({"w": b"1"}), step=1)
@@ -681,7 +681,7 @@ def test_the_watcher_broadcasts_a_step_to_every_server_behind_and_a_failed_group
     import httpx
 
     from prl.orchestrator.sync import LiveServer, ServerPool
-    from tests.fake_engine import FakeEngine
+    from testkit.fake_engine import FakeEngine
 
     run = RunDir(tmp_path / "run").create()
     engines = [FakeEngine(run_dir=run.root).start() for _ in range(3)]
@@ -732,7 +732,7 @@ def test_a_group_is_asked_for_the_step_it_was_formed_on_after_the_trainer_moved_
     import httpx
 
     from prl.orchestrator.sync import LiveServer, ServerPool
-    from tests.fake_engine import FakeEngine
+    from testkit.fake_engine import FakeEngine
 
     run = RunDir(tmp_path / "run").create()
     with FakeEngine(run_dir=run.root) as engine:

@@ -227,6 +227,36 @@ def test_a_literal_secret_in_an_env_map_is_refused_before_anything_is_written(tm
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("overrides, field, name", [
+    (["training.loss.import_path=my.loss:fn", "training.loss.args={api_key: abc123}"], "training.loss.args.api_key",
+     "api_key"),
+    (["training.advantage.shaping={import_path: my.shape:fn, args: {hf_token: abc123}}"],
+     "training.advantage.shaping.args.hf_token", "hf_token"),
+    (['inference.extra_args=["--hf-token=abc123"]'], "inference.extra_args[0]", "--hf-token"),
+])
+def test_a_literal_secret_in_any_map_the_plan_stores_is_refused_unechoed(tmp_path, overrides, field, name):
+    """The secret rule of `env:` for every free-form map and argument list: refused at the field, the value
+    never echoed (not even in the quoted override), nothing written."""
+    from prl.errors import ConfigError
+    from prl.planner.prepare import prepare
+
+    with pytest.raises(ConfigError) as e:
+        prepare(REPO / "configs" / "local-tiny.yaml", [f"run_dir={tmp_path}/run", *overrides], cwd=REPO)
+    assert f"({field}): {name} looks like a secret" in str(e.value), str(e.value)
+    assert "abc123" not in str(e.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_ordinary_names_in_free_form_maps_still_plan(tmp_path):
+    from prl.planner.prepare import prepare
+
+    plan = prepare(REPO / "configs" / "local-tiny.yaml", [
+        f"run_dir={tmp_path}/run", "training.loss.import_path=my.loss:fn",
+        "training.loss.args={scale: 2, max_tokens: 3, token_budget_path: /x}",
+        'inference.extra_args=["--enforce-eager", "--max-num-batched-tokens", "512"]'], cwd=REPO).plan
+    assert plan.settings().training.loss.args == {"scale": 2, "max_tokens": 3, "token_budget_path": "/x"}
+
+
 def test_env_numbers_are_text_and_ordinary_names_stay_literal(tmp_path):
     from prl.planner.prepare import prepare
 

@@ -19,10 +19,10 @@ import pytest
 from prl.planner.model import Plan
 from prl.run.rundir import RunDir, is_stable
 from tests.helpers import REPO, prl_cli as prl, run_to_the_end, wait_for
-from tests.plans import local_plan, write_plan
+from testkit.plans import local_plan, write_plan
 from tests.test_plot_wandb import finished_history
 from tests.tiny_model import build_tiny_model, build_tiny_moe
-from tests.trainer_helpers import launch
+from testkit.trainer_helpers import launch
 
 DATA = REPO / "examples" / "sft" / "letters.jsonl"
 STEPS = 6

@@ -99,7 +99,7 @@ def test_prl_plan_shows_the_transport_and_the_bytes_each_worker_receives(tmp_pat
     from prl.planner.prepare import weight_shares
     from prl.trainer.tiny_model import build_tiny_model
     from prl.weights.layout import checkpoint_layout
-    from tests.plans import REPO, local_plan
+    from testkit.plans import REPO, local_plan
 
     model = build_tiny_model(tmp_path / "tiny", hidden_size=64, num_heads=2, num_kv_heads=2, vocab_size=512)
     layout = checkpoint_layout(model)

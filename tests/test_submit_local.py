@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,6 +57,29 @@ def test_local_failure_is_reported(tmp_path, env):
     other = "trainer" if failed == "inference" else "inference"
     assert status[failed] == "failed" and status["orchestrator"] == "stopped", status
     assert status[other] in ("stopped", "failed"), status
+    # Its own line, not an exit code: the preflight's check names the missing config.json.
+    assert "preflight failed" in final["failure"]["reason"] and "has no config.json" in final["failure"]["reason"]
+
+
+def test_a_roles_own_error_line_reaches_submit_and_status(tmp_path, env):
+    """A role's error line never reaching the user: a trainer rank ends on a PrlError (empty SFT data, found at
+    trainer start), torchrun passes on only an exit code (its own traceback in the rank's log), yet `prl submit
+    --local` and `prl status` both name the failure by the rank's own line."""
+    run, data = tmp_path / "run", tmp_path / "empty.jsonl"
+    data.write_text("")
+    line = f"sft.data {data} holds no conversations"
+    submitted = prl(env, "submit", "configs/sft-tiny.yaml", f"run_dir={run}", f"model.path={tmp_path / 'tiny'}",
+                    f"sft.data={data}", "--local", check=False, timeout=300)
+    assert submitted.returncode == 1, submitted.stdout + submitted.stderr
+    # Every rank meets the same data: the first to record it is named ("rank 1: " when not rank 0).
+    said = re.compile(rf"(rank 1: )?{re.escape(line)}$")
+    shown = [out for out in submitted.stdout.splitlines() if "trainer: failed (exit code 1): " in out]
+    assert len(shown) == 1 and said.search(shown[0]), submitted.stdout
+    final = state(env, run)
+    assert final["failure"]["role"] == "trainer" and said.fullmatch(final["failure"]["reason"]), final["failure"]
+    wide = {**env, "COLUMNS": "1000"}  # rich wraps at the terminal's width
+    assert f"first failure: trainer exited 1 ({final['failure']['reason']})" in prl(wide, "status", run, check=False).stdout
+    assert RunDir(run).read_state("trainer").error == final["failure"]["reason"]
 
 
 def test_local_cancel(tmp_path, env, model):

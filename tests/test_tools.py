@@ -15,7 +15,7 @@ from prl.orchestrator.chatml import IMPORT_PATH
 from prl.orchestrator.clients import renderer_config
 from prl.orchestrator.env import env_config
 from prl.orchestrator.rollouts import rollout_from_episode
-from tests.fake_engine import FakeEngine
+from testkit.fake_engine import FakeEngine
 from tests.helpers import REPO, run_one_episode
 
 

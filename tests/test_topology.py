@@ -136,7 +136,7 @@ CASES = [
     ("reward-coef-alone", "topo", ("  max_tokens: 512", "  max_tokens: 512\n  loss: {reward_coef: 0.5}"), [],
      "topo.yaml:25 (training.loss.reward_coef)", "set distill_coef too"),
     ("teacher-without-path", "topo", ("trainer:\n", "teacher: {nodes: 1}\ntrainer:\n"), [],
-     "topo.yaml:11 (teacher)", "teacher needs a model"),
+     "topo.yaml:11 (teacher.path)", "teacher needs a model"),
     ("teacher-context", "topo", ("trainer:\n", "teacher:\n  path: /models/t\n  nodes: 1\n  max_model_len: 4096\ntrainer:\n"),
      [], "topo.yaml:14 (teacher.max_model_len)", "must exceed the student's model.max_model_len(4096)"),
     ("teacher-tp", "topo", ("trainer:\n", "teacher:\n  path: /models/t\n  nodes: 1\n  tp: 16\ntrainer:\n"),

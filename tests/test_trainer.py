@@ -18,9 +18,9 @@ import torch
 
 from prl.run.rundir import is_stable
 from prl.trainer.loss import policy_loss, token_logprobs_and_entropy
-from tests.plans import write_plan
+from testkit.plans import write_plan
 from tests.tiny_model import build_tiny_model
-from tests.trainer_helpers import launch, make_plan, make_samples, setup_run, wait_trainer_at
+from testkit.trainer_helpers import launch, make_plan, make_samples, setup_run, wait_trainer_at
 
 STEPS = 4
 

@@ -32,7 +32,7 @@ from prl.run.rundir import is_stable
 from tests.helpers import free_port
 from tests.test_trainer import _reference
 from tests.tiny_model import build_tiny_model, build_tiny_moe
-from tests.trainer_helpers import REPO, launch, setup_run
+from testkit.trainer_helpers import REPO, launch, setup_run
 
 STEPS = 4
 
@@ -135,8 +135,8 @@ def test_sharded_publish_reloads_equal_to_the_trainer_state(moe, run_ep, tmp_pat
 def test_ep_checkpoint_resumes_to_the_uninterrupted_run(moe, run_ep, tmp_path):
     """Stop after checkpoint 2, resume with ep=2: steps 3-4 equal the uninterrupted run's (experts saved per EP rank)."""
     from prl.run.batch import publish_batch
-    from tests.plans import write_plan
-    from tests.trainer_helpers import make_plan, make_samples
+    from testkit.plans import write_plan
+    from testkit.trainer_helpers import make_plan, make_samples
 
     model, vocab = moe
     run = setup_run(tmp_path / "run", model, range(1, 3), vocab, max_steps=2, overrides=["trainer.ep=2"])
@@ -248,7 +248,7 @@ ROUTER_AUX = textwrap.dedent("""
     from prl.trainer.parallel import init_distributed
     from prl.trainer.rl import RLSpec
     from prl.trainer.sft import SFTSpec
-    from tests.trainer_helpers import make_samples
+    from testkit.trainer_helpers import make_samples
 
     model_dir, vocab, coef, mode = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[5]
     training = types.SimpleNamespace(loss=Loss(), max_grad_norm=0.0, router_aux_loss_coef=coef, router_replay=False,
@@ -275,7 +275,7 @@ def test_router_aux_loss_is_transformers_load_balancing_loss(moe, tmp_path, mode
     from transformers import AutoModelForCausalLM
 
     from prl.run.batch import to_arrays
-    from tests.trainer_helpers import make_samples
+    from testkit.trainer_helpers import make_samples
 
     model, vocab = moe
     script = tmp_path / "aux.py"

@@ -253,7 +253,7 @@ def test_a_shapes_rollout_sends_one_image_token_and_the_picture_and_trains_the_e
     from prl.orchestrator.env import load_env
     from prl.orchestrator.idefics3 import IMPORT_PATH
     from prl.orchestrator.rollouts import rollout_from_episode
-    from tests.fake_engine import FakeEngine
+    from testkit.fake_engine import FakeEngine
     from tests.helpers import run_one_episode
 
     renderer, processor = idefics3

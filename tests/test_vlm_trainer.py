@@ -20,9 +20,9 @@ import torch
 from prl.run.batch import BatchError, Sample, publish_batch, read_batch
 from prl.run.rundir import RunDir
 from prl.trainer.loss import policy_loss, token_logprobs_and_entropy
-from tests.plans import write_plan
+from testkit.plans import write_plan
 from tests.tiny_model import build_tiny_vlm
-from tests.trainer_helpers import launch, make_plan
+from testkit.trainer_helpers import launch, make_plan
 
 STEPS = 2
 COLOURS = ("red", "green", "blue", "orange", "purple", "black")
@@ -272,7 +272,7 @@ def test_sft_conversations_with_pictures_tokenize_as_the_processor_does_and_trai
     from PIL import Image
 
     from prl.trainer.sft_data import read_conversations, tokenize_conversation
-    from tests.plans import local_plan
+    from testkit.plans import local_plan
 
     path, processor, _ = vlm
     data = shapes_conversations(tmp_path / "data")

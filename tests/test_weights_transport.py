@@ -13,7 +13,7 @@ from prl.config.topology import Weights
 from prl.errors import ConfigError, PlanError
 from prl.run.api import WeightsRequest
 from prl.weights.layout import UpdateRefused
-from tests.plans import local_plan
+from testkit.plans import local_plan
 
 REPO = Path(__file__).resolve().parents[1]
 TRANSPORT_MODULES = {"prl.weights.filesystem", "prl.weights.memory", "prl.weights.broadcast", "prl.weights.feed",

@@ -6,6 +6,7 @@
     loader.py       YAML -> validated model, errors naming the file, the line and the field
     fields.py       a field's path, a schema's blame of one field, a value as shown in a message
     refusal.py      why msgspec refused a document, as one message at one field (imported only on a refusal)
+    external.py     files prl did not write (config.json, tokenizer.json, another run's plan.json): bounded, typed reads
     schema_doc.py   docs/reference.md's field reference, written from the schemas themselves
 
 Imports nothing heavy: `prl plan` on a login node loads this package first.

@@ -11,11 +11,14 @@ FieldPath = tuple[Any, ...]
 
 
 class FieldValueError(ValueError):
-    """Raised by a schema's `__post_init__` to blame one of its fields rather than the whole mapping."""
+    """Raised by a schema's `__post_init__` to blame one of its fields rather than the whole mapping: `field` is
+    a name of the schema's own or a dotted path below it (`inference.attach` from the topology, whose check
+    reads across sections), so the refusal is located at that field's own line under its full name."""
 
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+        self.path: tuple[str, ...] = tuple(field.split("."))
 
 
 def shown(value: Any, limit: int = 60) -> str:

@@ -22,15 +22,16 @@ import copy
 import math
 import os
 import re
-import stat
+import warnings
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import msgspec
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from prl.config.external import Unreadable, is_dir, read_bytes
 from prl.config.fields import FieldPath, FieldValueError, shown, shown_path
 from prl.errors import ConfigError
 
@@ -109,11 +110,17 @@ class Source:
         return ConfigError(f"{self.locate(field)}: {message}")
 
 
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+"""A name in an override's value (a key of a mapping, an option): `-` read as `_`, as `looks_secret` splits."""
+
+
 def _told(path: FieldPath, override: str) -> str:
-    """An override as an error quotes it: the value of a secret-named variable, or one that reads a secret-named
-    variable (whose default may be the secret itself), is never echoed to a terminal or log."""
+    """An override as an error quotes it: the value of a secret-named variable, one that reads a secret-named
+    variable (whose default may be the secret itself), or one that names a secret inside (a mapping's
+    `api_key:`, an option `--hf-token`) is never echoed to a terminal or log."""
     value = override.partition("=")[2]
-    secret = (path and looks_secret(path[-1])) or any(looks_secret(name) for name in _READ_NAME.findall(value))
+    secret = (path and looks_secret(path[-1])) or any(looks_secret(name) for name in _READ_NAME.findall(value)) \
+        or any(looks_secret(name.replace("-", "_")) for name in _NAME.findall(value))
     return override.partition("=")[0] + "=..." if secret else override
 
 
@@ -142,24 +149,13 @@ def read_text(path: Path) -> str:
     """The file's text; anything but a regular UTF-8 file of at most 1 MiB is refused before it is read."""
     name = shown_path(path)
     try:
-        info = path.stat()
-    except (FileNotFoundError, NotADirectoryError):
-        raise ConfigError(f"{name}: no such file") from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{name}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
-    if stat.S_ISDIR(info.st_mode):
-        raise ConfigError(f"{name}: is a directory; give a YAML file")
-    if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(f"{name}: not a regular file (a FIFO, socket or device); give a YAML file")
-    if info.st_size > MAX_BYTES:
-        raise ConfigError(f"{name}: {info.st_size} bytes is too large; a topology or profile is at most 1 MiB")
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read(MAX_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"{name}: cannot read ({exc.strerror})") from None
-    if len(raw) > MAX_BYTES:
-        raise ConfigError(f"{name}: too large; a topology or profile is at most 1 MiB")
+        if is_dir(path):
+            raise ConfigError(f"{name}: is a directory; give a YAML file")
+        raw = read_bytes(path, MAX_BYTES, "a topology or profile (at most 1 MiB)")
+    except Unreadable as exc:
+        raise ConfigError(str(exc)) from None
+    if raw is None:
+        raise ConfigError(f"{name}: no such file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -362,9 +358,19 @@ def _omegaconf_error(exc: Exception, source: Source, blame: FieldPath = ()) -> C
     key = getattr(exc, "full_key", None) or ""
     field = blame or tuple(int(p) if p.isdigit() else p for p in re.split(r"[.\[\]]+", str(key)) if p)
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    # A warning OmegaConf raises as an error (load_document) reads as its own words.
+    reason = reason.replace("UserWarning raised while resolving interpolation: ", "").split(" See https://")[0]
     if reason.startswith("token recognition error"):  # OmegaConf reads only ASCII letters outside quotes
         reason += "; inside `${...}` put text other than ASCII letters, digits and ./:@+- in single quotes: " \
                   "`${oc.env:NAME,'café'}`"
+    return source.error(field, reason)
+
+
+def _omegaconf_warning(warning: UserWarning, raw: Any, source: Source) -> ConfigError:
+    """OmegaConf's warning as a refusal, at the first value that holds the text it quotes (`In the sequence ...`)."""
+    reason = str(warning).split(" See https://", 1)[0]
+    quoted = re.findall(r"`([^`]+)`", reason)
+    field = next((at for at, text in _strings(raw) if quoted and quoted[0] in text), ()) if raw is not None else ()
     return source.error(field, reason)
 
 
@@ -572,26 +578,33 @@ def load_document(path: Path, overrides: Sequence[str] = ()) -> tuple[dict[str, 
     """
     text, lines = read_yaml(path)
     source = Source(path, lines, _parse_overrides(overrides))
+    raw: Any = None
     try:
-        conf = _merge_overrides(OmegaConf.create(text or "{}"), source)
-        raw = OmegaConf.to_container(conf, resolve=False)
-        oversized = _oversized(raw)
-        if oversized is not None:
-            raise source.error(oversized, f"interpolation ('${{...}}') chains more than {MAX_REFERENCE_HOPS} "
-                                          f"references or expands to more than {MAX_EXPANDED} characters")
-        if isinstance(raw, dict) and any("${oc.env:" in text for _, text in _strings(raw)):
-            as_written = copy.deepcopy(raw)
-            _keep_env_references(raw, source)
-            _check_environment_reads(raw, source)
-            source.written = _written(as_written)
-            data = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
-        else:
-            if isinstance(raw, dict):
+        with warnings.catch_warnings():
+            # OmegaConf warns where it means a refusal (`${oc.env:A,}`): an error at the field, not a warning
+            # printed above the line.
+            warnings.simplefilter("error", UserWarning)
+            conf = _merge_overrides(OmegaConf.create(text or "{}"), source)
+            raw = OmegaConf.to_container(conf, resolve=False)
+            oversized = _oversized(raw)
+            if oversized is not None:
+                raise source.error(oversized, f"interpolation ('${{...}}') chains more than {MAX_REFERENCE_HOPS} "
+                                              f"references or expands to more than {MAX_EXPANDED} characters")
+            if isinstance(raw, dict) and any("${oc.env:" in text for _, text in _strings(raw)):
+                as_written = copy.deepcopy(raw)
+                _keep_env_references(raw, source)
                 _check_environment_reads(raw, source)
-            # No environment reference: what is saved is the resolved document (and two OmegaConf passes,
-            # a tenth of `prl plan`, are saved).
-            data = OmegaConf.to_container(conf, resolve=True)
-            source.written = data
+                source.written = _written(as_written)
+                data = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
+            else:
+                if isinstance(raw, dict):
+                    _check_environment_reads(raw, source)
+                # No environment reference: what is saved is the resolved document (and two OmegaConf passes,
+                # a tenth of `prl plan`, are saved).
+                data = OmegaConf.to_container(conf, resolve=True)
+                source.written = data
+    except UserWarning as exc:
+        raise _omegaconf_warning(exc, raw, source) from None
     except (OmegaConfBaseException, yaml.YAMLError) as exc:
         raise _omegaconf_error(exc, source) from None
     if not isinstance(data, dict):
@@ -599,13 +612,13 @@ def load_document(path: Path, overrides: Sequence[str] = ()) -> tuple[dict[str, 
     _check_finite(data, source)
     _leaked_references(data, source)
     _check_env_values(data, source)
+    _refuse_literal_secrets(data, source)
     return data, source
 
 
 def _check_env_values(data: Any, source: Source, path: FieldPath = ()) -> None:
     """`env:` values are text: a number becomes its digits (`OMP_NUM_THREADS: 4`), a true/false is refused
-    (which spelling?), and a secret-named variable given a literal value is refused: that value would be
-    saved in plan.json, topology.yaml and the scripts."""
+    (which spelling?)."""
     if isinstance(data, dict):
         for key, value in data.items():
             at = path + (key,)
@@ -613,15 +626,51 @@ def _check_env_values(data: Any, source: Source, path: FieldPath = ()) -> None:
                 raise source.error(at, f"write the value in quotes ('1', 'true', ...): an environment variable is text")
             if _is_env_map(at) and isinstance(value, (int, float)):
                 data[key] = value = str(value)
-            if _is_env_map(at) and isinstance(value, str) and value and looks_secret(key) \
-                    and not ENV_REFERENCE.search(value):
-                raise source.error(at, f"{key} looks like a secret: a value written here would be saved in plan.json, "
-                                       f"topology.yaml and the scripts; export it and write `${{oc.env:{key}}}` "
-                                       f"(read where the role runs)")
             _check_env_values(value, source, at)
     elif isinstance(data, list):
         for index, value in enumerate(data):
             _check_env_values(value, source, path + (index,))
+
+
+FREE_FORM_MAPS = frozenset({"args"})
+"""Keys whose mapping holds names of the user's own, passed on as written and saved in plan.json and topology.yaml:
+`training.loss.args`, `training.advantage.shaping.args`, `environment.args`."""
+ARGUMENT_LISTS = frozenset({"extra_args"})
+"""Keys whose list holds a program's command-line arguments, rendered into the scripts (`inference.extra_args`,
+a teacher's or reference's)."""
+
+
+def _secret_literals(data: Any, path: FieldPath = (), free: bool = False) -> Iterator[tuple[FieldPath, str]]:
+    """(where, name) of every value the plan would store that a secret-like name gives literally: a variable of an
+    `env:` map (a `${oc.env:NAME}` reference is no literal), a key at any depth of a free-form map, an option
+    of an argument list (`--hf-token X`, `--api-key=X`)."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            at = path + (key,)
+            literal = value not in (None, "", {}, []) and not (isinstance(value, str) and ENV_REFERENCE.search(value))
+            if (free or _is_env_map(at)) and looks_secret(key) and literal:
+                yield at, str(key)
+            yield from _secret_literals(value, at, free or key in FREE_FORM_MAPS)
+    elif isinstance(data, list):
+        for index, value in enumerate(data):
+            at = path + (index,)
+            option = value.lstrip("-").partition("=")[0] if isinstance(value, str) and value.startswith("--") else ""
+            if path and path[-1] in ARGUMENT_LISTS and looks_secret(option.replace("-", "_")):
+                yield at, value.partition("=")[0]
+            yield from _secret_literals(value, at, free)
+
+
+def _refuse_literal_secrets(data: Any, source: Source) -> None:
+    """One rule for every value the plan stores as written: a secret-named one given literally is refused, since
+    plan.json, topology.yaml and the scripts would keep it; it belongs in a role's `env:` as a reference."""
+    for at, name in _secret_literals(data):
+        if _is_env_map(at):
+            fix = f"export it and write `${{oc.env:{name}}}` (read where the role runs)"
+        else:
+            fix = ("export it, pass it to the role as an `env:` variable (`${oc.env:NAME}`, read where the role "
+                   "runs) and read it there from the environment")
+        raise source.error(at, f"{name} looks like a secret: a value written here would be saved in plan.json, "
+                               f"topology.yaml and the scripts; {fix}")
 
 
 def explained(pattern: str, explain: Callable[[str], str]) -> msgspec.Meta:

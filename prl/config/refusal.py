@@ -43,7 +43,7 @@ def _explain(model: type, data: Any, exc: msgspec.ValidationError) -> tuple[Fiel
     annotation, node, path = _follow(model, data, where.partition("$")[2])
     cause = exc.__cause__
     if isinstance(cause, FieldValueError):
-        return path + (cause.field,), str(cause)
+        return path + cause.path, str(cause)
     if isinstance(cause, (ValueError, TypeError)) and not isinstance(cause, msgspec.ValidationError):
         return path, str(cause)  # raised by a schema's __post_init__
     if text.startswith("Object missing required field `"):
@@ -153,7 +153,10 @@ def _unknown(model: type[msgspec.Struct], field: FieldPath) -> str:
         annotation = _child(annotation, part)
     struct = struct_of(annotation)
     names = list(fields_of(struct)) if struct else []
-    close = difflib.get_close_matches(str(field[-1]), names, n=1, cutoff=0.5) if field else []
+    key = str(field[-1]) if field else ""
+    if key.strip() != key and key.strip() in names:  # invisible in the file, and in the quoted name
+        return f"unknown field: {key!r} has white space before or after {key.strip()!r}; remove it"
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5) if field else []
     if close:
         return f"unknown field; did you mean {close[0]!r}?"
     return "unknown field (check the spelling; docs/reference.md lists every field)"

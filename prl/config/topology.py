@@ -247,7 +247,14 @@ class Pool(Strict, kw_only=True):
     max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
     """Largest adapter rank an attached run may train (vLLM `--max-lora-rank`, one of the ranks it accepts)."""
     max_cpu_loras: Optional[Annotated[int, Meta(ge=1, le=MAX_ITEMS)]] = None
-    """Adapters kept loaded in CPU memory (vLLM `--max-cpu-loras`; None: 4 x max_loras)."""
+    """Adapters kept loaded in CPU memory (vLLM `--max-cpu-loras`; None: 4 x max_loras); at least max_loras."""
+
+    def __post_init__(self) -> None:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            # vLLM's LoRAConfig refuses it at server start, after the job has its nodes.
+            raise FieldValueError("max_cpu_loras", f"max_cpu_loras({self.max_cpu_loras}) must be at least max_loras"
+                                                   f"({self.max_loras}): the adapters of one batch are kept in CPU "
+                                                   f"memory too; use max_cpu_loras >= {self.max_loras} or leave it unset")
 
 
 class Inference(Strict, kw_only=True):
@@ -392,7 +399,8 @@ class Orchestrator(Strict, kw_only=True):
     placement: Literal["own", "trainer", "inference"] = "own"
     """`own`: a CPU node group of its own; `trainer`/`inference`: share the first node of that group."""
     cpus: Optional[Annotated[int, Meta(ge=1, le=MAX_CPUS)]] = None
-    """CPU cores for the orchestrator (None: a whole node when `own`, 4 when shared)."""
+    """CPU cores for the orchestrator (None: a whole node when `own`; when shared, 4, or all of the node's cores
+    where it has fewer)."""
     env_workers: Annotated[int, Meta(ge=0, le=MAX_CPUS)] = 0
     """Processes that run the environment's rollouts (verifiers' env server pool; the orchestrator routes,
     scores and batches): 0 runs them in the orchestrator's own process, on one core. Give the orchestrator
@@ -731,10 +739,10 @@ class Topology(Strict, kw_only=True):
         if self.inference is None:
             raise FieldValueError(Role.INFERENCE, "missing: an inference pool (pool:) needs inference: (its servers)")
         if self.inference.attach is not None or self.inference.disaggregated:
-            raise FieldValueError("attach" if self.inference.attach else Role.PREFILL,
+            raise FieldValueError("inference.attach" if self.inference.attach else "inference.prefill",
                                   "an inference pool serves from unified servers of its own (inference.nodes)")
         if self.model.lora is not None:
-            raise FieldValueError("lora", "an inference pool serves its base model; the attached runs set model.lora")
+            raise FieldValueError("model.lora", "an inference pool serves its base model; the attached runs set model.lora")
 
     def scorers(self) -> dict[str, Scorer]:
         """The scoring server groups written (`teacher`, `reference`), by role, in het-group order."""
@@ -761,20 +769,20 @@ class Topology(Strict, kw_only=True):
                     raise FieldValueError(name, "missing: an RL topology needs inference: and environment: "
                                                 "(or give sft: for supervised fine-tuning)")
         if self.attached and self.model.lora is None:
-            raise FieldValueError("attach", "a run on an inference pool's servers loads its LoRA adapter there: set "
+            raise FieldValueError("inference.attach", "a run on an inference pool's servers loads its LoRA adapter there: set "
                                             "model.lora (the pool's base model stays as it is)")
         if self.attached and self.orchestrator is not UNSET and self.orchestrator.placement == Role.INFERENCE:
-            raise FieldValueError("placement", "a run on an inference pool's servers has no inference nodes of its "
+            raise FieldValueError("orchestrator.placement", "a run on an inference pool's servers has no inference nodes of its "
                                                "own to place the orchestrator on: use own or trainer")
         if self.attached and self.training.router_replay:
-            raise FieldValueError("router_replay", "router replay needs the run's own servers (a pool's serve "
+            raise FieldValueError("training.router_replay", "router replay needs the run's own servers (a pool's serve "
                                                    "adapters, and LoRA adapts no router)")
         if self.attached and (self.teacher is not None or self.reference is not None):
-            raise FieldValueError("attach", "a run on an inference pool's servers has no servers of its own: a "
+            raise FieldValueError("inference.attach", "a run on an inference pool's servers has no servers of its own: a "
                                             "teacher: or reference: section needs them (not supported yet)")
         if self.teacher is not None and self.teacher.path is None:
             # A teacher of the student's own initial weights is a reference: say so rather than guess.
-            raise FieldValueError(Role.TEACHER, "teacher needs a model: set teacher.path (the student's own initial "
+            raise FieldValueError("teacher.path", "teacher needs a model: set teacher.path (the student's own initial "
                                              "model is a reference: use a reference: section and kl_ref_coef)")
         if self.orchestrator is UNSET:  # unset only to tell a written one from the default (frozen: force)
             msgspec.structs.force_setattr(self, Role.ORCHESTRATOR, DEFAULT_ORCHESTRATOR)

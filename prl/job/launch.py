@@ -258,7 +258,8 @@ class Launcher:
                 running.exit_code = code
                 self.note_launch(name, exit_code=code)
                 where = f"task {task} " if task is not None else ""
-                raise RoleFailed(name, code, f"{where}exited with code {code}")
+                line = self.state.launches[name].error
+                raise RoleFailed(name, code, line or f"{where}exited with code {code}")
             log.info(f"{name} exited 0")
         if self.mode == "run":
             self.check_hangs()
@@ -455,7 +456,7 @@ class Launcher:
     def note_exit(self, name: str, running: Running, code: int) -> None:
         """Record a role's own exit (EXITED for 0, else FAILED)."""
         running.exit_code = code
-        self.note_launch(name, exit_code=code, ended=time.time(),
+        self.note_launch(name, exit_code=code, ended=time.time(), error=self.run.role_error_line(name) if code else None,
                        status=RoleState.EXITED if code == 0 else RoleState.FAILED)
 
     def let_end(self) -> None:

@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("role")
     parser.add_argument("--run-dir", required=True)
     args = parser.parse_args(argv)
-    return run_entry(f"prl {args.role}", lambda: one_task(args.role, args.run_dir))
+    return run_entry(f"prl {args.role}", lambda: one_task(args.role, args.run_dir),
+                     record=lambda line: RunDir(args.run_dir).write_role_error(args.role, line))
 
 
 def one_task(role: str, run_dir: str) -> int:
@@ -183,6 +184,7 @@ def run_task(run: RunDir, role: str, stop: _Stop) -> int:
         stop.failure = f"preflight failed: {message}"
         # A taken port may free itself (the server this one replaces, still exiting); a missing GPU or model will not.
         stop.lasting = any(c.name != "ports" for c in bad)
+        run.write_role_error(role, f"preflight failed: {message}")
         if task == 0:
             run.mark_exit(role, 1, error=f"preflight: {message}")
         return 1
@@ -193,7 +195,7 @@ def run_task(run: RunDir, role: str, stop: _Stop) -> int:
     else:
         code = run_role(run, plan, role, task, stop)
     if task == 0:
-        run.mark_exit(role, code, error=None if code == 0 else f"exit {code}")
+        run.mark_exit(role, code, error=None if code == 0 else run.role_error_line(role) or f"exit {code}")
     return code
 
 

@@ -114,7 +114,8 @@ class RoleWatch:
             if state and self.seen.get(role) != state:
                 self.seen[role] = state
                 code = f" (exit code {launch.exit_code})" if launch.exit_code else ""
-                self.say(f"[{elapsed:5.0f} s] {role}: {state}{code}")
+                error = f": {launch.error}" if launch.error else ""
+                self.say(f"[{elapsed:5.0f} s] {role}: {state}{code}{error}")
 
 
 def follow_local(run: RunDir, proc: subprocess.Popen, max_steps: int, say: Callable[[str], None] = print) -> int:

@@ -7,6 +7,8 @@ import sys
 
 from prl.errors import run_entry
 from prl.orchestrator.loop import main
+from prl.run.rundir import RunDir
+from prl.states import Role
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -17,7 +19,8 @@ def cli(argv: list[str] | None = None) -> int:
         help="inference server URL (repeatable); default: RUN/state/endpoints",
     )
     a = p.parse_args(argv)
-    return run_entry("prl orchestrator", lambda: main(a.run_dir, a.server or None))
+    return run_entry("prl orchestrator", lambda: main(a.run_dir, a.server or None),
+                     record=lambda line: RunDir(a.run_dir).write_role_error(Role.ORCHESTRATOR, line))
 
 
 if __name__ == "__main__":

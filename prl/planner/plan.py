@@ -72,6 +72,8 @@ MAX_SERVERS = 100_000
 MAX_JOB_GPUS = 262_144
 """Most GPUs one job may use: more than any cluster has, and few enough that the plan's per-GPU records stay small."""
 SHARED_ORCHESTRATOR_CPUS = 4
+"""The orchestrator's cores on a node it shares with the trainer or inference, when `orchestrator.cpus` is unset:
+this many, or the whole node where it has fewer (a 2-core workstation), so the default never refuses itself."""
 KV_OFFLOAD_MEMORY_FRACTION = 0.8
 VLLM_KV_ROLE = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}
 """vLLM's `kv_role` of each side of prefill/decode disaggregation."""
@@ -493,7 +495,7 @@ def place_orchestrator(check: Checker, topo: Topology, layout: Layout, common_en
     else:
         # The trainer's group comes right after the inference groups when the orchestrator has none.
         group = len(layout.groups) if orch.placement == Role.TRAINER else 0
-        cpus = orch.cpus or SHARED_ORCHESTRATOR_CPUS
+        cpus = orch.cpus or min(SHARED_ORCHESTRATOR_CPUS, cluster.gpu_node.cpus)
         if cpus > cluster.gpu_node.cpus:
             raise check.fail((Role.ORCHESTRATOR, "cpus"), (
                 f"orchestrator asks for {cpus} CPUs on a {orch.placement} node, which has {cluster.gpu_node.cpus} "
@@ -654,6 +656,11 @@ def check_training(check: Checker, topo: Topology, mesh: Mesh) -> None:
         raise check.fail(("training", "max_tokens"), (
             f"max_tokens({t.max_tokens}) leaves no room for the prompt within model.max_model_len"
             f"({topo.model.max_model_len})"))
+    every = topo.environment.eval.every
+    if every > t.max_steps:
+        raise check.fail(("environment", "eval", "every"), (
+            f"eval.every({every}) is past training.max_steps({t.max_steps}): the run would never evaluate; use "
+            f"every <= {t.max_steps}, or 0 for no evaluation"))
     if t.loss.kind == "gspo" and mesh.cp > 1:
         raise check.fail(("training", "loss", "kind"), (
             f"kind gspo takes one ratio per sample, but trainer.cp({mesh.cp}) splits samples over ranks; "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import stat
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Sequence
 import msgspec
 import yaml
 
+from prl.config.external import Unreadable, read_json, real_path, stat_of
 from prl.planner.capabilities import ModelConfig
 from prl.config.cluster import CLUSTERS_DIR, ClusterProfile, load_profile, profile_path
 from prl.errors import ConfigError
@@ -89,9 +91,14 @@ def _weights_of_run(topo: Topology, source: Source, cwd: Path) -> Topology:
     if m.from_run is None:
         return topo
     run = RunDir(_absolute(m.from_run, cwd))
-    if not run.plan_json.is_file():
-        raise source.error(("model", "from_run"), f"{run.root} is not a prl run directory (no plan.json)")
-    published = run.stable_steps("weights")
+    try:
+        if stat_of(run.plan_json) is None:
+            raise source.error(("model", "from_run"), f"{run.root} is not a prl run directory (no plan.json)")
+        published = run.stable_steps("weights")
+    except Unreadable as exc:
+        raise source.error(("model", "from_run"), str(exc)) from None
+    except OSError as exc:  # its weights/ listed, or a step's marker read
+        raise source.error(("model", "from_run"), f"cannot read {run.root}'s weights: {exc.strerror}") from None
     if not published:
         raise source.error(("model", "from_run"), f"{run.root} has published no weights yet (weights/step_N with "
                                                   f"its STABLE marker); is its job still running?")
@@ -118,21 +125,25 @@ def _attached_pool(topo: Topology, source: Source, cwd: Path) -> Topology:
     if not topo.attached:
         return topo
     field = (Role.INFERENCE, "attach")
-    pool = RunDir(str(Path(_absolute(topo.inference.attach, cwd)).resolve()))
-    if not pool.plan_json.is_file():
+    try:
+        pool = RunDir(str(real_path(_absolute(topo.inference.attach, cwd))))
+        plan = read_json(pool.plan_json, Plan, MAX_PLAN_BYTES, "a prl plan.json")
+    except Unreadable as exc:
+        raise source.error(field, str(exc)) from None
+    if plan is None:
         raise source.error(field, f"{pool.root} is not a prl run directory (no plan.json): plan and submit the pool "
                                   f"first (a topology with pool:)")
-    try:
-        plan = Plan.from_json(pool.plan_json.read_bytes(), str(pool.plan_json))
-    except OSError as exc:
-        raise source.error(field, f"cannot read {pool.plan_json}: {exc.strerror}") from None
     if plan.pool is None:
         raise source.error(field, f"{pool.root} is the run directory of {plan.name!r}, which is not an inference pool "
                                   f"(its topology has no pool: section)")
     if plan.name == topo.name:
         raise source.error(("name",), f"the run is named {topo.name!r} like the pool it attaches to, whose model is "
                                       f"served under that name; name the run otherwise")
-    if Path(plan.pool.model).resolve() != Path(topo.model.path).resolve():
+    try:
+        other_model = real_path(plan.pool.model) != real_path(topo.model.path)
+    except Unreadable as exc:
+        raise source.error(field, f"the pool's model: {exc}") from None
+    if other_model:
         raise source.error(("model", "path"), f"the pool {pool.root} serves {plan.pool.model}, and this run trains an "
                                               f"adapter on {topo.model.path}: an adapter is served on its own base model")
     if topo.model.lora.rank > plan.pool.max_lora_rank:
@@ -149,9 +160,16 @@ def check_scorer_tokenizers(topo: Topology, source: Source) -> None:
         if scorer.path is None and scorer.tokenizer is None:
             continue  # a reference of the student's own model
         own = scorer.tokenizer or scorer.path
-        why = tokenizer_difference(student, own)
+        field = "tokenizer" if scorer.tokenizer else "path"
+        try:
+            found = stat_of(Path(own).expanduser())
+            if found is not None and not stat.S_ISDIR(found.st_mode):
+                raise source.error((role, field), f"{own} is a file; the {role}'s {field} is a model directory "
+                                                  f"(its config.json, weights and tokenizer files)")
+            why = tokenizer_difference(student, own)
+        except Unreadable as exc:
+            raise source.error((role, field), f"comparing the {role}'s tokenizer with the student's: {exc}") from None
         if why:
-            field = "tokenizer" if scorer.tokenizer else "path"
             raise source.error((role, field), f"{role} tokenizer ({own}) is not the student's ({student}): {why}; "
                                               f"the {role} scores the student's token ids, so both must tokenize alike")
 
@@ -166,19 +184,9 @@ def model_config(topo: Topology, source: Source) -> ModelConfig | None:
     one-line error at `model.path`, never a traceback."""
     path = Path(topo.model.path) / "config.json"
     try:
-        if not path.is_file():
-            return None
-        size = path.stat().st_size
-        if size > MAX_MODEL_CONFIG_BYTES:
-            raise source.error(("model", "path"), f"{path} is {size} bytes; a model's config.json is a few KiB "
-                                                  f"(at most {MAX_MODEL_CONFIG_BYTES}): is this the model directory?")
-        return msgspec.json.decode(path.read_bytes(), type=ModelConfig)
-    except OSError as exc:
-        raise source.error(("model", "path"), f"cannot read the model's config.json ({path}): {exc.strerror}") from None
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise source.error(("model", "path"), f"{path} is not a model config.json prl can read: {exc}") from None
-    except RecursionError:
-        raise source.error(("model", "path"), f"{path} nests too deeply to be a model config.json") from None
+        return read_json(path, ModelConfig, MAX_MODEL_CONFIG_BYTES, "a model config.json")
+    except Unreadable as exc:
+        raise source.error(("model", "path"), str(exc)) from None
 
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}

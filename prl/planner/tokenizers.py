@@ -7,44 +7,64 @@ What is compared, in order of what the directories hold:
     vocab.json, merges.txt, tokenizer.model, vocab.txt     the files' bytes (slow tokenizers)
 
 Normalizers, pre-tokenizers and chat templates may differ (the orchestrator sends token ids, not text).
-A directory this machine cannot read (a hub id, a path only the nodes see) is not compared.
+A directory this machine does not have (a hub id, a path only the nodes see) is not compared; one it may not read,
+or a file of unexpected types, is refused in one line (prl/config/external.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
+from typing import Any, Optional, Union
+
+import msgspec
+
+from prl.config.external import Unreadable, is_dir, read_bytes, read_json
 
 MAX_TOKENIZER_BYTES = 256 << 20
 """Largest tokenizer file read (a 256k-vocabulary tokenizer.json is about 35 MiB)."""
 VOCAB_FILES = ("vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
+TOKENIZER_JSON = "a tokenizer.json"
+
+Vocab = Union[dict[str, int], list[tuple[str, float]]]
+"""`model.vocab`: token -> id (BPE, WordPiece), or [piece, score] pairs whose index is the id (Unigram)."""
 
 
-def _read_json(path: Path) -> dict | None:
-    if not path.is_file() or path.stat().st_size > MAX_TOKENIZER_BYTES:
-        return None
-    try:
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return None
-    return data if isinstance(data, dict) else None
+class AddedToken(msgspec.Struct):
+    id: int
+    content: str
+    special: bool = False
 
 
-def _vocab(data: dict) -> dict[str, int]:
-    vocab = (data.get("model") or {}).get("vocab")
+class TokenizerJson(msgspec.Struct):
+    """What of a tokenizer.json maps ids to tokens, typed: a file of other types is refused in one line."""
+
+    model: dict[str, Any]
+    added_tokens: list[AddedToken] = []
+
+
+def _read_json(path: Path) -> TokenizerJson | None:
+    data = read_json(path, TokenizerJson, MAX_TOKENIZER_BYTES, TOKENIZER_JSON)
+    if data is not None:
+        try:
+            msgspec.convert(data.model.get("vocab"), Optional[Vocab], strict=True)
+        except msgspec.ValidationError as exc:
+            raise Unreadable(f"{path} is not {TOKENIZER_JSON} prl can read: {exc} in `$.model.vocab`") from None
+    return data
+
+
+def _vocab(data: TokenizerJson) -> dict[str, int]:
+    vocab = data.model.get("vocab")
     if isinstance(vocab, dict):
-        return {str(k): v for k, v in vocab.items()}
-    if isinstance(vocab, list):  # unigram: [[piece, score], ...], the id is the index
-        return {str(item[0]): i for i, item in enumerate(vocab) if isinstance(item, list) and item}
-    return {}
+        return vocab
+    return {str(item[0]): i for i, item in enumerate(vocab or [])}  # unigram: the id is the index
 
 
-def _added(data: dict) -> dict[int, str]:
-    return {t.get("id"): str(t.get("content")) for t in data.get("added_tokens") or [] if isinstance(t, dict)}
+def _added(data: TokenizerJson) -> dict[int, str]:
+    return {t.id: t.content for t in data.added_tokens}
 
 
-def _json_difference(a: dict, b: dict) -> str | None:
+def _json_difference(a: TokenizerJson, b: TokenizerJson) -> str | None:
     """How two tokenizer.json files differ in what maps ids to tokens (None: they agree)."""
     va, vb = _vocab(a), _vocab(b)
     if va != vb:
@@ -55,8 +75,8 @@ def _json_difference(a: dict, b: dict) -> str | None:
         ids = sorted(i for i in set(aa) | set(ab) if aa.get(i) != ab.get(i))
         shown = ", ".join(f"{i}: {aa.get(i)!r} vs {ab.get(i)!r}" for i in ids[:3])
         return f"added tokens differ at {len(ids)} ids ({shown})"
-    ma = {k: v for k, v in (a.get("model") or {}).items() if k != "vocab"}
-    mb = {k: v for k, v in (b.get("model") or {}).items() if k != "vocab"}
+    ma = {k: v for k, v in a.model.items() if k != "vocab"}
+    mb = {k: v for k, v in b.model.items() if k != "vocab"}
     if ma != mb:
         keys = sorted(k for k in set(ma) | set(mb) if ma.get(k) != mb.get(k))
         return f"tokenizer models differ in {', '.join(keys[:4])}"
@@ -64,15 +84,15 @@ def _json_difference(a: dict, b: dict) -> str | None:
 
 
 def _digest(path: Path) -> str | None:
-    if not path.is_file() or path.stat().st_size > MAX_TOKENIZER_BYTES:
-        return None
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    raw = read_bytes(path, MAX_TOKENIZER_BYTES, f"a tokenizer's {path.name}")
+    return None if raw is None else hashlib.sha256(raw).hexdigest()
 
 
 def tokenizer_difference(student: str, other: str) -> str | None:
-    """Why `other`'s tokenizer is not `student`'s (directories), or None: alike, or not comparable here."""
+    """Why `other`'s tokenizer is not `student`'s (directories), or None: alike, or not comparable here.
+    Unreadable (prl/config/external.py) for a directory or file this machine may not read, or a mistyped file."""
     a, b = Path(student).expanduser(), Path(other).expanduser()
-    if not (a.is_dir() and b.is_dir()):
+    if not (is_dir(a) and is_dir(b)):
         return None
     ja, jb = _read_json(a / "tokenizer.json"), _read_json(b / "tokenizer.json")
     if ja is not None and jb is not None:

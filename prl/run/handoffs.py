@@ -22,7 +22,7 @@ from prl.run import records
 from prl.run.files import FILE_MODE, atomic_write_json, atomic_write_text, current_attempt, pid_alive
 from prl.run.layout import RunLayout, _check_role
 from prl.run.records import (Endpoint, FeedRecord, JobRecord, LauncherRecord, PreflightReport, RankBeat, ReadyMarker,
-                             RoleStateRecord, RolloutSample, StopRequest, TaskExit, WandbCursor)
+                             RoleError, RoleStateRecord, RolloutSample, StopRequest, TaskExit, WandbCursor)
 from prl.states import RoleState
 
 HEARTBEAT_S = 10.0
@@ -277,6 +277,29 @@ class Handoffs(RunLayout):
 
     def write_task_exit(self, role: str, task: int, record: TaskExit) -> Path:
         return atomic_write_json(self.task_exit(role, task), record)
+
+    def write_role_error(self, role: str, line: str, rank: int | None = None) -> Path:
+        """Record the error line this process of `role` ends on (`run_entry`'s `record`)."""
+        return atomic_write_json(self.role_error(role, socket.gethostname(), os.getpid()),
+                                 RoleError(line=line, time=time.time(), rank=rank))
+
+    def first_role_error(self, role: str) -> RoleError | None:
+        """The earliest error line a process of `role` ended on in this attempt: the cause (the others are often
+        ranks stopped because of it); None when none ended on a prl error. A record that does not read is skipped."""
+        found = []
+        for path in self.role_errors(role):
+            try:
+                found.append(records.read(path, RoleError))
+            except RunDirError:
+                continue
+        return min((r for r in found if r is not None), key=lambda r: r.time, default=None)
+
+    def role_error_line(self, role: str) -> str | None:
+        """`first_role_error`'s line as a failure's reason: 'rank K: LINE' where a trainer rank other than 0 raised it."""
+        error = self.first_role_error(role)
+        if error is None:
+            return None
+        return f"rank {error.rank}: {error.line}" if error.rank else error.line
 
     def request_stop(self, path: Path, attempt: int, signum: int | None = None) -> Path:
         """Write a stop request (`stop_request`, or a `replica_stop`) of `attempt`; the tasks watch for it."""

@@ -15,6 +15,7 @@
       state/<role>.json                       start / heartbeat / exit of each role (its rank 0)
       state/beats/<role>.<rank>.json          heartbeats of a multi-rank role's other ranks
       state/exits/<role>.<task>.json          how each task ended
+      state/errors/<role>.<host>.<pid>.json   the prl error line a role's process ended on
       state/endpoints/<role>.<K>.json         how to reach task or replica K of a role
       state/ready/<role>.<task>.json          a task is healthy;  state/preflight/<role>.<task>.json its checks
       state/stop.json  state/stop/<role>.<replica>.json   the launcher's stop of the job / of one replica
@@ -276,6 +277,17 @@ class RunLayout:
         """A task's own record of how it ended (exit code, time): srun reports only the step's worst."""
         _check_role(role)
         return self.state_dir / "exits" / f"{role}.{task}.json"
+
+    def role_error(self, role: str, host: str, pid: int) -> Path:
+        """The error line process `pid` on `host` of `role` ended on (a trainer rank, the role runner itself)."""
+        _check_role(role)
+        return self.state_dir / "errors" / f"{role}.{host}.{pid}.json"
+
+    def role_errors(self, role: str) -> list[Path]:
+        """Every error record of `role`'s processes in this attempt."""
+        _check_role(role)
+        folder = self.state_dir / "errors"
+        return sorted(folder.glob(f"{role}.*.json")) if folder.is_dir() else []
 
     @property
     def reserve(self) -> Path:

@@ -6,6 +6,7 @@
     state/<role>.json            RoleStateRecord the role's rank 0: claim, heartbeats, exit (`RunDir.write_state`)
     state/beats/<role>.<K>.json  RankBeat        rank K > 0 of a multi-rank role (`RunDir.rank_heartbeat`)
     state/exits/<role>.<K>.json  TaskExit        task K of a role, as it ends (prl/job/role.py)
+    state/errors/<role>.<host>.<pid>.json  RoleError  the prl error line a role's process ended on (prl/errors.py)
     state/endpoints/<role>.<K>.json  Endpoint    how to reach task or replica K of a role (its runtime)
     state/ready/<role>.<K>.json  ReadyMarker     task K of a role is healthy (its runtime; the launcher reads it)
     state/preflight/<role>.<K>.json  PreflightReport  task K's preflight checks (prl status reads them)
@@ -108,6 +109,8 @@ class LaunchRecord(msgspec.Struct, kw_only=True):
     last_step: Optional[int] = None
     last_phase: Optional[str] = None
     hang_bound_s: Optional[float] = None
+    error: Optional[str] = None
+    """The prl error line the failed role ended on (state/errors, `RoleError`), where it ended on one."""
 
 
 class DiskFull(msgspec.Struct, kw_only=True):
@@ -252,6 +255,18 @@ class TaskExit(Record, kw_only=True):
     """Its failure would recur on the same node (a failed preflight check): not restarted."""
     with_replica: bool = False
     """Stopped because another task of its multi-node replica failed (not a failure of its own)."""
+
+
+class RoleError(Record, kw_only=True):
+    """state/errors/<role>.<host>.<pid>.json: the one line of the prl error (PrlError) a process of a role ended
+    on, as it printed it to its log. torchrun, srun and the role runner pass on only exit codes (torchrun makes a
+    rank's 2 a 1): the launcher names the role's failure by this line, and `prl status` and `prl submit --local`
+    show it."""
+
+    line: str
+    time: Time
+    rank: Optional[Count] = None
+    """The trainer rank that raised it ($RANK under torchrun); None for a process of its own."""
 
 
 class FeedRecord(Record, kw_only=True):

@@ -90,7 +90,7 @@ class RunDir(Handoffs, Retention):
 
     def reset_attempt_state(self) -> None:
         """Forget an earlier attempt's readiness markers and endpoints before a new attempt starts."""
-        for sub in ("ready", "endpoints", "preflight", "exits", "beats", "stop"):
+        for sub in ("ready", "endpoints", "preflight", "exits", "errors", "beats", "stop"):
             shutil.rmtree(self.state_dir / sub, ignore_errors=True)
         self.stop_request.unlink(missing_ok=True)
         for kind in KINDS:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from prl.errors import run_entry
+from prl.run.rundir import RunDir
+from prl.states import Role
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -15,7 +18,9 @@ def cli(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from prl.trainer import main
 
-    return run_entry("prl trainer", lambda: main(args.run_dir, args.resume))
+    rank = int(os.environ.get("RANK", "0"))  # torchrun's
+    return run_entry("prl trainer", lambda: main(args.run_dir, args.resume),
+                     record=lambda line: RunDir(args.run_dir).write_role_error(Role.TRAINER, line, rank))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""A zygote for the trainer tests' CPU ranks: `tests.trainer_helpers.launch` forks each rank of a run from it.
+"""A zygote for the trainer tests' CPU ranks: `testkit.trainer_helpers.launch` forks each rank of a run from it.
 
 A 2-rank torchrun launch of the tiny model spent about 8 s on a quiet 2-core machine (10-19 s under the suite's
 load) to train for a fraction of one: torchrun's agent imports torch before it starts the ranks (1.7 s), then
@@ -132,7 +132,7 @@ class Zygote:
     """The client side, one per pytest worker (`zygote()`): starts the zygote, runs launches through it."""
 
     def __init__(self, env: dict[str, str]):
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.rank_zygote"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "testkit.rank_zygote"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env, bufsize=0, start_new_session=True)
         self.pending = b""  # what was read past the last answer (both answers may come in one read)
         atexit.register(self.close)

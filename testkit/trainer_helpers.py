@@ -15,8 +15,8 @@ import numpy as np
 from prl.planner.model import Plan
 from prl.run.batch import Sample, publish_batch
 from prl.run.rundir import RunDir, is_stable
-from tests.helpers import free_port
-from tests.plans import local_plan, write_plan
+from testkit.ports import free_port
+from testkit.plans import local_plan, write_plan
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -101,7 +101,7 @@ def launch(
 ):
     """Start the trainer on `nproc` CPU ranks; return the CompletedProcess (or, `wait=False`, torchrun's Popen).
 
-    Waited for, the ranks are forked from this worker's rank zygote (tests/rank_zygote.py: the trainer's entry
+    Waited for, the ranks are forked from this worker's rank zygote (testkit/rank_zygote.py: the trainer's entry
     in torchrun's rank environment, without paying torchrun's and each rank's imports again); not waited for,
     with `torchrun=True`, or with PRL_TEST_TORCHRUN=1 in the environment, torchrun starts them, as the job does."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
@@ -127,7 +127,7 @@ def _forked(argv: list[str], env: dict[str, str], nproc: int, timeout: float) ->
     import shutil
     import tempfile
 
-    from tests.rank_zygote import zygote
+    from testkit.rank_zygote import zygote
 
     out = Path(tempfile.mkdtemp(prefix="prl-ranks-"))
     try:
