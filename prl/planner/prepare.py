@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -200,7 +199,7 @@ def weight_shares(plan: Plan) -> tuple[tuple[WeightShare, ...], str]:
     its safetensors headers (read here, no tensor touched); () and why not when this machine cannot say."""
     from prl.states import WEIGHT_ROLES
     from prl.weights.layout import UpdateRefused, checkpoint_layout
-    from prl.weights.slices import server_places, slice_plan, worker_numel
+    from prl.weights.slices import server_places, slice_plan, wire_layout, worker_bytes
 
     model = plan.settings().model
     roles = [r for r in plan.inference if r.name in WEIGHT_ROLES]
@@ -219,6 +218,11 @@ def weight_shares(plan: Plan) -> tuple[tuple[WeightShare, ...], str]:
     size = DTYPE_BYTES.get(model.dtype)
     if size is None:
         return (), f"model.dtype {model.dtype}: the bytes depend on the checkpoint's own dtypes"
+    try:
+        shapes, sizes = wire_layout(config, layout, size)  # block FP8: the quantised weights' bytes and scales
+    except ValueError as exc:
+        return (), f"{path / 'config.json'}: {exc}"
+    whole = worker_bytes(dict.fromkeys(shapes), shapes, sizes)
     shares = []
     for role in roles:
         try:
@@ -226,11 +230,10 @@ def weight_shares(plan: Plan) -> tuple[tuple[WeightShare, ...], str]:
             # of an uneven EP split) and the last the least: two plans, not one per worker (48 at moe-1t), keep
             # `prl plan` quick on a login node that sees a 1T checkpoint.
             places = server_places(role.tp, role.dp, role.expert_parallel)
-            numels = [worker_numel(slice_plan(config, layout, w), layout) for w in {places[0], places[-1]}]
+            got = [worker_bytes(slice_plan(config, shapes, w), shapes, sizes) for w in {places[0], places[-1]}]
         except (ValueError, KeyError, TypeError) as exc:
             return (), f"{role.name}: its slices cannot be computed ({exc})"
-        shares.append(WeightShare(role.name, role.tp, role.dp, role.expert_parallel, max(numels) * size,
-                                  min(numels) * size, sum(math.prod(s) for s in layout.values()) * size))
+        shares.append(WeightShare(role.name, role.tp, role.dp, role.expert_parallel, max(got), min(got), whole))
     return tuple(shares), ""
 
 

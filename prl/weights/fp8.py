@@ -111,10 +111,13 @@ def weight_of(name: str) -> Optional[str]:
 
 
 def step_layout(layout: Mapping[str, tuple[int, ...]], blocks: Blocks) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Name -> (dtype, shape) of what a step carries for a model of `layout` (name -> shape, in the trainer's
-    names): each quantised weight as float8_e4m3fn beside its float32 scale, the rest as "model" (its dtype)."""
+    """Name -> (dtype, shape) of what a step carries for a model of `layout` (name -> shape: the trainer's names,
+    or a block-FP8 checkpoint's with its scales): each quantised weight as float8_e4m3fn beside its float32 scale,
+    the rest as "model" (the model's dtype)."""
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
     for name, shape in layout.items():
+        if weight_of(name) in layout:
+            continue  # a checkpoint stored in FP8 lists its scales already: they are its weights'
         if blocks.quantised(name) and len(shape) == 2:
             out[name] = ("float8_e4m3fn", tuple(shape))
             out[scale_name(name)] = ("float32", blocks.scale_shape(tuple(shape)))
