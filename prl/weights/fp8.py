@@ -2,6 +2,7 @@
 float8_e4m3fn blocks and their float32 `weight_scale_inv`, as the checkpoint stores them (docs/weights.md, "FP8").
 
     blocks = Blocks.of(config)                 # None: the model is not stored block-FP8 (the step goes as it is)
+    blocks = blocks_of(model_dir)              # the same from a model directory's config.json (ConfigError)
     blocks.quantised(name)                     # does vLLM keep this checkpoint tensor in FP8?
     q, scale_inv = quantise(weight, blocks)    # a 2-D weight -> its e4m3 blocks and one scale per block
     weight = dequantise(q, scale_inv, blocks)  # and back (what vLLM's kernels compute with)
@@ -21,11 +22,15 @@ Torch is imported inside the functions that touch tensors: the planner imports t
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
+
+from prl.errors import ConfigError
 
 SCALE_SUFFIX = "_scale_inv"
 """A quantised weight `X.weight` travels with `X.weight_scale_inv` (the name DeepSeek-V3's release and vLLM use)."""
@@ -98,6 +103,16 @@ class Blocks:
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
         """The scale tensor of a weight of `shape`: one float32 per block, partial edge blocks included."""
         return -(-shape[0] // self.rows), -(-shape[1] // self.cols)
+
+
+def blocks_of(model_dir: str | Path) -> Optional[Blocks]:
+    """The blocks of the model in `model_dir` (its config.json; None: not stored block-FP8); ConfigError naming
+    the file where prl cannot quantise for it."""
+    config = Path(model_dir) / "config.json"
+    try:
+        return Blocks.of(json.loads(config.read_text()))
+    except ValueError as exc:
+        raise ConfigError(f"{config}: {exc}") from None
 
 
 def scale_name(name: str) -> str:
