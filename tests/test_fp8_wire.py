@@ -408,3 +408,33 @@ def test_prl_plan_counts_a_block_fp8_models_bytes_per_worker_as_fp8_and_scales(f
     want = sum(math.prod(s) * (4 if weight_of(n) else 1 if blocks.quantised(n) else 2) for n, s in layout.items())
     assert (share.whole, share.most, why) == (want, want, "")
     assert share.whole < 0.6 * 2 * sum(t.numel() for t in original.values())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_an_moe_models_experts_are_published_per_expert_in_fp8_with_their_scales(family, tmp_path):
+    """The trainer's fused experts, split per expert as the checkpoint stores them, each quantised with its own
+    scale; Qwen3-MoE's router gate too (its vLLM gate takes the quant config), DeepSeek-V3's not. Loaded and
+    published untouched, the step is the checkpoint again within FP8's rounding."""
+    from safetensors.torch import load_file
+
+    from prl.run.rundir import RunDir
+    from prl.trainer.tiny_model import build_tiny_moe, to_block_fp8
+    from prl.trainer.weights import publish_weights
+    from prl.weights.layout import checkpoint_layout
+
+    path = to_block_fp8(build_tiny_moe(tmp_path / family, family=family, hidden_size=128, moe_intermediate_size=128,
+                                       head_dim=64, dtype="bfloat16"))
+    step = publish_weights(RunDir(tmp_path / "run").create(), 1, trainer_model(path), path, torch.bfloat16,
+                           one_rank())
+    assert checkpoint_layout(step) == checkpoint_layout(path)
+    stored, published, blocks = load_file(path / "model.safetensors"), load_file(step / "model.safetensors"), \
+        Blocks.of(json_of(path))
+    assert {n: t.dtype for n, t in published.items()} == {n: t.dtype for n, t in stored.items()}
+    gate = "model.layers.1.mlp.gate.weight"
+    assert (published[gate].dtype == torch.float8_e4m3fn) is (family == "qwen3_moe")
+    experts = [n for n in stored if ".experts." in n and n.endswith(".weight")]
+    assert len(experts) == 3 * 4 * (1 if family == "deepseek_v3" else 2)  # deepseek's layer 0 is dense
+    for name in (n for n in stored if blocks.quantised(n)):
+        want = dequantise(stored[name], stored[scale_name(name)], blocks)
+        got = dequantise(published[name], published[scale_name(name)], blocks)
+        assert ((got - want).abs() <= want.abs() * 2**-3 + stored[scale_name(name)].max() * 2**-9).all(), name
