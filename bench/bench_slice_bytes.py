@@ -7,13 +7,15 @@ parallelism), its model's tensors are laid out from the model's public config.js
 shapes as the Hugging Face checkpoint has them), and prl/weights/slices.py, the code every worker runs, says what
 each worker of each server keeps. Prints per role: bytes per worker (least-most over a server's workers), the
 whole step, their ratio, and what all of that role's servers take per update together; then the sum over roles.
-These are the numbers docs/weights.md's 1T table uses.
+A model stored block-FP8 (moe-1t's Kimi-K2: its config.json's quantization_config) gets two lines per role: the
+step in the trainer's dtype (`wire bf16`, what prl sent before FP8 on the wire) and as its servers load it
+(`wire fp8`: each quantised weight in e4m3 beside its float32 scales, prl/weights/fp8.py). These are the numbers
+docs/weights.md's 1T table uses.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -21,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prl.planner.prepare import DTYPE_BYTES, prepare  # noqa: E402
 from prl.states import WEIGHT_ROLES  # noqa: E402
-from prl.weights.slices import SLICED_FAMILIES, server_places, slice_plan, worker_numel  # noqa: E402
+from prl.weights.slices import SLICED_FAMILIES, server_places, slice_plan, wire_layout, worker_bytes  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,7 +34,8 @@ CONFIGS = {
         "num_hidden_layers": 61, "first_k_dense_replace": 1, "n_routed_experts": 384, "n_shared_experts": 1,
         "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512,
         "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 163840,
-        "tie_word_embeddings": False},
+        "tie_word_embeddings": False, "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                                              "quant_method": "fp8", "weight_block_size": [128, 128]}},
     "moe-30b-pd": {  # Qwen3-30B-A3B
         "model_type": "qwen3_moe", "hidden_size": 2048, "moe_intermediate_size": 768, "num_hidden_layers": 48,
         "num_experts": 128, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
@@ -107,14 +110,17 @@ def layout_of(c: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def rows(topology: str) -> list[tuple]:
+def rows(topology: str, fp8: bool) -> list[tuple]:
+    """Per weight role: what its workers receive, the step in the trainer's dtype or (`fp8`) as its servers load it."""
     plan = prepare(REPO / "configs" / f"{topology}.yaml", cwd=REPO).plan
     config, size = CONFIGS[topology], DTYPE_BYTES[plan.settings().model.dtype]
-    layout = layout_of(config)
-    whole = size * sum(math.prod(s) for s in layout.values())
+    if not fp8:
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
+    shapes, sizes = wire_layout(config, layout_of(config), size)
+    whole = worker_bytes(dict.fromkeys(shapes), shapes, sizes)
     out = []
     for role in (r for r in plan.inference if r.name in WEIGHT_ROLES):
-        per = [size * worker_numel(slice_plan(config, layout, w), layout)
+        per = [worker_bytes(slice_plan(config, shapes, w), shapes, sizes)
                for w in server_places(role.tp, role.dp, role.expert_parallel)]
         out.append((topology, role.name, f"tp{role.tp} dp{role.dp}" + (" ep" if role.expert_parallel else ""),
                     role.replicas, len(per), min(per), max(per), whole, role.replicas * sum(per)))
@@ -125,18 +131,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--topology", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     args = ap.parse_args()
-    print(f"{'topology':<13} {'role':<9} {'server':<12} {'servers':>7} {'workers':>7} {'GB/worker':>15} "
+    print(f"{'topology':<13} {'wire':<5} {'role':<9} {'server':<12} {'servers':>7} {'workers':>7} {'GB/worker':>15} "
           f"{'whole GB':>9} {'most/whole':>10} {'all servers TB':>14}")
     for topology in args.topology:
-        total, found = 0, rows(topology)
-        for t, role, place, replicas, workers, least, most, whole, together in found:
-            got = f"{least / 1e9:.1f}" if least == most else f"{least / 1e9:.1f}-{most / 1e9:.1f}"
-            print(f"{t:<13} {role:<9} {place:<12} {replicas:>7} {workers:>7} {got:>15} {whole / 1e9:>9.1f} "
-                  f"{most / whole:>10.4f} {together / 1e12:>14.2f}")
-            total += together
-        sliced = CONFIGS[topology]["model_type"] in SLICED_FAMILIES
-        print(f"{'':<13} every worker whole: {whole * sum(r[3] * r[4] for r in found) / 1e12:.2f} TB per "
-              f"update; sliced: {total / 1e12:.2f} TB{'' if sliced else ' (family not sliced: whole today)'}")
+        for fp8 in (False, True) if "quantization_config" in CONFIGS[topology] else (False,):
+            wire = "fp8" if fp8 else plan_dtype(topology)
+            total, found = 0, rows(topology, fp8)
+            for t, role, place, replicas, workers, least, most, whole, together in found:
+                got = f"{least / 1e9:.1f}" if least == most else f"{least / 1e9:.1f}-{most / 1e9:.1f}"
+                print(f"{t:<13} {wire:<5} {role:<9} {place:<12} {replicas:>7} {workers:>7} {got:>15} "
+                      f"{whole / 1e9:>9.1f} {most / whole:>10.4f} {together / 1e12:>14.2f}")
+                total += together
+            sliced = CONFIGS[topology]["model_type"] in SLICED_FAMILIES
+            print(f"{'':<13} {wire:<5} every worker whole: {whole * sum(r[3] * r[4] for r in found) / 1e12:.2f} TB "
+                  f"per update; sliced: {total / 1e12:.2f} TB{'' if sliced else ' (family not sliced: whole today)'}")
+
+
+def plan_dtype(topology: str) -> str:
+    """The trainer's dtype, as the wire's name (bf16)."""
+    dtype = prepare(REPO / "configs" / f"{topology}.yaml", cwd=REPO).plan.settings().model.dtype
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
 
 
 if __name__ == "__main__":

@@ -216,7 +216,7 @@ def weight_shares(plan: Plan) -> tuple[tuple[WeightShare, ...], str]:
     its safetensors headers (read here, no tensor touched); () and why not when this machine cannot say."""
     from prl.states import WEIGHT_ROLES
     from prl.weights.layout import UpdateRefused, checkpoint_layout
-    from prl.weights.slices import server_places, slice_plan, worker_numel
+    from prl.weights.slices import server_places, slice_plan, wire_layout, worker_bytes
 
     model = plan.settings().model
     roles = [r for r in plan.inference if r.name in WEIGHT_ROLES]
@@ -235,6 +235,11 @@ def weight_shares(plan: Plan) -> tuple[tuple[WeightShare, ...], str]:
     size = DTYPE_BYTES.get(model.dtype)
     if size is None:
         return (), f"model.dtype {model.dtype}: the bytes depend on the checkpoint's own dtypes"
+    try:
+        shapes, sizes = wire_layout(config, layout, size)  # block FP8: the quantised weights' bytes and scales
+    except ValueError as exc:
+        return (), f"{path / 'config.json'}: {exc}"
+    whole = worker_bytes(dict.fromkeys(shapes), shapes, sizes)
     shares = []
     for role in roles:
         try:
@@ -242,18 +247,17 @@ def weight_shares(plan: Plan) -> tuple[tuple[WeightShare, ...], str]:
             # of an uneven EP split) and the last the least: two plans, not one per worker (48 at moe-1t), keep
             # `prl plan` quick on a login node that sees a 1T checkpoint.
             places = server_places(role.tp, role.dp, role.expert_parallel)
-            plans = [slice_plan(config, layout, w) for w in {places[0], places[-1]}]
+            first = slice_plan(config, shapes, places[0])  # by the rules, the first worker gets the most
+            got = [worker_bytes(p, shapes, sizes) for p in (first, slice_plan(config, shapes, places[-1]))]
         except (ValueError, KeyError, TypeError) as exc:
             return (), f"{role.name}: its slices cannot be computed ({exc})"
-        numels = [worker_numel(p, layout) for p in plans]
         layers: dict[str, int] = {}
-        for name, cut in plans[0].items():  # the first worker's: the most
+        for name, cut in first.items():
             layer = _LAYER.search(name)
             if layer:
-                layers[layer.group()] = layers.get(layer.group(), 0) + worker_numel({name: cut}, layout)
-        shares.append(WeightShare(role.name, role.tp, role.dp, role.expert_parallel, max(numels) * size,
-                                  min(numels) * size, sum(math.prod(s) for s in layout.values()) * size,
-                                  max(layers.values(), default=0) * size))
+                layers[layer.group()] = layers.get(layer.group(), 0) + worker_bytes({name: cut}, shapes, sizes)
+        shares.append(WeightShare(role.name, role.tp, role.dp, role.expert_parallel, max(got), min(got), whole,
+                                  max(layers.values(), default=0)))
     return tuple(shares), ""
 
 

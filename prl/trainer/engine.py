@@ -88,6 +88,7 @@ from prl.trainer.parallel import Dist, all_reduce_stats, apply_fsdp, clip_grad_n
 from prl.trainer.replay import set_routes
 from prl.trainer.vision import PIXEL_PREFIXES, SAMPLED_IMAGE_TOKEN, Pictures, set_picture_span
 from prl.trainer.weights import publish_weights, shares
+from prl.weights.fp8 import blocks_of
 
 ROLE = Role.TRAINER
 LABELS = ("loss_mask", "advantages", "inference_logprobs")
@@ -507,7 +508,7 @@ def publish(eng: Engine, spec: Spec, step: int, durable: bool = True) -> None:
         spec.publish(eng, step)
         eng.published = step
         return
-    tensors, writers = shares(eng.model, getattr(torch, eng.cfg.model_dtype), eng.d)
+    tensors, writers = shares(eng.model, getattr(torch, eng.cfg.model_dtype), eng.d, blocks_of(eng.cfg.model_path))
     eng.sender.send(step, tensors, writers)
 
 

@@ -12,7 +12,10 @@ Non-persistent buffers (rotary `inv_freq`) are not in the checkpoint: their modu
 rebuilt from the config on the device after `to_empty`. Persistent ones (DeepSeek-V3's router
 score-correction bias) are read whole on every rank, like the parameters they sit beside.
 Checkpoint names follow the family's layout (`disk_layout` in prl/trainer/moe.py: Mixtral's
-`block_sparse_moe`, per-expert or fused experts).
+`block_sparse_moe`, per-expert or fused experts). A checkpoint stored block-FP8 (DeepSeek-V3's, Kimi-K2's
+release: float8_e4m3fn weights beside a float32 `weight_scale_inv` per block, prl/weights/fp8.py) is
+dequantised as its rows are read: the trainer trains in its own dtype, and publishes FP8 again
+(prl/trainer/weights.py).
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ from torch import nn
 
 from prl.errors import ConfigError
 from prl.trainer.moe import DiskLayout, ExpertParallelExperts, disk_keys, disk_layout, disk_name, is_fused_experts
+from prl.weights.fp8 import Blocks, blocks_of
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
 }
 
 
@@ -78,6 +82,7 @@ class _Reader:
         self.where = weight_map(model_path)
         self.path = model_path
         self.headers: dict[Path, tuple[int, dict]] = {}
+        self.blocks = blocks_of(model_path)
 
     def _entry(self, name: str) -> tuple[Path, int, dict]:
         if name not in self.where:
@@ -89,7 +94,23 @@ class _Reader:
         return file, base, header[name]
 
     def read_into(self, name: str, start: int, dest: torch.Tensor) -> None:
-        """Fill `dest` with rows [start, start + len(dest)) of tensor `name` (all of it if 0-d)."""
+        """Fill `dest` with rows [start, start + len(dest)) of tensor `name` (all of it if 0-d); an FP8 weight of a
+        block-FP8 checkpoint dequantised by its scales' rows."""
+        from prl.weights.fp8 import dequantise, scale_name
+
+        scales = scale_name(name)
+        if self.blocks is None or scales not in self.where or self._entry(name)[2]["dtype"] != "F8_E4M3":
+            return self._read_rows(name, start, dest)
+        q = torch.empty(dest.shape, dtype=torch.float8_e4m3fn)
+        self._read_rows(name, start, q)
+        first, stop = start // self.blocks.rows, -(-(start + len(dest)) // self.blocks.rows)
+        scale = torch.empty((stop - first, *self._entry(scales)[2]["shape"][1:]), dtype=torch.float32)
+        self._read_rows(scales, first, scale)
+        rows = scale.repeat_interleave(self.blocks.rows, 0)[start - first * self.blocks.rows:][:len(dest)]
+        dest.copy_(dequantise(q, rows, Blocks(1, self.blocks.cols)))
+
+    def _read_rows(self, name: str, start: int, dest: torch.Tensor) -> None:
+        """`read_into` of a tensor as it is stored (cast to `dest`'s dtype)."""
         file, base, entry = self._entry(name)
         shape, dtype = entry["shape"], _DTYPES[entry["dtype"]]
         stop = start + (dest.shape[0] if dest.dim() else 1)

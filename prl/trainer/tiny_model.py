@@ -10,6 +10,7 @@ backend refuses head sizes below 32.
     moe = build_tiny_moe(tmp_path / "moe")       # Qwen3-MoE: 4 experts, top-2
     glm = build_tiny_moe(tmp_path / "glm", family="glm4_moe")   # any of MOE_FAMILIES
     vlm = build_tiny_vlm(tmp_path / "vlm")       # Idefics3: SigLIP-style tower + Llama text, real processor
+    to_block_fp8(path)                           # stored as DeepSeek-V3's release is: e4m3 128x128 blocks + scales
 """
 
 from __future__ import annotations
@@ -103,6 +104,27 @@ def build_tiny_model(
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def to_block_fp8(model_dir: str | Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """Rewrite a model directory as a block-FP8 release is stored (DeepSeek-V3's, Kimi-K2's): config.json's
+    `quantization_config` (`quant_method: fp8`, `weight_block_size`), each weight vLLM keeps in FP8 as
+    float8_e4m3fn beside its float32 `weight_scale_inv` (prl/weights/fp8.py), the rest as it was."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from prl.weights.fp8 import Blocks, quantise_step
+
+    path = Path(model_dir)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": list(block)}
+    blocks = Blocks.of(config)
+    for file in sorted(path.glob("*.safetensors")):
+        save_file(dict(quantise_step(sorted(load_file(file).items()), blocks)), str(file), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return path
 
 
 LORA_EMBED_SCALE = 8.0

@@ -18,6 +18,12 @@ EP ranks' experts are then gathered over the EP group into one tensor), the layo
 `from_pretrained` read; persistent buffers (a router's score-correction bias) go with the
 parameters; a tied lm_head is stored once (as HF does).
 
+A model stored block-FP8 (config.json `quantization_config`: `quant_method: fp8` with `weight_block_size`, as
+DeepSeek-V3 and Kimi-K2 are released) is served as stored, so its steps are laid out so too, to the run directory
+and the feeds alike: each weight vLLM keeps in FP8 is quantised by its writer rank into float8_e4m3fn blocks
+beside its float32 `weight_scale_inv` (prl/weights/fp8.py, vLLM's own arithmetic), about half the bytes of bf16;
+the rest goes in the published dtype.
+
 Publishing does not overlap the next step: the step's weights are on disk and marked before
 the next step's optimizer changes them, so staleness accounting stays exact.
 
@@ -28,9 +34,11 @@ writes), kept as the benchmark baseline (bench/bench_publish.py).
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -40,6 +48,7 @@ from prl.run.rundir import MARKER, RunDir
 from prl.trainer.loading import persistent_buffers
 from prl.trainer.moe import (ExpertParallelExperts, disk_keys, disk_layout, disk_name, gather_experts, is_fused_experts,
                              split_experts)
+from prl.weights.fp8 import Blocks, blocks_of, quantise_step, scale_name
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -139,25 +148,34 @@ class Unit:
     nbytes: int
 
 
-def _units_of(name: str, p: torch.Tensor, owner, layout, itemsize: int) -> list[Unit]:
-    """The units of one tensor: per EP index for experts stored per expert, else one."""
+def _units_of(name: str, p: torch.Tensor, owner, layout, itemsize: int, blocks: Optional[Blocks]) -> list[Unit]:
+    """The units of one tensor: per EP index for experts stored per expert, else one (its keys with the scales of
+    the FP8 ones, its bytes as published)."""
     prefix, _, leaf = name.rpartition(".")
-    nbytes = p.numel() * itemsize
+
+    def unit(ep_index: int | None, keys: list[str], numel: int) -> Unit:
+        if blocks is None or not any(blocks.quantised(k) for k in keys):
+            return Unit(name, ep_index, tuple(keys), numel * itemsize)
+        scales = math.ceil(numel / (blocks.rows * blocks.cols))  # about: edge blocks add a few
+        return Unit(name, ep_index, tuple(keys) + tuple(scale_name(k) for k in keys if blocks.quantised(k)),
+                    numel + 4 * scales)
+
     if isinstance(owner, ExpertParallelExperts):
         if layout.split is None:  # one fused tensor on disk: every EP rank's experts gathered into it
-            return [Unit(name, None, tuple(disk_keys(layout, prefix, leaf, 0, owner.num_experts)), nbytes * owner.ep)]
-        return [Unit(name, e, tuple(disk_keys(layout, prefix, leaf, e * owner.num_local, owner.num_local)), nbytes)
+            return [unit(None, disk_keys(layout, prefix, leaf, 0, owner.num_experts), p.numel() * owner.ep)]
+        return [unit(e, disk_keys(layout, prefix, leaf, e * owner.num_local, owner.num_local), p.numel())
                 for e in range(owner.ep)]
     if owner is not None and is_fused_experts(owner):
-        return [Unit(name, None, tuple(disk_keys(layout, prefix, leaf, 0, p.shape[0])), nbytes)]
-    return [Unit(name, None, (disk_name(layout, name),), nbytes)]
+        return [unit(None, disk_keys(layout, prefix, leaf, 0, p.shape[0]), p.numel())]
+    return [unit(None, [disk_name(layout, name)], p.numel())]
 
 
-def publish_plan(model: torch.nn.Module, d, dtype: torch.dtype) -> tuple[list[Unit], dict[Unit, int]]:
+def publish_plan(model: torch.nn.Module, d, dtype: torch.dtype, blocks: Optional[Blocks] = None
+                 ) -> tuple[list[Unit], dict[Unit, int]]:
     """Units to publish and the writer rank of each; identical on every rank (no communication).
 
     Writers are the ranks of replica group 0; an EP unit may only go to a rank of its EP index
-    (the ranks that can gather it).
+    (the ranks that can gather it). `blocks`: the servers load FP8 (the units' keys carry the scales).
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     tied = tied_keys(model)
@@ -166,7 +184,7 @@ def publish_plan(model: torch.nn.Module, d, dtype: torch.dtype) -> tuple[list[Un
     units: list[Unit] = []
     for name, p in [*model.named_parameters(), *persistent_buffers(model)]:
         if name not in tied:
-            units += _units_of(name, p, modules.get(name.rpartition(".")[0]), layout, itemsize)
+            units += _units_of(name, p, modules.get(name.rpartition(".")[0]), layout, itemsize, blocks)
     writers = list(range(d.world_size // d.dp_replicate))
     load = dict.fromkeys(writers, 0)
     owners: dict[Unit, int] = {}
@@ -186,8 +204,11 @@ def file_names(owners: dict[Unit, int]) -> dict[int, str]:
     return {r: f"model-{i:05d}-of-{len(ranks):05d}.safetensors" for i, r in enumerate(ranks, 1)}
 
 
-def gather_owned(model: torch.nn.Module, d, dtype: torch.dtype, units: list[Unit], owners: dict[Unit, int]):
-    """Collective: the on-disk tensors of the units this rank writes (full, on CPU, in `dtype`)."""
+def gather_owned(model: torch.nn.Module, d, dtype: torch.dtype, units: list[Unit], owners: dict[Unit, int],
+                 blocks: Optional[Blocks] = None):
+    """Collective: the on-disk tensors of the units this rank writes (full, on CPU, in `dtype`; with `blocks`, each
+    weight the servers keep in FP8 quantised, beside its scale, on the device before it leaves it: half the bytes
+    to copy, and a GPU quantises far faster than the host)."""
     modules = dict(model.named_modules())
     tensors = {**dict(model.named_parameters()), **dict(persistent_buffers(model))}
     layout = disk_layout(model)
@@ -203,12 +224,14 @@ def gather_owned(model: torch.nn.Module, d, dtype: torch.dtype, units: list[Unit
             full = gather_experts(full, d.ep, d.ep_group)
         if owners[u] != d.rank:
             continue
-        full = full.cpu()
         if owner is not None and is_fused_experts(owner):
             first = owner.first if u.ep_index is not None else 0
-            mine.update({k: v.contiguous() for k, v in split_experts(layout, prefix, leaf, full, first).items()})
+            parts = list(split_experts(layout, prefix, leaf, full, first).items())
         else:
-            mine[disk_name(layout, u.name)] = full.contiguous()
+            parts = [(disk_name(layout, u.name), full)]
+        if blocks is not None:
+            parts = quantise_step(parts, blocks)
+        mine.update((k, v.cpu().contiguous()) for k, v in parts)
     return mine
 
 
@@ -223,12 +246,13 @@ def unwrapped(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def shares(model: torch.nn.Module, dtype: torch.dtype, d) -> tuple[list[tuple[str, torch.Tensor]], list[int]]:
+def shares(model: torch.nn.Module, dtype: torch.dtype, d, blocks: Optional[Blocks] = None
+           ) -> tuple[list[tuple[str, torch.Tensor]], list[int]]:
     """Collective: this rank's share of the weights (the tensors a sharded publish would write to its file, by
-    name; empty on a rank that writes none) and the writer ranks, whose shares together are the model: what a
-    transport that sends from memory sends (prl/weights)."""
-    units, owners = publish_plan(model, d, dtype)
-    return sorted(gather_owned(model, d, dtype, units, owners).items()), sorted(set(owners.values()))
+    name; empty on a rank that writes none; `blocks`: laid out for FP8 servers) and the writer ranks, whose shares
+    together are the model: what a transport that sends from memory sends (prl/weights)."""
+    units, owners = publish_plan(model, d, dtype, blocks)
+    return sorted(gather_owned(model, d, dtype, units, owners, blocks).items()), sorted(set(owners.values()))
 
 
 def _broadcast_str(value: str | None) -> str:
@@ -250,10 +274,11 @@ def publish_weights(
     from safetensors.torch import save_file
 
     dest = run.weights(step)
+    blocks = blocks_of(source_dir)
     tmp = Path(_broadcast_str(str(run.begin_publish(dest, tag=f"step{step}")) if d.is_main else None))
-    units, owners = publish_plan(model, d, dtype)
+    units, owners = publish_plan(model, d, dtype, blocks)
     files = file_names(owners)
-    mine = gather_owned(model, d, dtype, units, owners)
+    mine = gather_owned(model, d, dtype, units, owners, blocks)
     if d.rank in files:
         save_file(mine, str(tmp / files[d.rank]), metadata={"format": "pt"})
     del mine
@@ -278,6 +303,9 @@ def publish_weights_gathered(
     """
     if any(isinstance(m, ExpertParallelExperts) for m in model.modules()):
         raise ValueError("publish_weights_gathered cannot publish an expert-parallel model; use publish_weights")
+    if blocks_of(source_dir) is not None:
+        raise ValueError("publish_weights_gathered writes the published dtype only; a block-FP8 model's servers "
+                         "load FP8: use publish_weights")
     state = full_state_dict(model)
     dest = run.weights(step)
     if is_main:

