@@ -158,9 +158,9 @@ class Weights(Strict, kw_only=True):
     RUN/weights/step_N and read back), `memory` (each trainer rank serves its share over TCP to the
     servers' vLLM workers, each worker reading it; only checkpoint steps and the last step are published
     to disk), or `broadcast` (as `memory`, but the servers behind on a step get it together, each trainer
-    rank broadcasting its share to all their workers over a torch.distributed gloo group, a tree in which
-    its node sends it ceil(log2(1 + workers)) times; a server the group fails for reads the feeds instead:
-    docs/weights.md)."""
+    rank broadcasting its share to their workers over torch.distributed groups, one per place (the workers
+    that keep the same slices), gloo or NCCL (`backend`); a server the group fails for reads the feeds
+    instead: docs/weights.md)."""
     delta: bool = False
     """With `memory` or `broadcast`: a server that loaded the previous step from memory gets only the elements
     that changed (int32 index + value each), a tensor whole where that is no smaller; any other server gets

@@ -4,7 +4,7 @@
                     its workers) and the registry of transports by name: `get(name)`, `names()`
     filesystem.py   `filesystem`: every step to RUN/weights/step_N, read back by each server
     memory.py       `memory`: each trainer rank's weight feed serves its share over TCP to every worker
-    broadcast.py    `broadcast`: the feeds broadcast a step to every server behind on it at once (gloo groups)
+    broadcast.py    `broadcast`: the feeds broadcast a step to every server behind on it at once (a group per place)
     feed.py         the weight feed's keyed TCP protocol: FeedServer (a trainer rank), FeedReader (a worker)
     collective.py   the broadcast groups (torch.distributed gloo, bound to the nodes' addresses)
     slices.py       which part of each tensor one inference worker keeps (its tensor-parallel shard)
