@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import stat
 from dataclasses import dataclass
 from functools import cached_property
@@ -216,7 +215,7 @@ def weight_shares(plan: Plan) -> tuple[tuple[WeightShare, ...], str]:
     its safetensors headers (read here, no tensor touched); () and why not when this machine cannot say."""
     from prl.states import WEIGHT_ROLES
     from prl.weights.layout import UpdateRefused, checkpoint_layout
-    from prl.weights.slices import server_places, slice_plan, wire_layout, worker_bytes
+    from prl.weights.slices import largest_layer_bytes, server_places, slice_plan, wire_layout, worker_bytes
 
     model = plan.settings().model
     roles = [r for r in plan.inference if r.name in WEIGHT_ROLES]
@@ -251,17 +250,11 @@ def weight_shares(plan: Plan) -> tuple[tuple[WeightShare, ...], str]:
             got = [worker_bytes(p, shapes, sizes) for p in (first, slice_plan(config, shapes, places[-1]))]
         except (ValueError, KeyError, TypeError) as exc:
             return (), f"{role.name}: its slices cannot be computed ({exc})"
-        layers: dict[str, int] = {}
-        for name, cut in first.items():
-            layer = _LAYER.search(name)
-            if layer:
-                layers[layer.group()] = layers.get(layer.group(), 0) + worker_bytes({name: cut}, shapes, sizes)
         shares.append(WeightShare(role.name, role.tp, role.dp, role.expert_parallel, max(got), min(got), whole,
-                                  max(layers.values(), default=0)))
+                                  largest_layer_bytes(first, shapes, sizes)))
     return tuple(shares), ""
 
 
-_LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
 """vLLM's default share of each GPU's memory (`--gpu-memory-utilization`) for weights, activations and KV."""
 

@@ -2,8 +2,8 @@
 
     group = Group(token="9f2c...", world=5, rank=3)   # the orchestrator names it (prl.run.api.Group); worker 3 of 4
     pg = join(group, bind_host, "host:port")          # every member (the feed's sender: rank 0, its own store)
-    send(pg, buffers, device(group))                   # one broadcast per buffer, in header order
-    receive(pg, torch.empty(n, dtype=torch.uint8, device=device(group)))
+    send(pg, buffers, device(group.backend))           # one broadcast per buffer, in header order
+    receive(pg, torch.empty(n, dtype=torch.uint8, device=device(group.backend)))
 
 `weights.transport: broadcast`: the orchestrator gives the workers of one place (the same slices) in every
 server behind on a step one group (a random token, the world size: 1 sender + those workers, each its rank).
@@ -76,13 +76,14 @@ def join(group: Group, bind_host: str, rendezvous):
     return dist.ProcessGroupGloo(prefixed, group.rank, group.world, options)
 
 
-def device(group: Group):
-    """Where a member's buffers live: host memory under gloo, this process's current GPU under NCCL."""
+def device(backend: str):
+    """Where a member's buffers live under `backend`: this process's current GPU under NCCL; None under gloo
+    (host memory, where the tensors already are)."""
+    if backend != "nccl":
+        return None
     import torch
 
-    if group.backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _broadcast(pg, buffer) -> None:
@@ -95,7 +96,7 @@ def _broadcast(pg, buffer) -> None:
 
 def send(pg, buffers: Iterable, on=None) -> int:
     """Broadcast each contiguous tensor from rank 0 in order (never written: a root's buffer is only read), each
-    staged to device `on` first where it is elsewhere (`device(group)`; None: where it is); the bytes sent. The
+    staged to device `on` first where it is elsewhere (`device(backend)`; None: where it is); the bytes sent. The
     members receive the same sequence, each buffer's size known from the step's header."""
     import torch
 

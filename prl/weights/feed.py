@@ -317,7 +317,7 @@ class FeedServer:
 
             self._store = collective.store(host, group_timeout)
             if backend == "nccl":  # the constructing thread's GPU (a trainer rank's); the sender threads' is 0
-                self._device = collective.device(Group(token="0" * 32, world=2, rank=0, backend=backend))
+                self._device = collective.device(backend)
         self._admission = _Admission()
         self._refusals = Throttled(log)
         self._server = _Listener((host, port), self)
@@ -644,7 +644,7 @@ class FeedReader:
             if group is not None:
                 from prl.weights import collective
 
-                self._device = collective.device(group) if group.backend != "gloo" else None
+                self._device = collective.device(group.backend)
                 self._pg = self._join_group()
         except BaseException:
             self.close()

@@ -84,6 +84,7 @@ class Dims:
 
 
 _LAYER = r"(?:^|\.)layers\.\d+\."
+_LAYER_OF = re.compile(_LAYER)
 _EXPERT = re.compile(_LAYER + r".*experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _COLUMN = re.compile(_LAYER + r".*(?:mlp|shared_expert|shared_experts)\.(?:gate_proj|up_proj)\.weight$")
 _ROW = re.compile(_LAYER + r".*(?:mlp|shared_expert|shared_experts)\.down_proj\.weight$")
@@ -232,3 +233,13 @@ def worker_bytes(plan: Mapping[str, Optional[Slice]], layout: Mapping[str, Shape
     """Bytes a worker receives under `plan`, each tensor's elements of `sizes[name]` bytes (else `default`)."""
     return sum((math.prod(layout[n]) if s is None else s.numel(tuple(layout[n]))) * sizes.get(n, default)
                for n, s in plan.items())
+
+
+def largest_layer_bytes(plan: Mapping[str, Optional[Slice]], layout: Mapping[str, Shape],
+                        sizes: Mapping[str, int]) -> int:
+    """Bytes of the decoder layer of which a worker receives the most under `plan` (0: no layers)."""
+    layers: dict[str, dict[str, Optional[Slice]]] = {}
+    for name, cut in plan.items():
+        if (layer := _LAYER_OF.search(name)) is not None:
+            layers.setdefault(layer.group(), {})[name] = cut
+    return max((worker_bytes(part, layout, sizes) for part in layers.values()), default=0)
