@@ -18,7 +18,7 @@ import pytest
 
 from prl.orchestrator import main
 from prl.orchestrator.config import OrchestratorConfig
-from prl.orchestrator.continuous import DataOrder, Scheduler
+from prl.orchestrator.continuous import STALE_CANCELLED, DataOrder, Scheduler
 from prl.orchestrator.rollouts import Generator, TaskStream
 from prl.orchestrator.sync import LiveServer, ServerPool
 from prl.run.batch import read_batch
@@ -127,6 +127,40 @@ def test_a_long_group_does_not_hold_up_the_step_and_is_dropped_once_stale(tmp_pa
     assert [s.policy_version for s in three.batch.samples] == [1] and three.ran == 2
     assert (three.order.below, three.order.done) == (4, set())  # tasks 0..3 each used or dropped once
     assert env.started == [0, 1, 2, 3]
+
+
+def test_a_running_group_is_cancelled_one_step_past_the_bound_and_kept_at_it(tmp_path):
+    """max_off_policy_steps=1, k=1: group 0 (weights 0) finishes while step 2 forms (weights >= 0, exactly the
+    bound behind): trained. Group 2 started on weights 0 and still runs when step 3 (weights >= 1) forms: one
+    step past the bound, so it is cancelled there (typed reason, counted), never finishes and is never trained."""
+    sched, env, server = scheduler(tmp_path, k=1, max_off_policy=1)
+
+    async def run():
+        env.hold(0, 2, 3)
+        one = await asyncio.wait_for(sched.make(1), 60)
+        sched.published_step(1, one.order)
+        await asyncio.sleep(0.2)  # group 2 (for step 2, weights >= 0) starts on weights 0
+        server.version = 1
+        env.held[0].set()
+        two = await asyncio.wait_for(sched.make(2), 60)
+        sched.published_step(2, two.order)
+        server.version = 2
+        env.held[3].set()
+        await asyncio.sleep(0.2)  # group 3 finishes; group 2 still runs
+        three = await asyncio.wait_for(sched.make(3), 60)
+        still = sorted(sched.running.values())
+        await sched.close()
+        return two, three, still
+
+    two, three, still = asyncio.run(run())
+    assert two.order.used == [0] and [s.policy_version for s in two.batch.samples] == [0]
+    assert (two.batch.stale_groups, two.batch.stale_cancelled) == (0, 0)
+    assert (three.batch.stale_groups, three.batch.stale_cancelled) == (1, 1)
+    assert three.order.dropped == [2] and three.order.used == [3] and 2 not in still
+    assert all(s.policy_version >= 1 for s in three.batch.samples)
+    [(rollouts, advantages, fate)] = [f for f in three.batch.fates if f[2] == "stale"]
+    assert advantages is None and [r.error.split(":")[0] for r in rollouts] == [STALE_CANCELLED]
+    assert not env.held[2].is_set()
 
 
 def test_the_scheduler_ticks_while_waiting_for_weights_and_replaces_a_failed_group(tmp_path):

@@ -623,7 +623,7 @@ class Training(Strict, kw_only=True):
     """How the orchestrator schedules rollouts. `continuous`: up to `max_concurrent_rollouts` stay in flight
     across step boundaries and a step takes the first groups to finish that are within
     `max_off_policy_steps` (a long rollout holds up only its own group; groups that finish too old are
-    dropped and counted as `stale_groups`); which tasks a step gets then depends on timing. `step`: each
+    dropped, and running ones whose rollouts started too old cancelled, counted as `stale_groups`); which tasks a step gets then depends on timing. `step`: each
     step waits for its weights, then runs its own groups alone (the data order is a function of the step)."""
     rollout_retries: Annotated[int, Meta(ge=0, le=MAX_ITEMS)] = 3
     """Extra attempts for a rollout that failed on a transient HTTP error (on another server if any)."""

@@ -6,7 +6,9 @@
         `max_concurrent_rollouts` rollouts run at once; a finished group goes to the back of a FIFO
     step s: the first k groups of the FIFO with version >= min_version(s) (all of a group's rollouts);
         a failed group is dropped and counted, a stale one (too old for s) dropped and counted as
-        `stale_groups`; either way the next task of the stream takes its place. 2k failed groups in
+        `stale_groups`; a running group one of whose rollouts started on weights < min_version(s) is
+        cancelled while s forms (reason STALE_CANCELLED, counted as `stale_cancelled`, never trained);
+        either way the next task of the stream takes its place. 2k failed groups in
         a row, none usable, stop the run with the first error.
 
 So a long rollout holds up nothing but its own group: later groups fill the step, and the servers
@@ -33,6 +35,9 @@ from prl.orchestrator.config import OrchestratorConfig
 from prl.orchestrator.rollouts import Generator, Rollout, StepBatch, TaskStream, build_samples, has_signal
 from prl.run.batch import read_meta
 from prl.run.rundir import RunDir
+
+STALE_CANCELLED = "stale_cancelled"
+"""The typed reason of a rollout cancelled while running because its weights fell outside the staleness bound."""
 
 
 @dataclass
@@ -110,6 +115,8 @@ class Dropped:
     failed: list[Group] = field(default_factory=list)
     stale: list[Group] = field(default_factory=list)
     resampled: list[Group] = field(default_factory=list)
+    cancelled: int = 0
+    """Of `stale`, the groups cancelled while running (their rollouts never finished)."""
 
     @property
     def all(self) -> list[Group]:
@@ -148,6 +155,8 @@ class Scheduler:
         """The loop's phase report (heartbeat and display): generating, or waiting for weights."""
         self.running: dict[asyncio.Task, int] = {}
         """Groups in flight -> the step each was launched for."""
+        self.started: dict[asyncio.Task, tuple[int, int]] = {}
+        """Groups in flight that have started a rollout -> (task index, the oldest weights one started on)."""
         self.fifo: deque[Group] = deque()
         self.taken: list[Group] = []
         self.finished = asyncio.Event()
@@ -172,16 +181,38 @@ class Scheduler:
             self.running[asyncio.create_task(self._run(index, target))] = target
 
     async def _run(self, index: int, target: int) -> None:
+        me = asyncio.current_task()
+
+        def started(version: int) -> None:
+            self.started[me] = (index, min(version, self.started.get(me, (index, version))[1]))
+
         try:
             rollouts = await self.gen.group(self.stream.at(index), self.cfg.training.rollouts_per_example,
-                                            self.cfg.min_version(target))
+                                            self.cfg.min_version(target), started)
             self.fifo.append(Group(index, rollouts))
         except Exception as e:  # a bug in the env or in prl: stop the run with it, as step mode would
             self.errors.append(e)
         finally:
-            self.running.pop(asyncio.current_task(), None)
+            self.running.pop(me, None)
+            self.started.pop(me, None)
             self.finished.set()
         self.tick()
+
+    def _cancel_stale(self, min_v: int, dropped: Dropped) -> None:
+        """Cancel the running groups one of whose rollouts started on weights older than `min_v`: the group can
+        only be stale (its version is its oldest rollout's), so it is never trained. Each becomes a stale group
+        of failed rollouts whose error names the reason (STALE_CANCELLED), counted in `dropped.cancelled`."""
+        n = self.cfg.training.rollouts_per_example
+        for task, (index, version) in list(self.started.items()):
+            if version >= min_v:
+                continue
+            task.cancel()
+            del self.started[task]
+            self.running.pop(task, None)
+            reason = f"{STALE_CANCELLED}: started on weights {version}, the step needs >= {min_v}"
+            group = Group(index, [Rollout(0.0, version, [], 0, error=reason) for _ in range(n)])
+            dropped.stale.append(group)
+            dropped.cancelled += 1
 
     def _sort(self, g: Group, min_v: int, dropped: Dropped) -> None:
         """Into the step's groups, or one of the dropped lists: failed, stale, or without signal while the
@@ -209,6 +240,7 @@ class Scheduler:
         while True:
             if self.errors:
                 raise self.errors[0]
+            self._cancel_stale(min_v, dropped)
             while self.fifo and len(self.taken) < k:
                 self._sort(self.fifo.popleft(), min_v, dropped)
             if len(self.taken) == k:
@@ -250,7 +282,7 @@ class Scheduler:
         batch = build_samples([g.rollouts for g in taken + dropped.failed], training.advantage,
                               max_tokens=training.max_tokens, min_version=self.cfg.min_version(step),
                               resampled=[g.rollouts for g in dropped.resampled])
-        batch.stale_groups = len(dropped.stale)
+        batch.stale_groups, batch.stale_cancelled = len(dropped.stale), dropped.cancelled
         batch.fates += [(g.rollouts, None, "stale") for g in dropped.stale]
         order = self.order.after([g.index for g in taken], [g.index for g in dropped.all])
         ran = sum(len(g.rollouts) for g in taken + dropped.all)

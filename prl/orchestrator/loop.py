@@ -199,6 +199,7 @@ def step_metrics(step: int, made: StepRollouts, pool: ServerPool, scored: ScoreS
         "dropped_groups": batch.dropped_zero_groups,
         "failed_rollouts": batch.failed_rollouts,
         "stale_groups": batch.stale_groups,
+        "stale_cancelled": batch.stale_cancelled,
         "resampled_groups": batch.resampled_groups,
         "mid_rollout_updates": batch.mid_rollout_updates,
         "rollouts_per_s": ran / max(gen_s, 1e-9),

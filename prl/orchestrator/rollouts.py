@@ -206,7 +206,8 @@ class Generator:
             self.running -= 1
             self.sem.release()
 
-    async def rollout(self, task: Any, min_version: int) -> Rollout:
+    async def rollout(self, task: Any, min_version: int, started: Callable[[int], None] | None = None) -> Rollout:
+        """One episode (retried up to `retries` times); `started(version)` hears the weights each attempt starts on."""
         from verifiers.v1.env import RunSlot
 
         key = routing_key(task)
@@ -215,6 +216,8 @@ class Generator:
         for attempt in range(1, self.retries + 2):
             async with self._slot(min_version, last, key) as server:
                 version = self.pool.version_of(server)
+                if started is not None:
+                    started(version)
                 server.inflight += 1
                 try:
                     episode = await self.env.run_slot(RunSlot(task), self._ctx(server))
@@ -232,8 +235,9 @@ class Generator:
         assert result is not None
         return result
 
-    async def group(self, task: Any, n: int, min_version: int) -> list[Rollout]:
-        return list(await asyncio.gather(*(self.rollout(task, min_version) for _ in range(n))))
+    async def group(self, task: Any, n: int, min_version: int,
+                    started: Callable[[int], None] | None = None) -> list[Rollout]:
+        return list(await asyncio.gather(*(self.rollout(task, min_version, started) for _ in range(n))))
 
 
 class TaskStream:
@@ -292,7 +296,10 @@ class StepBatch:
     mid_rollout_updates: int = 0
     """Kept rollouts during which their server loaded newer weights."""
     stale_groups: int = 0
-    """Finished groups left out because they became older than the staleness bound (continuous mode)."""
+    """Groups left out because they became older than the staleness bound (continuous mode): finished while
+    queued, or cancelled while running (`stale_cancelled` of them)."""
+    stale_cancelled: int = 0
+    """Running groups cancelled the moment one of their rollouts' weights fell outside the bound."""
     resampled_groups: int = 0
     """Groups without signal replaced by fresh ones (`advantage.dynamic_sampling`): in the stats, not trained."""
     fates: list = field(default_factory=list)

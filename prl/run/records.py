@@ -388,7 +388,7 @@ class Turn(msgspec.Struct, kw_only=True, omit_defaults=True):
 ROLLOUT_FATES = ("trained", "zero_advantage", "failed", "resampled", "stale")
 """What became of a rollout: trained, or dropped (its group's advantages were all zero and
 `drop_zero_groups` left it out; an episode of its group failed; dynamic sampling replaced its group; its group
-became older than the staleness bound while queued)."""
+became older than the staleness bound while queued, or was cancelled for it while running)."""
 
 
 class RolloutRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
