@@ -121,6 +121,32 @@ def test_metrics_tail_reads_whole_lines_once(tmp_path):
     assert tail.read() == [{"step": 2, "loss": 0.5}] and tail.read() == []
 
 
+def test_progress_applies_a_resumes_truncation_as_read_metrics_does(tmp_path):
+    """A requeue resumes from step 2: the roles drop their records of steps 3-4 (a truncation line each) and
+    record steps 3-4 again. The foreground view ends as `read_metrics` reads the file: the old attempt's
+    rewards are not in the summary, and the steps trained again are shown again."""
+    run = RunDir(tmp_path / "run").create()
+    tail, lines = MetricsTail(run.metrics_jsonl), []
+    progress = Progress(4, lines.append)
+
+    def attempt(steps, reward):
+        for step in steps:
+            run.append_metrics({"role": "orchestrator", "step": step, "reward_mean": reward})
+            run.append_metrics({"role": "trainer", "step": step, "loss": 1.0})
+        for record in tail.read():
+            progress.add(record)
+
+    attempt([1, 2, 3, 4], 0.0)
+    assert run.drop_metrics_after("orchestrator", 2) == 2 and run.drop_metrics_after("trainer", 2) == 2
+    run.append_metrics({"role": "orchestrator", "step": 3, "reward_mean": 1.0})  # the new attempt
+    run.append_metrics({"role": "trainer", "step": 3, "loss": 1.0})
+    attempt([], 0.0)
+    assert progress.rewards == {r["step"]: r["reward_mean"] for r in run.read_metrics("orchestrator")}
+    assert progress.rewards == {1: 0.0, 2: 0.0, 3: 1.0} and progress.trained == [1, 2, 3]
+    assert lines[-1] == "step 3/4  reward 1.000  loss 1.0000"
+    assert progress.summary() == "reward 0.333 -> 0.333 (mean of the first and last 3 steps of 3)"
+
+
 def test_build_tiny_leaves_an_existing_model_and_a_run_to_start_from(tmp_path):
     (tmp_path / "m").mkdir()
     # Something is there already: never overwritten.

@@ -371,6 +371,15 @@ def test_generate_checks_a_prompts_length_before_its_ids_and_each_id_once():
     assert max_body_bytes(1000, 100) < 2 << 20  # a small model's requests are refused far below 32 MiB
 
 
+def test_an_image_url_that_is_a_string_is_a_bad_request_naming_the_part():
+    """`{"type": "image_url", "image_url": "data:..."}` (the URL not under `url`) answered 500 (AttributeError)."""
+    from prl.inference.generate import BadRequest, decode_images
+
+    with pytest.raises(BadRequest) as e:
+        decode_images([{"type": "image_url", "image_url": "data:image/png;base64,AAAA"}])
+    assert str(e.value) == 'content_parts[0] must be {"type": "image_url", "url": ...}'
+
+
 # ---------------------------------------------------------------- resume while running
 
 

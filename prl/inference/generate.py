@@ -114,8 +114,10 @@ def decode_images(parts: Any) -> list:
         raise BadRequest(f"content_parts must be a list of at most {MAX_IMAGES} image_url parts")
     images = []
     for i, part in enumerate(parts):
-        url = part.get("url", (part.get("image_url") or {}).get("url")) if isinstance(part, dict) else None
-        if not isinstance(part, dict) or part.get("type") != "image_url" or not isinstance(url, str):
+        part = part if isinstance(part, dict) else {}
+        nested = part.get("image_url")  # {"url": ...}; a bare string there is refused like any other shape
+        url = part.get("url", nested.get("url") if isinstance(nested, dict) else None)
+        if part.get("type") != "image_url" or not isinstance(url, str):
             raise BadRequest(f"content_parts[{i}] must be {{\"type\": \"image_url\", \"url\": ...}}")
         try:
             image = Image.open(io.BytesIO(picture_bytes(url)))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from prl.run.handoffs import dropped_by, is_truncation
 from prl.run.rundir import RunDir
 from prl.states import Role
 
@@ -33,6 +34,8 @@ class MetricsTail:
     offset: int = 0
 
     def read(self) -> list[dict[str, Any]]:
+        """The new records, truncation records (a resume's `drop_metrics_after`) among them, for the
+        reader to apply to what it kept of the lines before (`Progress.add` does)."""
         import json
 
         try:
@@ -46,9 +49,11 @@ class MetricsTail:
         records = []
         for line in whole.splitlines():
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except ValueError:
                 continue  # a line torn by a full disk: the roles' own problem, not the display's
+            if isinstance(record, dict):
+                records.append(record)
         return records
 
 
@@ -63,6 +68,9 @@ class Progress:
     trained: list[int] = field(default_factory=list)
 
     def add(self, record: dict[str, Any]) -> None:
+        if is_truncation(record):
+            self.forget(record)
+            return
         step, role = record.get("step"), record.get("role")
         if not isinstance(step, int):
             return
@@ -74,6 +82,16 @@ class Progress:
         elif role == Role.TRAINER:
             self.trained.append(step)
             self.say(self.line(step, record))
+
+    def forget(self, truncation: dict[str, Any]) -> None:
+        """Drop what a resume dropped from metrics.jsonl (as `read_metrics` does): the steps it trains
+        again are shown again, and the summary holds only the records `prl status` and `prl plot` read."""
+        def kept(role: Role, step: int) -> bool:
+            return not dropped_by(truncation, {"role": role, "step": step})
+
+        self.rewards = {s: r for s, r in self.rewards.items() if kept(Role.ORCHESTRATOR, s)}
+        self.lags = {s: lag for s, lag in self.lags.items() if kept(Role.ORCHESTRATOR, s)}
+        self.trained = [s for s in self.trained if kept(Role.TRAINER, s)]
 
     def line(self, step: int, trainer: dict[str, Any]) -> str:
         parts = [f"step {step}/{self.max_steps}"]

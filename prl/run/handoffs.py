@@ -45,6 +45,16 @@ def _step(record: dict, key: str = "step") -> int:
     return value if isinstance(value, int) else -1
 
 
+def is_truncation(record: dict) -> bool:
+    """A metrics.jsonl line that drops its role's earlier records after its `after` step."""
+    return record.get("event") == TRUNCATE_EVENT
+
+
+def dropped_by(truncation: dict, record: dict) -> bool:
+    """Whether `truncation` (a line after `record` in metrics.jsonl) drops `record`: the same role, a later step."""
+    return record.get("role") == truncation.get("role") and _step(record) > _step(truncation, "after")
+
+
 class Handoffs(RunLayout):
     """The records of a run, read and written as their types."""
 
@@ -200,8 +210,8 @@ class Handoffs(RunLayout):
                 continue  # a writer killed mid-line; the rest of the file is fine
             if not isinstance(rec, dict):
                 continue
-            if rec.get("event") == TRUNCATE_EVENT:
-                out = [r for r in out if not (r.get("role") == rec.get("role") and _step(r) > _step(rec, "after"))]
+            if is_truncation(rec):
+                out = [r for r in out if not dropped_by(rec, r)]
             elif role is None or rec.get("role") == role:
                 out.append(rec)
         return out
