@@ -186,6 +186,13 @@ def test_what_an_attached_run_may_call(method, path, body, expected):
         assert refused[1] == "The model `b` does not exist."  # as for any unknown model: nothing said of run b
 
 
+def test_a_deeply_nested_body_is_refused_400_with_its_reason_not_a_500():
+    a = tenants.Tenant("a", "/runs/a", tenants.digest("key-a"))
+    raw = b'{"model": "a", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    refused = tenants.access(a, "POST", "/v1/chat/completions", raw, base_model="base")
+    assert refused is not None and refused[0] == 400 and "nested too deeply" in refused[1], refused
+
+
 def plan_json(run_dir) -> dict:
     return json.loads((run_dir / "plan.json").read_text())
 

@@ -236,6 +236,8 @@ def access(tenant: Tenant, method: str, path: str, body: bytes, base_model: str)
         model = json.loads(body or b"{}").get("model")
     except (ValueError, AttributeError):
         return None  # not a JSON object: the route itself answers 400
+    except RecursionError:  # a body nested past the parser's depth: refused here, not a 500 from this check
+        return 400, "request body: JSON nested too deeply to read (a chat request nests a few levels)"
     if model is None or model in (tenant.name, base_model):
         return None
     return 404, f"The model `{str(model)[:80]}` does not exist."
