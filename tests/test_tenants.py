@@ -4,6 +4,7 @@ The real server with two attached runs: tests/test_pool.py."""
 from __future__ import annotations
 
 import json
+import hmac
 import os
 import shutil
 import stat
@@ -74,6 +75,38 @@ def test_a_pool_detaches_runs_whose_job_ended_without_detaching(pool, tmp_path):
     here = tenants.reap(pool, lambda runs: ended_jobs(runs, local_pids=True))
     assert here == {"killed": "its job ended (its launcher died without recording an end) without detaching"}
     assert sorted(tenants.read_tenants(pool)) == ["alive", "resubmitting"]
+
+
+def test_the_reaper_leaves_a_run_resubmitted_between_its_judgement_and_its_detach(pool, tmp_path):
+    """The race forced: while the reaper judges a run's old job ended, the run is submitted again (a new key, a
+    new tenant record, a new job record). The reaper detaches only the record it judged: the new one stays."""
+    from prl.job.launch import ended_jobs
+    from prl.run.records import JobRecord, LauncherRecord
+    from prl.run.rundir import atomic_write_json
+    from prl.states import Backend, LauncherStatus
+
+    rundir = RunDir(tmp_path / "again").create()
+    rundir.create_api_key()
+    tenants.attach(pool, "again", rundir.root, rundir.read_api_key())
+
+    def job(status: LauncherStatus, job_id: str) -> None:
+        rundir.write_job(JobRecord(job_id=job_id, name="again", backend=Backend.LOCAL, cluster="local",
+                                   submitted=time.time() + 1, run_dir=str(rundir.root), pid=os.getpid()))
+        atomic_write_json(rundir.launcher_state, LauncherRecord(attempt=1, status=status))
+
+    job(LauncherStatus.FAILED, "local-old")
+
+    def judge_then_resubmit(runs):
+        states = ended_jobs(runs, local_pids=True)  # the old job: ended
+        rundir.create_api_key()
+        time.sleep(0.01)
+        tenants.attach(pool, "again", rundir.root, rundir.read_api_key())
+        job(LauncherStatus.RUNNING, "local-new")
+        return states
+
+    assert tenants.reap(pool, judge_then_resubmit) == {}
+    held = tenants.read_tenants(pool)["again"]
+    assert hmac.compare_digest(held.digest, tenants.digest(rundir.read_api_key()))
 
 
 def test_the_pool_launcher_checks_its_runs_beside_its_loop_one_check_at_a_time(pool, monkeypatch):
@@ -184,6 +217,13 @@ def test_what_an_attached_run_may_call(method, path, body, expected):
     assert (refused[0] if refused else None) == expected, refused
     if expected == 404:
         assert refused[1] == "The model `b` does not exist."  # as for any unknown model: nothing said of run b
+
+
+def test_a_deeply_nested_body_is_refused_400_with_its_reason_not_a_500():
+    a = tenants.Tenant("a", "/runs/a", tenants.digest("key-a"))
+    raw = b'{"model": "a", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    refused = tenants.access(a, "POST", "/v1/chat/completions", raw, base_model="base")
+    assert refused is not None and refused[0] == 400 and "nested too deeply" in refused[1], refused
 
 
 def plan_json(run_dir) -> dict:

@@ -70,6 +70,8 @@ ENGINE_PROBE_S = 10.0
 ENGINE_ANSWER_KEPT_S = 1.0
 """How long an engine's answer stands for `/prl/engine` (the route is open: callers share one utility call at a
 time and at most one a second, however many they are)."""
+TENANT_UPDATES_WAITING = 8
+"""How many of one attached run's adapter updates may wait at once on a pool server; past it, 429."""
 UPDATE_BOUND_S = 600.0
 """How long a weight update may hold the engine and still count as healthy (the engine answers nothing else
 while it loads; the weight watcher gives a push as long)."""
@@ -116,6 +118,27 @@ class AdminState:
     """When the engine last answered `/prl/engine`'s utility call (time.monotonic())."""
     engine_probe: asyncio.Future | None = None
     """That call while it runs, shared by every caller."""
+    tenant_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    """A pool's attached runs' own update locks: each run queues behind its own updates, never another's."""
+    tenant_waiting: dict[str, int] = field(default_factory=dict)
+    """How many of each attached run's updates are in `tenant_turn` (waiting or loading)."""
+
+    @contextlib.asynccontextmanager
+    async def tenant_turn(self, name: str):
+        """One attached run's turn at the engine: its updates wait on its own lock (at most
+        TENANT_UPDATES_WAITING of them, UpdateRefused(429) past it), so the pool-wide `lock`, which is FIFO, has
+        at most one waiter per run and takes the runs in turn: another run's update waits at most one load per
+        run ahead of it, however many updates one run sends at once."""
+        own = self.tenant_locks.setdefault(name, asyncio.Lock())
+        if self.tenant_waiting.get(name, 0) >= TENANT_UPDATES_WAITING:
+            raise UpdateRefused(429, f"run {name} already has {TENANT_UPDATES_WAITING} adapter updates in flight "
+                                     f"on this server; send the next when one ends")
+        self.tenant_waiting[name] = self.tenant_waiting.get(name, 0) + 1
+        try:
+            async with own, self.lock:
+                yield
+        finally:
+            self.tenant_waiting[name] -= 1
 
 
 def _state(request: Request) -> AdminState:
@@ -304,7 +327,7 @@ async def tenant_update(request: Request, state: AdminState, tenant: Tenant | No
     target = weights.get(body.transport).target(RunDir(tenant.run_dir), body, layout=None, lora=True,
                                                 workers=state.workers)
     t0 = time.perf_counter()
-    async with state.lock:
+    async with state.tenant_turn(tenant.name):
         log.info("adapter update begins: run %s, step %s from %s", tenant.name, target.step, target.path)
         lora = LoRARequest(tenant.name, next(state.lora_ids), str(target.path))
         try:

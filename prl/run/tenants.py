@@ -22,9 +22,11 @@ adapters. No torch, vLLM or FastAPI here: `prl submit` and `prl status` use it o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
+import os
 import re
 import time
 from collections.abc import Callable
@@ -94,6 +96,26 @@ def detach(pool: RunDir, name: str) -> bool:
     return existed
 
 
+def detach_if(pool: RunDir, judged: Tenant) -> bool:
+    """Remove `judged`'s record only if it is still that record (compare-and-delete: a run attaching again since,
+    with a new record, keeps it); whether it was removed. The record is moved aside first, so an attach between
+    the comparison and the removal is put back, never lost."""
+    path = tenant_file(pool, judged.name)
+    aside = path.with_name(f".{path.name}.reaped.{os.getpid()}")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    held = read_tenant(aside)
+    if held is not None and (held.digest, held.attached) == (judged.digest, judged.attached):
+        aside.unlink(missing_ok=True)
+        return True
+    with contextlib.suppress(FileExistsError):  # an attach wrote a newer record meanwhile: that one stands
+        os.link(aside, path)
+    aside.unlink(missing_ok=True)
+    return False
+
+
 def check_attachable(pool: RunDir, name: str, run_dir: str | Path) -> None:
     """ConfigError when `attach` would refuse (checked before a submission writes anything)."""
     held = read_tenant(tenant_file(pool, name))
@@ -102,7 +124,7 @@ def check_attachable(pool: RunDir, name: str, run_dir: str | Path) -> None:
                           f"run another name (topology `name`), or detach that run first")
 
 
-def leave(pool: RunDir, name: str, key: str, timeout: float = 10.0) -> list[str]:
+def leave(pool: RunDir, name: str, key: str, timeout: float = 10.0, judged: Tenant | None = None) -> list[str]:
     """Detach run `name` from every server of `pool` (each unloads its adapter: `POST /prl/detach` with the run's
     key), then remove its record; the servers that answered. A server that does not answer keeps the adapter
     until vLLM's LRU cache evicts it (the run's key is refused there too once the record is gone)."""
@@ -122,7 +144,10 @@ def leave(pool: RunDir, name: str, key: str, timeout: float = 10.0) -> list[str]
                 done.append(url)
         except (OSError, urllib.error.HTTPError):
             pass
-    detach(pool, name)
+    if judged is None:
+        detach(pool, name)
+    else:
+        detach_if(pool, judged)
     return done
 
 
@@ -157,6 +182,7 @@ def reap(pool: RunDir, ended: Callable[[list[RunDir]], dict[Path, str]]) -> dict
     name -> why."""
     held = read_tenants(pool)
     judged: dict[str, RunDir] = {}
+    jobs: dict = {}
     why: dict[str, str] = {}
     for name, tenant in held.items():
         run = RunDir(tenant.run_dir)
@@ -168,21 +194,32 @@ def reap(pool: RunDir, ended: Callable[[list[RunDir]], dict[Path, str]]) -> dict
         except (OSError, ValueError, ConfigError):
             continue
         if job is not None and tenant.attached is not None and job.submitted >= tenant.attached:
-            judged[name] = run
+            judged[name], jobs[name] = run, job
     states = ended(list(judged.values()))
     for name, run in judged.items():
         if (state := states.get(run.root)) is not None:
             why[name] = f"its job ended ({state}) without detaching"
-    for name in why:
-        try:
-            key = RunDir(held[name].run_dir).read_api_key()
-        except (OSError, RunDirError):
-            key = ""
-        if key:
-            leave(pool, name, key)  # every server unloads its adapter; the record goes
-        else:
-            detach(pool, name)  # its key refused within RESCAN_S; the adapter ages out of vLLM's LRU cache
-    return why
+    return {name: reason for name, reason in why.items() if _reap_one(pool, held[name], jobs.get(name))}
+
+
+def _reap_one(pool: RunDir, judged: Tenant, job_judged) -> bool:
+    """Detach `judged` if its record and its run's job are still the ones judged ended (a run resubmitted since
+    has a new job record and a new tenant record: left alone); with the run's key only if it is the judged key."""
+    run = RunDir(judged.run_dir)
+    try:
+        job_now = run.read_job() if job_judged is not None else None
+        key = run.read_api_key()
+    except (OSError, ValueError, ConfigError, RunDirError):
+        job_now, key = job_judged, ""
+    if job_judged is not None and (job_now is None or (job_now.job_id, job_now.submitted)
+                                   != (job_judged.job_id, job_judged.submitted)):
+        return False
+    if read_tenant(tenant_file(pool, judged.name)) != judged:
+        return False
+    if key and hmac.compare_digest(digest(key), judged.digest):
+        leave(pool, judged.name, key, judged=judged)  # every server unloads its adapter; the record goes
+        return True
+    return detach_if(pool, judged)  # its key refused within RESCAN_S; the adapter ages out of vLLM's LRU cache
 
 
 class Registry:
@@ -236,6 +273,8 @@ def access(tenant: Tenant, method: str, path: str, body: bytes, base_model: str)
         model = json.loads(body or b"{}").get("model")
     except (ValueError, AttributeError):
         return None  # not a JSON object: the route itself answers 400
+    except RecursionError:  # a body nested past the parser's depth: refused here, not a 500 from this check
+        return 400, "request body: JSON nested too deeply to read (a chat request nests a few levels)"
     if model is None or model in (tenant.name, base_model):
         return None
     return 404, f"The model `{str(model)[:80]}` does not exist."
