@@ -116,8 +116,9 @@ def test_a_transport_from_memory_gives_every_trainer_rank_a_port_and_the_filesys
 def test_broadcast_forms_one_group_per_place_across_the_servers_behind():
     """Servers whose workers keep different slices (tensor-parallel ranks) get a group per place: the workers of
     one place in every server share a token, a world of 1 + their count and consecutive ranks; a request names
-    each worker's group in rank order. Servers whose workers all take the whole step share one group; a server
-    whose worker count is unknown, or whose places do not match it, reads the feeds."""
+    each worker's group in rank order. The ranks rotate from place to place, so no server is first in every tree.
+    Servers whose workers all take the whole step share one group; a server whose worker count is unknown, or whose
+    places do not match it, reads the feeds."""
     from prl.run.api import WeightsRequest, Worker
     from prl.weights.broadcast import GroupOffer
     from prl.weights.slices import server_places
@@ -129,7 +130,7 @@ def test_broadcast_forms_one_group_per_place_across_the_servers_behind():
                                                     Behind("d", 2, [Worker()])])
     a, b = out["a"].groups, out["b"].groups
     assert [g.token for g in a] == [g.token for g in b] and a[0].token != a[1].token
-    assert [(g.world, g.rank, g.timeout) for g in a + b] == [(3, 1, 9.0), (3, 1, 9.0), (3, 2, 9.0), (3, 2, 9.0)]
+    assert [(g.world, g.rank, g.timeout) for g in a + b] == [(3, 1, 9.0), (3, 2, 9.0), (3, 2, 9.0), (3, 1, 9.0)]
     assert out["c"].groups is None and out["d"].groups is None and out["c"].feeds == ["h:1", "h:2"]
     assert out["a"].once and not out["c"].once
 
@@ -140,6 +141,31 @@ def test_broadcast_forms_one_group_per_place_across_the_servers_behind():
     ep = server_places(2, 2, True)  # dp 2 x tp 2 with expert parallelism: four places, each a group of one
     four = weights.get("broadcast").requests(offer, [Behind("e", 4, ep)])["e"].groups
     assert len({g.token for g in four}) == 4 and {(g.world, g.rank) for g in four} == {(2, 1)}
+
+
+def forwards(rank: int, world: int) -> int:
+    """How many times the member of `rank` passes a broadcast on in gloo's binomial tree (gloo/broadcast.cc: rank r
+    sends in each round i with 2**i > r, to r + 2**i where that is a member; the feed is rank 0)."""
+    return sum(1 for i in range(max(world - 1, 1).bit_length()) if 2 ** i > rank and rank + 2 ** i < world)
+
+
+def test_no_server_forwards_more_than_its_share_of_the_places_broadcasts():
+    """Eight tp8 servers (the shape of a moe-1t prefill node): each place's group is a tree of 1 + 8; in one order
+    for every place the first server would forward 16 slices and the fourth to eighth none; rotated, every server
+    forwards 4 (the 32 forwards of the 8 trees, shared)."""
+    from prl.weights.broadcast import GroupOffer
+    from prl.run.api import WeightsRequest
+    from prl.weights.slices import server_places
+    from prl.weights.transport import Behind
+
+    offer = GroupOffer(3, WeightsRequest(transport="broadcast", step=3, feeds=["h:1"]), timeout=9.0)
+    tp8 = server_places(8, 1, False)
+    out = weights.get("broadcast").requests(offer, [Behind(f"s{i}", 8, tp8) for i in range(8)])
+    load = {url: sum(forwards(g.rank, g.world) for g in r.groups) for url, r in out.items()}
+    assert sum(load.values()) == 8 * sum(forwards(r, 9) for r in range(1, 9)) == 32
+    assert set(load.values()) == {4}, load
+    for token in {g.token for r in out.values() for g in r.groups}:
+        assert sorted(g.rank for r in out.values() for g in r.groups if g.token == token) == list(range(1, 9))
 
 
 def test_the_groups_backend_is_planned_for_where_the_roles_run_and_refused_where_it_cannot_work(tmp_path,
