@@ -148,10 +148,9 @@ def plot(a: argparse.Namespace) -> None:
 def rollouts(a: argparse.Namespace) -> None:
     """Read a run's sampled rollouts: each conversation, its rewards and fate (terminal, or --html PAGE)."""
     from prl.ops import rollouts as sampled
-    from prl.ops.status import resolve_run
     from prl.run.files import atomic_write_text
 
-    run = resolve_run(a.run)
+    run = sampled.source(a.run)
     steps = sampled.choose_steps(run, a.steps)
     shown = sampled.select(run, steps, sort=a.sort, fate=a.fate, failed=a.failed, truncated=a.truncated, env=a.env,
                            limit=None if a.html else a.limit)
@@ -237,6 +236,28 @@ def export(a: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
+def export_data(a: argparse.Namespace) -> None:
+    """Write the rollouts that scored well (a run's samples, an eval's records) as chat JSONL for an sft: run."""
+    from prl.ops import export_data as data
+    from prl.ops import rollouts as sampled
+    from prl.run.files import atomic_write_text
+
+    source = sampled.source(a.source)
+    steps = sampled.choose_steps(source, a.steps)
+    pairs = [(s.step, s.record) for s in sampled.select(source, steps)]
+    kept, skipped = data.choose(pairs, a.min_reward, a.best_per_task)
+    if not kept:
+        best = max((r.reward for _, r in pairs), default=None)
+        raise ConfigError(f"prl export-data: no rollout to write, nothing written: {data.summary(0, len(pairs), skipped)}"
+                          + (f"; the best reward is {best:.4g}" if best is not None else ""))
+    out = Path(a.output).expanduser().resolve()
+    try:
+        atomic_write_text(out, data.jsonl(kept))
+    except OSError as e:
+        raise ConfigError(f"--output {out}: {e.strerror or e}") from None
+    print(f"wrote {out}: {data.summary(len(kept), len(pairs), skipped)}")
+
+
 def orchestrator(a: argparse.Namespace) -> None:
     """Run the orchestrator: environments -> rollouts -> batches; new weights -> every server."""
     from prl.orchestrator import main as orchestrate
@@ -254,25 +275,49 @@ def evaluate(a: argparse.Namespace) -> None:
         if not sep:
             raise ConfigError(f"--arg {item!r}: expected KEY=VALUE")
         args[key] = yaml_value(value)
+    if a.run and a.records:
+        raise ConfigError("--records: an endpoint's eval writes them; a sweep over a run's weights (--run) does not yet")
     if a.run:
         return sweep(a, args)
     if not (a.base_url and a.model):
         raise ConfigError("prl eval: give --base-url and --model (an endpoint), or --run RUN (a run's weights)")
     from prl.orchestrator.eval import evaluate_endpoint
 
+    records_to = records_path(a.records)
     if a.api_key_env and not os.environ.get(a.api_key_env):
         print(f"warning: ${a.api_key_env} is not set; sending no API key")
     failed = False
+    records: list = []
     for env_id in a.env_ids:
         stats = evaluate_endpoint(env_id, a.base_url, a.model, api_key_env=a.api_key_env, examples=a.examples,
                                   rollouts=a.rollouts, args=args, harness=a.harness or "prl",
-                                  max_tokens=a.max_tokens, temperature=a.temperature)
+                                  max_tokens=a.max_tokens, temperature=a.temperature, records=records)
         show_eval(stats)
         if stats.get("rollouts") and stats.get("failed_rollouts") == stats.get("rollouts"):
             print(f"error: every rollout of {env_id} failed against {a.base_url}", file=sys.stderr)
             failed = True
+    if records_to is not None:
+        from prl.run.files import atomic_write_json
+        from prl.run.records import RolloutSample
+
+        atomic_write_json(records_to, RolloutSample(step=0, rollouts=len(records), records=records))
+        print(f"wrote {records_to}: {len(records)} rollout record(s) (prl rollouts {records_to})")
     if failed:
         raise Exit(1)
+
+
+def records_path(arg: str | None) -> Optional[Path]:
+    """`--records FILE`, checked before any rollout runs: a .json file whose directory exists."""
+    if arg is None:
+        return None
+    path = Path(arg).expanduser().resolve()
+    if path.suffix != ".json":
+        raise ConfigError(f"--records {arg}: name a .json file")
+    if path.is_dir():
+        raise ConfigError(f"--records {arg}: is a directory; name a .json file")
+    if not path.parent.is_dir():
+        raise ConfigError(f"--records {arg}: no directory {path.parent} to write it in")
+    return path
 
 
 def show_eval(stats: dict) -> None:
@@ -413,6 +458,14 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", "-o", required=True, help="Directory to write (must not exist).")
 
 
+def _export_data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", nargs="?", help=RUN_HELP[:-1] + ", or a records file of `prl eval --records`.")
+    p.add_argument("--min-reward", type=float, required=True, help="Only rollouts scoring at least this.")
+    p.add_argument("--best-per-task", action="store_true", help="Of each task's rollouts, only the best one.")
+    p.add_argument("--steps", default="all", help="A run's steps: all (default), latest, N, A-B or A,B,...")
+    p.add_argument("--output", "-o", required=True, help="JSONL file to write (an sft: topology's data).")
+
+
 def _orchestrator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", required=True, help="The run directory (holds plan.json).")
     p.add_argument("--server", action="append", help="Inference server URL (repeatable); default: the run's endpoints.")
@@ -436,6 +489,8 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
                    "--run, given for the run's own environment, they replace the run's environment.args).")
     p.add_argument("--harness", help="verifiers harness id the rollouts run in, as environment.harness in training "
                    "(default: prl's; with --run, the run's own for its environment).")
+    p.add_argument("--records", help="Also write every rollout (conversation, rewards, metrics) to this .json file, "
+                   "for `prl rollouts FILE` and `prl export-data FILE` (an endpoint's eval).")
 
 
 Command = tuple[Callable[[argparse.Namespace], None], Callable[[argparse.ArgumentParser], None]]
@@ -445,7 +500,7 @@ COMMANDS: dict[str, Command] = {
     "trainer": (trainer, _trainer_args), "orchestrator": (orchestrator, _orchestrator_args),
     "eval": (evaluate, _eval_args), "rollouts": (rollouts, _rollouts_args), "plot": (plot, _plot_args),
     "wandb": (wandb, _wandb_args),
-    "export": (export, _export_args),
+    "export": (export, _export_args), "export-data": (export_data, _export_data_args),
 }
 
 

@@ -10,7 +10,8 @@
     slurm.py        the one module that runs Slurm commands; everything else gets parsed rows
     metrics.py      a run's metrics.jsonl as per-step rows (`prl plot`, `prl wandb`)
     plot.py         `prl plot`: one PNG of a run's progress
-    rollouts.py     `prl rollouts`: a run's sampled rollouts, readable in the terminal or as one HTML page
+    rollouts.py     `prl rollouts`: a run's sampled rollouts (or an eval's records), in the terminal or one HTML page
+    export_data.py  `prl export-data`: the rollouts that scored well, as chat JSONL an `sft:` run trains on
     wandb_sync.py   `prl wandb`: a run's metrics as one W&B run
 
 The control plane: no torch, vLLM, transformers or verifiers import (tests/test_imports.py).

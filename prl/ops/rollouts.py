@@ -4,6 +4,7 @@
     prl rollouts RUN --steps 5-9 --sort worst     # a range, lowest reward first
     prl rollouts RUN --steps all --fate zero_advantage --truncated
     prl rollouts RUN --steps all --html out.html  # one self-contained page: steps, rewards over steps, conversations
+    prl rollouts eval.json --sort worst           # an evaluation's records (`prl eval ... --records eval.json`)
 
 What the orchestrator writes (prl/orchestrator/transcripts.py): per step whole groups of rollouts, trained and
 dropped alike, each with its conversation (each turn, tool calls and their results, pictures counted), reward and
@@ -21,9 +22,49 @@ from dataclasses import dataclass
 
 import msgspec
 
-from prl.errors import ConfigError
-from prl.run.records import ROLLOUT_FATES, RolloutRecord
+from pathlib import Path
+
+from prl.errors import ConfigError, RunDirError
+from prl.run import records as rec
+from prl.run.records import ROLLOUT_FATES, RolloutRecord, RolloutSample
 from prl.run.rundir import RunDir
+
+MAX_RECORDS_FILE_BYTES = 256 << 20
+"""Largest evaluation records file read (`prl eval --records`: every rollout of every environment)."""
+
+
+class RecordsFile:
+    """One evaluation's records (`prl eval --records FILE`: a RolloutSample of step 0, every rollout), read where a
+    run's samples are read (`rollout_sample_steps`, `read_rollout_sample`, `root`)."""
+
+    def __init__(self, path: Path):
+        self.root = path
+        try:
+            size = path.stat().st_size
+        except OSError as e:
+            raise ConfigError(f"{path}: {e.strerror or e}") from None
+        if size > MAX_RECORDS_FILE_BYTES:
+            raise ConfigError(f"{path}: {size} bytes, more than a records file holds ({MAX_RECORDS_FILE_BYTES})")
+        try:
+            self.sample = rec.read(path, RolloutSample)
+        except RunDirError as e:
+            raise ConfigError(f"{path}: not a records file of `prl eval --records` or samples/step_N.json ({e})") \
+                from None
+
+    def rollout_sample_steps(self) -> list[int]:
+        return [self.sample.step] if self.sample is not None else []
+
+    def read_rollout_sample(self, step: int) -> RolloutSample | None:
+        return self.sample if self.sample is not None and step == self.sample.step else None
+
+
+def source(arg: str | None):
+    """Where `prl rollouts` / `prl export-data` read: a records file (a path to a .json file), else a run."""
+    if arg and arg.endswith(".json") and Path(arg).expanduser().is_file():
+        return RecordsFile(Path(arg).expanduser().resolve())
+    from prl.ops.status import resolve_run
+
+    return resolve_run(arg)
 
 SORTS = ("step", "best", "worst")
 """`--sort`: the step's order, the highest reward first, the lowest first."""

@@ -4,6 +4,7 @@
     evaluate_endpoint(env_id, url, model, examples=64)
                                      any OpenAI-compatible endpoint (vLLM, a hosted API) with verifiers'
                                      plain eval client, which needs no token ids; `prl eval` and a sweep task
+    evaluate_endpoint(..., records=out)   also each rollout's RolloutRecord (`prl eval --records FILE`)
 
 The same env code scores training and evaluation. This module returns numbers; the `prl eval` command
 (prl/cli.py) prints them.
@@ -21,20 +22,33 @@ from prl.orchestrator.clients import endpoint_client
 from prl.orchestrator.env import load_env
 from prl.orchestrator.rollouts import Generator, Rollout, then
 from prl.orchestrator.sync import LiveServer, ServerPool
+from prl.orchestrator.transcripts import record_of
+from prl.run.records import RolloutRecord
 
 
 async def evaluate(gen: Generator, examples: int, rollouts: int = 1,
-                   on_group: Callable[[], None] | None = None) -> dict[str, Any]:
+                   on_group: Callable[[], None] | None = None,
+                   keep: list[list[Rollout]] | None = None) -> dict[str, Any]:
     """Run `rollouts` episodes on each of the first `examples` eval tasks; reward and metric stats.
     `on_group` is called as each task's group finishes (the orchestrator's heartbeat: an eval longer than
-    the hang bound is progress, not a hang, as long as groups keep finishing)."""
+    the hang bound is progress, not a hang, as long as groups keep finishing); `keep` gets every task's group
+    (the rollouts themselves, for their records)."""
     tasks = list(gen.env.taskset.take(examples))
     t0 = time.monotonic()
     groups: list[list[Rollout]] = await asyncio.gather(*(then(gen.group(t, rollouts, 0), on_group) for t in tasks))
     out = summarize([r for group in groups for r in group], time.monotonic() - t0)
     if rollouts > 1:
         out.update(pass_at_k(groups, rollouts))
+    if keep is not None:
+        keep.extend(groups)
     return out
+
+
+def eval_records(groups: list[list[Rollout]], env: str) -> list[RolloutRecord]:
+    """Each rollout of an evaluation as a person reads it (`prl rollouts`, `prl export-data`): step 0, fate
+    `evaluated` (or `failed`), no advantage."""
+    return [record_of(r, g, i, env, 0, None, "evaluated" if r.ok else "failed")
+            for g, group in enumerate(groups) for i, r in enumerate(group)]
 
 
 def pass_at_k(groups: list[list[Rollout]], k: int, solved: float = 1.0) -> dict[str, float]:
@@ -97,6 +111,7 @@ def evaluate_endpoint(
     max_concurrent: int = 32,
     render_with: str | None = None,
     renderer: dict[str, Any] | None = None,
+    records: list[RolloutRecord] | None = None,
 ) -> dict[str, Any]:
     """Evaluate `env_id`'s eval split against an OpenAI-compatible endpoint; its reward stats (`evaluate`'s)
     with `env`, `model` and `base_url`.
@@ -105,6 +120,7 @@ def evaluate_endpoint(
     `render_with`: a tokenizer directory; the conversation is then rendered here with it and `renderer`
     (`model.renderer`) and sent to the server's token-in/token-out generate route, as the orchestrator's
     in-run eval does (a prl server only; tool calls are parsed by the renderer, not the server).
+    `records` gets each rollout's record (`eval_records`).
     """
     import verifiers.v1 as vf
 
@@ -118,8 +134,11 @@ def evaluate_endpoint(
         gen = Generator(env, pool, lambda s: vf.ModelContext(model=model, client=client, sampling=sampling),
                         max_concurrent=max_concurrent, retries=2, need_tokens=False)
         async with env.serving():
-            return await evaluate(gen, examples, rollouts)
+            return await evaluate(gen, examples, rollouts, keep=groups)
 
+    groups: list[list[Rollout]] = []
     stats = asyncio.run(run())
+    if records is not None:
+        records.extend(eval_records(groups, env_id))
     stats.update(env=env_id, model=model, base_url=base_url)
     return stats

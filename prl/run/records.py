@@ -385,10 +385,11 @@ class Turn(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Pictures in the message (`image_url` parts)."""
 
 
-ROLLOUT_FATES = ("trained", "zero_advantage", "failed", "resampled", "stale")
+ROLLOUT_FATES = ("trained", "zero_advantage", "failed", "resampled", "stale", "evaluated")
 """What became of a rollout: trained, or dropped (its group's advantages were all zero and
 `drop_zero_groups` left it out; an episode of its group failed; dynamic sampling replaced its group; its group
-became older than the staleness bound while queued, or was cancelled for it while running)."""
+became older than the staleness bound while queued, or was cancelled for it while running), or scored by an
+evaluation (`prl eval --records`), which trains nothing."""
 
 
 class RolloutRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -406,7 +407,7 @@ class RolloutRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     """The environment's metrics."""
     advantage: Optional[float] = None
     """Its group-relative advantage (None: not trained)."""
-    fate: Literal["trained", "zero_advantage", "failed", "resampled", "stale"] = "trained"
+    fate: Literal["trained", "zero_advantage", "failed", "resampled", "stale", "evaluated"] = "trained"
     completion_tokens: int = 0
     turns: int = 0
     truncated: bool = False

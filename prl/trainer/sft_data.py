@@ -8,7 +8,9 @@ The samples are `prl.run.batch.Sample`s with advantage 1: the RL trainer's packi
 hence a block-diagonal causal mask) and its checkpoints and weight publishing serve SFT too.
 
 Sources, each a list of conversations in the chat `messages` format
-(`[{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...]`):
+(`[{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...]`; an assistant message may carry
+`tool_calls` in OpenAI's form and `reasoning_content`, a tool message its `tool_call_id`, all handed to the
+chat template as they are, as `prl export-data` writes them):
 
 - `*.jsonl`: one JSON object per line with a `messages` list (read here, no extra package);
 - `*.parquet`, or a directory written by `datasets.save_to_disk` or holding data files for
@@ -65,9 +67,33 @@ def check_messages(messages: Any, where: str, base: Path | None = None) -> list[
                        for j, part in enumerate(content)]
             if m["role"] != "user" and any(p["type"] == "image" for p in content):
                 raise DataError(f"{where}: messages[{i}] ({m['role']}) has a picture; pictures go in user messages")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": m["role"], "content": content, **tool_fields(m, f"{where}: messages[{i}]")})
     if not any(m["role"] == "assistant" for m in out):
         raise DataError(f"{where}: no assistant message, nothing to train on")
+    return out
+
+
+def tool_fields(m: dict[str, Any], where: str) -> dict[str, Any]:
+    """A message's tool-call fields, checked, for the chat template: an assistant's `tool_calls` (OpenAI's form,
+    `{"type": "function", "function": {"name": ..., "arguments": ...}}`, an `id` optional), `reasoning_content`,
+    and a tool message's `tool_call_id`."""
+    out: dict[str, Any] = {}
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if m["role"] != "assistant" or not isinstance(calls, list):
+            raise DataError(f"{where}: tool_calls must be a list, on an assistant message")
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                    and isinstance(fn.get("arguments"), (str, dict))):
+                raise DataError(f"{where}.tool_calls[{j}]: expected {{\"type\": \"function\", \"function\": "
+                                f"{{\"name\": str, \"arguments\": str or object}}}}")
+        out["tool_calls"] = calls
+    for key, role in (("tool_call_id", "tool"), ("reasoning_content", "assistant")):
+        if m.get(key) is not None:
+            if m["role"] != role or not isinstance(m[key], str):
+                raise DataError(f"{where}: {key} must be a string, on a {role} message")
+            out[key] = m[key]
     return out
 
 
@@ -189,7 +215,7 @@ def template_view(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, An
         if isinstance(content, list):
             pictures += [p["bytes"] for p in content if p["type"] == "image"]
             content = [p if p["type"] == "text" else {"type": "image"} for p in content]
-        view.append({"role": m["role"], "content": content})
+        view.append({**m, "content": content})
     return view, pictures
 
 
@@ -314,7 +340,7 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict[str, Any]], ma
         return Sample(token_ids=ids, loss_mask=mask, inference_logprobs=[0.0] * len(ids), advantage=1.0,
                       images=pictures)
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's own tokenizer for text alone
-    messages = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+    messages = [{**m, "content": m["content"] if isinstance(m["content"], str)
                  else "".join(p["text"] for p in m["content"])} for m in messages]  # text parts: their text
     text, spans = assistant_spans(tokenizer, messages)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
