@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v shellcheck >/dev/null || need_apt+=(shellcheck)
+command -v chromium >/dev/null || need_apt+=(chromium)  # the rollouts page's test in a real browser
 if ((${#need_apt[@]})); then
     apt-get install -y -q "${need_apt[@]}" >/dev/null 2>&1 \
         || { apt-get update -q >/dev/null && apt-get install -y -q "${need_apt[@]}" >/dev/null; }

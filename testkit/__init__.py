@@ -7,4 +7,5 @@ which has no pytest): nothing here imports `tests` or `pytest` (tests/test_impor
     trainer_helpers.py  a trainer run on CPU ranks: a run dir with a plan and synthetic rollouts, `launch`
     rank_zygote.py      forks the trainer's CPU ranks from one process that imported torch once
     ports.py            free ports for the servers started here
+    browser.py          a real headless Chromium over the DevTools protocol, for the pages prl writes
 """

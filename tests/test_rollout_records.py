@@ -85,3 +85,75 @@ def test_text_past_the_bound_is_cut_in_the_middle_and_the_sample_keeps_whole_gro
     assert sample.records[0].lag == 2 and sample.records[0].advantage == 0.5 and sample.records[4].advantage is None
     assert len(step_sample(3, fates, "e", limit=2, rollouts=12).records) == 4  # at least the first group whole
     assert step_sample(3, fates, "e", limit=0, rollouts=12).records == []
+
+
+@pytest.mark.slow
+def test_the_page_in_a_real_browser_shows_the_steps_a_conversation_and_filters(sampled_run, tmp_path):
+    """`prl rollouts --html` opened in headless Chromium (Debian's): the steps' bars, the newest step's rollouts as
+    cards, a click on another step, the fate, reward and text filters as a user types, and a screenshot that is a
+    drawn page (not blank). Three steps: the run's one, and two more written from its records with other rewards."""
+    import asyncio
+    import io
+    import shutil
+
+    import msgspec
+    from PIL import Image
+
+    from prl.run.rundir import RunDir
+    from testkit.browser import HEIGHT, WIDTH, open_page
+
+    run = RunDir(shutil.copytree(sampled_run.root, tmp_path / "run"))
+    first = run.read_rollout_sample(1)
+    for step, shift in ((2, 0.25), (3, 0.5)):
+        records = [msgspec.structs.replace(r, reward=r.reward + shift) for r in first.records]
+        run.write_rollout_sample(msgspec.structs.replace(first, step=step, records=records))
+    page_path = tmp_path / "page.html"
+    prl_cli({}, "rollouts", run.root, "--steps", "all", "--html", page_path)
+    rewards = sorted(r.reward + 0.5 for r in first.records)
+    fates = [r.fate for r in first.records]
+    word = first.records[0].conversation[0].text.split()[0]
+
+    async def drive(page):
+        count = "document.querySelectorAll('#rollouts .rollout').length"
+        seen = {"steps": await page.eval("[...document.querySelectorAll('#steps .step')].map(e => e.textContent)"),
+                "on": await page.eval("document.querySelector('#steps .step.on').textContent"),
+                "title": await page.eval("document.getElementById('title').textContent"),
+                "cards": await page.eval(count),
+                "turn": await page.eval("document.querySelector('#rollouts .rollout .turn').textContent")}
+        await page.eval("document.querySelectorAll('#steps .step')[0].click()")
+        seen["clicked"] = await page.eval("document.getElementById('title').textContent")
+        await page.eval("document.querySelectorAll('#steps .step')[2].click()")
+
+        async def typed(field: str, value: str) -> int:
+            await page.eval(f"(() => {{ const e = document.getElementById('{field}'); e.value = {json.dumps(value)}; "
+                            f"e.dispatchEvent(new Event('input')); }})()")
+            shown = await page.eval(count)
+            await page.eval(f"(() => {{ const e = document.getElementById('{field}'); e.value = ''; "
+                            f"e.dispatchEvent(new Event('input')); }})()")
+            return shown
+
+        seen["min"] = await typed("min", str(rewards[len(rewards) // 2]))
+        seen["fate"] = await typed("fate", fates[0])
+        seen["q"] = await typed("q", word)
+        seen["nothing"] = await typed("q", "no-such-text-anywhere")
+        seen["png"] = await page.screenshot()
+        return seen
+
+    async def main():
+        async with open_page(page_path.as_uri(), tmp_path) as page:
+            return await drive(page)
+
+    seen = asyncio.run(main())
+    assert [s.split()[:2] for s in seen["steps"]] == [["step", "1"], ["step", "2"], ["step", "3"]], seen["steps"]
+    assert seen["on"].startswith("step 3") and seen["title"] == "step 3: 8 rollout(s)" and seen["cards"] == 8
+    assert seen["turn"].startswith("user: ") or seen["turn"].startswith("system: "), seen["turn"]
+    assert seen["clicked"] == "step 1: 8 rollout(s)"
+    assert seen["min"] == sum(r >= rewards[len(rewards) // 2] for r in rewards)
+    assert seen["fate"] == fates.count(fates[0])
+    assert 1 <= seen["q"] <= 8 and seen["nothing"] == 0
+    shot = Image.open(io.BytesIO(seen["png"])).convert("RGB")
+    assert shot.size == (WIDTH, HEIGHT)
+    colors = shot.getcolors(maxcolors=1 << 20)
+    white = max(colors)[0] / (WIDTH * HEIGHT)
+    assert len(colors) > 50 and white < 0.97, (len(colors), white)  # text, bars and borders drawn
+    shot.save(tmp_path / "page.png")

@@ -250,8 +250,11 @@ draw();
 def page(run: RunDir, steps: Sequence[int], shown: Sequence[Shown]) -> str:
     """One self-contained HTML page (no server, no network): the steps with their mean reward, and the chosen
     rollouts of the selected step side by side, filtered by fate, reward and text as you type."""
+    # A record leaves out its defaults on disk (omit_defaults); the page's script reads fate and conversation
+    # of every rollout, so they go in whatever their value (a trained rollout's fate is the default).
     data = {"steps": steps_summary(run, steps),
-            "rollouts": [{"step": s.step, **msgspec.to_builtins(s.record)} for s in shown]}
+            "rollouts": [{"step": s.step, **msgspec.to_builtins(s.record), "fate": s.record.fate,
+                          "conversation": msgspec.to_builtins(s.record.conversation)} for s in shown]}
     # Inside <script>, "</" would end the element early: JSON allows "<\/" for it.
     embedded = json.dumps(data).replace("</", "<\\/")
     fates = "".join(f'<option value="{f}">{f}</option>' for f in ROLLOUT_FATES)
