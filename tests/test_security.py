@@ -541,6 +541,28 @@ def running_requests(server) -> float:
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_a_real_server_generates_with_the_generation_key_and_refuses_it_every_admin_route(keyed_server):
+    """vLLM's app with prl's middleware: the generation-only key completes and lists models; pausing, weight
+    updates, /prl/live and vLLM's adapter routes answer it 403 naming the route, and nothing of them runs."""
+    from prl.run.api import generation_key
+
+    generation = {"Authorization": f"Bearer {generation_key(KEY)}"}
+    status, models = call(keyed_server, "GET", "/v1/models", headers=generation)
+    assert status == 200, models
+    status, done = call(keyed_server, "POST", "/v1/completions", {"model": models["data"][0]["id"], "prompt": "hi",
+                                                                   "max_tokens": 2}, headers=generation)
+    assert status == 200 and done["choices"], done
+    for method, path, body in [("POST", "/pause", {}), ("POST", "/resume", {}), ("POST", "/prl/weights", {"step": 0}),
+                               ("GET", "/prl/live", None), ("POST", "/v1/load_lora_adapter",
+                                                            {"lora_name": "x", "lora_path": "/x"})]:
+        status, answer = call(keyed_server, method, path, body, headers=generation)
+        assert status == 403 and answer["error"].startswith(f"{path} needs the run's key"), (path, status, answer)
+    status, live = call(keyed_server, "GET", "/prl/live")
+    assert status == 200 and live["paused"] is False  # the refused pause never ran
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_generate_refuses_out_of_range_requests(keyed_server):
     from prl.inference.generate import MAX_N, max_body_bytes
 
