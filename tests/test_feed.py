@@ -510,6 +510,68 @@ def test_a_member_that_dies_mid_broadcast_fails_the_others_within_the_bound():
         assert "error" in feed.group_log[0]
 
 
+def outsider(address: str):
+    """A process that reaches a feed's rendezvous store and holds no key: a plain TCPStore client."""
+    import datetime
+
+    import torch.distributed as dist
+
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=10))
+
+
+def test_a_process_reaching_a_group_s_store_learns_no_token_and_the_group_still_forms():
+    """The store answers anyone: listed, its keys and values name neither the token nor anything the run's key
+    does not hide (an HMAC prefix, MAC'd addresses), while the group forms through it as before."""
+    tensors = sample_tensors()
+    with FeedServer("127.0.0.1", 0, KEY, groups=True, group_timeout=10) as feed:
+        feed.publish(4, tensors)
+        first = group_of(3, 1)
+        got = read_in_threads(feed.address, 4, [first, group_of(3, 2, first.token)])
+        assert all([name for name, _ in member] == [name for name, _ in tensors] for member in got), got
+        seen = outsider(feed.store_address)
+        names = [name for name in seen.list_keys() if name.startswith("prl-weights/")]
+        assert len(names) >= 3, names  # every member's rendezvous value is there to read
+        held = b"".join(name.encode() + seen.get(name) for name in names)
+        assert first.token.encode() not in held and first.token[:8].encode() not in held, names
+
+
+@pytest.mark.parametrize("forge", ["an address", "a member's own value moved", "a flood"])
+def test_a_value_no_member_wrote_is_refused_with_the_reason(forge):
+    """A process writes where a member reads the feed's address: the member refuses it, within moments and with
+    the reason, and never connects where it says (gloo would otherwise dial it)."""
+    from prl.weights import collective
+
+    store = collective.store("127.0.0.1", 10)
+    member = group_of(2, 1, timeout=10)
+    seen = outsider(f"127.0.0.1:{store.port}")
+    result: list = []
+    joining = threading.Thread(target=lambda: result.append(_join_or_error(member, store.port)))
+    joining.start()
+    prefix = collective.store_prefix(KEY, member.token)
+    deadline = time.monotonic() + 10
+    while not (mine := [n for n in seen.list_keys() if n.startswith(prefix)]):
+        assert time.monotonic() < deadline, "the member never wrote its address"
+        time.sleep(0.02)
+    feeds_key = mine[0][:-1] + "0"  # gloo's key of rank 0's address, beside rank 1's
+    forged = {"an address": b"127.0.0.1:9", "a member's own value moved": seen.get(mine[0]),
+              "a flood": b"x" * (1 << 20)}[forge]
+    seen.set(feeds_key, forged)
+    joining.join(30)
+    assert isinstance(result[0], collective.StoreRefused), result
+    assert repr(feeds_key) in str(result[0]) and "a process that is not a member wrote it" in str(result[0])
+    assert ("over the 65536" if forge == "a flood" else "no valid MAC under the run's key") in str(result[0])
+
+
+def _join_or_error(group, port: int):
+    from prl.weights import collective
+
+    try:
+        return collective.join(group, "127.0.0.1", f"127.0.0.1:{port}", KEY)
+    except Exception as e:  # noqa: BLE001 - the test looks at it
+        return e
+
+
 def test_the_fanout_benchmark_delivers_the_whole_step_or_each_receivers_slices():
     """bench/bench_weight_fanout.py checks that every receiver got the step's bytes, pulled and by a group, and
     its own slices' bytes when it names its place, pulled and by its place's group."""

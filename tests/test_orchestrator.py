@@ -134,6 +134,43 @@ def test_steps_respect_the_staleness_bound_and_weights_reach_the_server(tmp_path
     assert state.status == "exited" and state.exit_code == 0 and state.published == 4
 
 
+def test_env_workers_and_what_they_start_hold_the_generation_key_and_never_the_run_s(tmp_path, tokenizer_dir,
+                                                                                     monkeypatch):
+    """The orchestrator takes the run's key out of its environment before an environment loads (`hold_keys`):
+    the real env worker process (verifiers' pool, spawned) was started with the generation-only key in its
+    environment, and the run's key nowhere in it, so neither it nor a tool it starts can read it there."""
+    import asyncio
+
+    import psutil
+
+    from prl.orchestrator import sync
+    from prl.orchestrator.config import OrchestratorConfig
+    from prl.orchestrator.loop import load_environments
+    from prl.run.api import generation_key
+    from prl.run.rundir import API_KEY_VAR, GENERATION_KEY_VAR
+
+    run = make_run(tmp_path, tokenizer_dir, "orchestrator.env_workers=1")
+    run.create_api_key()
+    key = run.read_api_key()
+    monkeypatch.setenv(API_KEY_VAR, key)  # as a standalone orchestrator is handed it
+    monkeypatch.setenv(GENERATION_KEY_VAR, "stale")  # restored (removed) after the test
+    monkeypatch.setattr(sync, "_HELD", {})
+    sync.hold_keys(run)
+    env, _ = load_environments(OrchestratorConfig.from_plan(Plan.read(run)))
+
+    async def environs() -> list[dict]:
+        async with env.serving():
+            # What each process was started with (/proc/PID/environ): what its tools inherit, and can read.
+            return [p.environ() for p in psutil.Process().children(recursive=True) if "spawn" in " ".join(p.cmdline())]
+
+    seen = asyncio.run(environs())
+    assert seen, "no env worker process ran"
+    for environ in seen:
+        assert API_KEY_VAR not in environ and not [k for k, v in environ.items() if key in v], sorted(environ)
+        assert environ[GENERATION_KEY_VAR] == generation_key(key)
+    assert sync.auth_headers() == {"Authorization": f"Bearer {key}"}  # the weight watcher's, in this process
+
+
 def test_env_workers_need_an_installed_environment_and_warn_without_the_cores(tmp_path, tokenizer_dir):
     from prl.errors import ConfigError
     from prl.orchestrator.workers import check_env_id

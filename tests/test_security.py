@@ -310,6 +310,48 @@ def test_every_router_route_needs_the_key():
                 assert r.status_code == 401, (method, path, headers, r.status_code)
 
 
+def test_the_generation_key_generates_through_the_router_and_calls_no_other_route():
+    """The run's generation-only key (what the orchestrator's environments hold): the router lets it through on
+    the generation routes and /v1/models only (here to backends that are not there: 502), every other route 403
+    in one line naming the route; the run's key still passes everywhere."""
+    from starlette.testclient import TestClient
+
+    from prl.inference.router import build_app
+    from prl.run.api import GENERATION_KEY_PATHS, generation_key
+
+    app = build_app(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], api_key=KEY)
+    calls = [c for c in _calls(app.routes) if c[0] != "OPTIONS"] + [("GET", "/v1/models"), ("POST", "/pause")]
+    generation = {"Authorization": f"Bearer {generation_key(KEY)}"}
+    with TestClient(app) as client:
+        for method, path in calls:
+            r = client.request(method, path, headers=generation, json={})
+            if path in GENERATION_KEY_PATHS:
+                assert r.status_code not in (401, 403), (method, path, r.status_code)
+            else:
+                assert r.status_code == 403, (method, path, r.status_code)
+                assert r.json() == {"error": f"{path} needs the run's key: the generation-only key may call only "
+                                             f"{', '.join(sorted(GENERATION_KEY_PATHS))}"}
+        assert client.post("/pause", headers={"Authorization": f"Bearer {KEY}"}).status_code not in (401, 403)
+    assert generation_key(KEY) != KEY and KEY not in generation_key(KEY)
+
+
+def test_the_orchestrator_is_started_without_the_run_s_key_in_its_environment(tmp_path, monkeypatch):
+    """The role runner hands the orchestrator no key in its environment (which its children inherit, and which
+    they can read in /proc/PID/environ): it reads RUN/api_key itself."""
+    from types import SimpleNamespace
+
+    from prl.job import runtimes
+    from prl.run.rundir import API_KEY_VAR, RunDir
+
+    run = RunDir(tmp_path / "run").create()
+    run.create_api_key()
+    monkeypatch.setenv(API_KEY_VAR, "inherited")
+    seen = {}
+    monkeypatch.setattr(runtimes, "supervise", lambda argv, env, *a, **k: seen.update(env) and 0)
+    runtimes.run_orchestrator(run, None, 0, SimpleNamespace(signum=None))
+    assert seen and API_KEY_VAR not in seen and run.read_api_key() not in seen.values()
+
+
 @pytest.mark.parametrize("module", ["prl.inference.router", pytest.param("prl.inference", marks=pytest.mark.vllm)])
 def test_a_server_without_its_key_refuses_to_start(tmp_path, module):
     argv = [sys.executable, "-m", module, "--api-key-env", "PRL_TEST_UNSET_KEY"]
@@ -495,6 +537,28 @@ def running_requests(server) -> float:
         if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_real_server_generates_with_the_generation_key_and_refuses_it_every_admin_route(keyed_server):
+    """vLLM's app with prl's middleware: the generation-only key completes and lists models; pausing, weight
+    updates, /prl/live and vLLM's adapter routes answer it 403 naming the route, and nothing of them runs."""
+    from prl.run.api import generation_key
+
+    generation = {"Authorization": f"Bearer {generation_key(KEY)}"}
+    status, models = call(keyed_server, "GET", "/v1/models", headers=generation)
+    assert status == 200, models
+    status, done = call(keyed_server, "POST", "/v1/completions", {"model": models["data"][0]["id"], "prompt": "hi",
+                                                                   "max_tokens": 2}, headers=generation)
+    assert status == 200 and done["choices"], done
+    for method, path, body in [("POST", "/pause", {}), ("POST", "/resume", {}), ("POST", "/prl/weights", {"step": 0}),
+                               ("GET", "/prl/live", None), ("POST", "/v1/load_lora_adapter",
+                                                            {"lora_name": "x", "lora_path": "/x"})]:
+        status, answer = call(keyed_server, method, path, body, headers=generation)
+        assert status == 403 and answer["error"].startswith(f"{path} needs the run's key"), (path, status, answer)
+    status, live = call(keyed_server, "GET", "/prl/live")
+    assert status == 200 and live["paused"] is False  # the refused pause never ran
 
 
 @pytest.mark.vllm

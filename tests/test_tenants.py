@@ -15,6 +15,7 @@ import pytest
 
 from prl.errors import ConfigError
 from prl.run import tenants
+from prl.run.api import generation_key
 from prl.run.rundir import RunDir
 
 
@@ -29,6 +30,8 @@ def test_a_run_attaches_with_its_key_s_digest_only_and_detaches(pool, tmp_path):
     assert "secret-a" not in path.read_text()  # the key stays in the run's own directory
     record = json.loads(path.read_text())
     assert record["run_dir"] == str((tmp_path / "a").resolve()) and record["name"] == "exp-a"
+    generation = generation_key("secret-a")  # what the run's orchestrator and environments generate with
+    assert generation not in path.read_text() and record["generation_sha256"] == tenants.digest(generation).hex()
     assert [r["name"] for r in tenants.attached_runs(pool)] == ["exp-a"]
     tenants.attach(pool, "exp-a", tmp_path / "a", "new-key")  # the same run again (a resume): replaced
     assert tenants.read_tenants(pool)["exp-a"].digest == tenants.digest("new-key")
@@ -217,6 +220,46 @@ def test_what_an_attached_run_may_call(method, path, body, expected):
     assert (refused[0] if refused else None) == expected, refused
     if expected == 404:
         assert refused[1] == "The model `b` does not exist."  # as for any unknown model: nothing said of run b
+
+
+def test_an_attached_run_s_generation_key_generates_with_its_adapter_and_nothing_else(pool, tmp_path, monkeypatch):
+    """The pool's middleware, as a request meets it: a run's generation-only key generates with its own adapter
+    (the request carries the run's name on) and lists models; loading, detaching, /prl/live and the pool's routes
+    are 403, naming the route. The pool's own generation key is held to the same routes."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from prl.inference import server
+
+    tenants.attach(pool, "a", tmp_path / "a", "key-a")
+    monkeypatch.setattr(server, "_API_KEY", "pool-key")
+    monkeypatch.setattr(server, "_TENANTS", tenants.Registry(pool))
+    monkeypatch.setattr(server, "_BASE_MODEL", "base")
+
+    async def routed(request):
+        return JSONResponse({"tenant": request.scope.get("state", {}).get("prl_tenant")})
+
+    paths = ("/v1/chat/completions", "/v1/models", "/prl/weights", "/prl/detach", "/prl/live", "/pause")
+    app = Starlette(routes=[Route(p, routed, methods=["GET", "POST"]) for p in paths])
+    app.add_middleware(server.PoolAuth)
+    client = TestClient(app)
+
+    def ask(key: str, path: str, body=None):
+        return client.post(path, json=body or {}, headers={"Authorization": f"Bearer {key}"})
+
+    run_key = generation_key("key-a")
+    assert ask(run_key, "/v1/chat/completions", {"model": "a"}).json() == {"tenant": "a"}
+    assert ask(run_key, "/v1/chat/completions", {"model": "b"}).status_code == 404
+    assert ask(run_key, "/v1/models").status_code == 200
+    assert ask(generation_key("pool-key"), "/v1/chat/completions", {"model": "a"}).json() == {"tenant": None}
+    for key in (run_key, generation_key("pool-key")):
+        for path in ("/prl/weights", "/prl/detach", "/prl/live", "/pause"):
+            r = ask(key, path, {"step": 3})
+            assert r.status_code == 403 and r.json()["error"].startswith(f"{path} needs the run's key"), (path, r.text)
+    assert ask("key-a", "/prl/weights", {"step": 3}).json() == {"tenant": "a"}  # the run's own key still loads
+    assert ask(generation_key("key-b"), "/v1/models").status_code == 401
 
 
 def test_a_deeply_nested_body_is_refused_400_with_its_reason_not_a_500():

@@ -59,11 +59,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prl.inference import routing
 from prl.errors import run_entry
 from prl.log import get_logger, init_logging
+from prl.run.api import GENERATE_PATHS
 from prl.states import Role
 
 log = get_logger(__name__)
 
-GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 FANOUT_PATHS = ("/prl/weights", "/pause", "/resume")
 FORWARD_HEADERS = ("authorization", "content-type", "x-session-id", "x-request-id", "accept")
 POLICIES = ("cache_aware", "round_robin")
@@ -161,7 +161,7 @@ def build_app(prefill: list[str], decode: list[str], api_key: str | None = None,
     app.add_api_route("/prl/router", proxy.stats, methods=["GET"])
     for path in FANOUT_PATHS:
         app.add_api_route(path, on_path(proxy.fanout, path), methods=["POST"])
-    for path in GENERATE_PATHS:
+    for path in sorted(GENERATE_PATHS):
         app.add_api_route(path, on_path(proxy.disaggregated, path), methods=["POST"])
     app.add_api_route("/{rest:path}", proxy.passthrough, methods=["GET", "POST"])  # last: it matches every path
     return app

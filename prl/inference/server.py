@@ -23,7 +23,9 @@ without it 127.0.0.1, never all interfaces by default. With `--api-key-env
 VAR`, every endpoint but `/health` and `/prl/engine` (the role runner's probes) requires
 `Authorization: Bearer <key>`, `OPTIONS` included; VAR unset or empty stops
 the server before it starts (fail closed). Jobs started by `prl submit` always
-pass it, with the run's key from RUN/api_key.
+pass it, with the run's key from RUN/api_key. The key's generation-only twin (`prl.run.api.generation_key`,
+what the orchestrator's environments hold) passes on the generation routes and `/v1/models` only; any other
+route answers it 403 naming the route (docs/inference.md, Which key can do what).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ WEIGHT_BACKEND = "prl"
 """vLLM weight-transfer backend that loads the steps a weight transport sends (prl/inference/weight_engine.py)."""
 OPEN_PATHS = ("/health", "/prl/engine")
 """Paths served without the API key (the launcher's readiness probe)."""
+ADMIN, GENERATION = "admin", "generation"
+"""What a bearer key may do (`BearerAuth._grant`): every route, or the generation routes only."""
 
 START_METHOD_VAR = "VLLM_WORKER_MULTIPROC_METHOD"
 """How vLLM starts its engine core process (`cpu_engine_setup`)."""
@@ -101,12 +105,14 @@ def split_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 class BearerAuth:
-    """Pure ASGI middleware: every HTTP/websocket path except OPEN_PATHS needs the bearer key."""
+    """Pure ASGI middleware: every HTTP/websocket path except OPEN_PATHS needs the bearer key, the run's (every
+    route) or its generation-only key (`api.generation_key`: api.GENERATION_KEY_PATHS only, the rest 403)."""
 
     def __init__(self, app, key: str):
         self.app = app
         self.key = key
         self.digest = hashlib.sha256(key.encode()).digest()
+        self.generation = hashlib.sha256(api.generation_key(key).encode()).digest()
 
     @staticmethod
     def _token(scope) -> str | None:
@@ -116,18 +122,29 @@ class BearerAuth:
                 return token.strip() if scheme.lower() == "bearer" else None
         return None
 
-    def _ok(self, scope) -> bool:
+    def _grant(self, scope) -> str | None:
+        """ADMIN for the run's key, GENERATION for its generation-only key, None for any other or none."""
         token = self._token(scope)
-        return token is not None and hmac.compare_digest(hashlib.sha256(token.encode()).digest(), self.digest)
+        if token is None:
+            return None
+        got = hashlib.sha256(token.encode()).digest()
+        admin, generation = hmac.compare_digest(got, self.digest), hmac.compare_digest(got, self.generation)
+        return ADMIN if admin else GENERATION if generation else None
 
     async def __call__(self, scope, receive, send):
         path = scope.get("path", "").removeprefix(scope.get("root_path", "")) or "/"
         # OPTIONS too: a CORS preflight needs no answer from a server that browsers never call.
         if scope["type"] == "http" and path == api.PROOF_PATH:
             return await self.prove(scope, receive, send)
-        if scope["type"] not in ("http", "websocket") or path in OPEN_PATHS or self._ok(scope):
+        if scope["type"] not in ("http", "websocket") or path in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        return await self.refuse(scope, receive, send, 401, "missing or wrong API key (Authorization: Bearer <key>)")
+        grant = self._grant(scope)
+        refused = api.generation_refusal(path) if grant == GENERATION else None
+        if grant is None:
+            refused = 401, "missing or wrong API key (Authorization: Bearer <key>)"
+        if refused is not None:
+            return await self.refuse(scope, receive, send, *refused)
+        return await self.app(scope, receive, send)
 
     async def prove(self, scope, receive, send) -> None:
         """PROOF_PATH, open: the key's HMAC of the asker's nonce and the port it connected to (`api.key_proof`), so
@@ -152,9 +169,9 @@ class BearerAuth:
 
 
 class PoolAuth(BearerAuth):
-    """BearerAuth of an inference pool (`--tenants`): the pool's own key, or an attached run's key for what that
+    """BearerAuth of an inference pool (`--tenants`): the pool's own keys, or an attached run's key for what that
     run may call (prl.run.tenants.access: its own adapter's routes; another run's adapter is 404, the
-    pool's routes 403). The request then carries the run's name (`scope["state"]["prl_tenant"]`) to the routes.
+    pool's routes 403), or that run's generation-only key for what it may generate. The request then carries the run's name (`scope["state"]["prl_tenant"]`) to the routes.
     A body whose model must be checked is read here, within its route's bound (`body_limit`), and handed on
     unchanged."""
 
@@ -165,26 +182,28 @@ class PoolAuth(BearerAuth):
         self.registry, self.base_model = _TENANTS, _BASE_MODEL
 
     async def __call__(self, scope, receive, send):
-        from prl.run.tenants import GENERATE_PATHS, access
+        from prl.run.tenants import access
 
         path = scope.get("path", "").removeprefix(scope.get("root_path", "")) or "/"
         if scope["type"] == "http" and path == api.PROOF_PATH:
             return await self.prove(scope, receive, send)  # the pool's own key: its launcher's readiness
-        if scope["type"] not in ("http", "websocket") or path in OPEN_PATHS or self._ok(scope):
-            return await self.app(scope, receive, send)
-        token = self._token(scope)
-        tenant = self.registry.by_key(token) if token else None
+        if scope["type"] not in ("http", "websocket") or path in OPEN_PATHS or self._grant(scope) is not None:
+            return await super().__call__(scope, receive, send)  # the pool's own keys
+        token = self._token(scope) or ""
+        tenant, generation = self.registry.by_key(token), False
+        if tenant is None and token:
+            tenant, generation = self.registry.by_generation_key(token), True
         if tenant is None:
             return await self.refuse(scope, receive, send, 401,
                                      "missing or wrong API key (Authorization: Bearer <key>)")
         body = b""
         method = scope.get("method", "GET")
-        if scope["type"] == "http" and method == "POST" and path in GENERATE_PATHS:
+        if scope["type"] == "http" and method == "POST" and path in api.GENERATE_PATHS:
             limit = body_limit(scope)  # the route's own bound, before a byte more is read
             body, receive = await buffered(receive, limit)
             if body is None:
                 return await self.refuse(scope, receive, send, 413, f"request body over {limit} bytes")
-        refused = access(tenant, method, path, body, self.base_model)
+        refused = access(tenant, method, path, body, self.base_model, generation)
         if refused is not None:
             return await self.refuse(scope, receive, send, *refused)
         scope.setdefault("state", {})["prl_tenant"] = tenant.name

@@ -10,8 +10,10 @@ Called by `prl.job.role` after the preflight. Each role's runtime is a child pro
                                                                       prl.trainer.torchrun runs it: its store
                                                                       bound to node 0's address)
 
-Servers, router and orchestrator get the run's API key (`RUN/api_key`, written by `prl submit`)
-in $PRL_INFERENCE_API_KEY, never on a command line; without the file they do not start.
+Servers and router get the run's API key (`RUN/api_key`, written by `prl submit`) in
+$PRL_INFERENCE_API_KEY, never on a command line; without the file they do not start, nor does the
+orchestrator, which reads the file itself: its environment, which env workers and their tools
+inherit, never holds the key (prl/orchestrator/sync.py `hold_keys`).
 Readiness becomes `state/ready/ROLE.TASK.json` (the launcher starts the next role after it)
 and, for servers, `state/endpoints/ROLE.REPLICA.json` with the URL other roles use.
 Signals to the task are passed on to the child; the task exits with the child's code.
@@ -223,7 +225,8 @@ def run_orchestrator(run: RunDir, plan: Plan, task: int, stop: Any) -> int:
         return state is not None and state.status == RoleState.RUNNING and (state.heartbeat or 0.0) >= started
 
     argv = [sys.executable, "-m", "prl.orchestrator", "--run-dir", str(run.root)]
-    env = {**os.environ, API_KEY_VAR: run.read_api_key()}
+    run.read_api_key()  # fails closed here, as for the servers; the orchestrator reads it itself (`hold_keys`)
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_VAR}  # nothing it starts may inherit the key
     return supervise(argv, env, stop, heartbeating, _ready_marker(run, Role.ORCHESTRATOR, task))
 
 

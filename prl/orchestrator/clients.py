@@ -16,7 +16,7 @@ from typing import Any
 from prl.errors import ConfigError
 from prl.orchestrator.config import OrchestratorConfig
 from prl.orchestrator.sync import LiveServer
-from prl.run.rundir import API_KEY_VAR
+from prl.run.rundir import GENERATION_KEY_VAR
 
 
 def renderer_config(renderer: dict[str, Any] | None) -> Any:
@@ -49,14 +49,14 @@ def train_client(base_url: str, api_key_var: str, tokenizer: str, renderer: Any)
 
 def train_contexts(cfg: OrchestratorConfig, model: str) -> Callable[[LiveServer], Any]:
     """LiveServer -> the verifiers ModelContext a rollout on it runs with: the train client of that server (the
-    run's API key), the served `model` name and the run's sampling settings. Checks `model.renderer` at once."""
+    run's generation-only key, GENERATION_KEY_VAR), the served `model` name and the run's sampling settings. Checks `model.renderer` at once."""
     import verifiers.v1 as vf
 
     sampling = vf.SamplingConfig(temperature=cfg.training.temperature, max_tokens=cfg.training.max_tokens)
     renderer = renderer_config(cfg.renderer)
 
     def make(server: LiveServer) -> Any:
-        client = train_client(f"{server.url}/v1", API_KEY_VAR, cfg.model_path, renderer)
+        client = train_client(f"{server.url}/v1", GENERATION_KEY_VAR, cfg.model_path, renderer)
         return vf.ModelContext(model=model, client=client, sampling=sampling)
 
     return make

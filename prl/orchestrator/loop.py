@@ -49,8 +49,8 @@ from prl.orchestrator.eval import evaluate
 from prl.orchestrator.rollouts import Generator, StepBatch, TaskStream, build_samples, has_signal, then
 from prl.orchestrator.scoring import Scorers, ScoreStats
 from prl.orchestrator.shaping import shaper
-from prl.orchestrator.sync import (Fleet, ServerPool, WeightWatcher, discover, read_endpoints, served_model,
-                                   server_client, standalone)
+from prl.orchestrator.sync import (Fleet, ServerPool, WeightWatcher, discover, generation_client, hold_keys,
+                                   read_endpoints, served_model, server_client, standalone)
 from prl.orchestrator.transcripts import step_sample
 from prl.orchestrator.workers import EnvWorkers, check_env_id
 from prl.planner.model import START_TIMEOUT_S, Plan
@@ -359,7 +359,7 @@ def scorers(run: RunDir, cfg: OrchestratorConfig, fleet: Fleet) -> Scorers | Non
     def urls(role: str) -> list[str]:
         return read_endpoints(run).get(role, []) if fleet.follow_endpoints else fleet.scorers.get(role, [])
 
-    return Scorers(cfg.scorers, urls, server_client, max_concurrent=t.max_concurrent_rollouts,
+    return Scorers(cfg.scorers, urls, generation_client, max_concurrent=t.max_concurrent_rollouts,
                    retries=t.rollout_retries)
 
 
@@ -421,6 +421,7 @@ def main(run_dir: str, servers: list[str] | None = None) -> int:
     cfg = OrchestratorConfig.from_plan(plan)
     init_logging(ROLE)
     run.create()
+    hold_keys(run)  # before anything starts a process: environments get the generation-only key alone
     beat = Beat(run)
 
     def on_term(signum, frame):  # the role runner passes SIGTERM on: unwind through the lifecycle below

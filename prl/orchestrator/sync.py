@@ -9,7 +9,9 @@ to every prefill / decode / inference server, never the router. Standalone
 use passes `--server URL` instead (each URL both generates and loads weights). Either way the
 servers found are a `Fleet`; the orchestrator builds its one `ServerPool` from it, whole
 (`ServerPool.of`), and hands that to the generators and the weight watcher.
-Every request carries the run's API key (`auth_headers`) when the role runner set one.
+Weight updates and `/prl/live` carry the run's key (`auth_headers`), held by this process alone (`hold_keys`);
+what generates (the environments' clients, the scorers) carries the generation-only key, the one environments
+and their tools inherit.
 
 The weight watcher asks the run's weight transport (prl/weights, `weights.transport`) for the newest step the
 servers may load (`offer`: the newest STABLE step under weights/, or a newer one the trainer holds in memory)
@@ -41,20 +43,48 @@ from prl.log import get_logger
 from prl.planner.model import Plan
 from prl.run import api
 from prl.run.api import LiveAnswer, WeightsRequest
-from prl.run.rundir import API_KEY_VAR, HEARTBEAT_S, RunDir
+from prl.run.rundir import API_KEY_VAR, GENERATION_KEY_VAR, HEARTBEAT_S, RunDir
 from prl.states import WEIGHT_ROLES, Role
 
 log = get_logger(__name__)
 
-def auth_headers() -> dict[str, str]:
-    """The run's API key as a bearer header ($PRL_INFERENCE_API_KEY, set by the role runner); {} without one."""
-    key = os.environ.get(API_KEY_VAR, "").strip()
+_HELD: dict[str, str] = {}
+"""The run's key, held by this process alone once `hold_keys` took it out of the environment."""
+
+
+def hold_keys(run: RunDir) -> None:
+    """Keep the run's key in this process only, and hand everything this process starts (env workers, their
+    tools, any subprocess) the generation-only key instead: the key comes from $PRL_INFERENCE_API_KEY, which is
+    removed from the environment (standalone use), else from RUN/api_key (the role runner hands none: a child
+    could read it in this process's /proc environ); GENERATION_KEY_VAR then holds `api.generation_key` of it.
+    Without either, no key (servers that check none)."""
+    key = os.environ.pop(API_KEY_VAR, "").strip()
+    if not key and run.api_key_file.is_file():
+        key = run.read_api_key()
+    _HELD["admin"] = key
+    if key:
+        os.environ[GENERATION_KEY_VAR] = api.generation_key(key)
+    else:
+        os.environ.pop(GENERATION_KEY_VAR, None)
+
+
+def auth_headers(generation: bool = False) -> dict[str, str]:
+    """The run's key as a bearer header (what `hold_keys` took), or with `generation` its generation-only key;
+    {} without one."""
+    key = _HELD.get("admin", "")
+    if key and generation:
+        key = api.generation_key(key)
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def server_client(**kwargs) -> httpx.AsyncClient:
-    """An HTTP client for the servers' admin and model routes, sending the run's API key."""
+    """An HTTP client for the servers' admin routes (weights, /prl/live), sending the run's key."""
     return httpx.AsyncClient(headers=auth_headers(), **kwargs)
+
+
+def generation_client(**kwargs) -> httpx.AsyncClient:
+    """An HTTP client for the servers' generation routes, sending the generation-only key."""
+    return httpx.AsyncClient(headers=auth_headers(generation=True), **kwargs)
 
 
 class WeightUpdateError(PrlError):
@@ -281,7 +311,7 @@ def standalone(urls: list[str]) -> Fleet:
 async def served_model(fleet: Fleet) -> str:
     """The model name the fleet's first generation server answers to (GET /v1/models)."""
     url = fleet.generate[0].url
-    async with server_client(timeout=30) as client:
+    async with generation_client(timeout=30) as client:
         r = await client.get(f"{url}/v1/models")
         r.raise_for_status()
         data = r.json().get("data") or []

@@ -3,6 +3,7 @@
     POST /prl/weights   WeightsRequest -> WeightsAnswer        the orchestrator (or a user) -> an inference server
     GET  /prl/live      LiveAnswer                             an inference server -> the orchestrator, `prl eval`
     GET  /prl/proof?nonce=HEX  KeyProof (open)                 a server or the router -> the launcher's readiness
+    GENERATE_PATHS      vLLM's and prl's bodies                the generation key may call these (and /v1/models)
     any route, refused  ErrorAnswer                            {"error": why, "status": HTTP code}
 
 The run directory's files are typed the same way in prl/run/records.py. A body is decoded by `decode`, which
@@ -208,6 +209,29 @@ def key_proof(key: str, nonce: str, port: int) -> str:
     """hex HMAC-SHA256 under `key` of `nonce:port`. The port binds the proof to the listener that gives it: a
     process squatting on a port cannot pass on the proof of the run's real server on another."""
     return hmac.new(key.encode(), f"{nonce}:{port}".encode(), hashlib.sha256).hexdigest()
+
+
+GENERATE_PATHS = frozenset({"/inference/v1/generate", "/v1/chat/completions", "/v1/completions"})
+"""The routes that generate (prl's token route and the OpenAI completion routes); their JSON body names the model."""
+GENERATION_KEY_PATHS = GENERATE_PATHS | {"/v1/models"}
+"""Every route the generation key may call (`generation_key`); the others need the run's key (docs/inference.md,
+Which key can do what)."""
+GENERATION_KEY_LABEL = b"prl generation-only key v1"
+
+
+def generation_key(key: str) -> str:
+    """The generation-only key of the run whose key is `key`: hex HMAC-SHA256 under it of a purpose label. A
+    server accepts it on GENERATION_KEY_PATHS alone (403 elsewhere); it tells nothing of the run's key. The
+    orchestrator hands its environments this one (prl/orchestrator/sync.py `hold_keys`)."""
+    return hmac.new(key.strip().encode(), GENERATION_KEY_LABEL, hashlib.sha256).hexdigest()
+
+
+def generation_refusal(path: str) -> Optional[tuple[int, str]]:
+    """Why the generation key may not call `path`, as (HTTP status, message); None when it may."""
+    if path in GENERATION_KEY_PATHS:
+        return None
+    return 403, (f"{path} needs the run's key: the generation-only key may call only "
+                 f"{', '.join(sorted(GENERATION_KEY_PATHS))}")
 
 
 class ErrorAnswer(msgspec.Struct, kw_only=True):

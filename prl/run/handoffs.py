@@ -35,7 +35,11 @@ MAX_SAMPLE_BYTES = 16 << 20
 """Largest rollout sample read back (the orchestrator writes each under ROLLOUT_SAMPLE_BYTES)."""
 
 API_KEY_VAR = "PRL_INFERENCE_API_KEY"
-"""Variable through which the role runner hands the run's API key to the servers, router and orchestrator."""
+"""Variable through which the role runner hands the run's API key to the servers and router (never to the
+orchestrator, whose children inherit its environment: it reads RUN/api_key)."""
+GENERATION_KEY_VAR = "PRL_GENERATION_API_KEY"
+"""Variable holding the run's generation-only key (`prl.run.api.generation_key`) in the orchestrator and every
+process it starts (env workers, their tools), which never see the run's key."""
 TRUNCATE_EVENT = "truncate"
 """The `event` of a metrics.jsonl line that drops its role's earlier records after its `after` step."""
 

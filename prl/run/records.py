@@ -362,6 +362,8 @@ class TenantRecord(Record, kw_only=True):
     key_sha256: Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
     """SHA-256 of the run's API key (the key itself stays in the run's directory)."""
     attached: Optional[Time] = None
+    generation_sha256: Optional[Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]] = None
+    """SHA-256 of the run's generation-only key (prl.run.api.generation_key); absent in records written before."""
 
 
 class ToolCallText(msgspec.Struct, kw_only=True):

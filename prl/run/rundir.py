@@ -23,12 +23,12 @@ import shutil
 from prl.run.files import (DIR_MODE, FILE_MODE, MARKER, PENDING_MARKER, atomic_write_bytes, atomic_write_json,
                            atomic_write_text, current_attempt, fsync_tree, is_stable, pid_alive, step_of,
                            verify_stable)
-from prl.run.handoffs import API_KEY_VAR, HEARTBEAT_S, Handoffs
+from prl.run.handoffs import API_KEY_VAR, GENERATION_KEY_VAR, HEARTBEAT_S, Handoffs
 from prl.run.layout import KINDS, ROLES
 from prl.run.retention import Retention
 
-__all__ = ["API_KEY_VAR", "DIR_MODE", "FILE_MODE", "HEARTBEAT_S", "KINDS", "LOW_DISK_BYTES", "MARKER",
-           "PENDING_MARKER", "RESERVE_BYTES", "ROLES", "RunDir", "atomic_write_bytes", "atomic_write_json",
+__all__ = ["API_KEY_VAR", "DIR_MODE", "FILE_MODE", "GENERATION_KEY_VAR", "HEARTBEAT_S", "KINDS", "LOW_DISK_BYTES",
+           "MARKER", "PENDING_MARKER", "RESERVE_BYTES", "ROLES", "RunDir", "atomic_write_bytes", "atomic_write_json",
            "atomic_write_text", "current_attempt", "fsync_tree", "is_stable", "pid_alive", "step_of",
            "verify_stable"]
 

@@ -4,18 +4,21 @@ A pool is a run directory whose servers (`python -m prl.inference --tenants ...`
 one base model to several RL runs that each train a LoRA adapter. A run attaches by writing its record into
 the pool's run directory:
 
-    POOL/tenants/<name>.json    TenantRecord: {"name", "run_dir", "key_sha256", "attached"}  (mode 0600, atomic)
+    POOL/tenants/<name>.json    TenantRecord: {"name", "run_dir", "key_sha256", "generation_sha256", "attached"}
+                                (mode 0600, atomic)
 
 `name` is the run's name in the pool (its adapter is served under it), `run_dir` the run's own directory
 (the only place its adapters are loaded from), `key_sha256` the digest of the run's API key (the key itself
-stays in the run's directory). A server reads the records again on a request at most every RESCAN_S, so a run
+stays in the run's directory), `generation_sha256` that of its generation-only key (`prl.run.api.generation_key`:
+what the run's orchestrator and environments generate with). A server reads the records again on a request at most every RESCAN_S, so a run
 attached after the pool started is served within a second, and one whose record is removed (`detach`, after
 every server unloaded its adapter: `POST /prl/detach`) is refused within a second.
 
 What an attached run's key may do (`access`), checked by the server's auth middleware before a route runs:
 generate (prl's token route and the OpenAI completion routes) with its own adapter's name or the base
 model's, load its own adapter (`POST /prl/weights`, from its own run directory), read its own view of
-`GET /prl/live`, and detach. Another run's adapter name is 404, as an unknown model; every other route
+`GET /prl/live`, and detach; its generation-only key only generates and lists models
+(prl.run.api.GENERATION_KEY_PATHS, the rest 403). Another run's adapter name is 404, as an unknown model; every other route
 (pausing the pool, vLLM's RL and admin routes) is 403. The pool's own key may do everything but load
 adapters. No torch, vLLM or FastAPI here: `prl submit` and `prl status` use it on login nodes.
 """
@@ -35,6 +38,7 @@ from pathlib import Path
 
 from prl.errors import ConfigError, RunDirError
 from prl.run import records
+from prl.run.api import GENERATE_PATHS, generation_key, generation_refusal
 from prl.run.records import TenantRecord
 from prl.run.rundir import RunDir, atomic_write_json
 from prl.states import Role
@@ -45,8 +49,6 @@ NAME = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 RESCAN_S = 1.0
 """Least time between two readings of the records by a server (they are read again on a request after it)."""
 
-GENERATE_PATHS = frozenset({"/inference/v1/generate", "/v1/chat/completions", "/v1/completions"})
-"""Routes whose JSON body names the model: a tenant may name only its own adapter or the base model."""
 TENANT_PATHS = GENERATE_PATHS | {"/v1/models", "/prl/weights", "/prl/live", "/prl/detach"}
 """Every route an attached run's key may call."""
 
@@ -58,6 +60,8 @@ class Tenant:
     digest: bytes
     """SHA-256 of the run's API key."""
     attached: float | None = None
+    generation_digest: bytes | None = None
+    """SHA-256 of the run's generation-only key (None: a record written before there was one)."""
     """When the run attached (its `prl submit`)."""
 
 
@@ -84,7 +88,7 @@ def attach(pool: RunDir, name: str, run_dir: str | Path, key: str) -> Path:
     check_attachable(pool, name, run_dir)
     path.parent.mkdir(mode=0o700, exist_ok=True)
     atomic_write_json(path, TenantRecord(name=name, run_dir=str(run_dir), key_sha256=digest(key).hex(),
-                                         attached=time.time()))
+                                         generation_sha256=digest(generation_key(key)).hex(), attached=time.time()))
     return path
 
 
@@ -159,7 +163,8 @@ def read_tenant(path: Path) -> Tenant | None:
         return None
     if record is None:
         return None
-    return Tenant(record.name, Path(record.run_dir), bytes.fromhex(record.key_sha256), record.attached)
+    generation = None if record.generation_sha256 is None else bytes.fromhex(record.generation_sha256)
+    return Tenant(record.name, Path(record.run_dir), bytes.fromhex(record.key_sha256), record.attached, generation)
 
 
 def read_tenants(pool: RunDir) -> dict[str, Tenant]:
@@ -238,15 +243,19 @@ class Registry:
     def by_key(self, key: str) -> Tenant | None:
         """The tenant whose key this is, from records read at most RESCAN_S ago: a run attached or detached
         since counts within a second."""
+        return self._find(digest(key), "digest")
+
+    def by_generation_key(self, key: str) -> Tenant | None:
+        """The tenant whose generation-only key this is (as `by_key`)."""
+        return self._find(digest(key), "generation_digest")
+
+    def _find(self, wanted: bytes, field: str) -> Tenant | None:
         if time.monotonic() - self._read_at >= RESCAN_S:
             self.refresh()
-        return self._find(digest(key))
-
-    def _find(self, wanted: bytes) -> Tenant | None:
         # Every record compared, in constant time each: which key matched, or that none did, takes the same time.
         found = None
         for tenant in self._tenants.values():
-            if hmac.compare_digest(tenant.digest, wanted):
+            if hmac.compare_digest(getattr(tenant, field) or b"", wanted):
                 found = tenant
         return found
 
@@ -262,8 +271,12 @@ class Registry:
         self._read_at = float("-inf")
 
 
-def access(tenant: Tenant, method: str, path: str, body: bytes, base_model: str) -> tuple[int, str] | None:
-    """Why `tenant` may not make this request, as (HTTP status, message); None when it may."""
+def access(tenant: Tenant, method: str, path: str, body: bytes, base_model: str,
+           generation: bool = False) -> tuple[int, str] | None:
+    """Why `tenant` may not make this request, as (HTTP status, message), `generation`: with its generation-only
+    key; None when it may."""
+    if generation and (refused := generation_refusal(path)) is not None:
+        return refused
     if path not in TENANT_PATHS:
         return 403, (f"{path} is the inference pool's: run {tenant.name!r} may generate, load and detach its own "
                      f"adapter, and read /prl/live")

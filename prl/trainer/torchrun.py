@@ -12,7 +12,8 @@ stores), then runs torchrun (`torch.distributed.run`) with the arguments it was 
         --rdzv-endpoint=10.0.0.5:29500 --rdzv-conf=rank=1 -m prl.trainer --run-dir RUN
 
 Everything else is torchrun's own: the ranks connect to the agent's store, signals reach the ranks, a
-failed rank stops the others. Like torch.distributed's groups, the store carries no key.
+failed rank stops the others. Like torch.distributed's groups, the store carries no key (what that exposes, and
+why it is bounded to the job's nodes: docs/run-directory.md, Listeners).
 """
 
 from __future__ import annotations

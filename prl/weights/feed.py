@@ -475,7 +475,8 @@ class FeedServer:
 
                 torch.cuda.set_device(self._device)
             pg = collective.join(Group(token=token, world=world, rank=0, timeout=self._group_timeout,
-                                       backend=self._backend), self._server.server_address[0], self._store)
+                                       backend=self._backend), self._server.server_address[0], self._store,
+                                 self._key)
             try:
                 # Every member was answered before it joined: the group formed, so the choice is made.
                 record["delta"] = self._sending[token].delta is True
@@ -645,13 +646,13 @@ class FeedReader:
                 from prl.weights import collective
 
                 self._device = collective.device(group.backend)
-                self._pg = self._join_group()
+                self._pg = self._join_group(key)
         except BaseException:
             self.close()
             raise
         self.step = step
 
-    def _join_group(self):
+    def _join_group(self, key: bytes):
         from prl.weights import collective
 
         answer = self._json(self._line())
@@ -659,7 +660,9 @@ class FeedReader:
         if not isinstance(store, str) or not store.rpartition(":")[2].isdigit():
             raise FeedError(self.address, f"named no rendezvous store for group {self._group.token[:8]}: {answer}")
         try:
-            return collective.join(self._group, self._sock.getsockname()[0], store)
+            return collective.join(self._group, self._sock.getsockname()[0], store, key)
+        except collective.StoreRefused as e:
+            raise FeedError(self.address, f"group {self._group.token[:8]}: {e}") from None
         except Exception as e:  # noqa: BLE001 - torch.distributed raises several kinds
             raise FeedError(self.address, f"group {self._group.token[:8]} of {self._group.world} did not form "
                                           f"within {self._group.timeout:g} s: {type(e).__name__}: {str(e)[:200]}") from None
