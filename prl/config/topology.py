@@ -600,6 +600,12 @@ class Training(Strict, kw_only=True):
     """Steps between checkpoints (0: never)."""
     checkpoint_keep: Annotated[int, Meta(ge=1, le=MAX_ITEMS)] = 2
     """Checkpoints kept on disk."""
+    checkpoint_async: bool = False
+    """Write trainer checkpoints in the background: each rank copies its shard of the trained parameters and
+    their optimizer state to CPU memory (one more copy of that state per rank while a write is in flight, at
+    most one in flight) and trains on while a thread writes it; STABLE follows once every rank's part is on
+    disk (docs/trainer.md, Checkpoints). Off: every rank waits for the write. Off by default: the copy is host
+    memory a large model's ranks may not have to spare."""
     max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS)] = 1024
     """Most tokens generated per rollout turn."""
     temperature: Annotated[float, Meta(gt=0)] = 1.0

@@ -8,7 +8,11 @@
 
 All ranks write into one temporary directory named by rank 0, then rank 0
 renames it and writes the marker (RunDir.begin_publish / finish_publish), so a
-crash mid-save leaves nothing a resume would pick up. A resume on the same
+crash mid-save leaves nothing a resume would pick up. `save_checkpoint` returns
+once the checkpoint is published; with `training.checkpoint_async`,
+`AsyncCheckpointer` snapshots the state to CPU memory, writes it in a thread
+and publishes it at a later step boundary (`settle`), once every rank's write
+is done: the same files, so a resume cannot tell the two apart. A resume on the same
 number of ranks restores each rank's RNG; on another number, ranks reseed
 from (seed, step, rank): the trainer draws no random numbers per step today,
 so losses are identical either way.
@@ -21,12 +25,17 @@ resume needs the same ep degree (dense weights and the expert FSDP dims still re
 from __future__ import annotations
 
 import json
+import shutil
 import time
+from concurrent import futures
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,7 +48,7 @@ from prl.errors import RunDirError
 from prl.run.rundir import RunDir, is_stable
 from prl.trainer.moe import ExpertParallelExperts
 from prl.states import Role
-from prl.trainer.parallel import Dist
+from prl.trainer.parallel import Dist, all_reduce_stats
 
 
 def _broadcast_str(value: str | None) -> str:
@@ -99,32 +108,123 @@ def _state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict:
     return {"model": trained, "optim": get_optimizer_state_dict(model, optim, options=TRAINED)}
 
 
-def save_checkpoint(
-    run: RunDir, step: int, model: torch.nn.Module, optim: torch.optim.Optimizer, d: Dist, seed: int
-) -> Path:
-    """Collective: save model, optimizer, RNG and progress after `step`."""
+def _begin(run: RunDir, step: int, d: Dist) -> tuple[Path, Path]:
+    """Collective: step `step`'s checkpoint dir and the temporary dir every rank writes into (named by rank 0),
+    with this rank's RNG state already in it."""
     from safetensors.torch import save_file
 
     dest = run.checkpoints(step, Role.TRAINER)
     tmp = Path(_broadcast_str(str(run.begin_publish(dest, tag=f"step{step}")) if d.is_main else None))
-    dcp.save(_renamed(_state(model, optim), _ep_names(model, d)), checkpoint_id=str(tmp / "dcp"))
     (tmp / "rng").mkdir(exist_ok=True)
     save_file(_rng_tensors(), str(tmp / "rng" / f"rank_{d.rank}.safetensors"))
+    return dest, tmp
+
+
+def _finish(run: RunDir, step: int, dest: Path, tmp: Path, d: Dist, seed: int) -> None:
+    """Rank 0, once every rank's part is in `tmp`: the progress record, then rename and STABLE."""
+    progress = {
+        "step": step,
+        "next_rollout_step": step + 1,
+        "world_size": d.world_size,
+        "dp_size": d.dp_size,
+        "ep": d.ep,
+        "seed": seed,
+        "time": time.time(),
+    }
+    (tmp / "trainer_state.json").write_text(json.dumps(progress, indent=2) + "\n")
+    run.finish_publish(dest, tmp, step=step)
+
+
+def save_checkpoint(
+    run: RunDir, step: int, model: torch.nn.Module, optim: torch.optim.Optimizer, d: Dist, seed: int
+) -> Path:
+    """Collective: save model, optimizer, RNG and progress after `step`; returns once it is STABLE."""
+    dest, tmp = _begin(run, step, d)
+    dcp.save(_renamed(_state(model, optim), _ep_names(model, d)), checkpoint_id=str(tmp / "dcp"))
     dist.barrier()
     if d.is_main:
-        progress = {
-            "step": step,
-            "next_rollout_step": step + 1,
-            "world_size": d.world_size,
-            "dp_size": d.dp_size,
-            "ep": d.ep,
-            "seed": seed,
-            "time": time.time(),
-        }
-        (tmp / "trainer_state.json").write_text(json.dumps(progress, indent=2) + "\n")
-        run.finish_publish(dest, tmp, step=step)
+        _finish(run, step, dest, tmp, d, seed)
     dist.barrier()
     return dest
+
+
+@dataclass
+class _Write:
+    """A checkpoint being written in the background."""
+
+    step: int
+    dest: Path
+    tmp: Path
+    future: Future
+    """DCP's upload: done on every rank once the coordinator wrote the metadata after every rank's files (an
+    error on any rank fails it on all)."""
+
+
+class AsyncCheckpointer:
+    """Checkpoints written in the background (`training.checkpoint_async`), at most one in flight.
+
+    `start` snapshots this rank's state to CPU memory (DCP's default stager: a copy of each local shard,
+    freed when the write ends) and returns; a thread writes it with `dcp.async_save` over a gloo group of
+    its own, so its collectives never interleave with the training step's on the default group. STABLE is
+    written by rank 0's main thread in `settle`, once every rank's write is done: a job killed before that
+    leaves an unmarked temporary dir that no resume takes. A write that fails raises in `settle` on every
+    rank, its temporary dir removed.
+    """
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo")  # collective: every rank creates it, in the same order
+        self.writing: _Write | None = None
+
+    def start(self, run: RunDir, step: int, model: torch.nn.Module, optim: torch.optim.Optimizer, d: Dist,
+              seed: int) -> tuple[int | None, int]:
+        """Collective: begin step `step`'s checkpoint once the previous one is finished. Returns the step that
+        finished meanwhile (None: none was in flight) and the bytes of this rank's snapshot."""
+        finished = self.settle(run, d, seed, wait=True)
+        dest, tmp = _begin(run, step, d)
+        state = _renamed(_state(model, optim), _ep_names(model, d))
+        future = dcp.async_save(state, checkpoint_id=str(tmp / "dcp"), process_group=self.group)
+        self.writing = _Write(step, dest, tmp, future)
+        return finished, _local_bytes(state)
+
+    def settle(self, run: RunDir, d: Dist, seed: int, *, wait: bool = False) -> int | None:
+        """Collective: if the write in flight is done on every rank (`wait`: once it is), publish it and
+        return its step; None while it runs, or with none in flight. Raises RunDirError if it failed."""
+        w = self.writing
+        if w is None:
+            return None
+        if wait:
+            futures.wait([w.future])
+        elif all_reduce_stats({"done_min": float(w.future.done())}, d.device)["done_min"] < 1:
+            return None
+        self.writing = None
+        if (error := w.future.exception()) is not None:
+            if d.is_main:
+                shutil.rmtree(w.tmp, ignore_errors=True)
+            raise RunDirError(f"the checkpoint of step {w.step} could not be written to {w.dest.parent} "
+                              f"({type(error).__name__}: {error}); it was not published") from error
+        if d.is_main:
+            _finish(run, w.step, w.dest, w.tmp, d, seed)
+        return w.step
+
+
+def _local_bytes(state: dict) -> int:
+    """Bytes of this rank's own tensors in a state dict (a DTensor counts its local shard)."""
+    total = 0
+    for v in _tensors(state):
+        local = v.to_local() if isinstance(v, DTensor) else v
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
 
 
 def resolve_resume(run: RunDir, resume: str, *, tries: int | None = None, retry_s: float | None = None) -> int:

@@ -10,7 +10,9 @@
         forward/backward each micro-batch (spec.inputs, spec.micro_loss), clip, optimizer step; spec.summarize
         spec.publishes(step)   -> spec.publish (weights/step_N); with a transport that sends from memory
                                   (prl/weights), only checkpoint steps and the last step go to disk
-        spec.checkpoints(step) -> save_checkpoint
+        a background checkpoint whose write finished gets STABLE (`settle`)
+        spec.checkpoints(step) -> save_checkpoint; with `training.checkpoint_async` begun in the background
+                                  (the previous one finished first; the last step's is written at once)
         rank 0: spec.cleanup, the metrics record (the engine's fields + spec.record), one log line
         heartbeat with the step's busy time (the launcher's hang bound follows it)
 
@@ -46,7 +48,8 @@ calls them, with the variant each one is for:
 - `record(step, data, data_s)`, `progress(record)`: extra metrics-record fields and log-line text.
 
 On SIGTERM the engine gives the last finished step its published weights and a checkpoint, unless it has
-them, whatever the spec: a requeued attempt resumes there.
+them, whatever the spec: a requeued attempt resumes there. A background checkpoint still being written is
+waited for first (published once done); a kill meanwhile leaves it without STABLE.
 
 The weight transport (`weights.transport`, prl/weights) decides how a step reaches the servers. One that sends
 from memory gives every rank a `Sender` from `start`; a step that is not a checkpoint step nor the last one is
@@ -77,7 +80,7 @@ from prl import weights
 from prl.run.batch import MicroBatch
 from prl.run.rundir import RunDir, current_attempt
 from prl.states import Role
-from prl.trainer.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from prl.trainer.checkpoint import AsyncCheckpointer, load_checkpoint, resolve_resume, save_checkpoint
 from prl.trainer.config import TrainerConfig
 from prl.trainer.attention import boundary_kwargs
 from prl.trainer.float8 import after_optimizer_step, gathers_float8
@@ -143,11 +146,13 @@ class Engine:
     """This rank's heartbeat (`heartbeat_of`)."""
     stop: StopFlag
     saved: int | None
-    """The newest step with a checkpoint."""
+    """The newest step with a published (STABLE) checkpoint."""
     published: int | None
     """The newest step with weights published to disk (a SIGTERM publishes the last finished step unless it is)."""
     sender: weights.Sender | None = None
     """This rank's side of a transport that sends steps from memory (None: every step goes to disk)."""
+    checkpointer: AsyncCheckpointer | None = None
+    """Writes checkpoints in the background (`training.checkpoint_async`; None: every rank waits for the write)."""
 
 
 class Spec(ABC):
@@ -490,7 +495,8 @@ def start(run: RunDir, cfg: TrainerConfig, spec: Spec, resume_from: str) -> Engi
                  step + 1, cfg.training.max_steps)
     done = step if step > 0 else None
     return Engine(run, cfg, d, model, optim, step, heartbeat_of(run, d), StopFlag.install(), saved=done,
-                  published=done, sender=start_sender(run, cfg, transport, spec))
+                  published=done, sender=start_sender(run, cfg, transport, spec),
+                  checkpointer=AsyncCheckpointer() if cfg.training.checkpoint_async else None)
 
 
 def start_sender(run: RunDir, cfg: TrainerConfig, transport: weights.Transport, spec: Spec) -> weights.Sender | None:
@@ -512,13 +518,31 @@ def publish(eng: Engine, spec: Spec, step: int, durable: bool = True) -> None:
     eng.sender.send(step, tensors, writers)
 
 
-def checkpoint(eng: Engine, step: int) -> None:
+def checkpoint(eng: Engine, step: int, background: bool = False) -> dict:
+    """Collective: step `step`'s checkpoint; with a checkpointer and `background`, begun (the previous one
+    finished first) and written while training goes on, else written before this returns. Returns the
+    record's fields of it."""
+    t0 = time.monotonic()
+    if eng.checkpointer is not None and background:
+        finished, snapshot = eng.checkpointer.start(eng.run, step, eng.model, eng.optim, eng.d, eng.cfg.training.seed)
+        eng.saved = finished or eng.saved
+        return {"checkpoint_s": time.monotonic() - t0, "checkpoint_snapshot_mb": snapshot / 2**20}
+    settle(eng, wait=True)
     save_checkpoint(eng.run, step, eng.model, eng.optim, eng.d, eng.cfg.training.seed)
     eng.saved = step
+    return {"checkpoint_s": time.monotonic() - t0}
+
+
+def settle(eng: Engine, wait: bool = False) -> None:
+    """Collective: publish a background checkpoint whose write is done (`wait`: wait for it first)."""
+    if eng.checkpointer is not None:
+        eng.saved = eng.checkpointer.settle(eng.run, eng.d, eng.cfg.training.seed, wait=wait) or eng.saved
 
 
 def stop_after(eng: Engine, spec: Spec, step: int) -> int:
-    """SIGTERM (the job is stopping): keep what finished step `step` did (weights and checkpoint), then leave."""
+    """SIGTERM (the job is stopping): keep what finished step `step` did (weights and checkpoint), then leave.
+    A checkpoint being written is waited for first: a kill meanwhile leaves it unmarked, never taken for one."""
+    settle(eng, wait=True)
     if step > eng.start and (eng.published, eng.saved) != (step, step):
         if eng.d.is_main:
             log.info("stopping: checkpoint of step %d before exiting", step)
@@ -531,7 +555,8 @@ def stop_after(eng: Engine, spec: Spec, step: int) -> int:
 
 def record_step(eng: Engine, spec: Spec, step: int, data: StepData, metrics: dict,
                 times: tuple[float, float, float, float]) -> None:
-    """Rank 0: append the step's metrics record and log its line (`times`: step start, data, trained, published)."""
+    """Rank 0: append the step's metrics record and log its line (`times`: step start, data, trained, published;
+    `metrics` with the checkpoint's fields on a checkpoint step)."""
     t0, t1, t2, t3 = times
     record = {
         "role": ROLE, "step": step, "time": time.time(), **metrics,
@@ -567,13 +592,15 @@ def train(run: RunDir, cfg: TrainerConfig, spec: Spec, resume_from: str = "lates
         if spec.publishes(step, last):
             publish(eng, spec, step, durable=step == last or spec.checkpoints(step, last))
         t3 = time.monotonic()
+        settle(eng)
         if spec.checkpoints(step, last):
-            checkpoint(eng, step)
+            metrics |= checkpoint(eng, step, background=step != last)
         if eng.d.is_main:
             spec.cleanup(eng, step)
             record_step(eng, spec, step, data, metrics, (t0, t1, t2, t3))
         # step_s: this step's longest stretch without a heartbeat; the launcher's hang bound grows with it.
         eng.beat(step=step, phase="trained", step_s=round(time.monotonic() - busy, 3))
+    settle(eng, wait=True)
     dist.barrier()
     if eng.sender is not None:
         eng.sender.close()  # the last step went to disk: no server reads the sender any more
