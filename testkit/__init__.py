@@ -7,4 +7,5 @@ which has no pytest): nothing here imports `tests` or `pytest` (tests/test_impor
     trainer_helpers.py  a trainer run on CPU ranks: a run dir with a plan and synthetic rollouts, `launch`
     rank_zygote.py      forks the trainer's CPU ranks from one process that imported torch once
     ports.py            free ports for the servers started here
+    pictures.py         real PNG payloads (data URLs) for the servers' picture routes
 """
