@@ -345,6 +345,7 @@ class StepPin(Record, kw_only=True):
 
     step: Annotated[int, Meta(ge=0)]
     time: Time
+    """When its owner last wrote or renewed it: cleanup counts it until `retention.LEASE_S` after."""
 
 
 class WandbCursor(Record, kw_only=True):
