@@ -8,4 +8,5 @@ which has no pytest): nothing here imports `tests` or `pytest` (tests/test_impor
     rank_zygote.py      forks the trainer's CPU ranks from one process that imported torch once
     ports.py            free ports for the servers started here
     browser.py          a real headless Chromium over the DevTools protocol, for the pages prl writes
+    pictures.py         real PNG payloads (data URLs) for the servers' picture routes
 """

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from prl.errors import ConfigError, StartError
+from prl.errors import ConfigError, RunDirError, StartError
 from prl.ops.sweep import array_parameters, choose_steps
 from prl.orchestrator.eval import pass_at_k
 from prl.orchestrator.rollouts import Rollout
@@ -185,6 +185,40 @@ def publish_copy(run: RunDir, step: int, model: Path, broken: bool = False) -> N
             (tmp / "config.json").write_text('{"model_type": "no-such-architecture"}')
 
     run.publish_dir(run.weights(step), write)
+
+
+def test_an_evaluated_step_is_held_against_the_run_s_cleanup_until_its_task_ends(tmp_path, monkeypatch):
+    """While a task evaluates weights step 2 (its server reading weights/step_2 as its --model), the trainer's
+    cleanup of step 6 keeps step 2, far outside the staleness window; once the task ends the hold is gone and
+    the next cleanup takes it. A step the cleanup took first is refused, holding nothing."""
+    from prl.orchestrator import eval as evaluation
+    from testkit.plans import local_plan, write_plan
+
+    run = write_plan(RunDir(tmp_path / "run"), local_plan(tmp_path / "run", tmp_path / "model"))
+    for step in range(1, 7):
+        run.publish_dir(run.weights(step), lambda tmp: (tmp / "model.safetensors").write_bytes(b"x"), step=step)
+    seen, start_server = {}, eval_task.start_server
+
+    def serve(argv, env, log_path):  # a stand-in server: /health and the key proof, as start_server needs
+        return start_server(lambda port: [sys.executable, "-c", HEALTH_SERVER, str(port)],
+                                      {**os.environ, **env, **KEYED}, log_path)
+
+    def evaluate(env_id, url, model, **kwargs):  # the trainer cleans up while the task evaluates
+        run.cleanup(6, max_off_policy_steps=1, checkpoint_keep=1)
+        seen["weights"], seen["holds"] = run.stable_steps("weights"), run.weight_holds()
+        return {"env": env_id, "reward": 0.5}
+
+    monkeypatch.setattr(eval_task, "start_server", serve)
+    monkeypatch.setattr(evaluation, "evaluate_endpoint", evaluate)
+    rows = eval_task.EvalTask(str(run.root), step=2, envs=("prl_reverse_text",))()
+    assert rows == [{"step": 2, "env": "prl_reverse_text", "reward": 0.5}]
+    assert seen["weights"] == [2, 5, 6] and list(seen["holds"].values()) == [2], seen
+    assert run.weight_holds() == {}
+    run.cleanup(6, max_off_policy_steps=1, checkpoint_keep=1)
+    assert run.stable_steps("weights") == [5, 6]
+    with pytest.raises(RunDirError, match="weights step 2 of .* is not published"):
+        eval_task.EvalTask(str(run.root), step=2, envs=("prl_reverse_text",))()
+    assert run.weight_holds() == {}
 
 
 def test_submitits_sacct_warning_is_said_once_not_on_every_poll(capfd):

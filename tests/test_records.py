@@ -134,7 +134,9 @@ def test_a_run_directory_from_before_record_versions_still_reads(tmp_path):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(old))
         assert records.read(path, kind).version == RECORD_VERSION  # unchanged since 1: read as if written now
-    assert run.weight_pins() == {"orchestrator": 3} and run.stable_steps("weights") == []  # its file is missing
+    # The old pin reads, but was renewed last at time 5.0: its lease (retention.LEASE_S) ran out long ago.
+    assert records.read(run.pins_dir / "orchestrator.json", StepPin).step == 3 and run.weight_pins() == {}
+    assert run.stable_steps("weights") == []  # its file is missing
     assert records.read_marker(run.root / "weights" / "step_2" / "STABLE").step == 2
     # Written again, every field is there with its name as before (version 2's renames applied), and the version.
     atomic_write_json(run.job_json, job)

@@ -799,6 +799,48 @@ def test_the_step_a_restarted_server_started_from_outlives_the_staleness_window(
     assert run.stable_steps("weights") == [10, 11]
 
 
+OWNER = """
+import sys, time
+from prl.run import retention
+from prl.run.rundir import RunDir
+retention.RENEW_S = 0.2
+run = RunDir(sys.argv[1])
+run.hold_weights("inference.0", 2)  # a restarted server's task holds its --model step
+run.pin_weights("orchestrator", 3)  # the orchestrator pins the oldest step its servers serve
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_pins_and_holds_of_a_sigkilled_owner_expire_and_a_living_owner_s_are_renewed(tmp_path, monkeypatch):
+    """A child process holds step 2 and pins step 3. While it lives it renews them: past twice the lease, the
+    trainer's cleanup of step 6 still keeps 2 and 3 on. SIGKILLed (no release, its files stay), its records stop
+    counting one lease after their last renewal, and the next cleanup takes the steps the window does not need."""
+    from prl.run import retention
+
+    monkeypatch.setattr(retention, "LEASE_S", 3.0)
+    run = RunDir(tmp_path / "run").create()
+    for s in range(1, 7):
+        run.publish_dir(run.weights(s), _write({"model.safetensors": b"w"}), step=s)
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(run.root)], stdout=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    try:
+        assert owner.stdout.readline() == b"held\n"
+        time.sleep(2 * retention.LEASE_S)  # only renewals keep them counting now
+        run.cleanup(6, max_off_policy_steps=1, checkpoint_keep=1)
+        assert (run.weight_holds(), run.weight_pins()) == ({"inference.0": 2}, {"orchestrator": 3})
+        assert run.stable_steps("weights") == [2, 3, 4, 5, 6]
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=30)
+    assert {p.name for p in (*run.holds_dir.iterdir(), *run.pins_dir.iterdir())} == {"inference.0.json",
+                                                                                     "orchestrator.json"}
+    time.sleep(retention.LEASE_S + 0.5)
+    assert (run.weight_holds(), run.weight_pins()) == ({}, {})
+    run.cleanup(6, max_off_policy_steps=1, checkpoint_keep=1)
+    assert run.stable_steps("weights") == [5, 6]
+
+
 def test_a_task_of_a_multi_task_restart_step_logs_into_its_own_rank_log(tmp_path):
     """srun numbers a restart step's tasks from 0 (%t); the role runner moves each task's output to
     rank_K.log of the task it runs (PRL_TASKS[SLURM_PROCID])."""

@@ -29,6 +29,7 @@ from starlette.requests import Request
 
 from tests.helpers import REPO, prl_cli as prl, wait_for
 from tests.vllm_fixtures import http_json, server_fixture, start_inference
+from testkit.pictures import png_url
 
 KEY_VAR = "PRL_TEST_API_KEY"
 KEY = "k-" + "x" * 40
@@ -422,6 +423,61 @@ def test_an_image_url_that_is_a_string_is_a_bad_request_naming_the_part():
     assert str(e.value) == 'content_parts[0] must be {"type": "image_url", "url": ...}'
 
 
+def test_pictures_over_the_request_s_pixel_budget_are_refused_from_their_headers():
+    """Pictures that claim more than MAX_REQUEST_PIXELS together are refused naming the bound, from their
+    headers: the first picture's pixel data is cut short, yet the answer names the budget (nothing was decoded
+    when the fifth picture went over it). Within the budget every picture decodes, as RGB."""
+    from prl.inference.generate import MAX_REQUEST_PIXELS, BadRequest, decode_images
+
+    side = 4096  # 16 Mpixels: four fit in MAX_REQUEST_PIXELS, a fifth does not
+    assert 4 * side * side <= MAX_REQUEST_PIXELS < 5 * side * side
+    part = {"type": "image_url", "url": png_url(side, side)}
+    broken = {"type": "image_url", "url": png_url(side, side, truncated=True)}
+    with pytest.raises(BadRequest) as e:
+        decode_images([broken, part, part, part, part])
+    assert str(e.value) == (f"content_parts[4]: a 4096x4096 picture takes the request's pictures to "
+                            f"{5 * side * side} pixels, over MAX_REQUEST_PIXELS={MAX_REQUEST_PIXELS}")
+    with pytest.raises(BadRequest) as e:  # within the budget, the cut one is refused when it decodes
+        decode_images([part, broken])
+    assert str(e.value).startswith("content_parts[1]: not a picture PIL can decode")
+    images = decode_images([part] * 4)
+    assert [(im.mode, im.size) for im in images] == [("RGB", (side, side))] * 4
+
+
+def test_pictures_decode_off_the_event_loop():
+    """Six requests of 64 Mpixels each decode while the event loop goes on: a 10 ms ticker on the same loop
+    never waits as long as one request's decoding takes (decoded on the loop, each stalled it for all of it)."""
+    import asyncio
+    import time
+
+    from prl.inference.generate import MAX_REQUEST_PIXELS, decode_images, decoded_images
+
+    parts = [{"type": "image_url", "url": png_url(4096, 4096)}] * (MAX_REQUEST_PIXELS // 4096 ** 2)
+    start = time.monotonic()
+    decode_images(parts)
+    one = time.monotonic() - start
+
+    async def main() -> float:
+        gaps, done = [], False
+
+        async def tick():
+            last = time.monotonic()
+            while not done:
+                await asyncio.sleep(0.01)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+
+        ticker = asyncio.create_task(tick())
+        decoded = await asyncio.gather(*(decoded_images(parts) for _ in range(6)))
+        done = True
+        await ticker
+        assert all(len(images) == len(parts) for images in decoded)
+        return max(gaps)
+
+    longest = asyncio.run(main())
+    assert longest < one / 2, f"the loop waited {longest:.3f} s; one request decodes in {one:.3f} s"
+
+
 # ---------------------------------------------------------------- resume while running
 
 
@@ -528,6 +584,23 @@ def test_every_server_route_but_health_needs_the_key(keyed_server):
     from prl.run.api import proves_key
 
     assert serves_for_run(keyed_server.url, KEY) and not proves_key(keyed_server.url, "wrong")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_text_only_model_refuses_pictures_before_decoding_them(keyed_server):
+    """Pictures sent to a text-only model: 400 naming the model, whatever they hold (a payload that is no picture
+    at all gets the same answer: nothing of it was decoded); a request without them is served."""
+    parts = [{"type": "image_url", "url": png_url(4096, 4096)},
+             {"type": "image_url", "url": "data:image/png;base64,bm90IGEgcG5n"}]
+    says = f"model {keyed_server.model_dir} is text-only: it takes no pictures (content_parts)"
+    for sent in (parts, parts[1:]):
+        status, body = call(keyed_server, "POST", "/inference/v1/generate",
+                            {"token_ids": [1, 2, 3], "content_parts": sent, "sampling_params": {"max_tokens": 1}})
+        assert (status, body["error"]["message"]) == (400, says), (status, body)
+    status, _ = call(keyed_server, "POST", "/inference/v1/generate",
+                     {"token_ids": [1, 2, 3], "content_parts": [], "sampling_params": {"max_tokens": 1}})
+    assert status == 200
 
 
 def running_requests(server) -> float:

@@ -352,6 +352,20 @@ def test_generate_refuses_pictures_it_would_have_to_fetch_or_cannot_decode(vlm_s
                                                                      e.value.body)
 
 
+def test_generate_refuses_pictures_over_the_request_s_pixel_budget(vlm_server):
+    """A VLM server answers 400 naming MAX_REQUEST_PIXELS for pictures that claim more pixels together (five
+    2 KB PNGs of 4096x4096: 240 MiB decoded) before it decodes any."""
+    from prl.inference.generate import MAX_REQUEST_PIXELS
+    from testkit.pictures import png_url
+    from tests.vllm_fixtures import HTTPFailure
+
+    part = {"type": "image_url", "url": png_url(4096, 4096)}
+    with pytest.raises(HTTPFailure) as e:
+        vlm_server.post("/inference/v1/generate", {"token_ids": [1, 2, 3], "content_parts": [part] * 5,
+                                                   "sampling_params": {"max_tokens": 1}})
+    assert e.value.status == 400 and f"over MAX_REQUEST_PIXELS={MAX_REQUEST_PIXELS}" in str(e.value.body)
+
+
 def publish_vlm(run, step: int, model_dir: Path, scale: float) -> Path:
     """Publish the tiny VLM with every weight (vision tower and connector too) moved by scale * its std, as
     RUN/weights/step_N with the processor's files (scale 0: the model as it is)."""

@@ -23,7 +23,10 @@ placeholder token per picture, which vLLM expands as its processor does. The
 answer then carries the expanded `prompt_token_ids` and `mm_placeholders`
 (`{"image": [{"offset", "length"}, ...]}`: where each picture's tokens lie in
 them), what the trainer recomputes. Only data URLs: the server fetches nothing
-a request names. Precomputed `features` are refused.
+a request names. Precomputed `features` are refused, and so are pictures sent to a
+text-only model (before any is decoded). A request's pictures hold at most
+MAX_REQUEST_PIXELS together, judged from their headers before any is decoded; they
+decode on DECODER's threads, never on the event loop.
 
 Routed experts (a server started with `--routed-experts`, for router replay): each choice carries the experts
 every MoE layer routed its tokens to (`take_routes`; prl/inference/worker.py `RouteCapture` captures them),
@@ -37,7 +40,9 @@ say where a decode server fetches the prompt's KV; null without a connector).
 
 from __future__ import annotations
 
+import asyncio
 import math
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from typing import Any
 
@@ -88,8 +93,20 @@ MAX_IMAGES = 64
 """Most pictures one generate request may carry."""
 IMAGES_JSON_BYTES = 64 << 20
 """Room in a multimodal model's request for its pictures (base64 data URLs)."""
-MAX_IMAGE_PIXELS = 64 << 20
-"""Largest picture (width x height) a request may carry: a small PNG may claim a huge canvas."""
+MAX_REQUEST_PIXELS = 64 << 20
+"""Most pixels (width x height, summed over its pictures) one request may carry, read from each picture's
+header before any is decoded: a small PNG may claim a huge canvas. Decoded, a pixel takes at most 4 bytes
+(RGBA) and 3 more as the RGB vLLM gets, so one request's pictures hold at most 448 MiB while they decode."""
+DECODE_THREADS = 2
+"""Threads that decode pictures, for the whole server: a request's pictures decode off the event loop, and
+at most this many requests' at once (the others wait their turn), so decoding holds at most
+DECODE_THREADS x 448 MiB and never stalls the server's other requests."""
+DECODER = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="prl-picture-decode")
+
+
+async def decoded_images(parts: Any) -> list:
+    """`decode_images(parts)` on the DECODER threads."""
+    return await asyncio.get_running_loop().run_in_executor(DECODER, decode_images, parts)
 
 
 def max_body_bytes(vocab: int, max_model_len: int, multimodal: bool = False) -> int:
@@ -102,7 +119,23 @@ def max_body_bytes(vocab: int, max_model_len: int, multimodal: bool = False) -> 
 
 def decode_images(parts: Any) -> list:
     """The pictures of a request's `content_parts`, decoded as vLLM decodes an `image_url` (RGB); BadRequest
-    naming the part for anything else."""
+    naming the part for anything else, or naming MAX_REQUEST_PIXELS for pictures that hold more together
+    (judged from their headers: nothing is decoded before every picture is known to fit)."""
+    from PIL import Image
+
+    opened = opened_images(parts)
+    images = []
+    for i, image in enumerate(opened):
+        try:
+            images.append(image.convert("RGB"))
+        except (OSError, ValueError, Image.DecompressionBombError) as e:  # a truncated or corrupt payload
+            raise BadRequest(f"content_parts[{i}]: not a picture PIL can decode: {str(e)[:200]}") from e
+    return images
+
+
+def opened_images(parts: Any) -> list:
+    """Each part's picture opened (its header read, its pixels not decoded); BadRequest naming the part for
+    anything that is not an image_url part of a picture PIL reads, or once the pixels pass MAX_REQUEST_PIXELS."""
     import binascii
     import io
 
@@ -112,7 +145,7 @@ def decode_images(parts: Any) -> list:
 
     if not isinstance(parts, list) or len(parts) > MAX_IMAGES:
         raise BadRequest(f"content_parts must be a list of at most {MAX_IMAGES} image_url parts")
-    images = []
+    opened, pixels = [], 0
     for i, part in enumerate(parts):
         part = part if isinstance(part, dict) else {}
         nested = part.get("image_url")  # {"url": ...}; a bare string there is refused like any other shape
@@ -121,17 +154,16 @@ def decode_images(parts: Any) -> list:
             raise BadRequest(f"content_parts[{i}] must be {{\"type\": \"image_url\", \"url\": ...}}")
         try:
             image = Image.open(io.BytesIO(picture_bytes(url)))
-            if image.width * image.height > MAX_IMAGE_PIXELS:
-                raise BadRequest(f"content_parts[{i}]: a {image.width}x{image.height} picture is over "
-                                 f"{MAX_IMAGE_PIXELS} pixels")
-            images.append(image.convert("RGB"))
         except NotADataURL as e:
             raise BadRequest(f"content_parts[{i}]: {e}") from None
         except (binascii.Error, OSError, ValueError, Image.DecompressionBombError) as e:  # binascii: no base64
-            if isinstance(e, BadRequest):
-                raise
             raise BadRequest(f"content_parts[{i}]: not a picture PIL can decode: {str(e)[:200]}") from e
-    return images
+        pixels += image.width * image.height
+        if pixels > MAX_REQUEST_PIXELS:
+            raise BadRequest(f"content_parts[{i}]: a {image.width}x{image.height} picture takes the request's "
+                             f"pictures to {pixels} pixels, over MAX_REQUEST_PIXELS={MAX_REQUEST_PIXELS}")
+        opened.append(image)
+    return opened
 
 
 def placeholders(engine_input) -> dict[str, list[dict[str, int]]]:
@@ -344,6 +376,9 @@ async def generate(request: GenerateRequest, raw_request: Request):
         return _error(HTTPStatus.BAD_REQUEST, "precomputed multimodal features are not supported: send the "
                                               "pictures as content_parts")
     model_config = engine.model_config
+    if request.content_parts and not model_config.is_multimodal_model:  # before a byte of them is decoded
+        return _error(HTTPStatus.BAD_REQUEST, f"model {model_config.served_model_name} is text-only: it takes no "
+                                              "pictures (content_parts)")
     try:
         room = check_request(request, model_config.get_vocab_size(), model_config.max_model_len,
                              model_config.max_logprobs)
@@ -404,7 +439,7 @@ async def engine_prompt(request: GenerateRequest, raw_request: Request):
         prompt["cache_salt"] = request.cache_salt
     if not request.content_parts:
         return prompt
-    prompt["multi_modal_data"] = {"image": decode_images(request.content_parts)}
+    prompt["multi_modal_data"] = {"image": await decoded_images(request.content_parts)}
     (rendered,) = await raw_request.app.state.online_renderer.renderer.render_cmpl_async([prompt])
     return rendered
 

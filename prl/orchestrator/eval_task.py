@@ -6,8 +6,8 @@ A task is a plain picklable callable: `prl eval --run RUN` runs the tasks in-pro
 (`--local`) or as a submitit job array on Slurm (`--slurm`, prl.ops.sweep), one task per
 weights step. Each task starts its own vLLM server (`python -m prl.inference`) on its node,
 bound to 127.0.0.1 with a key made for this task alone, from `weights/step_N` (step 0: the
-run's base model), with the run's own server flags (dtype, max length, tensor parallelism)
-minus what belongs to a training fleet (ports, data parallelism, KV transfer). It then runs
+run's base model; the step is held against the run's cleanup until the task ends, `held_step`),
+with the run's own server flags (dtype, max length, tensor parallelism) minus what belongs to a training fleet (ports, data parallelism, KV transfer). It then runs
 every environment's eval split through `prl eval`'s own code (`eval.evaluate_endpoint`) and stops the server.
 One server per step, not per step and environment: on CPU a start takes minutes, a second
 environment on the same server only its rollouts. Conversations are rendered with the run's
@@ -28,6 +28,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -90,19 +92,44 @@ def free_port() -> int:
 
 
 def evaluate_step(task: EvalTask) -> list[dict[str, Any]]:
-    from prl.orchestrator.eval import evaluate_endpoint
-    from prl.planner.model import Plan
-    from prl.run.rundir import RunDir, is_stable
+    from prl.run.rundir import RunDir
 
     run = RunDir(task.run_dir)
+    with held_step(run, task.step):
+        return _evaluate(run, task)
+
+
+@contextmanager
+def held_step(run, step: int) -> Iterator[None]:
+    """Weights step `step` held against the run's cleanup while the block runs (its server reads
+    `weights/step_N` as its `--model` for as long as it serves; step 0, the base model, holds nothing):
+    RunDirError if the step is not published. Held first, looked at second: a cleanup between a look and
+    a hold could take the step."""
+    from prl.run.rundir import is_stable
+
+    holder = f"eval.{socket.gethostname()}.{os.getpid()}"
+    if step:
+        run.hold_weights(holder, step)
+    try:
+        if step and not is_stable(run.weights(step)):
+            raise RunDirError(f"weights step {step} of {run.root} is not published (no STABLE marker)")
+        yield
+    finally:
+        if step:
+            run.release_weights(holder)
+
+
+def _evaluate(run, task: EvalTask) -> list[dict[str, Any]]:
+    """`task` on a server of its step, which the caller holds."""
+    from prl.orchestrator.eval import evaluate_endpoint
+    from prl.planner.model import Plan
+
     plan = Plan.read(run)
     settings = plan.settings()
     model = settings.model.path if task.step == 0 else str(run.weights(task.step))
     # Rendered as the run's in-run eval renders (model.renderer, the run's tokenizer): the same prompts and
     # tool-call parsing as training, whatever chat and tool flags the server has.
     tokenizer = settings.model.tokenizer or settings.model.path
-    if task.step and not is_stable(run.weights(task.step)):
-        raise RunDirError(f"weights step {task.step} of {run.root} is not published (no STABLE marker)")
     served = plan.eval_server()
     key = secrets.token_urlsafe(24)
     log_path = run.eval_log(task.step)

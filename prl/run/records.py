@@ -341,10 +341,11 @@ class StopRequest(Record, kw_only=True):
 
 class StepPin(Record, kw_only=True):
     """state/pins/<owner>.json (keep weights step `step` and later) or state/holds/<owner>.json (keep step `step`
-    itself) for `owner` (the orchestrator, a restarted server's task): cleanup reads them."""
+    itself) for `owner` (the orchestrator, a restarted server's task, an evaluation task): cleanup reads them."""
 
     step: Annotated[int, Meta(ge=0)]
     time: Time
+    """When its owner last wrote or renewed it: cleanup counts it until `retention.LEASE_S` after."""
 
 
 class WandbCursor(Record, kw_only=True):

@@ -3,18 +3,80 @@
 The trainer's rank 0 cleans up after each step: weights the staleness bound no longer needs (unless a server
 serves one or may roll back to it: the orchestrator's pin; or a restarted server reads it as its `--model`: a
 hold), checkpoints past `checkpoint_keep`, rollouts that no resume replays.
+
+Pins and holds are leases: the process that wrote one renews it every RENEW_S (`LEASES`, a thread) while it
+lives, and cleanup counts one only until LEASE_S after its last renewal, so those of an owner that was
+SIGKILLed (or whose node went down) stop keeping steps. A lease rather than an owner's pid judged alive:
+cleanup runs on the trainer's rank 0, the owners on inference nodes, the orchestrator's node and evaluation
+nodes, where a pid means nothing to rank 0; a lease needs only the shared run directory and clocks that
+agree to well within LEASE_S.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from pathlib import Path
 
 from prl.errors import RunDirError
+from prl.log import get_logger
 from prl.run import records
 from prl.run.files import atomic_write_json
 from prl.run.publish import Publishing
 from prl.run.records import StepPin
+
+log = get_logger(__name__)
+
+LEASE_S = 600.0
+"""How long a pin or hold keeps its steps after its owner last renewed it."""
+RENEW_S = 60.0
+"""How often a living owner renews its pins and holds (LEASE_S / 10: ten renewals may fail or be late)."""
+
+
+class Leases:
+    """The pins and holds this process owns (path -> step), rewritten with the time every RENEW_S by one daemon
+    thread while the process lives. A forked child owns none of its parent's."""
+
+    def __init__(self):
+        self._forget()
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self.lock = threading.Lock()
+        self.owned: dict[Path, int] = {}
+        self.thread: threading.Thread | None = None
+
+    def keep(self, path: Path, step: int, *, write: bool = True) -> None:
+        """Own the record at `path` for `step` (written now unless `write` is False: it says so already)."""
+        with self.lock:
+            if write:
+                atomic_write_json(path, StepPin(step=step, time=time.time()))
+            self.owned[path] = step
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._renew, name="prl-leases", daemon=True)
+                self.thread.start()
+
+    def drop(self, path: Path) -> None:
+        with self.lock:  # never after a renewal that would write it back
+            self.owned.pop(path, None)
+            path.unlink(missing_ok=True)
+
+    def _renew(self) -> None:
+        while True:
+            time.sleep(RENEW_S)
+            with self.lock:
+                for path, step in list(self.owned.items()):
+                    if not path.exists():  # removed by another (the run directory with it): owned no more
+                        del self.owned[path]
+                        continue
+                    try:
+                        atomic_write_json(path, StepPin(step=step, time=time.time()))
+                    except OSError as e:  # the next round tries again; LEASE_S leaves room for several
+                        log.warning("could not renew %s: %s", path, e)
+
+
+LEASES = Leases()
 
 
 class Retention(Publishing):
@@ -64,35 +126,35 @@ class Retention(Publishing):
         return removed
 
     def pin_weights(self, owner: str, step: int) -> None:
-        """Record that weights step `step` (and later) must stay on disk for `owner` (0: none needed)."""
-        path = self.pins_dir / f"{owner}.json"
-        if self._steps_in(self.pins_dir).get(owner) != step:
-            atomic_write_json(path, StepPin(step=step, time=time.time()))
+        """Record that weights step `step` (and later) must stay on disk for `owner` (0: none needed), while
+        this process lives (LEASES renews it)."""
+        LEASES.keep(self.pins_dir / f"{owner}.json", step, write=self._steps_in(self.pins_dir).get(owner) != step)
 
     def weight_pins(self) -> dict[str, int]:
-        """owner -> the oldest weights step it still needs."""
+        """owner -> the oldest weights step it still needs (owners whose lease ran out left out)."""
         return self._steps_in(self.pins_dir)
 
     def hold_weights(self, owner: str, step: int) -> None:
         """Keep weights step `step` itself (not the ones after it) on disk while `owner` lives: a server
-        started with `--model RUN/weights/step_N` reads that directory as long as it runs."""
-        atomic_write_json(self.holds_dir / f"{owner}.json", StepPin(step=step, time=time.time()))
+        started with `--model RUN/weights/step_N` reads that directory as long as it runs (LEASES renews the
+        hold while this process lives)."""
+        LEASES.keep(self.holds_dir / f"{owner}.json", step)
 
     def release_weights(self, owner: str) -> None:
-        (self.holds_dir / f"{owner}.json").unlink(missing_ok=True)
+        LEASES.drop(self.holds_dir / f"{owner}.json")
 
     def weight_holds(self) -> dict[str, int]:
-        """owner -> the one weights step it holds."""
+        """owner -> the one weights step it holds (owners whose lease ran out left out)."""
         return self._steps_in(self.holds_dir)
 
     @staticmethod
     def _steps_in(folder: Path) -> dict[str, int]:
-        steps = {}
+        steps, now = {}, time.time()
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
             try:
                 pin = records.read(path, StepPin)
             except (OSError, RunDirError):
                 continue  # not a pin this prl reads (another version, a hand edit): the next cleanup looks again
-            if pin is not None:
+            if pin is not None and now - pin.time <= LEASE_S:  # else its owner died LEASE_S or more ago
                 steps[path.stem] = pin.step
         return steps
