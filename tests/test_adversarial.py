@@ -397,6 +397,10 @@ SHELL_CASES = [
     edit("run-dir-slashes", "run_dir: {run}", "run_dir: ///", "run_dir"),
     edit("run-dir-empty", "run_dir: {run}", 'run_dir: ""', "run_dir"),
     edit("run-dir-dotdot", "run_dir: {run}", "run_dir: /shared/../etc", "run_dir", says="'..'"),
+    edit("run-dir-under-proc", "run_dir: {run}", "run_dir: /proc/self/cwd/run", "run_dir", says="is under /proc"),
+    edit("run-dir-under-sys", "run_dir: {run}", "run_dir: /sys/fs/run", "run_dir", says="is under /sys"),
+    edit("run-dir-from-shared-root-under-proc", "run_dir: {run}\n", "", "run_dir", line=False,
+         profile=PROFILE.replace("/shared", "/proc/1/root"), says="is under /proc"),
     edit("model-path-newline", "  path: /models/m", '  path: "/models/m\\ntouch pwned"', "model.path",
          says="control"),
     edit("env-name-subst", "  nodes: 1\norch", '  nodes: 1\n  env: {"A$(id)": x}\norch', "trainer.env", at=1),
@@ -577,15 +581,15 @@ SIZE_CASES = [
 ]
 
 
-def _with_model_config(config: bytes) -> Callable[[Path], Path]:
-    """A topology whose model directory (in tmp_path) holds `config` as its config.json."""
+def _with_model_config(config: bytes, topology: str = BASE) -> Callable[[Path], Path]:
+    """`topology` (BASE) with its model directory (in tmp_path) holding `config` as its config.json."""
     def make(tmp_path: Path) -> Path:
         model = tmp_path / "model"
         model.mkdir()
         (model / "config.json").write_bytes(config)
         (tmp_path / "prof.yaml").write_text(PROFILE)
         path = tmp_path / "topo.yaml"
-        path.write_text(BASE.replace("/models/m", str(model)).replace("{run}", str(tmp_path / "run")))
+        path.write_text(topology.replace("/models/m", str(model)).replace("{run}", str(tmp_path / "run")))
         return path
     return make
 
@@ -690,6 +694,15 @@ EXTERNAL_CASES = [
          make=_with_model_config(b'{"architectures": "LlamaForCausalLM"}'), says="architectures"),
     Case("config-json-not-an-object", "{topo}:5", "model.path", make=_with_model_config(b"[1, 2]"),
          says="is not a model config.json prl can read"),
+    Case("config-json-zero-heads", "{topo}:5", "model.path",
+         make=_with_model_config(b'{"architectures": ["LlamaForCausalLM"], "num_attention_heads": 0}'),
+         says="Expected `int` >= 1 - at `$.num_attention_heads`"),
+    Case("config-json-zero-kv-heads-in-text-config", "{topo}:5", "model.path",
+         make=_with_model_config(b'{"text_config": {"num_attention_heads": 8, "num_key_value_heads": 0}}'),
+         says="at `$.text_config.num_key_value_heads`"),
+    Case("config-json-heads-not-grouped", "{topo}:5", "model.path",
+         make=_with_model_config(b'{"num_attention_heads": 12, "num_key_value_heads": 5}'),
+         says="num_attention_heads(12) must be a multiple of num_key_value_heads(5)"),
     Case("stable-marker-deep", "{topo}:5", "model.from_run", make=_from_run_with_marker(DEEP),
          says="has published no weights"),
     Case("stable-marker-escapes-its-step", "{topo}:5", "model.from_run",
@@ -737,6 +750,11 @@ DOWNSTREAM_CASES = [
     edit("id-tag-character", "  id: prl_reverse_text", '  id: "prl_reverse_text\U000E0041"', "environment.id",
          says="U+E0041"),
     edit("name-cyrillic-a", "name: adv", "name: \u0430dv", "name", says="letters, digits"),
+    edit("name-hangul-filler", "name: adv", 'name: "adv\u3164"', "name", says="U+3164 in"),
+    edit("extra-arg-hangul-filler", "  tp: 2", '  tp: 2\n  extra_args: ["--seed", "1\u3164"]', "inference.extra_args[1]",
+         at=1, says="U+3164"),
+    edit("env-value-halfwidth-filler", "  nodes: 1\norch", '  nodes: 1\n  env: {A: "x\uffa0"}\norch', "trainer.env.A",
+         at=1, says="U+FFA0"),
     edit("id-cyrillic-e", "  id: prl_reverse_text", "  id: prl_r\u0435verse_text", "environment.id",
          says="must be ASCII"),
     prof("partition-cyrillic-p", "trainer: gpu", "trainer: g\u0440u", "partitions.trainer", says="must be ASCII"),
@@ -752,6 +770,8 @@ def directive(id: str, item: str, **kw: Any) -> Case:
 
 
 CPU_ONLY = PROFILE.replace("gpus: 8\n  cpus: 64", "gpus: 0\n  cpus: 4")
+DENSE_CONFIG = b'{"architectures": ["LlamaForCausalLM"], "num_attention_heads": 8, "num_key_value_heads": 2}'
+AUX_LOSS = BASE.replace("  max_tokens: 512", "  max_tokens: 512\n  router_aux_loss_coef: 0.01")
 SEGMENTED = PROFILE.replace("max_nodes: 16", "max_nodes: 16\nsegment: 4")
 CONTRADICTION_CASES = [
     # Values that contradict what the plan sets or what another field says, which would otherwise be ignored.
@@ -787,6 +807,31 @@ CONTRADICTION_CASES = [
          "trainer.gpus_per_node", at=1, profile=CPU_ONLY, says="over-commit its 4 CPUs"),
     edit("cpu-inference-workers-over-cpus", "  tp: 2", "  tp: 2\n  dp: 4", "inference.tp", profile=CPU_ONLY,
          says="tp(2) * dp(4) = 8 CPU workers per server over-commit the 4 CPUs"),
+    edit("overlong-penalty-without-buffer", "  max_tokens: 512", "  max_tokens: 512\n  advantage: {overlong_penalty: 0.5}",
+         "training.advantage.overlong_penalty", at=1, says="off without overlong_buffer"),
+    over("override-overlong-penalty-without-buffer", "training.advantage.overlong_penalty=1.0",
+         field="training.advantage.overlong_penalty", says="set overlong_buffer, e.g. 128"),
+    Case("aux-loss-on-dense-model", "{topo}:" + str(_line_of(AUX_LOSS, "  router_aux_loss_coef", 0)),
+         "training.router_aux_loss_coef", make=_with_model_config(DENSE_CONFIG, AUX_LOSS),
+         says="LlamaForCausalLM is dense"),
+    edit("fail-beside-max-restarts", "  tp: 2", "  tp: 2\n  on_failure: {policy: fail, max_restarts: 5}",
+         "inference.on_failure.max_restarts", at=1, says="would never be used"),
+    edit("scorer-fail-beside-max-restarts", "slurm:\n", "teacher:\n  path: /t\n  nodes: 1\n  on_failure:\n"
+         "    policy: fail\n    max_restarts: 3\nslurm:\n", "teacher.on_failure.max_restarts", at=5,
+         says="use policy: restart"),
+    over("override-fail-beside-max-restarts", "inference.on_failure.policy=fail", "inference.on_failure.max_restarts=1",
+         field="inference.on_failure.max_restarts"),
+    edit("time-zero", 'time: "01:00:00"', 'time: "00:00:00"', "slurm.time", says="Slurm reads as no time limit"),
+    edit("time-zero-minutes", 'time: "01:00:00"', "time: 0", "slurm.time", says="is zero"),
+    prof("default-time-zero-days", "max_nodes: 16", "max_nodes: 16\ndefault_time: 0-0", "default_time", at=1,
+         says="is zero"),
+    prof("gpu-directive-none-on-shared-nodes", "max_nodes: 16", "max_nodes: 16\ngpu_directive: none\nexclusive: false",
+         "gpu_directive", at=1, says="the 8 GPUs of gpu_node would reach no role"),
+    prof("python-with-arguments", "max_nodes: 16", "max_nodes: 16\npython: python3 -u", "python", at=1,
+         says="is one command"),
+    prof("python-relative-path", "max_nodes: 16", "max_nodes: 16\npython: env/bin/python", "python", at=1,
+         says="relative path"),
+    prof("venv-relative", "max_nodes: 16", "max_nodes: 16\nvenv: .venv", "venv", at=1, says="write it absolute"),
     edit("disk-gb-without-disk-path", "  tp: 2", "  tp: 2\n  kv_offload: {backend: lmcache, cpu_gb: 8, disk_gb: 100}",
          "inference.kv_offload.disk_gb", at=1, says="needs disk_path"),
 ]
@@ -1038,12 +1083,41 @@ MERGE_OK = BASE.replace("inference:\n  nodes: 1\n  tp: 2", "group: &g {nodes: 1,
     (BASE, ["slurm.time='5:00'"]),
     (BASE, ['slurm.extra_directives=["--mail-type=END,FAIL","--exclude=node[01-04]"]']),
     (BASE.replace("  path: /models/m", "  path: /models/${name}"), []),
-], ids=["str-tag", "utf8-bom", "minutes", "quoted-override", "directives", "interpolation"])
+    (BASE.replace("run_dir: {run}", "run_dir: ${oc.env:HOME}/prl-adv"), []),
+    (BASE.replace("  tp: 2", "  tp: 2\n  on_failure: {policy: fail, max_restarts: 0}"), []),
+    (BASE.replace("  max_tokens: 512", "  max_tokens: 512\n  advantage: {overlong_buffer: 128, overlong_penalty: 0.5}"),
+     []),
+], ids=["str-tag", "utf8-bom", "minutes", "quoted-override", "directives", "interpolation", "run-dir-from-home",
+        "fail-without-restarts", "overlong-penalty-with-buffer"])
 def test_legitimate_yaml_still_plans(sandbox: Path, capsys, text: str, argv: list[str]):
     (sandbox / "prof.yaml").write_text(PROFILE)
     (sandbox / "topo.yaml").write_text(text.replace("{run}", str(sandbox / "run")))
     code, out, err = plan_in_process([str(sandbox / "topo.yaml"), "--no-write", *argv], capsys)
     assert code == 0, err
+
+
+@pytest.mark.timeout(10)
+def test_router_aux_loss_plans_on_an_moe_model(sandbox: Path, capsys):
+    """The refusal of `router_aux_loss_coef` on a dense model reads the model: an MoE one's config.json plans."""
+    moe = b'{"architectures": ["Qwen3MoeForCausalLM"], "num_attention_heads": 8, "num_experts": 4}'
+    path = _with_model_config(moe, AUX_LOSS)(sandbox)
+    code, out, err = plan_in_process([str(path), "--no-write"], capsys)
+    assert code == 0, err
+
+
+@pytest.mark.timeout(10)
+def test_the_router_step_fits_a_one_core_node(sandbox: Path, capsys):
+    """On a CPU profile of 1-core nodes the P/D router's step asks for the one core (srun refuses a step asking more
+    cores than its node has: the job would fail at the router's start)."""
+    import json
+
+    (sandbox / "prof.yaml").write_text(PROFILE.replace("gpus: 8\n  cpus: 64", "gpus: 0\n  cpus: 1"))
+    split = "  prefill: {nodes: 1}\n  decode: {nodes: 1}\n  kv_connector: {name: ExampleConnector}"
+    (sandbox / "topo.yaml").write_text(BASE.replace("  nodes: 1\n  tp: 2", split).replace("{run}", str(sandbox / "run")))
+    code, out, err = plan_in_process([str(sandbox / "topo.yaml")], capsys)
+    assert code == 0, err
+    launches = json.loads((sandbox / "run" / "plan.json").read_text())["launches"]
+    assert [launch["cpus_per_task"] for launch in launches if launch["name"] == "router"] == [1]
 
 
 def test_merge_keys_keep_their_anchor_lines(sandbox: Path, capsys):

@@ -109,6 +109,16 @@ class Source:
     def error(self, field: FieldPath, message: str) -> ConfigError:
         return ConfigError(f"{self.locate(field)}: {message}")
 
+    def given(self, field: FieldPath) -> bool:
+        """Whether the document (the file with its overrides merged) writes `field`, rather than leaving it to
+        its default: a setting another one makes meaningless is refused only where someone wrote it."""
+        node = self.written
+        for part in field:
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
+
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 """A name in an override's value (a key of a mapping, an option): `-` read as `_`, as `looks_secret` splits."""
