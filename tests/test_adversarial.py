@@ -113,7 +113,8 @@ def prof(id: str, old: str, new: str, field: Optional[str] = None, *, at: int = 
 def over(id: str, *overrides: str, field: Optional[str] = None, blame: Optional[str] = None, **kw: Any) -> Case:
     """A case of command-line overrides; the error names `blame` (default: the last override)."""
     blamed = repr(blame or overrides[-1])
-    return Case(id, f"override {blamed if len(blamed) < 150 else blamed[:150]}", field, overrides=overrides, **kw)
+    blamed = (blamed if len(blamed) < 150 else blamed[:150]).replace("{", "{{").replace("}", "}}")  # not a format field
+    return Case(id, f"override {blamed}", field, overrides=overrides, **kw)
 
 
 def append(id: str, extra: str, field: Optional[str] = None, *, at: int = 0, line: Any = True, **kw: Any) -> Case:
@@ -277,6 +278,13 @@ SCHEMA_CASES = [
     over("override-newline-value", "trainer.nodes=1\nfoo: 2", field="trainer.nodes"),
     over("override-list-for-mapping", "trainer=[1,2]", field="trainer", says="cannot merge"),
     over("override-not-utf8", "name=\udcff", says="not valid UTF-8"),
+    # An override replaces the file's list (and writes the keys of its mapping): what it wrote is blamed on it.
+    over("override-list-replaces-file-list", 'inference.extra_args=["--seed", "--port=9000"]',
+         field="inference.extra_args[1]", topo=BASE.replace("  tp: 2", '  tp: 2\n  extra_args: ["--enforce-eager", "-O0"]'),
+         says="--port is set"),
+    over("override-mapping-writes-file-key", 'inference.env={A: "\\x1b"}', field="inference.env.A",
+         topo=BASE.replace("  tp: 2", "  tp: 2\n  env: {A: x}"), says="U+001B"),
+    over("override-mapping-sets-file-field", "inference={tp: 3}", field="inference.tp", says="tp(3) must divide"),
     over("override-blamed-among-many", "trainer.nodes=1", "training.max_steps=0", "name=ok",
          blame="training.max_steps=0", field="training.max_steps"),
     over("cluster-override", "cluster.max_nodes=0", blame="max_nodes=0", field="max_nodes"),
@@ -534,6 +542,8 @@ SIZE_CASES = [
     # Legal counts whose product is millions of records: bounded before anything is expanded.
     edit("derived-servers-over-bound", "  nodes: 1\n  tp: 2", "  nodes: 98\n  tp: 1", "inference.nodes",
          profile=HUGE_NODES, says="nodes(98) x 1024 servers per node (1024 GPUs / tp(1) * dp(1)) = 100352 servers"),
+    edit("derived-servers-over-bound-no-write", "  nodes: 1\n  tp: 2", "  nodes: 98\n  tp: 1", "inference.nodes",
+         profile=HUGE_NODES, overrides=("--no-write",), says="whether or not it writes the plan"),
     edit("derived-pd-servers-over-bound", "  nodes: 1\n  tp: 2", "  prefill: {nodes: 40}\n  decode: {nodes: 60}",
          "inference.decode.nodes", at=1, profile=HUGE_NODES, says="(102400 in all)"),
     edit("derived-gpus-over-bound", "  nodes: 1\n  tp: 2", "  nodes: 300\n  tp: 1024", "inference.nodes",

@@ -161,7 +161,8 @@ cluster profiles alike.
 ## Size bounds
 
 A plan holds at most 100000 inference servers (srun tasks) and 262144 GPUs, and a command line at most 1000
-overrides: every count may be legal while their product is millions of records.
+overrides: every count may be legal while their product is millions of records. The bounds hold under
+`prl plan --no-write` too: they bound the job and the records the planner builds, not the files it writes.
 """
 
 

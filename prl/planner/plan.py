@@ -192,7 +192,8 @@ def check_derived_totals(check: Checker, topo: Topology) -> None:
         g = groups[role]
         raise check.fail(group_field(topo, role) + ("nodes",), (
             f"{role} would start nodes({nodes}) x {per_node} servers per node ({gpn} GPUs / tp({g.tp}) * dp({g.dp})) "
-            f"= {nodes * per_node} servers ({total} in all), over the {MAX_SERVERS} one plan may hold; "
+            f"= {nodes * per_node} servers ({total} in all), over the {MAX_SERVERS} one job may start (each is a "
+            f"process with its ports, and a record the planner builds whether or not it writes the plan); "
             f"use fewer nodes or a larger tp or dp"))
     tr = topo.trainer
     fields = {group_field(topo, role) + ("nodes",): (role, g.nodes, gpn) for role, g in groups.items()}
