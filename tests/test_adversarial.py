@@ -113,7 +113,8 @@ def prof(id: str, old: str, new: str, field: Optional[str] = None, *, at: int = 
 def over(id: str, *overrides: str, field: Optional[str] = None, blame: Optional[str] = None, **kw: Any) -> Case:
     """A case of command-line overrides; the error names `blame` (default: the last override)."""
     blamed = repr(blame or overrides[-1])
-    return Case(id, f"override {blamed if len(blamed) < 150 else blamed[:150]}", field, overrides=overrides, **kw)
+    blamed = (blamed if len(blamed) < 150 else blamed[:150]).replace("{", "{{").replace("}", "}}")  # not a format field
+    return Case(id, f"override {blamed}", field, overrides=overrides, **kw)
 
 
 def append(id: str, extra: str, field: Optional[str] = None, *, at: int = 0, line: Any = True, **kw: Any) -> Case:
@@ -277,6 +278,13 @@ SCHEMA_CASES = [
     over("override-newline-value", "trainer.nodes=1\nfoo: 2", field="trainer.nodes"),
     over("override-list-for-mapping", "trainer=[1,2]", field="trainer", says="cannot merge"),
     over("override-not-utf8", "name=\udcff", says="not valid UTF-8"),
+    # An override replaces the file's list (and writes the keys of its mapping): what it wrote is blamed on it.
+    over("override-list-replaces-file-list", 'inference.extra_args=["--seed", "--port=9000"]',
+         field="inference.extra_args[1]", topo=BASE.replace("  tp: 2", '  tp: 2\n  extra_args: ["--enforce-eager", "-O0"]'),
+         says="--port is set"),
+    over("override-mapping-writes-file-key", 'inference.env={A: "\\x1b"}', field="inference.env.A",
+         topo=BASE.replace("  tp: 2", "  tp: 2\n  env: {A: x}"), says="U+001B"),
+    over("override-mapping-sets-file-field", "inference={tp: 3}", field="inference.tp", says="tp(3) must divide"),
     over("override-blamed-among-many", "trainer.nodes=1", "training.max_steps=0", "name=ok",
          blame="training.max_steps=0", field="training.max_steps"),
     over("cluster-override", "cluster.max_nodes=0", blame="max_nodes=0", field="max_nodes"),
@@ -397,6 +405,10 @@ SHELL_CASES = [
     edit("run-dir-slashes", "run_dir: {run}", "run_dir: ///", "run_dir"),
     edit("run-dir-empty", "run_dir: {run}", 'run_dir: ""', "run_dir"),
     edit("run-dir-dotdot", "run_dir: {run}", "run_dir: /shared/../etc", "run_dir", says="'..'"),
+    edit("run-dir-under-proc", "run_dir: {run}", "run_dir: /proc/self/cwd/run", "run_dir", says="is under /proc"),
+    edit("run-dir-under-sys", "run_dir: {run}", "run_dir: /sys/fs/run", "run_dir", says="is under /sys"),
+    edit("run-dir-from-shared-root-under-proc", "run_dir: {run}\n", "", "run_dir", line=False,
+         profile=PROFILE.replace("/shared", "/proc/1/root"), says="is under /proc"),
     edit("model-path-newline", "  path: /models/m", '  path: "/models/m\\ntouch pwned"', "model.path",
          says="control"),
     edit("env-name-subst", "  nodes: 1\norch", '  nodes: 1\n  env: {"A$(id)": x}\norch', "trainer.env", at=1),
@@ -530,6 +542,8 @@ SIZE_CASES = [
     # Legal counts whose product is millions of records: bounded before anything is expanded.
     edit("derived-servers-over-bound", "  nodes: 1\n  tp: 2", "  nodes: 98\n  tp: 1", "inference.nodes",
          profile=HUGE_NODES, says="nodes(98) x 1024 servers per node (1024 GPUs / tp(1) * dp(1)) = 100352 servers"),
+    edit("derived-servers-over-bound-no-write", "  nodes: 1\n  tp: 2", "  nodes: 98\n  tp: 1", "inference.nodes",
+         profile=HUGE_NODES, overrides=("--no-write",), says="whether or not it writes the plan"),
     edit("derived-pd-servers-over-bound", "  nodes: 1\n  tp: 2", "  prefill: {nodes: 40}\n  decode: {nodes: 60}",
          "inference.decode.nodes", at=1, profile=HUGE_NODES, says="(102400 in all)"),
     edit("derived-gpus-over-bound", "  nodes: 1\n  tp: 2", "  nodes: 300\n  tp: 1024", "inference.nodes",
@@ -577,15 +591,15 @@ SIZE_CASES = [
 ]
 
 
-def _with_model_config(config: bytes) -> Callable[[Path], Path]:
-    """A topology whose model directory (in tmp_path) holds `config` as its config.json."""
+def _with_model_config(config: bytes, topology: str = BASE) -> Callable[[Path], Path]:
+    """`topology` (BASE) with its model directory (in tmp_path) holding `config` as its config.json."""
     def make(tmp_path: Path) -> Path:
         model = tmp_path / "model"
         model.mkdir()
         (model / "config.json").write_bytes(config)
         (tmp_path / "prof.yaml").write_text(PROFILE)
         path = tmp_path / "topo.yaml"
-        path.write_text(BASE.replace("/models/m", str(model)).replace("{run}", str(tmp_path / "run")))
+        path.write_text(topology.replace("/models/m", str(model)).replace("{run}", str(tmp_path / "run")))
         return path
     return make
 
@@ -690,6 +704,15 @@ EXTERNAL_CASES = [
          make=_with_model_config(b'{"architectures": "LlamaForCausalLM"}'), says="architectures"),
     Case("config-json-not-an-object", "{topo}:5", "model.path", make=_with_model_config(b"[1, 2]"),
          says="is not a model config.json prl can read"),
+    Case("config-json-zero-heads", "{topo}:5", "model.path",
+         make=_with_model_config(b'{"architectures": ["LlamaForCausalLM"], "num_attention_heads": 0}'),
+         says="Expected `int` >= 1 - at `$.num_attention_heads`"),
+    Case("config-json-zero-kv-heads-in-text-config", "{topo}:5", "model.path",
+         make=_with_model_config(b'{"text_config": {"num_attention_heads": 8, "num_key_value_heads": 0}}'),
+         says="at `$.text_config.num_key_value_heads`"),
+    Case("config-json-heads-not-grouped", "{topo}:5", "model.path",
+         make=_with_model_config(b'{"num_attention_heads": 12, "num_key_value_heads": 5}'),
+         says="num_attention_heads(12) must be a multiple of num_key_value_heads(5)"),
     Case("stable-marker-deep", "{topo}:5", "model.from_run", make=_from_run_with_marker(DEEP),
          says="has published no weights"),
     Case("stable-marker-escapes-its-step", "{topo}:5", "model.from_run",
@@ -737,6 +760,11 @@ DOWNSTREAM_CASES = [
     edit("id-tag-character", "  id: prl_reverse_text", '  id: "prl_reverse_text\U000E0041"', "environment.id",
          says="U+E0041"),
     edit("name-cyrillic-a", "name: adv", "name: \u0430dv", "name", says="letters, digits"),
+    edit("name-hangul-filler", "name: adv", 'name: "adv\u3164"', "name", says="U+3164 in"),
+    edit("extra-arg-hangul-filler", "  tp: 2", '  tp: 2\n  extra_args: ["--seed", "1\u3164"]', "inference.extra_args[1]",
+         at=1, says="U+3164"),
+    edit("env-value-halfwidth-filler", "  nodes: 1\norch", '  nodes: 1\n  env: {A: "x\uffa0"}\norch', "trainer.env.A",
+         at=1, says="U+FFA0"),
     edit("id-cyrillic-e", "  id: prl_reverse_text", "  id: prl_r\u0435verse_text", "environment.id",
          says="must be ASCII"),
     prof("partition-cyrillic-p", "trainer: gpu", "trainer: g\u0440u", "partitions.trainer", says="must be ASCII"),
@@ -752,6 +780,8 @@ def directive(id: str, item: str, **kw: Any) -> Case:
 
 
 CPU_ONLY = PROFILE.replace("gpus: 8\n  cpus: 64", "gpus: 0\n  cpus: 4")
+DENSE_CONFIG = b'{"architectures": ["LlamaForCausalLM"], "num_attention_heads": 8, "num_key_value_heads": 2}'
+AUX_LOSS = BASE.replace("  max_tokens: 512", "  max_tokens: 512\n  router_aux_loss_coef: 0.01")
 SEGMENTED = PROFILE.replace("max_nodes: 16", "max_nodes: 16\nsegment: 4")
 CONTRADICTION_CASES = [
     # Values that contradict what the plan sets or what another field says, which would otherwise be ignored.
@@ -787,6 +817,31 @@ CONTRADICTION_CASES = [
          "trainer.gpus_per_node", at=1, profile=CPU_ONLY, says="over-commit its 4 CPUs"),
     edit("cpu-inference-workers-over-cpus", "  tp: 2", "  tp: 2\n  dp: 4", "inference.tp", profile=CPU_ONLY,
          says="tp(2) * dp(4) = 8 CPU workers per server over-commit the 4 CPUs"),
+    edit("overlong-penalty-without-buffer", "  max_tokens: 512", "  max_tokens: 512\n  advantage: {overlong_penalty: 0.5}",
+         "training.advantage.overlong_penalty", at=1, says="off without overlong_buffer"),
+    over("override-overlong-penalty-without-buffer", "training.advantage.overlong_penalty=1.0",
+         field="training.advantage.overlong_penalty", says="set overlong_buffer, e.g. 128"),
+    Case("aux-loss-on-dense-model", "{topo}:" + str(_line_of(AUX_LOSS, "  router_aux_loss_coef", 0)),
+         "training.router_aux_loss_coef", make=_with_model_config(DENSE_CONFIG, AUX_LOSS),
+         says="LlamaForCausalLM is dense"),
+    edit("fail-beside-max-restarts", "  tp: 2", "  tp: 2\n  on_failure: {policy: fail, max_restarts: 5}",
+         "inference.on_failure.max_restarts", at=1, says="would never be used"),
+    edit("scorer-fail-beside-max-restarts", "slurm:\n", "teacher:\n  path: /t\n  nodes: 1\n  on_failure:\n"
+         "    policy: fail\n    max_restarts: 3\nslurm:\n", "teacher.on_failure.max_restarts", at=5,
+         says="use policy: restart"),
+    over("override-fail-beside-max-restarts", "inference.on_failure.policy=fail", "inference.on_failure.max_restarts=1",
+         field="inference.on_failure.max_restarts"),
+    edit("time-zero", 'time: "01:00:00"', 'time: "00:00:00"', "slurm.time", says="Slurm reads as no time limit"),
+    edit("time-zero-minutes", 'time: "01:00:00"', "time: 0", "slurm.time", says="is zero"),
+    prof("default-time-zero-days", "max_nodes: 16", "max_nodes: 16\ndefault_time: 0-0", "default_time", at=1,
+         says="is zero"),
+    prof("gpu-directive-none-on-shared-nodes", "max_nodes: 16", "max_nodes: 16\ngpu_directive: none\nexclusive: false",
+         "gpu_directive", at=1, says="the 8 GPUs of gpu_node would reach no role"),
+    prof("python-with-arguments", "max_nodes: 16", "max_nodes: 16\npython: python3 -u", "python", at=1,
+         says="is one command"),
+    prof("python-relative-path", "max_nodes: 16", "max_nodes: 16\npython: env/bin/python", "python", at=1,
+         says="relative path"),
+    prof("venv-relative", "max_nodes: 16", "max_nodes: 16\nvenv: .venv", "venv", at=1, says="write it absolute"),
     edit("disk-gb-without-disk-path", "  tp: 2", "  tp: 2\n  kv_offload: {backend: lmcache, cpu_gb: 8, disk_gb: 100}",
          "inference.kv_offload.disk_gb", at=1, says="needs disk_path"),
 ]
@@ -1038,12 +1093,41 @@ MERGE_OK = BASE.replace("inference:\n  nodes: 1\n  tp: 2", "group: &g {nodes: 1,
     (BASE, ["slurm.time='5:00'"]),
     (BASE, ['slurm.extra_directives=["--mail-type=END,FAIL","--exclude=node[01-04]"]']),
     (BASE.replace("  path: /models/m", "  path: /models/${name}"), []),
-], ids=["str-tag", "utf8-bom", "minutes", "quoted-override", "directives", "interpolation"])
+    (BASE.replace("run_dir: {run}", "run_dir: ${oc.env:HOME}/prl-adv"), []),
+    (BASE.replace("  tp: 2", "  tp: 2\n  on_failure: {policy: fail, max_restarts: 0}"), []),
+    (BASE.replace("  max_tokens: 512", "  max_tokens: 512\n  advantage: {overlong_buffer: 128, overlong_penalty: 0.5}"),
+     []),
+], ids=["str-tag", "utf8-bom", "minutes", "quoted-override", "directives", "interpolation", "run-dir-from-home",
+        "fail-without-restarts", "overlong-penalty-with-buffer"])
 def test_legitimate_yaml_still_plans(sandbox: Path, capsys, text: str, argv: list[str]):
     (sandbox / "prof.yaml").write_text(PROFILE)
     (sandbox / "topo.yaml").write_text(text.replace("{run}", str(sandbox / "run")))
     code, out, err = plan_in_process([str(sandbox / "topo.yaml"), "--no-write", *argv], capsys)
     assert code == 0, err
+
+
+@pytest.mark.timeout(10)
+def test_router_aux_loss_plans_on_an_moe_model(sandbox: Path, capsys):
+    """The refusal of `router_aux_loss_coef` on a dense model reads the model: an MoE one's config.json plans."""
+    moe = b'{"architectures": ["Qwen3MoeForCausalLM"], "num_attention_heads": 8, "num_experts": 4}'
+    path = _with_model_config(moe, AUX_LOSS)(sandbox)
+    code, out, err = plan_in_process([str(path), "--no-write"], capsys)
+    assert code == 0, err
+
+
+@pytest.mark.timeout(10)
+def test_the_router_step_fits_a_one_core_node(sandbox: Path, capsys):
+    """On a CPU profile of 1-core nodes the P/D router's step asks for the one core (srun refuses a step asking more
+    cores than its node has: the job would fail at the router's start)."""
+    import json
+
+    (sandbox / "prof.yaml").write_text(PROFILE.replace("gpus: 8\n  cpus: 64", "gpus: 0\n  cpus: 1"))
+    split = "  prefill: {nodes: 1}\n  decode: {nodes: 1}\n  kv_connector: {name: ExampleConnector}"
+    (sandbox / "topo.yaml").write_text(BASE.replace("  nodes: 1\n  tp: 2", split).replace("{run}", str(sandbox / "run")))
+    code, out, err = plan_in_process([str(sandbox / "topo.yaml")], capsys)
+    assert code == 0, err
+    launches = json.loads((sandbox / "run" / "plan.json").read_text())["launches"]
+    assert [launch["cpus_per_task"] for launch in launches if launch["name"] == "router"] == [1]
 
 
 def test_merge_keys_keep_their_anchor_lines(sandbox: Path, capsys):

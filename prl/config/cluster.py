@@ -138,6 +138,22 @@ class ClusterProfile(Strict, kw_only=True):
 
     def __post_init__(self) -> None:
         checked_time(self, "default_time")
+        if self.gpu_directive == "none" and not self.exclusive and self.gpu_node.gpus:
+            # Without --exclusive a job gets the GPUs it asks for, and gpu_directive none asks for none.
+            raise FieldValueError("gpu_directive", f"gpu_directive none asks Slurm for no GPUs, and on shared nodes "
+                                                   f"(exclusive: false) a job gets only the GPUs it asks for: the "
+                                                   f"{self.gpu_node.gpus} GPUs of gpu_node would reach no role; use "
+                                                   f"gpus-per-node or gres, or exclusive: true")
+        if any(c.isspace() for c in self.python):
+            raise FieldValueError("python", f"python is one command, run as PYTHON -m prl...: {shown(self.python)} "
+                                            f"holds a space, and the whole text would be looked up as one program; "
+                                            f"set interpreter options in env: (PYTHONUNBUFFERED, ...) or setup:")
+        # A bare python is looked up on PATH; a path, and every venv, must not depend on where a job starts.
+        for name, relative in (("python", "/" in self.python), ("venv", self.venv is not None)):
+            value = getattr(self, name)
+            if relative and not value.startswith("/"):
+                raise FieldValueError(name, f"{name} {shown(value)} is a relative path, which each job would read "
+                                            f"from the directory it was submitted from: write it absolute")
 
     @property
     def orchestrator_node(self) -> NodeSpec:

@@ -82,10 +82,14 @@ _REFERENCE = re.compile(r"(\.*)([A-Za-z_][\w-]*(?:\.[\w-]+)*)")
 class Source:
     """Where the values of one loaded document came from: a file and its lines, plus overrides."""
 
-    def __init__(self, path: Path, lines: dict[FieldPath, int], overrides: dict[FieldPath, str]):
+    def __init__(self, path: Path, lines: dict[FieldPath, int], overrides: dict[FieldPath, str],
+                 overridden: dict[FieldPath, FieldPath] | None = None):
         self.path = path
         self.lines = lines
         self.overrides = overrides
+        self.overridden = overridden if overridden is not None else {path: path for path in overrides}
+        """Every field an override writes (its key, and each key and item inside its value) -> that override's
+        key: a list given on the command line replaces the file's, so its items are located at the override."""
         self.written: Any = None
         """The document with overrides merged and interpolation resolved, but `${oc.env:...}` kept as
         written: what may be saved (set by `load_document`)."""
@@ -100,14 +104,25 @@ class Source:
             return f"override {shown(below[-1], 200)} ({dotted})"
         for cut in range(len(field), -1, -1):
             prefix = tuple(field[:cut])
-            if prefix in self.overrides:
-                return f"override {shown(_told(prefix, self.overrides[prefix]), 200)} ({dotted})"
+            if prefix in self.overridden:
+                key = self.overridden[prefix]
+                return f"override {shown(_told(key, self.overrides[key]), 200)} ({dotted})"
             if prefix in self.lines:
                 return f"{name}:{self.lines[prefix]} ({dotted})" if dotted else f"{name}:{self.lines[prefix]}"
         return f"{name} ({dotted})" if dotted else name
 
     def error(self, field: FieldPath, message: str) -> ConfigError:
         return ConfigError(f"{self.locate(field)}: {message}")
+
+    def given(self, field: FieldPath) -> bool:
+        """Whether the document (the file with its overrides merged) writes `field`, rather than leaving it to
+        its default: a setting another one makes meaningless is refused only where someone wrote it."""
+        node = self.written
+        for part in field:
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+        return True
 
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
@@ -323,9 +338,11 @@ def read_yaml(path: Path) -> tuple[str, dict[FieldPath, int]]:
     return text, lines
 
 
-def _parse_overrides(overrides: Sequence[str]) -> dict[FieldPath, str]:
-    """`key.path=value` -> path; the key must be dotted names, the value YAML that passes check_yaml."""
+def _parse_overrides(overrides: Sequence[str]) -> tuple[dict[FieldPath, str], dict[FieldPath, FieldPath]]:
+    """`key.path=value` -> path, and every field it writes -> path (`Source.overridden`); the key must be dotted
+    names, the value YAML that passes check_yaml."""
     parsed: dict[FieldPath, str] = {}
+    overridden: dict[FieldPath, FieldPath] = {}
     if len(overrides) > MAX_OVERRIDES:
         raise ConfigError(f"override {shown(overrides[MAX_OVERRIDES], 200)}: more than {MAX_OVERRIDES} overrides "
                           f"({len(overrides)}); put the settings in the file")
@@ -337,12 +354,14 @@ def _parse_overrides(overrides: Sequence[str]) -> dict[FieldPath, str]:
         if not sep or len(parts) > MAX_DEPTH or not all(_KEY_PART.match(part) for part in parts):
             raise ConfigError(f"override {shown(item, 200)}: expected key.path=value, the key at most {MAX_DEPTH} "
                               f"names of letters, digits, '_' and '-', e.g. trainer.nodes=8")
+        inside: dict[FieldPath, int] = {}
         try:
-            check_yaml(value)
+            check_yaml(value, inside)
         except _YamlProblem as problem:
             raise ConfigError(f"override {shown(item, 200)} ({dotted_path(tuple(parts))}): {problem.message}") from None
         parsed[tuple(parts)] = item
-    return parsed
+        overridden.update({tuple(parts) + sub: tuple(parts) for sub in (*inside, ())})
+    return parsed, overridden
 
 
 def _is_utf8(text: str) -> bool:
@@ -577,7 +596,7 @@ def load_document(path: Path, overrides: Sequence[str] = ()) -> tuple[dict[str, 
     RUN/topology.yaml records): no value read from the environment is written to disk.
     """
     text, lines = read_yaml(path)
-    source = Source(path, lines, _parse_overrides(overrides))
+    source = Source(path, lines, *_parse_overrides(overrides))
     raw: Any = None
     try:
         with warnings.catch_warnings():

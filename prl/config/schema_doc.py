@@ -90,12 +90,20 @@ RULES = """\
 
 - **Control and invisible characters**, in every text field: C0/C1 controls, line separators and Unicode's
   format characters (category Cf: zero-width spaces and joiners, bidirectional marks, overrides and isolates, tag
-  characters). They make a value read other than it runs, on a terminal and in a script.
+  characters), and the Hangul fillers (U+115F, U+1160, U+3164, U+FFA0: letters drawn as nothing). They make a
+  value read other than it runs, on a terminal and in a script. A refused name says which character by its code
+  point, since the quoted value would not show it.
 - **Non-ASCII letters in names and ids** (`name`, `slurm.job_name`, partitions, account, qos, `environment.id`,
   W&B project and entity): a look-alike letter (Cyrillic `а` for Latin `a`) names another thing. Paths keep
   non-ASCII letters.
 - **`~` and `$` in paths**: prl does not expand them, and a node would get `~/x` literally. Write an absolute
   path, or `${oc.env:HOME}/x` (resolved when planned; `HOME`, `USER`, `SCRATCH`, ... are readable anywhere).
+- **A run directory under `/proc` or `/sys`** (written, or the profile's `shared_root` it defaults under): the
+  kernel's view of one machine, where no run's files can be written and no other node looks. A `..` component
+  in `run_dir` is refused too: the directory must read as the place it is.
+- **A profile's `python` with a space** (`python3 -u`): it is run as one command, `PYTHON -m prl...`; set
+  interpreter options through `env:` or `setup:`. **A relative `venv`, or a relative path as `python`**: a job
+  would read it from the directory it was submitted from (a bare name such as `python3` is looked up on PATH).
 - **`%` in the run directory** (the topology's `run_dir`, or the profile's `shared_root` it defaults under):
   Slurm reads `%j`, `%x`, ... in the job's `--output` path as patterns. Escaping it as `%%` there would be
   right for Slurm and wrong everywhere else the path goes (scripts, environment, container mounts), so it is
@@ -124,6 +132,22 @@ RULES = """\
   **trainer ranks per node (`gpus_per_node`) or an inference server's tp * dp workers over the node's `cpus`**.
 - **A profile's `segment` that does not divide an allocation larger than it**: Slurm refuses the job. An
   allocation smaller than a segment fits in one block and is asked for without `--segment`.
+- **`overlong_penalty` without `overlong_buffer`** (the punishment is off without its buffer), and an
+  `overlong_buffer` of `max_tokens` or more.
+- **`training.router_aux_loss_coef` on a dense model** (its config.json counts no experts): there is no router
+  to balance. A model whose config.json is not on this machine is not checked.
+- **`on_failure.policy: fail` beside a `max_restarts` above 0**, written: the policy would win and the restarts
+  never happen. Use `policy: restart`, or leave `max_restarts` out (under `fail` no restart is made).
+- **A time limit of zero** (`slurm.time`, the profile's `default_time`): Slurm reads it as no limit at all, which
+  a partition with a `MaxTime` keeps pending for good. prl cannot see a partition's own limit; Slurm checks it
+  at `prl submit`. Negative and malformed times do not read as a Slurm time.
+- **`gpu_directive: none` on shared nodes** (`exclusive: false`) of a profile with GPUs: a job on a shared node
+  gets only the GPUs it asks for, and `none` asks for none.
+- **A model config.json with no attention heads** (`num_attention_heads` or `num_key_value_heads` below 1), or
+  with query heads that are no multiple of its key/value heads: no attention can be built from it.
+- **Two planned ports equal on one node** (servers, data-parallel RPC, NIXL side channels, the router, the
+  trainer's rendezvous and weight ports): refused at the port the user chose. A router port chosen inside the
+  NIXL side channels' range is not refused: the side channels start just past it.
 
 ## Environment references
 
@@ -137,7 +161,8 @@ cluster profiles alike.
 ## Size bounds
 
 A plan holds at most 100000 inference servers (srun tasks) and 262144 GPUs, and a command line at most 1000
-overrides: every count may be legal while their product is millions of records.
+overrides: every count may be legal while their product is millions of records. The bounds hold under
+`prl plan --no-write` too: they bound the job and the records the planner builds, not the files it writes.
 """
 
 

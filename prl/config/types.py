@@ -34,9 +34,12 @@ _TIME = re.compile(r"\A([0-9]{1,3}-)?[0-9]{1,3}(:[0-9]{2}){0,2}\Z")
 FORMAT_CHARACTERS = (r"\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e\u200b-\u200f\u202a-\u202e"
                      r"\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb\U000110bd\U000110cd\U00013430-\U0001343f"
                      r"\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0001\U000e0020-\U000e007f")
-# C0/C1 controls, line separators and format characters (text that reads other than it runs).
-_CONTROLS = r"\x00-\x1f\x7f-\x9f\u2028\u2029" + FORMAT_CHARACTERS
-_SHELL_CONTROLS = r"\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029" + FORMAT_CHARACTERS
+# Letters (category Lo) that every font draws as nothing: Hangul's choseong, jungseong and halfwidth fillers and
+# the Hangul filler, the blanks of look-alike names and arguments.
+INVISIBLE_FILLERS = r"\u115f\u1160\u3164\uffa0"
+# C0/C1 controls, line separators, format characters and fillers (text that reads other than it runs).
+_CONTROLS = r"\x00-\x1f\x7f-\x9f\u2028\u2029" + FORMAT_CHARACTERS + INVISIBLE_FILLERS
+_SHELL_CONTROLS = r"\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029" + FORMAT_CHARACTERS + INVISIBLE_FILLERS
 _CONTROL = re.compile(f"[{_CONTROLS}]")
 _SHELL_CONTROL = re.compile(f"[{_SHELL_CONTROLS}]")
 _TOKEN_CHARS = r"""\s'"`$;\\"""
@@ -60,7 +63,7 @@ def control_characters(value: str) -> str:
     bidi overrides)."""
     found = _CONTROL.search(value)
     return (f"must not contain control characters such as newlines, tabs, escapes or invisible formatting "
-            f"(zero-width, bidirectional) marks (U+{ord(found.group()):04X} in {shown(value)})") if found else ""
+            f"(zero-width, bidirectional) marks or fillers (U+{ord(found.group()):04X} in {shown(value)})") if found else ""
 
 
 def shell_control_characters(value: str) -> str:
@@ -91,7 +94,10 @@ def ascii_characters(value: str) -> str:
 
 
 def name_characters(value: str) -> str:
-    return "must use only letters, digits, '.', '_' and '-' (and start with a letter or digit)"
+    """Which character of a name is refused, by its code point: an invisible one would not show in the quote."""
+    found = next((c for c in value if not (c.isascii() and (c.isalnum() or c in "._-"))), None)
+    where = f": U+{ord(found):04X} in {shown(value)} is not one" if found else ""
+    return f"must use only letters, digits, '.', '_' and '-' (and start with a letter or digit){where}"
 
 
 RESERVED_ENV = ("PRL_RUN_DIR", "PRL_ROLE", "PRL_ATTEMPT", "PRL_ATTEMPT_BASE", "PRL_MODE", "PRL_RESTART", "PRL_TASKS",
@@ -181,5 +187,9 @@ def checked_time(owner: Strict, field: str) -> None:
     text = str(value)
     if not _TIME.search(text):
         raise FieldValueError(field, f"time must look like MM, HH:MM:SS or D-HH:MM:SS, not {shown(text)}")
+    if not text.strip("0:-"):
+        # Slurm reads a limit of 0 as none at all: a partition with a MaxTime then keeps the job pending for good.
+        raise FieldValueError(field, f"time {shown(text)} is zero, which Slurm reads as no time limit; give the "
+                                     f"limit the job needs (e.g. 04:00:00), or leave {field} unset for the default")
     msgspec.structs.force_setattr(owner, field, text)
 

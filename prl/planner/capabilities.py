@@ -14,6 +14,8 @@ its field. Keep it in step with the trainer:
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from prl.states import Role
@@ -25,8 +27,9 @@ class TextConfig(msgspec.Struct):
     """The settings of a model's config.json the planner reads (every other key is ignored). A key of the
     wrong type (`"num_attention_heads": "eight"`) is refused when the file is read, naming the key."""
 
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
+    num_attention_heads: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    num_key_value_heads: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Key/value heads (grouped-query attention): each serves num_attention_heads / num_key_value_heads heads."""
     num_experts: int | None = None
     """The expert count as hub checkpoints write it."""
     num_local_experts: int | None = None
@@ -37,6 +40,13 @@ class TextConfig(msgspec.Struct):
     sliding_window: int | None = None
     layer_types: list[str] | None = None
     """Per-layer kind (transformers 5): full_attention, sliding_attention, linear_attention, ..."""
+
+    def __post_init__(self) -> None:
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        if heads is not None and kv_heads is not None and heads % kv_heads:
+            # Every model (and vLLM's and the trainer's attention) groups query heads evenly over key/value heads.
+            raise ValueError(f"num_attention_heads({heads}) must be a multiple of num_key_value_heads({kv_heads}): "
+                             f"each key/value head serves the same number of query heads")
 
 
 class ModelConfig(TextConfig):
@@ -58,6 +68,12 @@ class ModelConfig(TextConfig):
     @property
     def text(self) -> TextConfig:
         return self.text_config or self
+
+    @property
+    def moe(self) -> bool:
+        """A mixture-of-experts model: a known MoE architecture, or one whose config.json counts experts."""
+        return self.architecture in KNOWN_MOE_ARCHITECTURES or any(
+            isinstance(getattr(self.text, key), int) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 EP_ARCHITECTURES: dict[str, tuple[str, ...]] = {
     # Hub checkpoints write num_experts; transformers 5 saves the same count as num_local_experts.
@@ -183,6 +199,16 @@ def vision_refusals(model_config: ModelConfig | None, cp: int, train_vision: boo
     return []
 
 
+def aux_loss_refusals(model_config: ModelConfig | None, coef: float) -> list[tuple[Field, str]]:
+    """`training.router_aux_loss_coef` weighs the load-balancing loss of an MoE model's routers: a dense model
+    has none, and the setting would be ignored (transformers computes no router logits for it)."""
+    if not coef or model_config is None or model_config.moe:
+        return []
+    return [(("training", "router_aux_loss_coef"), (
+        f"training.router_aux_loss_coef({coef:g}) weighs the load-balancing loss of an MoE model's routers, and "
+        f"{model_config.architecture} is dense (its config.json counts no experts): remove router_aux_loss_coef"))]
+
+
 def compile_refusals(model_config: ModelConfig | None, gpus: bool, cp: int, ep: int,
                      lora: bool) -> list[tuple[Field, str]]:
     """`trainer.compile` where it was measured: GPU clusters (on CPU inductor compiled a 2-layer model for minutes
@@ -236,9 +262,7 @@ def replay_refusals(model_config: ModelConfig | None, *, disaggregated: bool, kv
     whose every token goes through one server's model (so no prefill/decode split, KV offload or prefix cache)
     without data parallelism inside a server (its routers see other ranks' tokens), trained without
     torch.compile (replay swaps the routers' top-k while a block runs, which compile would trace away)."""
-    text = model_config.text if model_config is not None else None
-    moe = model_config is None or model_config.architecture in KNOWN_MOE_ARCHITECTURES or any(
-        isinstance(getattr(text, k), int) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    moe = model_config is None or model_config.moe
     vlm = model_config is not None and model_config.vision_config is not None
     reasons = [(vlm, "vision-language models were not tested with it"),
                (not moe, f"{model_config.architecture if model_config else ''} is not a mixture-of-experts model"),

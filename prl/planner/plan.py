@@ -34,8 +34,8 @@ from prl.config.loader import Source
 from prl import weights
 from prl.config.topology import InferenceGroup, Lora, Pool, Scorer, Topology, Training, Weights
 from prl.errors import PlanError
-from prl.planner.capabilities import (VLLM_NO_LORA_ARCHITECTURES, ModelConfig, compile_refusals, cpu_lora_refusal,
-                                     lora_refusals, precision_refusals, quantization_refusals, replay_refusals,
+from prl.planner.capabilities import (VLLM_NO_LORA_ARCHITECTURES, ModelConfig, aux_loss_refusals, compile_refusals,
+                                     cpu_lora_refusal, lora_refusals, precision_refusals, quantization_refusals, replay_refusals,
                                      served_lora_rank, trainer_refusals, update_warnings, vision_refusals)
 from prl.planner.settings import RunSettings
 from prl.run.rundir import RunDir
@@ -74,11 +74,15 @@ MAX_JOB_GPUS = 262_144
 SHARED_ORCHESTRATOR_CPUS = 4
 """The orchestrator's cores on a node it shares with the trainer or inference, when `orchestrator.cpus` is unset:
 this many, or the whole node where it has fewer (a 2-core workstation), so the default never refuses itself."""
+ROUTER_CPUS = 2
+"""Cores of the P/D router's step (on the first prefill node, beside its server), or the node's when it has fewer."""
 KV_OFFLOAD_MEMORY_FRACTION = 0.8
 VLLM_KV_ROLE = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}
 """vLLM's `kv_role` of each side of prefill/decode disaggregation."""
 
 _UNSAFE_PATH = set(" \t\n\r'\"`$;\\")
+KERNEL_FILESYSTEMS = ("/proc", "/sys")
+"""The kernel's virtual filesystems: a run directory under one is refused (/dev/shm, a tmpfs, is not)."""
 PLANNED_SERVER_OPTIONS = frozenset({
     "--model", "--served-model-name", "--dtype", "--max-model-len", "--tensor-parallel-size", "-tp", "--tokenizer",
     "--port", "--host", "--api-key", "--data-parallel-size", "-dp", "--data-parallel-rpc-port",
@@ -142,6 +146,11 @@ def check_run_dir(check: Checker, run_dir: str) -> None:
     if run_dir.rstrip("/") == "":
         raise check.fail(("run_dir",), "run directory '/' would make prl write into the filesystem root; "
                                        "use a directory of its own, e.g. /scratch/$USER/prl-runs/NAME")
+    kernel = next((root for root in KERNEL_FILESYSTEMS if (run_dir.rstrip("/") + "/").startswith(root + "/")), None)
+    if kernel is not None:
+        raise check.fail(("run_dir",), f"run directory {run_dir!r} is under {kernel}, the kernel's view of this "
+                                       f"machine (no files of a run can live there, and no other node sees it); use a "
+                                       f"directory on the shared filesystem, under {check.cluster.shared_root}")
     if "%" in run_dir:
         # Slurm reads %j, %t, %x ... in --output as patterns; '%%' would be right there and wrong everywhere else.
         raise check.fail(("run_dir",), f"run directory {run_dir!r} must not contain '%': Slurm reads %j, %x, ... in "
@@ -183,7 +192,8 @@ def check_derived_totals(check: Checker, topo: Topology) -> None:
         g = groups[role]
         raise check.fail(group_field(topo, role) + ("nodes",), (
             f"{role} would start nodes({nodes}) x {per_node} servers per node ({gpn} GPUs / tp({g.tp}) * dp({g.dp})) "
-            f"= {nodes * per_node} servers ({total} in all), over the {MAX_SERVERS} one plan may hold; "
+            f"= {nodes * per_node} servers ({total} in all), over the {MAX_SERVERS} one job may start (each is a "
+            f"process with its ports, and a record the planner builds whether or not it writes the plan); "
             f"use fewer nodes or a larger tp or dp"))
     tr = topo.trainer
     fields = {group_field(topo, role) + ("nodes",): (role, g.nodes, gpn) for role, g in groups.items()}
@@ -453,8 +463,9 @@ def place_router(check: Checker, topo: Topology, layout: Layout, common_env: dic
     if not topo.inference.disaggregated:
         return None
     port = topo.inference.router.port or check.cluster.port_base + ROUTER_PORT_OFFSET
-    layout.launches.append(Launch(name=Role.ROUTER, group=0, nodes=1, ntasks_per_node=1, cpus_per_task=2, gpus_per_node=0,
-                             overlap=True, start_after=KV_ROLES, health="http",
+    cpus = min(ROUTER_CPUS, check.cluster.gpu_node.cpus)  # srun refuses a step asking more cores than the node has
+    layout.launches.append(Launch(name=Role.ROUTER, group=0, nodes=1, ntasks_per_node=1, cpus_per_task=cpus,
+                             gpus_per_node=0, overlap=True, start_after=KV_ROLES, health="http",
                              script="scripts/router.sh", env=merged_env(common_env, {"PRL_ROLE": Role.ROUTER})))
     if check.cluster.gpu_node.gpus and topo.inference.kv_connector.name == "ExampleConnector":
         check.warnings.append("kv_connector ExampleConnector moves KV through shared storage: a CPU test "
@@ -591,6 +602,7 @@ def check_trainer_can_run(check: Checker, topo: Topology, model_config: Optional
         refusals += lora_refusals(model_config, topo.model.lora.rank, topo.model.lora.target_modules,
                                   served_on_cpu=topo.sft is None and not check.cluster.gpu_node.gpus)
     refusals += vision_refusals(model_config, mesh.cp, topo.model.train_vision, topo.model.lora is not None)
+    refusals += aux_loss_refusals(model_config, topo.training.router_aux_loss_coef)
     gpus, fp8_gpus = bool(check.cluster.gpu_node.gpus), check.cluster.gpu_node.fp8
     if topo.trainer.compile:
         refusals += compile_refusals(model_config, gpus, mesh.cp, mesh.ep, topo.model.lora is not None)
@@ -683,6 +695,11 @@ def check_advantage(check: Checker, t: Training) -> None:
         raise check.fail(("training", "advantage", "overlong_buffer"), (
             f"overlong_buffer({a.overlong_buffer}) must be below max_tokens({t.max_tokens}): the punishment "
             f"ramps up over the last overlong_buffer tokens"))
+    if not a.overlong_buffer and check.topo.given(("training", "advantage", "overlong_penalty")):
+        raise check.fail(("training", "advantage", "overlong_penalty"), (
+            f"overlong_penalty({a.overlong_penalty:g}) is the most reward the soft overlong punishment takes, and "
+            f"it is off without overlong_buffer (the tokens before max_tokens it ramps up over): set "
+            f"overlong_buffer, e.g. {max(1, t.max_tokens // 4)}, or remove overlong_penalty"))
 
 
 SCORED_LOSSES = {"distill_coef": Role.TEACHER, "kl_ref_coef": Role.REFERENCE}
@@ -873,6 +890,7 @@ def make_plan(topo: Topology, topo_source: Source, cluster: ClusterProfile, clus
     check_single_allocation(check, layout)
     check_training(check, topo, trainer.mesh)
     check_scorers(check, topo)
+    check_failure_policies(check, topo)
     check_ports(check, topo, servers, router_port, trainer)
     # One group (an SFT job) is a plain job: srun refuses --het-group outside a heterogeneous one.
     hetjob = cluster.hetjob and len(layout.groups) > 1
@@ -917,6 +935,7 @@ def make_pool_plan(check: Checker, topo: Topology, run_dir: str, model_config: O
     if not cluster.gpu_node.gpus and (why := cpu_lora_refusal(model_config)):
         raise check.fail(("pool",), f"{why}: it cannot be an inference pool's model on CPU cluster '{cluster.name}'")
     check_single_allocation(check, layout)
+    check_failure_policies(check, topo)
     check_ports(check, topo, servers, None, None)
     batch, groups = job_groups(check, topo, layout, run_dir, None, False)
     pool = topo.pool
@@ -945,6 +964,19 @@ def place_rl_roles(check: Checker, topo: Topology, layout: Layout, common_env: d
     check_kv_offload(check, topo, roles)
     orchestrator = place_orchestrator(check, topo, layout, common_env, tuple(s.name for s in layout.launches))
     return roles, servers, router_port, orchestrator
+
+
+def check_failure_policies(check: Checker, topo: Topology) -> None:
+    """`on_failure.policy: fail` ends the job at a server's first failure: a `max_restarts` written beside it
+    would never be used, so the two contradict each other (and the policy would silently win)."""
+    owners = {Role.INFERENCE: topo.inference, **topo.scorers()} if topo.inference is not None else {}
+    for owner, group in owners.items():
+        field = (owner, "on_failure", "max_restarts")
+        if group.on_failure.policy == "fail" and group.on_failure.max_restarts and check.topo.given(field):
+            raise check.fail(field, (
+                f"{owner}.on_failure: policy fail ends the job at a server's first failure, so max_restarts"
+                f"({group.on_failure.max_restarts}) would never be used: use policy: restart to restart a server "
+                f"up to {group.on_failure.max_restarts} times, or remove max_restarts"))
 
 
 def failure_policies(topo: Topology, steps: list[Launch]) -> tuple[FailurePolicy, ...]:
