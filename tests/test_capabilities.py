@@ -8,13 +8,14 @@ import sys
 
 import pytest
 
-from prl.planner.capabilities import EP_ARCHITECTURES, ModelConfig, trainer_refusals as _refusals
+import msgspec
+
+from prl.planner.capabilities import (EP_ARCHITECTURES, PACKED_RECURRENT_ARCHITECTURES, ModelConfig,
+                                      trainer_refusals as _refusals)
 
 
 def trainer_refusals(config: dict | None, *degrees: int):
     """The planner's check on a config.json written as a dict here (read as the planner reads the file)."""
-    import msgspec
-
     return _refusals(None if config is None else msgspec.convert(config, ModelConfig), *degrees)
 
 QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_attention_heads": 4,
@@ -117,12 +118,59 @@ def test_cp_is_refused_on_layers_ulysses_does_not_split(arch, layer_types, kinds
     assert trainer_refusals({**config, "layer_types": ["full_attention"] * 2}, 1, 1, 2, 1) == []
 
 
-def test_linear_attention_is_refused_because_packed_samples_would_see_each_other():
-    config = {"architectures": ["Qwen3_5MoeForCausalLM"], "num_experts": 8, "num_attention_heads": 4,
+@pytest.mark.parametrize("arch", sorted(PACKED_RECURRENT_ARCHITECTURES))
+def test_linear_attention_trains_packed_where_the_trainer_starts_each_sample_from_zero(arch):
+    config = {"architectures": [arch], "num_experts": 8, "num_attention_heads": 4,
               "layer_types": ["linear_attention", "full_attention"]}
+    assert trainer_refusals(config, 1, 2, 1, 1) == []
+
+
+@pytest.mark.parametrize("config", [
+    # Hub Qwen3.5 checkpoints are the vision-language model; Kimi-Linear's KDA layers have no per-sample path.
+    {"architectures": ["Qwen3_5ForConditionalGeneration"], "vision_config": {},
+     "text_config": {"num_attention_heads": 4, "layer_types": ["linear_attention", "full_attention"]}},
+    {"architectures": ["KimiLinearForCausalLM"], "num_attention_heads": 4, "layer_types": ["linear_attention"]},
+    {"architectures": ["FalconH1ForCausalLM"], "num_attention_heads": 4, "layers_block_type": ["mamba", "attention"]},
+], ids=["qwen3.5-vl", "kimi-linear", "legacy kind names"])
+def test_linear_attention_elsewhere_is_refused_because_packed_samples_would_see_each_other(config):
     [(field, msg)] = trainer_refusals(config, 1, 2, 1, 1)
-    assert field == ("model", "path") and "linear_attention layers" in msg and "cannot train it correctly" in msg
-    assert trainer_refusals({**config, "layer_types": ["full_attention"] * 2}, 1, 2, 1, 1) == []
+    assert field == ("model", "path")
+    assert msg.startswith(f"{config['architectures'][0]} has linear_attention layers")
+    assert "cannot train this model correctly" in msg and "NemotronHForCausalLM" in msg
+    plain = {k: v for k, v in config.items() if k not in ("layer_types", "layers_block_type")}
+    assert trainer_refusals({**plain, "text_config": {"num_attention_heads": 4}}, 1, 2, 1, 1) == []
+
+
+@pytest.mark.parametrize("kinds", [{"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]},
+                                   {"hybrid_override_pattern": "ME*-"}], ids=["layers_block_type", "pattern"])
+def test_nemotron_h_layer_kinds_are_read_as_transformers_spells_them(kinds):
+    """Nemotron-H's config.json has no layer_types: transformers writes layers_block_type, its hub checkpoints a
+    pattern. Packing is allowed; cp is refused for the Mamba-2 layers (MoE and MLP blocks are no token mixers)."""
+    config = {"architectures": ["NemotronHForCausalLM"], "num_attention_heads": 4, **kinds}
+    assert msgspec.convert(config, ModelConfig).text.kinds == (
+        "linear_attention", "moe", "full_attention", "mlp")
+    assert trainer_refusals(config, 1, 2, 1, 1) == []
+    [(field, msg)] = trainer_refusals(config, 1, 1, 2, 1)
+    assert field == ("trainer", "cp") and "has linear_attention layers" in msg
+
+
+def test_the_trainer_packs_the_recurrent_layers_of_what_the_planner_allows():
+    """Every hybrid family of prl/trainer/tiny_model.py (tests/test_recurrent.py packs each) is an architecture the
+    planner lets pack, and its every linear-attention layer is one the trainer runs per sample."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from prl.trainer.recurrent import MIXERS
+    from tests.tiny_model import HYBRID_FAMILIES, tiny_moe_config
+
+    archs = set()
+    for family in HYBRID_FAMILIES:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(tiny_moe_config(family))
+        archs.add(type(model).__name__)
+        mixers = [m for m in model.modules() if type(m).__name__ in MIXERS]
+        assert len(mixers) == model.config.layer_types.count("linear_attention"), family
+    assert archs == set(PACKED_RECURRENT_ARCHITECTURES)
 
 
 def test_several_problems_are_all_reported():

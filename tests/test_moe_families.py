@@ -29,9 +29,8 @@ from tests.tiny_model import MOE_FAMILIES, build_tiny_moe
 from testkit.trainer_helpers import REPO, make_plan
 
 STEPS = 3
-FAMILIES = [f for f in MOE_FAMILIES if f not in ("qwen3_moe", "qwen3_5_moe")]
-"""Qwen3-MoE has its own tests; Qwen3.5-MoE is refused at plan time (its linear-attention layers run across packed
-samples: prl.planner.capabilities.packing_refusals), which these plans go through."""
+FAMILIES = [f for f in MOE_FAMILIES if f != "qwen3_moe"]
+"""Qwen3-MoE has its own tests."""
 CP_FAMILIES = ["glm4_moe", "deepseek_v3", "mixtral"]
 """Those with full attention only: Qwen3.5's linear-attention and GPT-OSS's sliding-window layers refuse cp > 1."""
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prl.trainer.tiny_model import (IMAGE_TOKEN, MOE_FAMILIES, VLM_IMAGE_TOKENS, build_tiny_model,  # noqa: E402
-                                    build_tiny_moe, build_tiny_teacher, build_tiny_vlm, build_tokenizer, main,
-                                    tiny_moe_config)
+from prl.trainer.tiny_model import (HYBRID_FAMILIES, IMAGE_TOKEN, MOE_FAMILIES, VLM_IMAGE_TOKENS,  # noqa: E402
+                                    build_tiny_model, build_tiny_moe, build_tiny_teacher, build_tiny_vlm,
+                                    build_tokenizer, main, tiny_moe_config)
 
-__all__ = ["IMAGE_TOKEN", "MOE_FAMILIES", "VLM_IMAGE_TOKENS", "build_tiny_model", "build_tiny_moe",
+__all__ = ["HYBRID_FAMILIES", "IMAGE_TOKEN", "MOE_FAMILIES", "VLM_IMAGE_TOKENS", "build_tiny_model", "build_tiny_moe",
            "build_tiny_teacher", "build_tiny_vlm", "build_tokenizer", "tiny_moe_config"]
 
 if __name__ == "__main__":

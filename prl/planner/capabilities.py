@@ -23,6 +23,13 @@ from prl.states import Role
 Field = tuple[str, ...]
 
 
+LEGACY_LAYER_KINDS = {"mamba": "linear_attention", "attention": "full_attention"}
+"""Older layer-kind names transformers 5 still reads (configuration_utils.py `_LEGACY_LAYER_TYPE_REMAP`)."""
+
+PATTERN_LAYER_KINDS = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+"""Nemotron-H's `hybrid_override_pattern` letters (transformers' NemotronHConfig `_pattern_to_list`)."""
+
+
 class TextConfig(msgspec.Struct):
     """The settings of a model's config.json the planner reads (every other key is ignored). A key of the
     wrong type (`"num_attention_heads": "eight"`) is refused when the file is read, naming the key."""
@@ -40,6 +47,18 @@ class TextConfig(msgspec.Struct):
     sliding_window: int | None = None
     layer_types: list[str] | None = None
     """Per-layer kind (transformers 5): full_attention, sliding_attention, linear_attention, ..."""
+    layers_block_type: list[str] | None = None
+    """Nemotron-H's name for it (transformers writes it so): linear_attention (Mamba-2), full_attention, moe, mlp."""
+    hybrid_override_pattern: str | None = None
+    """Nemotron-H hub checkpoints' older spelling: one letter a block (M Mamba-2, * attention, E MoE, - MLP)."""
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Per-layer kinds in transformers 5's names, whichever key config.json spells them with."""
+        if self.layer_types is not None or self.layers_block_type is not None:
+            named = self.layer_types if self.layer_types is not None else self.layers_block_type
+            return tuple(LEGACY_LAYER_KINDS.get(k, k) for k in named)
+        return tuple(PATTERN_LAYER_KINDS.get(c, c) for c in self.hybrid_override_pattern or "")
 
     def __post_init__(self) -> None:
         heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
@@ -140,7 +159,7 @@ def cp_refusals(model_config: ModelConfig | None, cp: int) -> list[tuple[Field, 
     if text.use_sliding_window and text.sliding_window:
         return [(field, f"trainer.cp({cp}): sliding-window attention is not supported with context "
                         f"parallelism (the full-sequence mask is block-causal only); use cp: 1")]
-    other = sorted(set(text.layer_types or ()) - {"full_attention"})
+    other = sorted(set(text.kinds) - {"full_attention", "mlp", "moe"})
     if other:
         return [(field, f"trainer.cp({cp}): {model_config.architecture} has {', '.join(other)} layers "
                         f"(config.json layer_types); context parallelism (Ulysses) splits full-attention layers "
@@ -297,16 +316,30 @@ def update_warnings(model_config: ModelConfig | None) -> list[str]:
             f"end there; an SFT job (sft:) trains it"]
 
 
+PACKED_RECURRENT_ARCHITECTURES: frozenset[str] = frozenset({
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3NextForCausalLM",
+    "NemotronHForCausalLM",
+})
+"""Architectures whose linear-attention / state-space layers the trainer runs per packed sample
+(prl/trainer/recurrent.py `MIXERS`; a packed-vs-alone test per family in tests/test_recurrent.py)."""
+
+
 def packing_refusals(model_config: ModelConfig | None) -> list[tuple[Field, str]]:
-    """The trainer packs several samples into one row (position ids restart per sample). Linear-attention layers
-    (Qwen3.5's gated delta rule) carry their state across the whole row, so a packed sample would see its
-    neighbour: measured up to 0.028 logit error on the second of two packed samples. Refused until those layers
-    take the samples' boundaries."""
-    if model_config is None or "linear_attention" not in (model_config.text.layer_types or ()):
+    """The trainer packs several samples into one row (position ids restart per sample). A linear-attention or
+    state-space layer carries its state along the row, so it must start each sample from zero: the trainer does
+    that for PACKED_RECURRENT_ARCHITECTURES; any other model with such layers is refused (run across the row, the
+    second of two packed Qwen3.5 samples was measured up to 0.028 off in its logits)."""
+    if model_config is None or "linear_attention" not in model_config.text.kinds:
         return []
-    return [(("model", "path"), f"{model_config.architecture} has linear_attention layers (config.json layer_types), "
-                                f"whose state runs across the packed samples of a row: prl cannot train it correctly "
-                                f"yet (docs/trainer.md, MoE families)")]
+    arch = model_config.architecture
+    if arch in PACKED_RECURRENT_ARCHITECTURES:
+        return []
+    return [(("model", "path"), f"{arch} has linear_attention layers (config.json layer_types), whose state would "
+                                f"run across the packed samples of a row: prl starts it per sample for the text "
+                                f"models {', '.join(sorted(PACKED_RECURRENT_ARCHITECTURES))} only, so it cannot train "
+                                f"this model correctly (docs/trainer.md, hybrid families)")]
 
 
 VLLM_LORA_MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -12,6 +12,7 @@ torchrun). torch and transformers load only when it is called.
     loss.py         the loss: importance-weighted policy gradient, of the kind `training.loss.kind` names
     logprobs.py     token logprobs and entropy from the last hidden states, a chunk of tokens at a time
     attention.py    packed attention: each sample of a micro-batch attends to itself only
+    recurrent.py    packed rows through linear-attention / state-space mixers: each sample from a zero state
     config.py       the trainer's view of the plan: model, mesh, training settings
     parallel.py     process group, device meshes, FSDP2 wrapping
     context_parallel.py  context parallelism: a micro-batch's sequence split over the cp ranks (Ulysses)

