@@ -287,7 +287,7 @@ def evaluate(a: argparse.Namespace) -> None:
     if a.api_key_env and not os.environ.get(a.api_key_env):
         print(f"warning: ${a.api_key_env} is not set; sending no API key")
     failed = False
-    records: list = []
+    records: Optional[list] = [] if records_to is not None else None
     for env_id in a.env_ids:
         stats = evaluate_endpoint(env_id, a.base_url, a.model, api_key_env=a.api_key_env, examples=a.examples,
                                   rollouts=a.rollouts, args=args, harness=a.harness or "prl",

@@ -19,10 +19,9 @@ import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
-
-from pathlib import Path
 
 from prl.errors import ConfigError, RunDirError
 from prl.run import records as rec

@@ -83,11 +83,20 @@ class Broadcast(Memory):
         places = {b.url: list(b.places) if b.places is not None else [None] * b.workers for b in members}
         sizes = Counter(p for server in places.values() for p in server)
         tokens = {p: secrets.token_hex(16) for p in sizes}
-        ranks = rotated_ranks([[(b.url, w, p) for w, p in enumerate(places[b.url])] for b in members], sizes)
+        # Ranks rotate from place to place: a group's broadcast is a binomial tree (gloo's `broadcast`), where a
+        # member forwards in every round after the one it received in, so the lower its rank the more often
+        # (rank 1: ceil(log2 world) - 1 times). In one order for every place the first server's workers would
+        # forward every place's slices and its node's link would bound the update (docs/weights.md, moe-1t).
+        offset = {p: i for i, p in enumerate(sizes)}
+        seen: Counter = Counter()
         out = super().requests(offer, behind)
         for b in members:
-            groups = [Group(token=tokens[p], world=1 + sizes[p], rank=ranks[b.url, w, p], timeout=offer.timeout,
-                            backend=offer.backend) for w, p in enumerate(places[b.url])]
+            groups = []
+            for p in places[b.url]:
+                rank = (seen[p] + offset[p]) % sizes[p] + 1
+                seen[p] += 1
+                groups.append(Group(token=tokens[p], world=1 + sizes[p], rank=rank, timeout=offer.timeout,
+                                    backend=offer.backend))
             out[b.url] = WeightsRequest(transport=self.name, step=offer.step, feeds=offer.request.feeds,
                                         groups=groups)
         return out
@@ -102,24 +111,6 @@ class Broadcast(Memory):
 
     def member(self, groups: Optional[list[Group]], rank: int) -> Optional[Group]:
         return None if groups is None else groups[rank]
-
-
-def rotated_ranks(servers: list[list[tuple]], sizes: Counter) -> dict[tuple, int]:
-    """Each worker's rank (1 and up) in its place's group, the order rotated by the place's index. A group's
-    broadcast is a binomial tree (gloo's `broadcast`): a member passes the step on in every round after the one
-    it received in, so the lower its rank the more (rank 1: ceil(log2 world) - 1 times). With one order for every
-    place, the first server's workers would forward every place's slices that often and its node's link would
-    bound the update; rotated, each server holds the low ranks of some places only (docs/weights.md, the moe-1t
-    arithmetic)."""
-    index = {p: i for i, p in enumerate(sizes)}
-    seen: Counter = Counter()
-    ranks = {}
-    for server in servers:
-        for key in server:
-            place = key[-1]
-            ranks[key] = (seen[place] + index[place]) % sizes[place] + 1
-            seen[place] += 1
-    return ranks
 
 
 BROADCAST = register(Broadcast())
